@@ -1,0 +1,69 @@
+"""A private asyncio loop on a background thread: the agent's network side runs here.
+
+The engine-facing code is synchronous; it submits coroutines with :meth:`LoopThread.run`
+(blocking, with a timeout) or :meth:`LoopThread.submit` (fire and forget, returns a future).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from .errors import PeerTimeout
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class LoopThread:
+    def __init__(self, name: str = "lmcache-p2p-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._started = threading.Event()
+        self._thread.start()
+        self._started.wait()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
+        # Cancel whatever is left so nothing runs after stop().
+        pending = asyncio.all_tasks(self.loop)
+        for task in pending:
+            task.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+        self.loop.close()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait at most ``timeout`` seconds for its result."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("LoopThread.run called from its own loop thread (would deadlock)")
+        fut = self.submit(coro)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            fut.cancel()
+            raise PeerTimeout(f"operation did not finish within {timeout:.1f}s") from exc
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if not self._thread.is_alive():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("loop thread %s did not stop within %.1fs", self._thread.name, timeout)
+
+    def __enter__(self) -> LoopThread:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,41 @@
+"""The ``lmcache-p2p`` command. Each subcommand lives in its own module with a ``main(argv)``."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command words -> "module:function"; the function takes the remaining argv and returns an exit code.
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("bench", "tiers"): ("lmcache_p2p.bench.tiers:main", "CPU and disk tiers vs memcpy and raw file I/O"),
+    ("bench", "index"): ("lmcache_p2p.bench.index:main", "etcd block index: publish rate, lookup cost, bytes"),
+    ("bench", "transfer"): ("lmcache_p2p.bench.transfer:main", "peer pulls over TCP/NIXL vs raw baselines"),
+    ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
+    ("config",): ("lmcache_p2p.coordinator.cli:main", "cluster config in etcd: get | set | watch"),
+    ("agent",): ("lmcache_p2p.agent_main:main", "run a standalone cache agent"),
+    ("status",): ("lmcache_p2p.status:main", "cluster status from etcd and agents' metrics"),
+    ("lookup",): ("lmcache_p2p.lookup_cli:main", "which chunks of a prompt are held where"),
+    ("etcd",): ("lmcache_p2p.index.etcd_server:main", "run a private etcd (the embedded default)"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: lmcache-p2p <command> [args]", "", "commands:"]
+    for words, (_, help_) in COMMANDS.items():
+        lines.append(f"  {' '.join(words):<18} {help_}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    for n in (2, 1):
+        target = COMMANDS.get(tuple(args[:n]))
+        if target is not None:
+            module, func = target[0].split(":")
+            return int(getattr(importlib.import_module(module), func)(args[n:]) or 0)
+    print(_usage(), file=sys.stderr)
+    return 0 if args[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

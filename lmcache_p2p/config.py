@@ -1,0 +1,272 @@
+"""Agent configuration: frozen slots dataclasses, loaded and validated in one place.
+
+Precedence, lowest to highest::
+
+    defaults  <  config file (YAML or TOML)  <  environment (LMCACHE_P2P_*)  <  explicit overrides
+
+A file holds sections matching the dataclasses below::
+
+    node_id: node-a
+    cluster: prod
+    chunk_size: 256
+    tiers:    {cpu_capacity: 20GB, disk_path: /var/cache/lmcache-p2p, disk_capacity: 200GiB, eviction: lru}
+    etcd:     {endpoints: ["http://10.0.0.1:2379"], lease_ttl_s: 10}
+    transfer: {transports: [nixl, tcp], listen_host: 0.0.0.0, port: 7470, secret_env: LMCACHE_P2P_SECRET}
+
+Environment variables name a top-level field or ``SECTION_FIELD`` in upper case, e.g.
+``LMCACHE_P2P_CHUNK_SIZE=512``, ``LMCACHE_P2P_TIERS_CPU_CAPACITY=4GiB``,
+``LMCACHE_P2P_ETCD_ENDPOINTS=http://a:2379,http://b:2379``. Every invalid value raises
+:class:`~lmcache_p2p.errors.ConfigError` (a ``ValueError``) naming the dotted field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+ENV_PREFIX = "LMCACHE_P2P_"
+EVICTION_POLICIES = ("lru", "lfu", "s3fifo")
+TRANSPORTS = ("tcp", "nixl")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: int | str, field: str) -> int:
+    """Bytes from ``1048576``, ``"512MiB"``, ``"20GB"`` (decimal) or ``"4G"`` (binary)."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a size, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(field, f"must be >= 0, got {value}")
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(field, f"not a size: {value!r} (examples: 1048576, 512MiB, 20GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TierConfig:
+    cpu_capacity: int = 1 << 30
+    disk_path: str | None = None
+    disk_capacity: int = 10 << 30
+    eviction: str = "lru"
+    pin_timeout_s: float = 30.0
+    chunk_ttl_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.cpu_capacity >= 0, "tiers.cpu_capacity", "must be >= 0")
+        _check(self.disk_capacity >= 0, "tiers.disk_capacity", "must be >= 0")
+        _check(self.eviction in EVICTION_POLICIES, "tiers.eviction", f"must be one of {EVICTION_POLICIES}")
+        _check(self.pin_timeout_s > 0, "tiers.pin_timeout_s", "must be > 0")
+        _check(self.chunk_ttl_s is None or self.chunk_ttl_s > 0, "tiers.chunk_ttl_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EtcdConfig:
+    endpoints: tuple[str, ...] = ()
+    lease_ttl_s: int = 10
+    ca_cert: str | None = None
+    cert_cert: str | None = None
+    cert_key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for ep in self.endpoints:
+            _check(re.match(r"^(https?://)?[\w.\-\[\]:]+:\d+$", ep) is not None,
+                   "etcd.endpoints", f"not host:port or URL: {ep!r}")
+        _check(self.lease_ttl_s >= 2, "etcd.lease_ttl_s", "must be >= 2")
+        _check((self.user is None) == (self.password is None), "etcd.password", "user and password go together")
+        _check((self.cert_cert is None) == (self.cert_key is None), "etcd.cert_key",
+               "cert_cert and cert_key go together")
+        _check(self.timeout_s > 0, "etcd.timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferConfig:
+    transports: tuple[str, ...] = ("tcp",)
+    listen_host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+    secret: str | None = None
+    timeout_s: float = 5.0
+    max_frame_bytes: int = 1 << 20
+    backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check(len(self.transports) > 0, "transfer.transports", "must name at least one transport")
+        for t in self.transports:
+            _check(t in TRANSPORTS, "transfer.transports", f"unknown transport {t!r}, known: {TRANSPORTS}")
+        _check(0 <= self.port < 65536, "transfer.port", "must be in [0, 65535]")
+        _check(self.timeout_s > 0, "transfer.timeout_s", "must be > 0")
+        _check(self.max_frame_bytes >= 4096, "transfer.max_frame_bytes", "must be >= 4096")
+        _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentConfig:
+    node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    cluster: str = "default"
+    chunk_size: int = 256
+    metrics_port: int | None = None
+    tiers: TierConfig = TierConfig()
+    etcd: EtcdConfig = EtcdConfig()
+    transfer: TransferConfig = TransferConfig()
+
+    def __post_init__(self) -> None:
+        _check(re.match(r"^[A-Za-z0-9_.\-]{1,128}$", self.node_id) is not None, "node_id",
+               "must be 1-128 chars of [A-Za-z0-9_.-]")
+        _check(re.match(r"^[A-Za-z0-9_.\-]{1,64}$", self.cluster) is not None, "cluster",
+               "must be 1-64 chars of [A-Za-z0-9_.-]")
+        _check(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size", "must be a positive multiple of 16")
+        _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field, message)
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> AgentConfig:
+    """Build an :class:`AgentConfig` from file, environment and overrides (dotted keys)."""
+    merged: dict[str, Any] = {}
+    if path is not None:
+        _merge(merged, _read_file(Path(path)))
+    _merge(merged, _from_env(os.environ if env is None else env))
+    for dotted, value in (overrides or {}).items():
+        _merge(merged, _nest(dotted, value))
+    return _build(AgentConfig, merged, "")
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    text = path.read_text()
+    if path.suffix == ".toml":
+        data: Any = tomllib.loads(text)
+    elif path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ConfigError("config", f"unknown config file type {path.suffix!r} (use .yaml, .toml or .json)")
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping at top level")
+    return data
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    sections = {f.name for f in dataclasses.fields(AgentConfig) if dataclasses.is_dataclass(f.type)
+                or f.name in ("tiers", "etcd", "transfer")}
+    for name, value in env.items():
+        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "SECRET":
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section, _, field = rest.partition("_")
+        if section in sections and field:
+            _merge(out, {section: {field: value}})
+        elif rest in {f.name for f in dataclasses.fields(AgentConfig)}:
+            out[rest] = value
+    return out
+
+
+def _nest(dotted: str, value: Any) -> dict[str, Any]:
+    head, _, tail = dotted.partition(".")
+    return {head: _nest(tail, value) if tail else value}
+
+
+def _merge(dst: dict[str, Any], src: Mapping[str, Any]) -> None:
+    for k, v in src.items():
+        if isinstance(v, Mapping) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = dict(v) if isinstance(v, Mapping) else v
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix.rstrip(".") or "config", f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for name in data:
+        if name not in known:
+            raise ConfigError(f"{prefix}{name}", f"unknown field (known: {', '.join(sorted(known))})")
+    kwargs = {}
+    for name, value in data.items():
+        field = f"{prefix}{name}"
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{field}.")  # type: ignore[arg-type]
+        else:
+            kwargs[name] = _coerce(value, hint, field)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, field: str) -> Any:
+    args = typing.get_args(hint)
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        if value is None or (isinstance(value, str) and value.lower() in ("", "none", "null")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], field)
+    if field.endswith(("capacity", "_bytes")) and hint is int:
+        return parse_size(value, field)
+    if typing.get_origin(hint) is tuple:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(field, f"expected a list, got {value!r}")
+        return tuple(_coerce(i.strip() if isinstance(i, str) else i, args[0], field) for i in items)
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if value.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError(value)
+            return bool(value)
+        if hint is int and not isinstance(value, bool):
+            return int(value)
+        if hint is float and not isinstance(value, bool):
+            return float(value)
+        if hint is str:
+            if not isinstance(value, (str, int)):
+                raise ValueError(value)
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    raise ConfigError(field, f"expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def cluster_secret(config: AgentConfig, env: Mapping[str, str] | None = None) -> bytes | None:
+    """The cluster secret: ``transfer.secret`` or the ``LMCACHE_P2P_SECRET`` environment variable."""
+    if config.transfer.secret:
+        return config.transfer.secret.encode()
+    value = (os.environ if env is None else env).get(ENV_PREFIX + "SECRET")
+    return value.encode() if value else None

@@ -1,0 +1,77 @@
+"""One exception tree for lmcache-p2p.
+
+    LMCacheP2PError
+    ├── ConfigError (also ValueError)     invalid configuration; the message names the field
+    ├── ChunkError                        a chunk that must not reach the engine
+    │   ├── ChecksumMismatch              payload bytes differ from the header checksum
+    │   └── MalformedChunk                bad magic, version, length or key in a header
+    ├── TierError                         a tier cannot take or give a chunk
+    │   └── CapacityError                 nothing evictable: every slot is pinned
+    ├── IndexError_                       the etcd block index failed (translated gRPC errors)
+    │   └── LeaseLost                     the session's lease expired or was revoked
+    └── TransferError                     a peer transfer failed (translated socket/NIXL/UCX errors)
+        ├── HandshakeError                wrong secret, protocol version or fingerprint
+        ├── ProtocolError                 malformed, oversized or unexpected frame
+        └── PeerTimeout                   a network wait ran past its deadline
+
+Lower-level exceptions are translated where they enter (``raise ... from exc``) so callers
+only ever catch these.
+"""
+
+from __future__ import annotations
+
+
+class LMCacheP2PError(Exception):
+    """Root of every exception raised by lmcache-p2p."""
+
+
+class ConfigError(LMCacheP2PError, ValueError):
+    """Invalid configuration. ``field`` is the dotted name of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ChunkError(LMCacheP2PError):
+    """A chunk that failed verification; its bytes are never handed out."""
+
+
+class ChecksumMismatch(ChunkError):
+    pass
+
+
+class MalformedChunk(ChunkError):
+    pass
+
+
+class TierError(LMCacheP2PError):
+    pass
+
+
+class CapacityError(TierError):
+    pass
+
+
+class IndexError_(LMCacheP2PError):  # noqa: N801 - avoid shadowing the builtin IndexError
+    pass
+
+
+class LeaseLost(IndexError_):
+    pass
+
+
+class TransferError(LMCacheP2PError):
+    pass
+
+
+class HandshakeError(TransferError):
+    pass
+
+
+class ProtocolError(TransferError):
+    pass
+
+
+class PeerTimeout(TransferError):
+    pass

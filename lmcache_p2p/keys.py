@@ -1,0 +1,110 @@
+"""Chunk identities: the layout fingerprint and prefix-chained xxh3_128 chunk keys.
+
+A prompt's token ids are cut into chunks of ``chunk_size`` tokens::
+
+    tokens:  | chunk 0 (256) | chunk 1 (256) | chunk 2 (<=256, the prompt's tail) |
+    keys:    k0 = H(root || t[0:256])
+             k1 = H(k0   || t[256:512])
+             k2 = H(k1   || t[512:...])        root = H(canonical fingerprint)
+
+``H`` is xxh3_128 over the previous 16-byte key followed by the chunk's token ids as
+int32 little-endian. Nothing here depends on Python's ``hash()`` or a per-process seed:
+the same tokens under the same fingerprint give the same keys on every host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import NewType
+
+import msgpack
+import numpy as np
+import xxhash
+
+from .errors import ConfigError
+
+ChunkKey = NewType("ChunkKey", bytes)
+"""16-byte xxh3_128 digest identifying one chunk of KV bytes."""
+
+FingerprintDigest = NewType("FingerprintDigest", bytes)
+"""16-byte xxh3_128 digest of a canonical fingerprint."""
+
+KEY_FORMAT_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fingerprint:
+    """Everything that makes KV bytes of one node usable by another.
+
+    Two nodes share chunks only when their fingerprints are byte-identical.
+    """
+
+    model_id: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    kv_layout: str
+    model_revision: str = ""
+    tp_size: int = 1
+    tp_rank: int = 0
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size", "tp_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"fingerprint.{name}", f"must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError("fingerprint.tp_rank", f"must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if not self.model_id:
+            raise ConfigError("fingerprint.model_id", "must not be empty")
+
+    def canonical(self) -> bytes:
+        """Canonical msgpack: a fixed-order array, format version first."""
+        fields = [KEY_FORMAT_VERSION] + [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return msgpack.packb(fields, use_bin_type=True)
+
+    @property
+    def digest(self) -> FingerprintDigest:
+        return FingerprintDigest(xxhash.xxh3_128_digest(self.canonical()))
+
+    @property
+    def short(self) -> str:
+        return self.digest.hex()[:12]
+
+
+def tokens_to_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Convert once per request; hashing then works on slices without copies."""
+    arr = np.asarray(token_ids, dtype="<i4")
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {arr.shape}")
+    return arr
+
+
+def chunk_keys(
+    root: FingerprintDigest,
+    token_ids: Sequence[int] | np.ndarray,
+    chunk_size: int,
+    *,
+    include_partial: bool = True,
+) -> list[ChunkKey]:
+    """Keys of every chunk of ``token_ids``; the tail chunk too when ``include_partial``."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    arr = tokens_to_array(token_ids)
+    keys: list[ChunkKey] = []
+    prev = bytes(root)
+    end = len(arr) if include_partial else len(arr) - len(arr) % chunk_size
+    for start in range(0, end, chunk_size):
+        h = xxhash.xxh3_128(prev)
+        h.update(arr[start : min(start + chunk_size, end)].tobytes())
+        prev = h.digest()
+        keys.append(ChunkKey(prev))
+    return keys
+
+
+def chunk_spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
+    """``[start, end)`` token ranges of each chunk, the partial tail included."""
+    return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
