@@ -1,0 +1,241 @@
+"""The CPU pool: one preallocated buffer cut into fixed-size slots.
+
+    buffer: | slot 0 | slot 1 | ... | slot n-1 |     n = capacity_bytes // slot_bytes
+    entry:  key -> (header, slot)                     header.length <= slot_bytes
+
+No allocation happens per chunk: a store reserves a free slot (evicting by policy if none is
+free), copies the payload in, and commits the header. Peers and the engine read a slot only
+under a **pin**, which carries a deadline: an expired pin is ignored, so a crashed reader
+cannot hold a slot forever. A removed chunk that is still pinned keeps its slot (as a
+"zombie") until its pins are released or expire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from ..chunk import ChunkHeader
+from ..errors import CapacityError, TierError
+from ..keys import ChunkKey
+from .base import EvictCallback, TierStats
+from .eviction import EvictionPolicy, LRU
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pin:
+    key: ChunkKey
+    slot: int
+    header: ChunkHeader
+    deadline: float
+    token: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Reservation:
+    slot: int
+    view: memoryview
+
+
+@dataclasses.dataclass(slots=True)
+class _Entry:
+    header: ChunkHeader
+    slot: int
+    pins: dict[int, float]
+    stored_at: float
+
+
+class CpuPool:
+    name = "cpu"
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        slot_bytes: int,
+        *,
+        policy: EvictionPolicy | None = None,
+        on_evict: EvictCallback | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        pin_memory: bool = False,
+    ) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity_bytes // slot_bytes
+        # zeros() touches every page now, so no page fault lands on the hot path later.
+        self.buffer = torch.zeros(self.num_slots * slot_bytes, dtype=torch.uint8, pin_memory=pin_memory)
+        self._array = self.buffer.numpy()
+        self._policy: EvictionPolicy = policy if policy is not None else LRU()
+        self._on_evict = on_evict
+        self._clock = clock
+        self._entries: dict[ChunkKey, _Entry] = {}
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._zombies: list[_Entry] = []
+        self._pin_tokens = itertools.count(1)
+        self._lock = threading.Lock()
+        self.stats = TierStats()
+
+    # -- sizes and addresses -------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(e.header.length for e in self._entries.values())
+
+    @property
+    def base_address(self) -> int:
+        return int(self.buffer.data_ptr())
+
+    def slot_address(self, slot: int) -> int:
+        return self.base_address + slot * self.slot_bytes
+
+    def slot_view(self, slot: int, length: int | None = None) -> memoryview:
+        start = slot * self.slot_bytes
+        return memoryview(self._array[start : start + (self.slot_bytes if length is None else length)])
+
+    # -- queries -----------------------------------------------------------------------------
+    def contains(self, key: ChunkKey) -> bool:
+        return key in self._entries
+
+    def header(self, key: ChunkKey) -> ChunkHeader | None:
+        entry = self._entries.get(key)
+        return entry.header if entry is not None else None
+
+    def keys(self) -> list[ChunkKey]:
+        with self._lock:
+            return list(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def reserve(self) -> Reservation:
+        """Take a free slot (evicting if needed). The caller fills it, then commits or releases."""
+        with self._lock:
+            slot = self._take_slot()
+        return Reservation(slot, self.slot_view(slot))
+
+    def commit(self, reservation: Reservation, header: ChunkHeader) -> None:
+        """Publish a filled slot. The caller has verified the bytes against ``header``."""
+        if header.length > self.slot_bytes:
+            self.release(reservation)
+            raise TierError(f"chunk of {header.length} bytes exceeds slot size {self.slot_bytes}")
+        with self._lock:
+            old = self._entries.pop(header.key, None)
+            if old is not None:
+                self._policy.remove(header.key)
+                self._retire(old)
+            self._entries[header.key] = _Entry(header, reservation.slot, {}, self._clock())
+            self._policy.insert(header.key)
+            self.stats.stores += 1
+
+    def release(self, reservation: Reservation) -> None:
+        with self._lock:
+            self._free.append(reservation.slot)
+
+    def put(self, header: ChunkHeader, payload: memoryview) -> None:
+        """Copy ``payload`` (already checksummed into ``header``) into a slot."""
+        if header.length > self.slot_bytes:
+            raise TierError(f"chunk of {header.length} bytes exceeds slot size {self.slot_bytes}")
+        res = self.reserve()
+        np.copyto(np.frombuffer(res.view, np.uint8, header.length), np.frombuffer(payload, np.uint8))
+        self.commit(res, header)
+
+    def remove(self, key: ChunkKey) -> bool:
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self._policy.remove(key)
+            self._retire(entry)
+            return True
+
+    # -- reads ----------------------------------------------------------------------------------
+    def pin(self, key: ChunkKey, timeout_s: float) -> Pin | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            token = next(self._pin_tokens)
+            deadline = self._clock() + timeout_s
+            entry.pins[token] = deadline
+            self._policy.access(key)
+            return Pin(key, entry.slot, entry.header, deadline, token)
+
+    def unpin(self, pin: Pin) -> None:
+        with self._lock:
+            entry = self._entries.get(pin.key)
+            if entry is not None and entry.slot == pin.slot:
+                entry.pins.pop(pin.token, None)
+                return
+            for zombie in self._zombies:
+                if zombie.slot == pin.slot:
+                    zombie.pins.pop(pin.token, None)
+            self._reap_zombies()
+
+    def pinned_count(self) -> int:
+        """Live (unexpired) pins, for leak checks and metrics."""
+        now = self._clock()
+        with self._lock:
+            return sum(1 for e in [*self._entries.values(), *self._zombies] for d in e.pins.values() if d > now)
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> ChunkHeader | None:
+        """Copy a chunk's bytes into ``dst`` (bytes entered the pool verified)."""
+        pin = self.pin(key, 60.0)
+        if pin is None:
+            self.stats.misses += 1
+            return None
+        try:
+            n = pin.header.length
+            src = self._array[pin.slot * self.slot_bytes : pin.slot * self.slot_bytes + n]
+            np.copyto(np.frombuffer(dst, np.uint8, n), src)
+            self.stats.hits += 1
+            return pin.header
+        finally:
+            self.unpin(pin)
+
+    # -- internals (lock held) ------------------------------------------------------------------
+    def _is_pinned(self, entry: _Entry) -> bool:
+        now = self._clock()
+        expired = [t for t, d in entry.pins.items() if d <= now]
+        for t in expired:
+            del entry.pins[t]
+        return bool(entry.pins)
+
+    def _retire(self, entry: _Entry) -> None:
+        if self._is_pinned(entry):
+            self._zombies.append(entry)
+        else:
+            self._free.append(entry.slot)
+
+    def _reap_zombies(self) -> None:
+        alive: list[_Entry] = []
+        for zombie in self._zombies:
+            if self._is_pinned(zombie):
+                alive.append(zombie)
+            else:
+                self._free.append(zombie.slot)
+        self._zombies = alive
+
+    def _take_slot(self) -> int:
+        if not self._free:
+            self._reap_zombies()
+        if self._free:
+            return self._free.pop()
+        victim = self._policy.evict(lambda k: not self._is_pinned(self._entries[k]))  # type: ignore[index]
+        if victim is None:
+            raise CapacityError(f"all {self.num_slots} CPU slots are pinned or reserved")
+        entry = self._entries.pop(victim)  # type: ignore[call-overload]
+        self.stats.evictions += 1
+        if self._on_evict is not None:
+            self._on_evict(entry.header, self.slot_view(entry.slot, entry.header.length))
+        return entry.slot
