@@ -62,6 +62,11 @@ def parse_size(value: int | str, field: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field, message)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierConfig:
     cpu_capacity: int = 1 << 30
@@ -139,11 +144,6 @@ class AgentConfig:
                "must be 1-64 chars of [A-Za-z0-9_.-]")
         _check(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size", "must be a positive multiple of 16")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
-
-
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(field, message)
 
 
 def load_config(

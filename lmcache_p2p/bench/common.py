@@ -1,0 +1,38 @@
+"""Shared helpers for the ``bench`` commands: timing, medians, output."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+
+def best_of(fn: Callable[[], None], rounds: int) -> float:
+    """Median wall time of ``rounds`` calls of ``fn`` (after one warm-up call)."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else float("inf")
+
+
+def ratio(ours: float, base: float) -> float:
+    return round(ours / base, 3) if base > 0 else 0.0
+
+
+def emit(result: dict[str, object], as_json: bool, title: str) -> None:
+    """A readable table, or (``--json``) one JSON object on the last line."""
+    if as_json:
+        print(json.dumps(result))
+        return
+    print(title)
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        print(f"  {key:<{width}}  {value}")

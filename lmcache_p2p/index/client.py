@@ -1,0 +1,285 @@
+"""The etcd connection: one gRPC channel over every endpoint, TLS and user/password from
+:class:`~lmcache_p2p.config.EtcdConfig`, and the boundary where gRPC and etcd3aio errors become
+:class:`~lmcache_p2p.errors.IndexError_` (:class:`~lmcache_p2p.errors.LeaseLost` for a lease that
+is gone). Everything above this module sees only lmcache-p2p exceptions.
+
+Runs on one asyncio loop (the agent's :class:`~lmcache_p2p.aio.LoopThread`); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import grpc
+import grpc.aio
+from etcd3aio.auth import AuthService
+from etcd3aio.errors import EtcdConnectionError, EtcdError, EtcdTransientError
+from etcd3aio.kv import KVService, prefix_range_end
+from etcd3aio.lease import LeaseService
+from etcd3aio.maintenance import MaintenanceService
+
+from ..config import EtcdConfig
+from ..errors import IndexError_, LeaseLost
+
+log = logging.getLogger(__name__)
+
+MAX_RECEIVE_BYTES = 256 << 20  # big range reads; gRPC's default of 4 MiB is ~30k block entries
+RANGE_PAGE = 20_000  # keys per range-read page
+TOKEN_REFRESH_S = 240.0  # etcd simple tokens live 5 minutes
+_TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    key: bytes
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+@contextlib.contextmanager
+def translate(operation: str) -> Iterator[None]:
+    """Map gRPC / etcd3aio / timeout errors raised inside the block to IndexError_ or LeaseLost."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as exc:
+        details = exc.details() or ""
+        if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in details:
+            raise LeaseLost(f"{operation}: {details}") from exc
+        raise IndexError_(f"{operation}: {exc.code().name} {details}") from exc
+    except (EtcdError, TimeoutError, OSError) as exc:
+        raise IndexError_(f"{operation}: {type(exc).__name__}: {exc}") from exc
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for failures worth retrying: member down, leader change, timeout, overload."""
+    if isinstance(exc, LeaseLost):
+        return False
+    cause = exc.__cause__ if isinstance(exc, IndexError_) else exc
+    if isinstance(cause, grpc.aio.AioRpcError):
+        return cause.code() in _TRANSIENT_CODES
+    return isinstance(cause, (EtcdConnectionError, EtcdTransientError, TimeoutError, OSError))
+
+
+def channel_target(endpoints: Sequence[str]) -> tuple[str, str | None]:
+    """gRPC target for the endpoints and the TLS server name to verify (None for IPs).
+
+    One endpoint goes through gRPC's DNS resolver (a headless service name may resolve to every
+    member). Several are resolved here to addresses and balanced round-robin.
+    """
+    hosts = [urlsplit(ep if "//" in ep else "//" + ep) for ep in endpoints]
+    first = hosts[0].hostname or "127.0.0.1"
+    server_name = None if _is_ip(first) else first
+    if len(hosts) == 1:
+        return f"dns:///{first}:{hosts[0].port}", server_name
+    addrs = []
+    for h in hosts:
+        host = h.hostname or "127.0.0.1"
+        ip = host if _is_ip(host) else socket.getaddrinfo(host, h.port, socket.AF_INET)[0][4][0]
+        addrs.append(f"{ip}:{h.port}")
+    return "ipv4:" + ",".join(addrs), server_name
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
+
+
+class EtcdClient:
+    """An async etcd client on one channel. ``await connect()`` before use, ``await close()`` after."""
+
+    def __init__(self, config: EtcdConfig) -> None:
+        if not config.endpoints:
+            raise IndexError_("etcd.endpoints is empty: configure etcd or start a private one")
+        self.config = config
+        self.timeout = config.timeout_s
+        self._channel: grpc.aio.Channel | None = None
+        self._kv: KVService | None = None
+        self._lease: LeaseService | None = None
+        self._maintenance: MaintenanceService | None = None
+        self._token: str | None = None
+        self._refresh_task: asyncio.Task[None] | None = None
+
+    async def connect(self) -> None:
+        target, server_name = channel_target(self.config.endpoints)
+        options: list[tuple[str, str | int]] = [
+            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            ("grpc.max_send_message_length", 2 << 20),
+            ("grpc.keepalive_time_ms", 5_000),
+            ("grpc.keepalive_timeout_ms", 3_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1_000),
+        ]
+        tls = self.config.ca_cert is not None or any(ep.startswith("https://") for ep in self.config.endpoints)
+        if tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(self.config.ca_cert),
+                private_key=_read(self.config.cert_key),
+                certificate_chain=_read(self.config.cert_cert),
+            )
+            if server_name is not None:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        self._kv = KVService(self._channel, max_attempts=3)
+        self._lease = LeaseService(self._channel, max_attempts=3)
+        self._maintenance = MaintenanceService(self._channel, max_attempts=3)
+        if self.config.user is not None and self.config.password is not None:
+            await self._authenticate()
+            self._refresh_task = asyncio.create_task(self._refresh_token(), name="etcd-token-refresh")
+
+    async def _authenticate(self) -> None:
+        assert self._channel is not None and self.config.user is not None and self.config.password is not None
+        with translate("Auth.Authenticate"):
+            resp = await AuthService(self._channel).authenticate(
+                self.config.user, self.config.password, timeout=self.timeout)
+        self._token = resp.token
+        for svc in (self._kv, self._lease, self._maintenance):
+            if svc is not None:
+                svc.set_token(self._token)
+
+    async def _refresh_token(self) -> None:
+        while True:
+            await asyncio.sleep(TOKEN_REFRESH_S)
+            try:
+                await self._authenticate()
+            except IndexError_ as exc:
+                log.warning("etcd token refresh failed: %s", exc)
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh_task
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+
+    async def __aenter__(self) -> EtcdClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ---- accessors -------------------------------------------------------------------------
+    @property
+    def kv(self) -> KVService:
+        if self._kv is None:
+            raise IndexError_("etcd client is not connected")
+        return self._kv
+
+    @property
+    def lease(self) -> LeaseService:
+        if self._lease is None:
+            raise IndexError_("etcd client is not connected")
+        return self._lease
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            raise IndexError_("etcd client is not connected")
+        return self._channel
+
+    def metadata(self, require_leader: bool = False) -> tuple[tuple[str, str], ...] | None:
+        """Call metadata for raw streams: the auth token and, for watches, etcd's has-leader guard."""
+        md: list[tuple[str, str]] = []
+        if self._token:
+            md.append(("token", self._token))
+        if require_leader:
+            md.append(("hasleader", "true"))
+        return tuple(md) or None
+
+    # ---- operations ------------------------------------------------------------------------
+    async def get(self, key: bytes) -> tuple[KeyValue | None, int]:
+        """The key (or None) and the store revision of the read."""
+        with translate("KV.Range"):
+            resp = await self.kv.get(key, timeout=self.timeout)
+        kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
+        return (kvs[0] if kvs else None), resp.header.revision
+
+    async def get_prefix(self, prefix: bytes, revision: int = 0) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` as of one revision (paged reads pinned to that revision)."""
+        out: list[KeyValue] = []
+        end = prefix_range_end(prefix)
+        start = prefix
+        async for page, rev in self._pages(start, end, revision):
+            revision = rev
+            out.extend(page)
+        return out, revision
+
+    async def _pages(self, start: bytes, end: bytes, revision: int) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        while True:
+            with translate("KV.Range"):
+                resp = await self.kv.get(start, end, revision=revision, limit=RANGE_PAGE, timeout=self.timeout * 4)
+            revision = revision or resp.header.revision
+            page = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
+            yield page, revision
+            if not resp.more or not page:
+                return
+            start = page[-1].key + b"\x00"
+
+    async def count_prefix(self, prefix: bytes) -> int:
+        with translate("KV.Range"):
+            resp = await self.kv.get(prefix, prefix_range_end(prefix), count_only=True, timeout=self.timeout)
+        return int(resp.count)
+
+    async def txn(self, compare: Sequence[object], success: Sequence[object], failure: Sequence[object] = ()
+                  ) -> tuple[bool, int]:
+        """Run a txn; ``(succeeded, revision)``."""
+        with translate("KV.Txn"):
+            resp = await self.kv.txn(compare, success, failure, timeout=self.timeout)  # type: ignore[arg-type]
+        return bool(resp.succeeded), int(resp.header.revision)
+
+    async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
+        with translate("KV.Put"):
+            resp = await self.kv.put(key, value, lease=lease, timeout=self.timeout)
+        return int(resp.header.revision)
+
+    async def delete_prefix(self, prefix: bytes) -> int:
+        with translate("KV.DeleteRange"):
+            resp = await self.kv.delete(prefix, prefix_range_end(prefix), timeout=self.timeout)
+        return int(resp.deleted)
+
+    async def grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease: ``(lease_id, granted_ttl)``."""
+        with translate("Lease.Grant"):
+            resp = await self.lease.grant(ttl, timeout=self.timeout)
+        if resp.error:
+            raise IndexError_(f"Lease.Grant: {resp.error}")
+        return int(resp.ID), int(resp.TTL)
+
+    async def revoke(self, lease_id: int) -> None:
+        with translate("Lease.Revoke"):
+            await self.lease.revoke(lease_id, timeout=self.timeout)
+
+    async def status(self) -> tuple[int, int, int]:
+        """``(db_size, db_size_in_use, revision)`` of the member that answers."""
+        if self._maintenance is None:
+            raise IndexError_("etcd client is not connected")
+        with translate("Maintenance.Status"):
+            resp = await self._maintenance.status(timeout=self.timeout)
+        return int(resp.dbSize), int(resp.dbSizeInUse), int(resp.header.revision)
+
+    async def compact(self, revision: int) -> None:
+        with translate("KV.Compact"):
+            await self.kv.compact(revision, physical=True, timeout=self.timeout)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path is not None else None

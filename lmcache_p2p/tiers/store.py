@@ -1,0 +1,163 @@
+"""The tiered store: the CPU pool in front of an optional disk tier.
+
+    read:   CPU hit -> copy out
+            disk hit -> read + verify into the caller's buffer, then promote into CPU
+    store:  into CPU; a CPU victim is written back to disk (when a disk tier exists)
+
+``listener(key, tier)`` hears where each chunk now lives ("cpu", "disk", or None when no tier
+holds it any more); the index publisher subscribes to it. It is called with tier locks held,
+so it must only enqueue.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from ..chunk import ChunkHeader, make_header
+from ..config import TierConfig
+from ..errors import TierError
+from ..keys import ChunkKey, FingerprintDigest
+from .cpu_pool import CpuPool
+from .disk import DiskTier
+from .eviction import make_policy
+
+log = logging.getLogger(__name__)
+Listener = Callable[[ChunkKey, str | None], None]
+
+
+class TieredStore:
+    def __init__(self, cpu: CpuPool, disk: DiskTier | None = None, *, listener: Listener | None = None) -> None:
+        self.cpu = cpu
+        self.disk = disk
+        self._listener = listener
+        cpu._on_evict = self._on_cpu_evict  # noqa: SLF001 - the store owns both tiers' wiring
+        if disk is not None:
+            disk._on_evict = self._on_disk_evict  # noqa: SLF001
+
+    @classmethod
+    def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None) -> TieredStore:
+        cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction))
+        disk = None
+        if config.disk_path:
+            disk = DiskTier(config.disk_path, config.disk_capacity, policy=make_policy(config.eviction))
+        return cls(cpu, disk, listener=listener)
+
+    def set_listener(self, listener: Listener | None) -> None:
+        self._listener = listener
+
+    def _notify(self, key: ChunkKey, tier: str | None) -> None:
+        if self._listener is not None:
+            self._listener(key, tier)
+
+    # -- eviction wiring ------------------------------------------------------------------------
+    def _on_cpu_evict(self, header: ChunkHeader, view: memoryview | None) -> None:
+        if self.disk is None or view is None:
+            self._notify(header.key, None)
+            return
+        try:
+            self.disk.put(header, view)
+            self._notify(header.key, "disk")
+        except TierError as exc:
+            log.warning("write-back of %s to disk failed: %s", header.key.hex(), exc)
+            self._notify(header.key, None)
+
+    def _on_disk_evict(self, header: ChunkHeader, _view: memoryview | None) -> None:
+        if not self.cpu.contains(header.key):
+            self._notify(header.key, None)
+
+    # -- API --------------------------------------------------------------------------------------
+    def put(self, key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview, num_tokens: int) -> ChunkHeader:
+        header = make_header(key, fingerprint, payload, num_tokens)
+        self.put_verified(header, payload)
+        return header
+
+    def put_verified(self, header: ChunkHeader, payload: memoryview) -> None:
+        """Store bytes whose checksum is already in ``header``."""
+        self.cpu.put(header, payload)
+        self._notify(header.key, "cpu")
+
+    def where(self, key: ChunkKey) -> str | None:
+        if self.cpu.contains(key):
+            return "cpu"
+        if self.disk is not None and self.disk.contains(key):
+            return "disk"
+        return None
+
+    def header(self, key: ChunkKey) -> ChunkHeader | None:
+        header = self.cpu.header(key)
+        if header is None and self.disk is not None:
+            header = self.disk.header(key)
+        return header
+
+    def read_into(self, key: ChunkKey, dst: memoryview) -> ChunkHeader | None:
+        header = self.cpu.read_into(key, dst)
+        if header is not None or self.disk is None:
+            return header
+        header = self.disk.read_into(key, dst)
+        if header is None:
+            if not self.cpu.contains(key):
+                self._notify(key, None)
+            return None
+        self._promote(header, dst)
+        return header
+
+    def ensure_in_cpu(self, key: ChunkKey) -> bool:
+        """Make a chunk servable from CPU memory (peers read slots); promotes a disk hit."""
+        if self.cpu.contains(key):
+            return True
+        if self.disk is None or not self.disk.contains(key):
+            return False
+        res = self.cpu.reserve()
+        try:
+            header = self.disk.read_into(key, res.view)
+        except BaseException:
+            self.cpu.release(res)
+            raise
+        if header is None:
+            self.cpu.release(res)
+            self._notify(key, None)
+            return False
+        self.cpu.commit(res, header)
+        self._notify(key, "cpu")
+        return True
+
+    def _promote(self, header: ChunkHeader, payload: memoryview) -> None:
+        try:
+            self.cpu.put(header, payload[: header.length])
+            self._notify(header.key, "cpu")
+        except TierError as exc:
+            log.debug("promotion of %s skipped: %s", header.key.hex(), exc)
+
+    def remove(self, key: ChunkKey) -> bool:
+        removed = self.cpu.remove(key)
+        if self.disk is not None:
+            removed = self.disk.remove(key) or removed
+        if removed:
+            self._notify(key, None)
+        return removed
+
+    def recover(self) -> list[ChunkHeader]:
+        """Rescan the disk tier (on start); returns the valid chunks found."""
+        if self.disk is None:
+            return []
+        scratch = memoryview(bytearray(self.cpu.slot_bytes))
+        found = self.disk.rescan(scratch)
+        for header in found:
+            self._notify(header.key, "disk")
+        return found
+
+    def inventory(self) -> dict[ChunkKey, str]:
+        """Every chunk held, with its fastest tier."""
+        out: dict[ChunkKey, str] = {}
+        if self.disk is not None:
+            out.update((k, "disk") for k in self.disk.keys())
+        out.update((k, "cpu") for k in self.cpu.keys())
+        return out
+
+    @property
+    def used_bytes(self) -> dict[str, int]:
+        used = {"cpu": self.cpu.used_bytes}
+        if self.disk is not None:
+            used["disk"] = self.disk.used_bytes
+        return used

@@ -1,0 +1,82 @@
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.keys import Fingerprint, chunk_keys, chunk_spans
+
+FP = Fingerprint(model_id="tiny-llama", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64,
+                 block_size=128, kv_layout="cpu:blocks,heads,block,2*head")
+tokens = st.lists(st.integers(min_value=0, max_value=2**31 - 1), min_size=1, max_size=700)
+
+SCRIPT = """
+from lmcache_p2p.keys import Fingerprint, chunk_keys
+fp = Fingerprint(model_id="tiny-llama", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64,
+                 block_size=128, kv_layout="cpu:blocks,heads,block,2*head")
+print(fp.digest.hex(), *[k.hex() for k in chunk_keys(fp.digest, list(range(1000)), 256)])
+"""
+
+
+def test_keys_identical_across_processes_and_hash_seeds():
+    outs = set()
+    for seed in ("0", "12345", "random"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        outs.add(subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                                check=True).stdout)
+    assert len(outs) == 1
+    expected = " ".join([FP.digest.hex(), *[k.hex() for k in chunk_keys(FP.digest, list(range(1000)), 256)]])
+    assert outs.pop().strip() == expected
+
+
+@pytest.mark.parametrize("field,value", [
+    ("model_id", "other"), ("kv_dtype", "float16"), ("num_layers", 5), ("num_kv_heads", 4), ("head_size", 128),
+    ("block_size", 16), ("kv_layout", "cuda:2,blocks,block,heads,head"), ("model_revision", "abc"),
+    ("tp_size", 2), ("tenant_salt", "tenant-b"),
+])
+def test_every_fingerprint_field_changes_the_keys(field, value):
+    other = dataclasses.replace(FP, **{field: value})
+    assert other.digest != FP.digest
+    toks = list(range(300))
+    assert not set(chunk_keys(FP.digest, toks, 256)) & set(chunk_keys(other.digest, toks, 256))
+
+
+def test_invalid_fingerprint_names_the_field():
+    with pytest.raises(ConfigError, match="fingerprint.num_layers"):
+        dataclasses.replace(FP, num_layers=0)
+    with pytest.raises(ConfigError, match="fingerprint.tp_rank"):
+        dataclasses.replace(FP, tp_size=2, tp_rank=2)
+
+
+@given(tokens, st.sampled_from([16, 128, 256]))
+def test_chaining_prefix_property(toks, chunk):
+    keys = chunk_keys(FP.digest, toks, chunk)
+    assert len(keys) == len(chunk_spans(len(toks), chunk))
+    # A prompt's keys for full chunks are the same as those of any longer prompt with that prefix.
+    longer = chunk_keys(FP.digest, toks + [7] * chunk, chunk)
+    full = len(toks) // chunk
+    assert longer[:full] == keys[:full]
+    assert len(set(keys)) == len(keys)
+
+
+@given(tokens, st.data())
+def test_any_token_change_changes_that_key_and_all_later(toks, data):
+    i = data.draw(st.integers(min_value=0, max_value=len(toks) - 1))
+    changed = list(toks)
+    changed[i] = (changed[i] + 1) % 2**31
+    a, b = chunk_keys(FP.digest, toks, 64), chunk_keys(FP.digest, changed, 64)
+    first = i // 64
+    assert a[:first] == b[:first]
+    assert all(x != y for x, y in zip(a[first:], b[first:], strict=True))
+
+
+def test_partial_tail_chunk_is_keyed_and_optional():
+    toks = list(range(600))
+    with_tail = chunk_keys(FP.digest, toks, 256)
+    without = chunk_keys(FP.digest, toks, 256, include_partial=False)
+    assert len(with_tail) == 3 and len(without) == 2 and with_tail[:2] == without
+    assert chunk_keys(FP.digest, toks[:599], 256)[2] != with_tail[2]
