@@ -1,0 +1,42 @@
+"""The seam between the agent / connector and the mesh index.
+
+Two implementations: :class:`~lmcache_p2p.index.etcd_index.EtcdBlockIndex` (etcd: session,
+publisher, mirrors) and :class:`~lmcache_p2p.index.memory.MemoryIndex` (in-process fake for unit
+tests). Every method is thread-safe and returns without network I/O: writes are queued and
+published in the background, reads probe an in-memory mirror. The index is a hint: an owner may
+have evicted a chunk since it was announced, and the pull protocol confirms with the owner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+from ..keys import ChunkKey, FingerprintDigest
+from .schema import NodeId, NodeRecord
+
+
+class BlockIndex(Protocol):
+    @property
+    def node_id(self) -> NodeId: ...
+
+    def add_many(self, fp: FingerprintDigest, keys: Iterable[ChunkKey], tier: int) -> None:
+        """Announce that this node holds ``keys`` in ``tier`` (a tier byte, 0 = fastest)."""
+
+    def remove_many(self, fp: FingerprintDigest, keys: Iterable[ChunkKey]) -> None:
+        """Withdraw ``keys`` (evicted); unknown keys are ignored."""
+
+    def set_record(self, record: NodeRecord) -> None:
+        """Replace this node's record (addresses, fingerprints served, capacities)."""
+
+    def lookup(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
+        """Owners of each key, this node included."""
+
+    def longest_prefix(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> int:
+        """How many leading keys are held by at least one node."""
+
+    def nodes(self) -> dict[NodeId, NodeRecord]:
+        """Live nodes' records."""
+
+    def close(self) -> None:
+        """Withdraw everything this node announced, at once, and stop."""

@@ -1,0 +1,100 @@
+"""Prometheus metrics of one agent, all under ``lmcache_p2p_*``, on an injected registry.
+
+Library code never touches prometheus_client's global registry: the agent receives a
+``CollectorRegistry`` (tests give each agent its own) and serves it on ``metrics_port``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class AgentMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        ns = "lmcache_p2p"
+        self.lookups = Counter("lookups", "Prompt lookups served by the agent", namespace=ns, registry=registry)
+        self.hit_tokens = Counter("hit_tokens", "Prompt tokens found cached, by source and tier",
+                                  ["source", "tier"], namespace=ns, registry=registry)
+        self.miss_tokens = Counter("miss_tokens", "Prompt tokens not cached anywhere", namespace=ns,
+                                   registry=registry)
+        self.loaded_chunks = Counter("loaded_chunks", "Chunks loaded for the engine, by source",
+                                     ["source"], namespace=ns, registry=registry)
+        self.load_failures = Counter("load_failures", "Chunks planned as hits that could not be loaded",
+                                     ["reason"], namespace=ns, registry=registry)
+        self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
+        self.pull_bytes = Counter("pull_bytes", "Bytes pulled from peers", ["transport"], namespace=ns,
+                                  registry=registry)
+        self.pull_chunks = Counter("pull_chunks", "Chunks requested from peers, by outcome",
+                                   ["transport", "outcome"], namespace=ns, registry=registry)
+        self.pull_seconds = Histogram("pull_seconds", "Latency of one pull request to one peer", ["transport"],
+                                      namespace=ns, registry=registry, buckets=_LATENCY_BUCKETS)
+        self.served_chunks = Counter("served_chunks", "Chunks served to peers", namespace=ns, registry=registry)
+        self.checksum_failures = Counter("checksum_failures", "Chunks dropped because their checksum did not match",
+                                         namespace=ns, registry=registry)
+        self.peer_errors = Counter("peer_errors", "Failed requests to peers", ["peer"], namespace=ns,
+                                   registry=registry)
+        self.evictions = Gauge("evictions", "Evictions so far, by tier", ["tier"], namespace=ns, registry=registry)
+        self.tier_used = Gauge("tier_used_bytes", "Bytes held per tier", ["tier"], namespace=ns, registry=registry)
+        self.tier_capacity = Gauge("tier_capacity_bytes", "Capacity per tier", ["tier"], namespace=ns,
+                                   registry=registry)
+        self.chunks_held = Gauge("chunks_held", "Chunks held per tier", ["tier"], namespace=ns, registry=registry)
+        self.index_chunks = Gauge("index_chunks", "Chunks of this fingerprint in the mirror of the etcd index",
+                                  namespace=ns, registry=registry)
+        self.index_nodes = Gauge("index_nodes", "Nodes in the mirror of the etcd index", namespace=ns,
+                                 registry=registry)
+        self.publish_pending = Gauge("publish_pending", "Index updates waiting to be written to etcd",
+                                     namespace=ns, registry=registry)
+        self.publish_lag = Gauge("publish_lag_seconds", "Age of the oldest unpublished index update",
+                                 namespace=ns, registry=registry)
+        self.lease_up = Gauge("lease_up", "1 while the agent holds a live etcd lease", namespace=ns,
+                              registry=registry)
+        self.lease_losses = Counter("lease_losses", "Times the etcd lease was lost", namespace=ns, registry=registry)
+        self.pins = Gauge("pins", "Live pins on CPU slots", namespace=ns, registry=registry)
+        self.info = Info("agent", "Agent identity and versions", namespace=ns, registry=registry)
+        self._refreshers: list[Callable[[], None]] = []
+
+    def on_collect(self, fn: Callable[[], None]) -> None:
+        """Gauges that mirror other objects' state are refreshed by ``fn`` before each scrape."""
+        self._refreshers.append(fn)
+
+    def refresh(self) -> None:
+        for fn in self._refreshers:
+            fn()
+
+
+class _RefreshingRegistry(CollectorRegistry):
+    """A registry that lets the agent refresh its gauges right before a scrape."""
+
+    def __init__(self, refresh: Callable[[], None]) -> None:
+        super().__init__()
+        self._refresh = refresh
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        self._refresh()
+        return super().collect()
+
+
+def new_registry(refresh: Callable[[], None] | None = None) -> CollectorRegistry:
+    return _RefreshingRegistry(refresh) if refresh is not None else CollectorRegistry()
+
+
+class MetricsServer:
+    """The /metrics HTTP endpoint; ``port=0`` picks a free port (see ``.port``)."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        self._server: WSGIServer
+        self._thread: threading.Thread
+        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+        self.port: int = self._server.server_port
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
