@@ -121,9 +121,14 @@ class Mirror:
 
     # ---- loop side ---------------------------------------------------------------------------
     async def start(self, timeout: float) -> None:
-        """Sync once (raises IndexError_ if etcd cannot be read in time), then follow the watch."""
-        async with asyncio.timeout(timeout):
-            await self._resync()
+        """Sync (raises IndexError_ if etcd cannot be read in time), then follow the watch.
+
+        After ``stop()`` a new ``start()`` resumes the watch from the revision it stopped at, so
+        the changes in between are replayed (or, if compacted away, a resync happens).
+        """
+        if self._need_resync:
+            async with asyncio.timeout(timeout):
+                await self._resync()
         self._task = asyncio.create_task(self._run(), name=f"index-mirror-{self.fp.hex()[:8]}")
 
     async def stop(self) -> None:

@@ -186,7 +186,7 @@ class Publisher:
 
     def _take(self, n: int) -> list[tuple[_Entry, int | None]]:
         with self._lock:
-            out = []
+            out: list[tuple[_Entry, int | None]] = []
             while self._dirty and len(out) < n:
                 entry = self._dirty.pop()
                 out.append((entry, self._state.get(entry)))

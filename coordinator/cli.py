@@ -1,0 +1,111 @@
+"""``lmcache-p2p config get | set KEY=VALUE ... | watch``: the cluster config in etcd.
+
+``--etcd URL[,URL...]`` (or ``LMCACHE_P2P_ETCD_ENDPOINTS``) names the cluster's etcd. Without
+one, the command starts a private etcd on loopback with a temporary data dir (the embedded
+default) and stops it on exit: ``get`` then shows the defaults and ``set`` validates and shows
+the result but nothing outlives the command, so for get/set it is only a demo. ``watch`` prints
+the private etcd's endpoint on stderr, so ``config set --etcd <it>`` from another shell changes
+what it shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+
+from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.errors import ConfigError, IndexError_
+from lmcache_p2p.index.client import EtcdClient
+from lmcache_p2p.index.etcd_server import EtcdServer
+
+from .cluster_config import ClusterConfig, parse_assignments
+from .store import ConfigStore, ConfigWatcher
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lmcache-p2p config", description="cluster config in etcd")
+    p.add_argument("--etcd", default=os.environ.get("LMCACHE_P2P_ETCD_ENDPOINTS"),
+                   help="etcd endpoints, comma-separated (default: start a private etcd)")
+    p.add_argument("--cluster", default=os.environ.get("LMCACHE_P2P_CLUSTER", "default"))
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
+    sub = p.add_subparsers(dest="command", required=True)
+    get = sub.add_parser("get", help="print the config")
+    get.add_argument("--json", action="store_true")
+    put = sub.add_parser("set", help="change fields: KEY=VALUE ...; refused unless the result is valid")
+    put.add_argument("assignments", nargs="+", metavar="KEY=VALUE")
+    watch = sub.add_parser("watch", help="print the config, then every change, one JSON line each")
+    watch.add_argument("--count", type=int, default=0, help="exit after this many lines (0: forever)")
+    watch.add_argument("--duration", type=float, default=0.0, help="exit after this many seconds (0: never)")
+    return p
+
+
+@contextlib.contextmanager
+def _endpoints(arg: str | None) -> Iterator[tuple[str, ...]]:
+    if arg:
+        yield tuple(e.strip() for e in arg.split(",") if e.strip())
+        return
+    with EtcdServer() as server:
+        print(f"# no --etcd: started a private etcd at {server.endpoint}", file=sys.stderr, flush=True)
+        yield server.endpoints
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with _endpoints(args.etcd) as endpoints:
+            config = EtcdConfig(endpoints=endpoints, timeout_s=args.timeout)
+            return asyncio.run(_run(args, config))
+    except ConfigError as exc:
+        print(f"error: invalid cluster config: {exc}", file=sys.stderr)
+        return 2
+    except IndexError_ as exc:
+        print(f"error: etcd: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _run(args: argparse.Namespace, config: EtcdConfig) -> int:
+    async with EtcdClient(config) as client:
+        store = ConfigStore(client, args.cluster)
+        if args.command == "get":
+            current, _ = await store.get()
+            _print(current, as_json=args.json)
+        elif args.command == "set":
+            new = await store.update(parse_assignments(args.assignments))
+            _print(new, as_json=False)
+        else:
+            await _watch(client, args)
+    return 0
+
+
+async def _watch(client: EtcdClient, args: argparse.Namespace) -> None:
+    seen: asyncio.Queue[ClusterConfig] = asyncio.Queue()
+    watcher = ConfigWatcher(client, args.cluster, seen.put_nowait)
+    await watcher.start()
+    printed = 0
+    try:
+        async with asyncio.timeout(args.duration or None):
+            while not args.count or printed < args.count:
+                cfg = await seen.get()
+                print(json.dumps(cfg.to_dict(), sort_keys=True), flush=True)
+                printed += 1
+    except TimeoutError:
+        pass
+    finally:
+        await watcher.stop()
+
+
+def _print(config: ClusterConfig, as_json: bool) -> None:
+    data = config.to_dict()
+    if as_json:
+        print(json.dumps(data, sort_keys=True))
+        return
+    width = max(len(k) for k in data)
+    for name, value in data.items():
+        print(f"{name:<{width}}  {'none' if value is None else value}")

