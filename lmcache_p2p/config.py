@@ -11,11 +11,12 @@ A file holds sections matching the dataclasses below::
     chunk_size: 256
     tiers:    {cpu_capacity: 20GB, disk_path: /var/cache/lmcache-p2p, disk_capacity: 200GiB, eviction: lru}
     etcd:     {endpoints: ["http://10.0.0.1:2379"], lease_ttl_s: 10}
-    transfer: {transports: [nixl, tcp], listen_host: 0.0.0.0, port: 7470, secret_env: LMCACHE_P2P_SECRET}
+    transfer: {transports: [nixl, tcp], listen_host: 0.0.0.0, port: 7470}   # secret: LMCACHE_P2P_SECRET
 
 Environment variables name a top-level field or ``SECTION_FIELD`` in upper case, e.g.
 ``LMCACHE_P2P_CHUNK_SIZE=512``, ``LMCACHE_P2P_TIERS_CPU_CAPACITY=4GiB``,
-``LMCACHE_P2P_ETCD_ENDPOINTS=http://a:2379,http://b:2379``. Every invalid value raises
+``LMCACHE_P2P_ETCD_ENDPOINTS=http://a:2379,http://b:2379``. Environment names that match no
+field are ignored (Kubernetes injects ``<SERVICE>_PORT``-style variables). Every invalid value raises
 :class:`~lmcache_p2p.errors.ConfigError` (a ``ValueError``) naming the dotted field.
 """
 
@@ -127,12 +128,48 @@ class TransferConfig:
         _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
 
 
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8_e4m3fn": 1}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayoutConfig:
+    """The KV layout a standalone agent serves (inside vLLM the connector derives it from the engine).
+
+    Defaults describe the tiny test model on vLLM CPU: (blocks, kv_heads, 128, 2*head_size) bf16.
+    """
+
+    model_id: str = "lmcache-p2p/tiny-llama"
+    kv_dtype: str = "bfloat16"
+    num_layers: int = 4
+    num_kv_heads: int = 2
+    head_size: int = 64
+    block_size: int = 128
+    kv_layout: str = "vllm-cpu"
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kv_dtype in _DTYPE_BYTES, "layout.kv_dtype", f"must be one of {sorted(_DTYPE_BYTES)}")
+        for name in ("num_layers", "num_kv_heads", "head_size", "block_size"):
+            _check(getattr(self, name) > 0, f"layout.{name}", "must be > 0")
+
+    def block_bytes(self) -> int:
+        """Bytes of one engine block of one layer (K and V)."""
+        return 2 * self.num_kv_heads * self.block_size * self.head_size * _DTYPE_BYTES[self.kv_dtype]
+
+    def chunk_bytes(self, chunk_size: int) -> int:
+        """Bytes of one full chunk: every layer's blocks that hold ``chunk_size`` tokens."""
+        blocks = -(-chunk_size // self.block_size)
+        return self.num_layers * blocks * self.block_bytes()
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentConfig:
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     cluster: str = "default"
     chunk_size: int = 256
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    layout: LayoutConfig = LayoutConfig()
     tiers: TierConfig = TierConfig()
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
@@ -144,6 +181,8 @@ class AgentConfig:
                "must be 1-64 chars of [A-Za-z0-9_.-]")
         _check(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size", "must be a positive multiple of 16")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+        _check(self.chunk_size % self.layout.block_size == 0, "chunk_size",
+               f"must be a multiple of layout.block_size ({self.layout.block_size})")
 
 
 def load_config(
@@ -181,18 +220,23 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    sections = {f.name for f in dataclasses.fields(AgentConfig) if dataclasses.is_dataclass(f.type)
-                or f.name in ("tiers", "etcd", "transfer")}
+    sections = {"layout", "tiers", "etcd", "transfer"}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "SECRET":
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section, _, field = rest.partition("_")
         if section in sections and field:
-            _merge(out, {section: {field: value}})
+            if field in _field_names(section):
+                _merge(out, {section: {field: value}})
         elif rest in {f.name for f in dataclasses.fields(AgentConfig)}:
             out[rest] = value
     return out
+
+
+def _field_names(section: str) -> set[str]:
+    hint = typing.get_type_hints(AgentConfig)[section]
+    return {f.name for f in dataclasses.fields(hint)}
 
 
 def _nest(dotted: str, value: Any) -> dict[str, Any]:

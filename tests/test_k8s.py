@@ -1,0 +1,617 @@
+"""The manifests in k8s/ checked offline: Kubernetes schemas, and agreement with the code.
+
+Every resource is validated (strict: unknown fields fail) against the Kubernetes JSON schemas shipped
+with ``kubernetes-validate``, for the oldest and the newest Kubernetes we support. ServiceMonitor is a
+CRD those schemas don't know, so it is checked structurally. Then the cross-references: the
+ConfigMap's agent.yaml loads with :func:`load_config`; container ports, Services and ServiceMonitors
+agree with it and with each other; every ``LMCACHE_P2P_*`` variable sets a real config field; the
+vLLM kv-transfer-config names the connector; etcd's endpoints and --initial-cluster agree with the
+Services; the Grafana dashboard only queries metrics that :class:`AgentMetrics` defines.
+
+Each ``*_problems`` helper returns what is wrong; the tests assert it returns nothing, and the
+mutation tests at the end assert it notices a deliberately broken copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import typing
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
+
+from lmcache_p2p.cli import COMMANDS
+from lmcache_p2p.config import ENV_PREFIX, AgentConfig, cluster_secret, load_config
+from lmcache_p2p.metrics import AgentMetrics
+
+K8S = Path(__file__).resolve().parents[1] / "k8s"
+KUBE_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
+CRD_KINDS = {"ServiceMonitor"}
+WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
+AGENT_LABEL = "lmcache-p2p/agent"
+CONFIG_MAP, CONFIG_KEY, CONFIG_PATH = "lmcache-p2p-config", "agent.yaml", "/etc/lmcache-p2p/agent.yaml"
+Doc = dict[str, Any]
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_manifests() -> list[tuple[str, Doc]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            out += [(path.name, d) for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+MANIFESTS = load_manifests()
+DOCS = [d for _, d in MANIFESTS]
+
+
+def of_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[Doc], kind: str, name: str) -> Doc:
+    found = [d for d in of_kind(docs, kind) if d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind}/{name}, found {len(found)}"
+    return found[0]
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in WORKLOAD_KINDS]
+
+
+def containers(docs: list[Doc]) -> Iterator[tuple[Doc, Doc]]:
+    for w in workloads(docs):
+        for c in w["spec"]["template"]["spec"]["containers"]:
+            yield w, c
+
+
+def env_of(container: Doc) -> dict[str, Doc]:
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+def agent_containers(docs: list[Doc]) -> list[tuple[Doc, Doc]]:
+    return [(w, c) for w, c in containers(docs) if ENV_PREFIX + "NODE_ID" in env_of(c)]
+
+
+def agent_yaml(docs: list[Doc]) -> str:
+    return one(docs, "ConfigMap", CONFIG_MAP)["data"][CONFIG_KEY]
+
+
+def config_of(docs: list[Doc], tmp_path: Path, env: dict[str, str] | None = None) -> AgentConfig:
+    path = tmp_path / CONFIG_KEY
+    path.write_text(agent_yaml(docs))
+    return load_config(path, env=env or {})
+
+
+def parse_quantity(q: str | int) -> float:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(q))
+    assert m and m.group(2) in {"", *units}, f"bad quantity {q!r}"
+    return float(m.group(1)) * units.get(m.group(2), 1)
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def pods_selected(docs: list[Doc], selector: dict[str, str]) -> list[Doc]:
+    return [w for w in workloads(docs) if selects(selector, w["spec"]["template"]["metadata"]["labels"])]
+
+
+def container_port(pod: Doc, target: int | str) -> int | None:
+    for c in pod["spec"]["template"]["spec"]["containers"]:
+        for p in c.get("ports", []):
+            if target in (p.get("name"), p["containerPort"]):
+                return int(p["containerPort"])
+    return None
+
+
+def flag(args: list[str], name: str) -> str | None:
+    """The value of ``--name=value`` or ``--name value`` in an argument list."""
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def mounted_config_path_problems(workload: Doc, container: Doc, path: str) -> list[str]:
+    """``path`` must be key agent.yaml of the agent ConfigMap, mounted in ``container``."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        base = m["mountPath"].rstrip("/")
+        if m.get("subPath"):
+            rel = m["subPath"] if path == base else None
+        else:
+            rel = path[len(base) + 1:] if path.startswith(base + "/") else None
+        cm = volumes.get(m["name"], {}).get("configMap")
+        if rel is None or cm is None:
+            continue
+        keys = {i["key"]: i["path"] for i in cm.get("items", [])} or {CONFIG_KEY: CONFIG_KEY}
+        if cm["name"] == CONFIG_MAP and keys.get(CONFIG_KEY) == rel:
+            return []
+    return [f"{container['name']}: {path} is not {CONFIG_MAP}/{CONFIG_KEY} mounted in the container"]
+
+
+# --------------------------------------------------------------------------- schemas
+
+def test_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == on_disk
+    for gen in kust.get("configMapGenerator", []):
+        for f in gen["files"]:
+            assert (K8S / f.split("=")[-1]).is_file(), f
+    assert kust["namespace"] in {d["metadata"]["name"] for d in of_kind(DOCS, "Namespace")}
+
+
+@pytest.mark.parametrize("version", KUBE_VERSIONS)
+@pytest.mark.parametrize("doc", [d for _, d in MANIFESTS if d["kind"] not in CRD_KINDS],
+                         ids=lambda d: f"{d['kind']}/{d['metadata']['name']}")
+def test_manifest_validates_against_kubernetes_schema(doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_schema_validation_rejects_bad_manifests():
+    sts = copy.deepcopy(one(DOCS, "StatefulSet", "lmcache-etcd"))
+    sts["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"] = "2379"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(sts, KUBE_VERSIONS[-1], strict=True)
+    svc = copy.deepcopy(one(DOCS, "Service", "lmcache-etcd"))
+    svc["spec"]["selectr"] = svc["spec"].pop("selector")
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(svc, KUBE_VERSIONS[-1], strict=True)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
+def test_kustomize_build_renders_valid_resources():
+    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
+    rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert len(rendered) == len(MANIFESTS) + len(kust.get("configMapGenerator", []))
+    for d in rendered:
+        if d["kind"] != "Namespace":
+            assert d["metadata"]["namespace"] == kust["namespace"], d["metadata"]["name"]
+        if d["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(d, KUBE_VERSIONS[-1], strict=True)
+    dash = one(rendered, "ConfigMap", "lmcache-p2p-grafana-dashboard")
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["grafana-dashboard.json"]) == load_dashboard()
+
+
+def servicemonitor_problems(sm: Doc) -> list[str]:
+    problems = []
+    if sm.get("apiVersion") != "monitoring.coreos.com/v1":
+        problems.append(f"apiVersion {sm.get('apiVersion')!r}")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", sm["metadata"].get("name", "")):
+        problems.append("metadata.name is not a DNS label")
+    spec = sm.get("spec", {})
+    unknown = set(spec) - {"selector", "endpoints", "namespaceSelector", "jobLabel", "targetLabels",
+                           "podTargetLabels", "sampleLimit"}
+    if unknown:
+        problems.append(f"unknown spec fields {sorted(unknown)}")
+    labels = spec.get("selector", {}).get("matchLabels")
+    if not isinstance(labels, dict) or not labels or not all(isinstance(v, str) for v in labels.values()):
+        problems.append("spec.selector.matchLabels must be a non-empty map of strings")
+    endpoints = spec.get("endpoints")
+    if not isinstance(endpoints, list) or not endpoints:
+        problems.append("spec.endpoints must be a non-empty list")
+    for ep in endpoints or []:
+        if not isinstance(ep.get("port"), str):
+            problems.append("each endpoint needs a port name")
+        for key in ("interval", "scrapeTimeout"):
+            if key in ep and not re.fullmatch(r"\d+(ms|s|m|h)", ep[key]):
+                problems.append(f"endpoint {key} {ep[key]!r} is not a duration")
+        if "path" in ep and not ep["path"].startswith("/"):
+            problems.append("endpoint path must start with /")
+    return problems
+
+
+@pytest.mark.parametrize("sm", [d for _, d in MANIFESTS if d["kind"] == "ServiceMonitor"],
+                         ids=lambda d: d["metadata"]["name"])
+def test_servicemonitor_structure(sm):
+    assert servicemonitor_problems(sm) == []
+
+
+# --------------------------------------------------------------------------- agent config vs manifests
+
+def test_agent_config_loads_with_the_expected_values(tmp_path):
+    cfg = config_of(DOCS, tmp_path)
+    assert cfg.chunk_size == 256
+    assert cfg.transfer.transports == ("nixl", "tcp")
+    assert (cfg.transfer.port, cfg.metrics_port) == (7470, 9470)
+    assert cfg.transfer.listen_host == "0.0.0.0" and cfg.metrics_host == "0.0.0.0"
+    assert cfg.etcd.endpoints and cfg.tiers.disk_path
+    assert cfg.transfer.secret is None, "a secret in the file would override LMCACHE_P2P_SECRET from the Secret"
+
+
+def port_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
+    """Agent containers expose the config's ports; agent Services target them; ServiceMonitors match."""
+    want = {"transfer": cfg.transfer.port, "metrics": cfg.metrics_port}
+    problems = []
+    agents = agent_containers(docs)
+    if not agents:
+        problems.append("no agent containers")
+    for w, c in agents:
+        ports = {p.get("name"): p["containerPort"] for p in c.get("ports", [])}
+        for name, port in want.items():
+            if ports.get(name) != port:
+                problems.append(f"{w['metadata']['name']}/{c['name']}: port {name} = {ports.get(name)}, config {port}")
+    for svc in of_kind(docs, "Service"):
+        pods = pods_selected(docs, svc["spec"].get("selector", {}))
+        if not pods:
+            problems.append(f"Service {svc['metadata']['name']} selects no pods")
+        for sp in svc["spec"]["ports"]:
+            for pod in pods:
+                got = container_port(pod, sp.get("targetPort", sp["port"]))
+                is_agent = any(w is pod for w, _ in agents)
+                if got is None or (is_agent and sp.get("name") in want and got != want[sp["name"]]):
+                    problems.append(f"Service {svc['metadata']['name']} port {sp.get('name')} -> "
+                                    f"{pod['metadata']['name']}: {got}")
+    for sm in of_kind(docs, "ServiceMonitor"):
+        picked = [s for s in of_kind(docs, "Service") if selects(sm["spec"]["selector"]["matchLabels"],
+                                                                   s["metadata"].get("labels", {}))]
+        if not picked:
+            problems.append(f"ServiceMonitor {sm['metadata']['name']} selects no Service")
+        for svc in picked:
+            for ep in sm["spec"]["endpoints"]:
+                if ep["port"] not in {p.get("name") for p in svc["spec"]["ports"]}:
+                    problems.append(f"ServiceMonitor {sm['metadata']['name']}: {svc['metadata']['name']} "
+                                    f"has no port {ep['port']!r}")
+    return problems
+
+
+def test_ports_services_and_servicemonitors_agree_with_config(tmp_path):
+    docs = DOCS
+    assert port_problems(docs, config_of(docs, tmp_path)) == []
+
+
+def test_agent_servicemonitor_scrapes_the_metrics_port(tmp_path):
+    docs = DOCS
+    cfg = config_of(docs, tmp_path)
+    sm = one(docs, "ServiceMonitor", "lmcache-agent")
+    (svc,) = [s for s in of_kind(docs, "Service") if selects(sm["spec"]["selector"]["matchLabels"],
+                                                               s["metadata"].get("labels", {}))]
+    (sp,) = [p for p in svc["spec"]["ports"] if p["name"] == sm["spec"]["endpoints"][0]["port"]]
+    pods = pods_selected(docs, svc["spec"]["selector"])
+    assert {w["metadata"]["name"] for w in pods} == {w["metadata"]["name"] for w, _ in agent_containers(docs)}
+    assert {container_port(w, sp["targetPort"]) for w in pods} == {cfg.metrics_port}
+
+
+def test_agent_pods_carry_the_agent_label():
+    for w, _ in agent_containers(DOCS):
+        assert w["spec"]["template"]["metadata"]["labels"].get(AGENT_LABEL) == "true"
+
+
+def config_env_fields() -> dict[str, str]:
+    """Every environment variable the config honours -> its dotted field, from the dataclasses."""
+    out = {ENV_PREFIX + "SECRET": "transfer.secret"}
+    hints = typing.get_type_hints(AgentConfig)
+    for f in dataclasses.fields(AgentConfig):
+        if dataclasses.is_dataclass(hints[f.name]):
+            for g in dataclasses.fields(hints[f.name]):
+                out[f"{ENV_PREFIX}{f.name}_{g.name}".upper()] = f"{f.name}.{g.name}"
+        else:
+            out[f"{ENV_PREFIX}{f.name}".upper()] = f.name
+    return out
+
+
+SAMPLE_FIELD_REFS = {"metadata.name": "lmcache-vllm-7d9f8c6b5-x2k4q", "status.podIP": "10.244.3.17",
+                     "metadata.namespace": "lmcache-p2p", "spec.nodeName": "gpu-node-3"}
+
+
+def env_problems(docs: list[Doc], tmp_path: Path) -> list[str]:
+    """Each LMCACHE_P2P_* variable must name a config field and actually set it."""
+    problems, known = [], config_env_fields()
+    base = config_of(docs, tmp_path)
+    for w, c in containers(docs):
+        for name, e in env_of(c).items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            where = f"{w['metadata']['name']}/{c['name']}: {name}"
+            if name not in known:
+                problems.append(f"{where} is not a config field")
+                continue
+            if name == ENV_PREFIX + "SECRET":
+                ref = e.get("valueFrom", {}).get("secretKeyRef", {})
+                secret = [s for s in of_kind(docs, "Secret") if s["metadata"]["name"] == ref.get("name")]
+                data = {**secret[0].get("data", {}), **secret[0].get("stringData", {})} if secret else {}
+                if not data.get(ref.get("key")):
+                    problems.append(f"{where} refers to a missing Secret key {ref}")
+                if cluster_secret(base, env={name: "s3cret"}) != b"s3cret":
+                    problems.append(f"{where} is ignored by cluster_secret()")
+                continue
+            field_ref = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            value = e.get("value", SAMPLE_FIELD_REFS.get(field_ref or ""))
+            if value is None:
+                problems.append(f"{where}: unsupported value source {e}")
+                continue
+            via_env = config_of(docs, tmp_path, env={name: value})
+            via_override = load_config(tmp_path / CONFIG_KEY, env={}, overrides={known[name]: value})
+            if via_env != via_override or (via_env == base and value != _get(base, known[name])):
+                problems.append(f"{where} does not set {known[name]}")
+    return problems
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def test_every_lmcache_env_var_sets_a_config_field(tmp_path):
+    assert env_problems(DOCS, tmp_path) == []
+
+
+def test_agent_identity_comes_from_the_downward_api():
+    for w, c in agent_containers(DOCS):
+        env = env_of(c)
+        assert env[ENV_PREFIX + "NODE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert env[ENV_PREFIX + "TRANSFER_ADVERTISE_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        assert "secretKeyRef" in env[ENV_PREFIX + "SECRET"]["valueFrom"], w["metadata"]["name"]
+
+
+def service_link_env(docs: list[Doc]) -> dict[str, str]:
+    """The variables kubelet injects for the namespace's Services when enableServiceLinks is on."""
+    env = {}
+    for svc in of_kind(docs, "Service"):
+        n = svc["metadata"]["name"].upper().replace("-", "_")
+        ip = "10.96.0.10"
+        for i, p in enumerate(svc["spec"]["ports"]):
+            proto, port = p.get("protocol", "TCP"), p["port"]
+            url = f"{proto.lower()}://{ip}:{port}"
+            if i == 0:
+                env.update({f"{n}_SERVICE_HOST": ip, f"{n}_SERVICE_PORT": str(port), f"{n}_PORT": url})
+            if p.get("name"):
+                env[f"{n}_SERVICE_PORT_{p['name'].upper().replace('-', '_')}"] = str(port)
+            pre = f"{n}_PORT_{port}_{proto}"
+            env.update({pre: url, f"{pre}_PROTO": proto.lower(), f"{pre}_PORT": str(port), f"{pre}_ADDR": ip})
+    return env
+
+
+def test_service_links_cannot_leak_into_agent_config(tmp_path):
+    docs = DOCS
+    for w, _ in agent_containers(docs):
+        assert w["spec"]["template"]["spec"].get("enableServiceLinks") is False, w["metadata"]["name"]
+    config_of(docs, tmp_path, env=service_link_env(docs))  # and harmless even if links were on
+
+
+def test_agent_config_is_mounted_where_it_is_read():
+    docs = DOCS
+    for w, c in agent_containers(docs):
+        args = c.get("command", []) + c.get("args", [])
+        kv = flag(args, "--kv-transfer-config")
+        path = json.loads(kv)["kv_connector_extra_config"]["config"] if kv else flag(args, "--config")
+        assert path == CONFIG_PATH, w["metadata"]["name"]
+        assert mounted_config_path_problems(w, c, path) == []
+
+
+def test_memory_and_disk_leave_room_for_the_tiers(tmp_path):
+    docs = DOCS
+    cfg = config_of(docs, tmp_path)
+    for w, c in agent_containers(docs):
+        volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        tmpfs = sum(parse_quantity(v["emptyDir"]["sizeLimit"]) for v in volumes.values()
+                    if v.get("emptyDir", {}).get("medium") == "Memory")
+        limit = parse_quantity(c["resources"]["limits"]["memory"])
+        assert limit >= cfg.tiers.cpu_capacity + tmpfs + 4 * 2**30, w["metadata"]["name"]
+        (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == cfg.tiers.disk_path]
+        vol = volumes[mount["name"]]
+        if "emptyDir" in vol:
+            assert parse_quantity(vol["emptyDir"]["sizeLimit"]) > cfg.tiers.disk_capacity, w["metadata"]["name"]
+
+
+def test_env_references_in_args_are_defined():
+    for w, c in containers(DOCS):
+        defined = set(env_of(c))
+        for arg in c.get("command", []) + c.get("args", []):
+            for ref in re.findall(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)", arg):
+                assert ref in defined, f"{w['metadata']['name']}/{c['name']}: $({ref}) is not defined"
+
+
+# --------------------------------------------------------------------------- vLLM and the standalone agent
+
+def test_vllm_kv_transfer_config_names_the_connector(tmp_path):
+    docs = DOCS
+    cfg = config_of(docs, tmp_path)
+    c = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+    args = c["command"] + c["args"]
+    kv = json.loads(flag(args, "--kv-transfer-config") or "null")
+    assert kv["kv_connector"] == "LMCacheP2PConnector"
+    assert kv["kv_connector_module_path"] == "lmcache_p2p.integrations.vllm"
+    assert importlib.util.find_spec(kv["kv_connector_module_path"]) is not None
+    assert kv["kv_role"] == "kv_both" and kv["kv_load_failure_policy"] == "recompute"
+    assert args[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+    block = int(flag(args, "--block-size") or 0)
+    assert block == cfg.layout.block_size and cfg.chunk_size % block == 0
+    assert flag(args, "--model") == cfg.layout.model_id, "cache-only agents would serve another fingerprint"
+    tp = int(flag(args, "--tensor-parallel-size") or 1)
+    assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
+
+
+def test_standalone_agent_runs_the_agent_command():
+    c = one(DOCS, "Deployment", "lmcache-cache-agent")["spec"]["template"]["spec"]["containers"][0]
+    assert c["command"][0] == "lmcache-p2p" and ("agent",) in COMMANDS
+    assert c["command"][1:] == ["agent", "--config", CONFIG_PATH]
+
+
+# --------------------------------------------------------------------------- etcd
+
+def etcd_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
+    problems = []
+    sts = one(docs, "StatefulSet", "lmcache-etcd")
+    name, n = sts["metadata"]["name"], sts["spec"]["replicas"]
+    peer = one(docs, "Service", sts["spec"]["serviceName"])
+    if peer["spec"].get("clusterIP") != "None" or not peer["spec"].get("publishNotReadyAddresses"):
+        problems.append("peer Service must be headless and publish not-ready addresses")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    args, env = c["args"], env_of(c)
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    host = f"$(POD_NAME).{peer['metadata']['name']}.$(POD_NAMESPACE).svc"
+    members = {f"{name}-{i}": f"http://{name}-{i}.{peer['metadata']['name']}.$(POD_NAMESPACE).svc:{ports['peer']}"
+               for i in range(n)}
+    initial = dict(m.split("=", 1) for m in (flag(args, "--initial-cluster") or "").split(","))
+    expect = {"--name": "$(POD_NAME)", "--initial-advertise-peer-urls": f"http://{host}:{ports['peer']}",
+              "--advertise-client-urls": f"http://{host}:{ports['client']}",
+              "--listen-client-urls": f"http://0.0.0.0:{ports['client']}",
+              "--listen-peer-urls": f"http://0.0.0.0:{ports['peer']}"}
+    problems += [f"{k} = {flag(args, k)!r}, expected {v!r}" for k, v in expect.items() if flag(args, k) != v]
+    if initial != members or n != 3:
+        problems.append(f"--initial-cluster {initial} does not list the {n} members {members}")
+    if env.get("POD_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") != "metadata.name":
+        problems.append("POD_NAME must come from metadata.name")
+    claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
+    data_dir = flag(args, "--data-dir") or ""
+    if not any(m["name"] in claims and data_dir.startswith(m["mountPath"]) for m in c["volumeMounts"]):
+        problems.append(f"--data-dir {data_dir} is not on a volumeClaimTemplate")
+    if not all(k in c for k in ("livenessProbe", "readinessProbe")):
+        problems.append("etcd needs liveness and readiness probes")
+    for ep in cfg.etcd.endpoints:
+        m = re.fullmatch(r"(?:https?://)?([^:/]+):(\d+)", ep)
+        svc_name = m.group(1).split(".")[0] if m else ""
+        svcs = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == svc_name]
+        sp = [p for s in svcs for p in s["spec"]["ports"] if m and p["port"] == int(m.group(2))]
+        if not m or not svcs or svcs[0]["spec"].get("clusterIP") == "None" or not sp \
+                or not selects(svcs[0]["spec"]["selector"], sts["spec"]["template"]["metadata"]["labels"]) \
+                or container_port(sts, sp[0]["targetPort"]) != ports["client"]:
+            problems.append(f"etcd endpoint {ep} is not the client Service of {name} on the client port")
+    return problems
+
+
+def test_etcd_cluster_and_endpoints_agree(tmp_path):
+    docs = DOCS
+    assert etcd_problems(docs, config_of(docs, tmp_path)) == []
+
+
+# --------------------------------------------------------------------------- Grafana dashboard
+
+def metric_series() -> dict[str, set[str]]:
+    """Every series name AgentMetrics exposes -> its label names (prometheus_client adds the suffixes)."""
+    metrics = AgentMetrics(CollectorRegistry())
+    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
+                "gauge": ("",), "info": ("_info",)}
+    out: dict[str, set[str]] = {}
+    for collector in vars(metrics).values():
+        if isinstance(collector, MetricWrapperBase):
+            for fam in collector.describe():
+                out.update({fam.name + s: set(collector._labelnames) for s in suffixes[fam.type]})
+    registered = {fam.name for fam in metrics.registry.collect()}
+    assert registered and all(any(s.startswith(n) for s in out) for n in registered)
+    return out
+
+
+def panels(dashboard: Doc) -> Iterator[Doc]:
+    for p in dashboard["panels"]:
+        yield p
+        yield from p.get("panels", [])
+
+
+TARGET_LABELS = {"namespace", "pod", "instance", "job", "service", "endpoint", "container"}
+
+
+def dashboard_problems(dashboard: Doc) -> list[str]:
+    series, problems = metric_series(), []
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    ids = [p["id"] for p in panels(dashboard)]
+    if len(ids) != len(set(ids)):
+        problems.append("panel ids are not unique")
+    for p in panels(dashboard):
+        for t in p.get("targets", []):
+            expr = t["expr"]
+            used = set(re.findall(r"\blmcache_p2p_\w+", expr))
+            problems += [f"{p['title']}: unknown metric {m}" for m in used - set(series)]
+            allowed = TARGET_LABELS.union(*(series.get(m, set()) for m in used))
+            if any(m.endswith("_bucket") for m in used):
+                allowed = allowed | {"le"}
+            labels = set(re.findall(r"\b(\w+)\s*(?:=~|!~|!=|=)\s*\"", expr))
+            for group in re.findall(r"\b(?:by|without|ignoring|on)\s*\(([^)]*)\)", expr):
+                labels |= {x.strip() for x in group.split(",") if x.strip()}
+            problems += [f"{p['title']}: label {lb} not on {sorted(used)}" for lb in labels - allowed]
+            for var in re.findall(r"\$(?:\{)?(\w+)", expr):
+                if not var.startswith("__") and var not in variables:
+                    problems.append(f"{p['title']}: undefined variable ${var}")
+            if "histogram_quantile" in expr and not re.search(r"by\s*\([^)]*\ble\b", expr):
+                problems.append(f"{p['title']}: histogram_quantile without `le` in by()")
+    return problems
+
+
+REQUIRED_METRICS = {
+    "lmcache_p2p_hit_tokens_total", "lmcache_p2p_miss_tokens_total", "lmcache_p2p_pull_bytes_total",
+    "lmcache_p2p_pull_seconds_bucket", "lmcache_p2p_tier_used_bytes", "lmcache_p2p_tier_capacity_bytes",
+    "lmcache_p2p_evictions", "lmcache_p2p_index_chunks", "lmcache_p2p_index_nodes",
+    "lmcache_p2p_publish_lag_seconds", "lmcache_p2p_lease_up", "lmcache_p2p_peer_errors_total",
+    "lmcache_p2p_checksum_failures_total",
+}
+
+
+def load_dashboard() -> Doc:
+    return json.loads((K8S / "grafana-dashboard.json").read_text())
+
+
+def test_dashboard_queries_only_real_metrics_and_labels():
+    assert dashboard_problems(load_dashboard()) == []
+
+
+def test_dashboard_covers_the_mesh():
+    dash = load_dashboard()
+    exprs = " ".join(t["expr"] for p in panels(dash) for t in p.get("targets", []))
+    assert REQUIRED_METRICS <= set(re.findall(r"\blmcache_p2p_\w+", exprs))
+    assert "histogram_quantile(0.5," in exprs and "histogram_quantile(0.99," in exprs
+    assert "by (source)" in exprs and "by (transport" in exprs and "by (tier)" in exprs
+    # kubectl apply stores the whole object in an annotation limited to 256 KiB.
+    assert (K8S / "grafana-dashboard.json").stat().st_size < 200 * 1024
+
+
+# --------------------------------------------------------------------------- the checks catch mistakes
+
+def test_checks_catch_mismatches(tmp_path):
+    docs = DOCS
+    cfg = config_of(docs, tmp_path)
+
+    def broken(mutate: Any) -> list[Doc]:
+        bad = copy.deepcopy(docs)
+        mutate(bad)
+        return bad
+
+    def set_cm_port(bad: list[Doc]) -> None:
+        cm = one(bad, "ConfigMap", CONFIG_MAP)
+        cm["data"][CONFIG_KEY] = cm["data"][CONFIG_KEY].replace("port: 7470", "port: 7471")
+
+    bad = broken(set_cm_port)
+    assert port_problems(bad, config_of(bad, tmp_path))
+    bad = broken(lambda b: one(b, "ServiceMonitor", "lmcache-agent")["spec"]["endpoints"][0].update(port="prom"))
+    assert port_problems(bad, cfg)
+    bad = broken(lambda b: one(b, "Service", "lmcache-agent-metrics")["spec"]["selector"].update(x="y"))
+    assert port_problems(bad, cfg)
+    bad = broken(lambda b: agent_containers(b)[0][1]["env"].append({"name": "LMCACHE_P2P_TRANSFER_HOST",
+                                                                     "value": "0.0.0.0"}))
+    assert env_problems(bad, tmp_path)
+    bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"].update(replicas=5))
+    assert etcd_problems(bad, cfg)
+    bad = broken(lambda b: one(b, "Service", "lmcache-etcd")["spec"]["ports"][0].update(port=2479))
+    assert etcd_problems(bad, cfg)
+    dash = load_dashboard()
+    dash["panels"][1]["targets"][0]["expr"] = "sum by (tier_name) (rate(lmcache_p2p_hits_total[5m]))"
+    assert len(dashboard_problems(dash)) == 2
+    renamed = broken(lambda b: one(b, "Service", "lmcache-agent-transfer")["metadata"].update(
+        name="lmcache-p2p-transfer"))
+    with pytest.raises(ValueError):
+        config_of(renamed, tmp_path, env=service_link_env(renamed))
+    w, c = agent_containers(docs)[0]
+    assert mounted_config_path_problems(w, c, "/etc/lmcache-p2p/other.yaml")
+    assert servicemonitor_problems({"apiVersion": "v1", "metadata": {"name": "X"}, "spec": {}})
