@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -71,11 +72,12 @@ def bench_preset(name: str, preset: Preset, blocks: Sequence[int], backends: Seq
         ids = torch.randperm(preset.cache_blocks, generator=gen)[:n].to(torch.int64)
         nbytes = paged.payload_nbytes(layers, n)
         buf, src = torch.empty(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
-        memcpy = _median_seconds(lambda buf=buf, src=src: _copy(buf, src), repeat)
+        memcpy = _median_seconds(functools.partial(_copy, buf, src), repeat)
         row: dict = {"preset": name, "blocks": n, "payload_bytes": nbytes, "memcpy_gbps": _gbps(nbytes, memcpy)}
         for backend in backends:
-            g = _median_seconds(lambda b=backend, i=ids, o=buf: paged.gather(layers, i, o, backend=b), repeat)
-            s = _median_seconds(lambda b=backend, i=ids, o=buf: paged.scatter(o, layers, i, backend=b), repeat)
+            kv = paged.PagedKV(layers, backend=backend)  # type: ignore[arg-type]
+            g = _median_seconds(functools.partial(kv.gather, ids, buf), repeat)
+            s = _median_seconds(functools.partial(kv.scatter, buf, ids), repeat)
             row[backend] = {
                 "gather_gbps": _gbps(nbytes, g),
                 "scatter_gbps": _gbps(nbytes, s),
@@ -97,9 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     backends = [b for b in args.backends if b != "cpp" or cpu_ext.load() is not None]
     rows = [
-        row
-        for name in args.preset
-        for row in bench_preset(name, PRESETS[name], args.blocks, backends, args.repeat)
+        row for name in args.preset for row in bench_preset(name, PRESETS[name], args.blocks, backends, args.repeat)
     ]
     print(json.dumps({"threads": args.threads, "backends": backends, "results": rows}, indent=2))
     return 0

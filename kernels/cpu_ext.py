@@ -59,6 +59,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 }
 """
 
+_FLAGS = ("-O3", "-fopenmp")  # without -fopenmp, ATen's parallel_for pragma is ignored: serial copies
+
 # Below this many bytes per task, one thread does the whole copy (threads cost more than they save).
 _TASK_BYTES = 1 << 20
 
@@ -83,10 +85,10 @@ def load() -> _Module | None:
     """Build (once per source version) and import the extension; ``None`` if that fails."""
     from torch.utils import cpp_extension
 
-    name = "lmcache_p2p_paged_" + hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
+    name = "lmcache_p2p_paged_" + hashlib.sha256((_SOURCE + repr(_FLAGS)).encode()).hexdigest()[:12]
     try:
         module: _Module = cpp_extension.load_inline(
-            name=name, cpp_sources=[_SOURCE], extra_cflags=["-O3"], verbose=False
+            name=name, cpp_sources=[_SOURCE], extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], verbose=False
         )
     except Exception as exc:  # compiler, ninja or import failure: the torch path still works
         log.warning("paged-KV C++ extension unavailable, using the torch path: %s", exc)

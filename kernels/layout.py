@@ -136,15 +136,15 @@ def check_block_ids(block_ids: torch.Tensor, geom: PagedGeometry, *, unique: boo
         raise ValueError(f"block_ids: expected a 1-d int64 tensor, got {block_ids.dim()}-d {block_ids.dtype}")
     if block_ids.device.type != "cpu":
         raise ValueError(f"block_ids: must be on the CPU (checked before launch), got {block_ids.device}")
-    n = block_ids.numel()
-    if n == 0:
+    ids = block_ids.tolist()  # cheaper than torch reductions for the few ids of a chunk
+    if not ids:
         return 0
-    lo, hi = int(block_ids.min()), int(block_ids.max())
+    lo, hi = min(ids), max(ids)
     if lo < 0 or hi >= geom.num_blocks:
         raise ValueError(f"block_ids: ids must lie in [0, {geom.num_blocks}), got min {lo} max {hi}")
-    if unique and torch.unique(block_ids).numel() != n:
+    if unique and len(set(ids)) != len(ids):
         raise ValueError("block_ids: scatter needs distinct block ids (duplicates would race)")
-    return n
+    return len(ids)
 
 
 def check_buffer(name: str, buf: torch.Tensor, geom: PagedGeometry, num_blocks: int) -> None:

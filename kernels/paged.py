@@ -1,12 +1,15 @@
 """Gather/scatter whole engine blocks of every layer to/from one contiguous chunk payload.
 
-    gather(layers, block_ids, out)   paged KV cache -> payload   (store a chunk)
-    scatter(buf, layers, block_ids)  payload -> paged KV cache   (load a chunk)
+    kv = PagedKV(layers)             validate the engine's layer tensors once
+    kv.gather(block_ids, out)        paged KV cache -> payload   (store a chunk)
+    kv.scatter(buf, block_ids)       payload -> paged KV cache   (load a chunk)
+    gather(layers, block_ids, out) / scatter(buf, layers, block_ids): one-shot forms
 
 The payload order and the accepted layouts are drawn in ``layout.py``. A prompt's partial
-tail chunk still occupies whole engine blocks, so whole blocks are always copied. Every
-call validates its arguments first (shapes, strides, dtypes, devices, sizes, id range) and
-raises ``ValueError`` naming the bad argument; the backends then trust them.
+tail chunk still occupies whole engine blocks, so whole blocks are always copied. Arguments
+are validated before any copy (layers: shapes, strides, dtypes, devices; per call: id
+dtype/range/uniqueness, buffer dtype/contiguity/device/size) and a bad one raises
+``ValueError`` naming it; the backends then trust them. ``block_ids`` is a CPU int64 tensor.
 
 Backends (``backend=``): ``"cpp"`` one memcpy per block run in a small C++ extension (CPU);
 ``"torch"`` ``index_select``/numpy fancy assignment on byte views (CPU, or any device
@@ -28,6 +31,37 @@ from .layout import PagedGeometry, check_block_ids, check_buffer, describe
 Backend = Literal["auto", "cpp", "torch", "triton"]
 
 
+class PagedKV:
+    """One engine's per-layer KV tensors, validated once; then cheap gathers and scatters.
+
+    Build it where the engine hands over its caches (vLLM: ``register_kv_caches``): the
+    layer checks and the backend choice (which may build the C++ extension) happen here.
+    """
+
+    def __init__(self, layers: Sequence[torch.Tensor], *, block_dim: int = 0, backend: Backend = "auto") -> None:
+        self.geometry = describe(layers, block_dim)
+        self.layers = tuple(layers)
+        self.block_dim = block_dim
+        self.backend = resolve_backend(self.geometry.device, backend)
+
+    def payload_nbytes(self, num_blocks: int) -> int:
+        return self.geometry.payload_nbytes(num_blocks)
+
+    def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """Copy blocks ``block_ids`` of every layer, layer-major, into the uint8 tensor ``out``."""
+        n = check_block_ids(block_ids, self.geometry, unique=False)
+        check_buffer("out", out, self.geometry, n)
+        if n:
+            _run(self.backend, self.layers, block_ids, out, self.geometry, to_buf=True)
+
+    def scatter(self, buf: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Copy the uint8 payload ``buf`` into blocks ``block_ids`` (distinct) of every layer."""
+        n = check_block_ids(block_ids, self.geometry, unique=True)
+        check_buffer("buf", buf, self.geometry, n)
+        if n:
+            _run(self.backend, self.layers, block_ids, buf, self.geometry, to_buf=False)
+
+
 def payload_nbytes(layers: Sequence[torch.Tensor], num_blocks: int, *, block_dim: int = 0) -> int:
     """Bytes of the payload that ``num_blocks`` blocks of ``layers`` gather into."""
     return describe(layers, block_dim).payload_nbytes(num_blocks)
@@ -41,12 +75,8 @@ def gather(
     block_dim: int = 0,
     backend: Backend = "auto",
 ) -> None:
-    """Copy blocks ``block_ids`` of every layer, layer-major, into the uint8 tensor ``out``."""
-    geom = describe(layers, block_dim)
-    n = check_block_ids(block_ids, geom, unique=False)
-    check_buffer("out", out, geom, n)
-    if n:
-        _run(resolve_backend(geom.device, backend), layers, block_ids, out, geom, to_buf=True)
+    """One-shot :meth:`PagedKV.gather` (validates ``layers`` on every call)."""
+    PagedKV(layers, block_dim=block_dim, backend=backend).gather(block_ids, out)
 
 
 def scatter(
@@ -57,12 +87,8 @@ def scatter(
     block_dim: int = 0,
     backend: Backend = "auto",
 ) -> None:
-    """Copy the uint8 payload ``buf`` into blocks ``block_ids`` (distinct) of every layer."""
-    geom = describe(layers, block_dim)
-    n = check_block_ids(block_ids, geom, unique=True)
-    check_buffer("buf", buf, geom, n)
-    if n:
-        _run(resolve_backend(geom.device, backend), layers, block_ids, buf, geom, to_buf=False)
+    """One-shot :meth:`PagedKV.scatter` (validates ``layers`` on every call)."""
+    PagedKV(layers, block_dim=block_dim, backend=backend).scatter(buf, block_ids)
 
 
 def resolve_backend(device: torch.device, backend: Backend = "auto") -> Backend:

@@ -30,22 +30,22 @@ def _copy_blocks_kernel(
     n,
     block_stride,  # in words
     outer_stride,  # in words
-    OUTER: tl.constexpr,
-    RUN: tl.constexpr,  # words per run
-    TILE: tl.constexpr,
-    WORD: tl.constexpr,
-    TO_BUF: tl.constexpr,
+    outer: tl.constexpr,
+    run: tl.constexpr,  # words per run
+    tile: tl.constexpr,
+    word: tl.constexpr,
+    to_buf: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1).to(tl.int64) * TILE + tl.arange(0, TILE)
-    mask = offs < RUN
-    o = t % OUTER
-    i = (t // OUTER) % n
-    layer = t // (OUTER * n)
-    base = tl.load(layer_table + layer).to(tl.pointer_type(WORD))
+    offs = tl.program_id(1).to(tl.int64) * tile + tl.arange(0, tile)
+    mask = offs < run
+    o = t % outer
+    i = (t // outer) % n
+    layer = t // (outer * n)
+    base = tl.load(layer_table + layer).to(tl.pointer_type(word))
     kv = base + tl.load(ids + i) * block_stride + o * outer_stride + offs
-    buf = payload + t * RUN + offs
-    if TO_BUF:
+    buf = payload + t * run + offs
+    if to_buf:
         tl.store(buf, tl.load(kv, mask=mask), mask=mask)
     else:
         tl.store(kv, tl.load(buf, mask=mask), mask=mask)
@@ -77,9 +77,9 @@ def copy_blocks(
         ids.numel(),
         geom.block_stride // w,
         geom.outer_stride // w,
-        OUTER=geom.outer,
-        RUN=run,
-        TILE=tile,
-        WORD=_TL_WORDS[w],
-        TO_BUF=to_buf,
+        outer=geom.outer,
+        run=run,
+        tile=tile,
+        word=_TL_WORDS[w],
+        to_buf=to_buf,
     )
