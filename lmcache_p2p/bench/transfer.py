@@ -1,0 +1,212 @@
+"""``lmcache-p2p bench transfer``: peer pulls over each transport against raw baselines, same run.
+
+Two processes on loopback: an owner (``peer_process``, a filled CpuPool behind a transfer
+server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
+
+- ``tcp``: :class:`TcpTransport` pulls (handshake done, protocol, verify, commit)
+- ``raw_socket``: the same bytes from the same owner process over one plain socket,
+  blocking ``recv_into`` into a preallocated buffer (no protocol, no checks)
+- ``nixl``: :class:`NixlTransport` pulls (pin round trip, one READ, verify, commit, release)
+- ``raw_nixl``: one NIXL READ of the same slots (no protocol, no checks)
+
+Ratios are medians of ``--repeat`` runs. The last line of ``--json`` output is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psutil
+
+from ..config import parse_size
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool
+from ..transfer.base import PeerAddress, Transport
+from ..transfer.client import TcpTransport
+from ..transfer.nixl import NixlTransport
+from ..transfer.nixl_engine import NixlEngine, nixl_available
+from ..transfer.peer_process import OwnerProcess
+
+SECRET = "bench-secret"
+FP = FingerprintDigest(b"bench-fingerprnt")
+
+
+def _raw_socket_gbps(owner: OwnerProcess, n: int, size: int, dst: CpuPool) -> float:
+    """The owner sends the same slot bytes over one plain socket; we recv_into our pool buffer."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(30)
+    view = dst.buffer.numpy().data.cast("B")
+    done: dict[str, float] = {}
+
+    def receive() -> None:
+        conn, _ = listener.accept()
+        conn.settimeout(30)
+        for i in range(n):  # into each slot, as the protocol does
+            pos, end = i * dst.slot_bytes, i * dst.slot_bytes + size
+            while pos < end:
+                got = conn.recv_into(view[pos:end])
+                if got == 0:
+                    raise ConnectionError("raw sender closed early")
+                pos += got
+        done["t"] = time.perf_counter()
+        conn.close()
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    start = time.perf_counter()
+    owner.command({"cmd": "rawsend", "port": listener.getsockname()[1], "n": n, "length": size})
+    thread.join(30)
+    listener.close()
+    return n * size / (done["t"] - start) / 1e9
+
+
+async def _pull_gbps(transport: Transport, peer: PeerAddress, keys: list[ChunkKey], dst: CpuPool,
+                     size: int) -> float:
+    for key in keys:
+        dst.remove(key)
+    start = time.perf_counter()
+    result = await transport.pull(peer, FP, keys, dst, 30.0)
+    elapsed = time.perf_counter() - start
+    if len(result.loaded) != len(keys):
+        raise RuntimeError(f"{transport.name}: {len(result.missed)} misses: {set(result.missed.values())}")
+    return len(keys) * size / elapsed / 1e9
+
+
+async def _raw_nixl_gbps(engine: NixlEngine, remote: str, owner: OwnerProcess, n: int, size: int,
+                         dst: CpuPool) -> float:
+    base, slot = owner.info["base"], owner.info["slot_bytes"]
+    local = [dst.slot_address(i) for i in range(n)]
+    far = [base + i * slot for i in range(n)]
+    start = time.perf_counter()
+    await engine.read(remote, local, far, [size] * n, asyncio.get_running_loop().time() + 30)
+    return n * size / (time.perf_counter() - start) / 1e9
+
+
+async def _median(repeat: int, fn: Callable[[], Awaitable[float]]) -> float:
+    await fn()  # warm-up
+    return statistics.median([await fn() for _ in range(repeat)])
+
+
+def _cpu_pct(pid: int, seconds: float) -> float:
+    proc = psutil.Process(pid)
+    before = proc.cpu_times()
+    time.sleep(seconds)
+    after = proc.cpu_times()
+    return 100.0 * ((after.user + after.system) - (before.user + before.system)) / seconds
+
+
+async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {"chunks": n, "chunk_bytes": size}
+    transports = "tcp,nixl" if use_nixl else "tcp"
+    with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0) as owner:
+        peer = PeerAddress("127.0.0.1", owner.port, "owner")
+        keys = [owner.key(i) for i in range(n)]
+        dst = CpuPool(size * (n + 2), size)
+        tcp = TcpTransport(SECRET.encode(), 10.0)
+        out["tcp_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp, peer, keys, dst, size))
+        out["raw_socket_gbps"] = statistics.median(
+            [_raw_socket_gbps(owner, n, size, dst) for _ in range(repeat + 1)][1:])
+        out["tcp_vs_raw"] = out["tcp_gbps"] / out["raw_socket_gbps"]
+        await tcp.close()
+        if use_nixl:
+            engine = NixlEngine(f"bench-{os.getpid()}", dst)
+            nixl = NixlTransport(engine, SECRET.encode(), 10.0)
+            out["nixl_gbps"] = await _median(repeat, lambda: _pull_gbps(nixl, peer, keys, dst, size))
+            remote = next(iter(engine._remotes))  # loaded by the NIXL handshake above
+            out["raw_nixl_gbps"] = await _median(repeat, lambda: _raw_nixl_gbps(engine, remote, owner, n, size, dst))
+            out["nixl_vs_raw"] = out["nixl_gbps"] / out["raw_nixl_gbps"]
+            out["nixl_requester_idle_cpu_pct"] = _cpu_pct(os.getpid(), 2.0)
+            await nixl.close()
+            await engine.close()
+    return out
+
+
+async def _latency(repeat: int, use_nixl: bool) -> dict[str, Any]:
+    size, n = 2 << 20, 8
+    out: dict[str, Any] = {}
+    transports = "tcp,nixl" if use_nixl else "tcp"
+    with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0) as owner:
+        peer = PeerAddress("127.0.0.1", owner.port, "owner")
+        dst = CpuPool(size * (n + 2), size)
+        engine = NixlEngine(f"bench-lat-{os.getpid()}", dst) if use_nixl else None
+        clients: list[Transport] = [TcpTransport(SECRET.encode(), 10.0)]
+        if engine is not None:
+            clients.append(NixlTransport(engine, SECRET.encode(), 10.0))
+        for transport in clients:
+            samples = []
+            for i in range(repeat + 5):
+                key = owner.key(i % n)
+                dst.remove(key)
+                start = time.perf_counter()
+                result = await transport.pull(peer, FP, [key], dst, 10.0)
+                samples.append((time.perf_counter() - start) * 1e3)
+                if key not in result.loaded:
+                    raise RuntimeError(f"{transport.name}: single pull missed: {result.missed}")
+            samples = sorted(samples[5:])
+            prefix = "" if transport.name == "tcp" else "nixl_"
+            out[f"{prefix}pull_p50_ms"] = samples[len(samples) // 2]
+            out[f"{prefix}pull_p99_ms"] = samples[min(len(samples) - 1, int(len(samples) * 0.99))]
+            await transport.close()
+        if engine is not None:
+            # The owner served NIXL above; once its wire-up progress window closes it must sit idle.
+            time.sleep(11.0)
+            out["nixl_idle_cpu_pct"] = _cpu_pct(owner.pid, 3.0)
+            await engine.close()
+    return out
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    # A full collection over torch's objects stalls 20-80 ms; long-lived objects are frozen out of it.
+    gc.collect()
+    gc.freeze()
+    use_nixl = nixl_available() and not args.no_nixl
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    workloads = []
+    for spec in args.workload:
+        n, _, size = spec.partition("x")
+        workloads.append(await _workload(int(n), parse_size(size, "workload"), args.repeat, use_nixl))
+    summary: dict[str, Any] = dict(workloads[0])
+    summary.update(await _latency(args.latency_samples, use_nixl))
+    summary["workloads"] = workloads
+    summary["nixl"] = use_nixl
+    return summary
+
+
+def _table(summary: dict[str, Any]) -> str:
+    lines = [f"{'workload':<16}{'tcp':>8}{'raw sock':>10}{'ratio':>7}{'nixl':>8}{'raw nixl':>10}{'ratio':>7}  GB/s"]
+    for w in summary["workloads"]:
+        name = f"{w['chunks']} x {w['chunk_bytes'] >> 10} KiB"
+        nixl = (f"{w['nixl_gbps']:>8.2f}{w['raw_nixl_gbps']:>10.2f}{w['nixl_vs_raw']:>7.2f}" if "nixl_gbps" in w
+                else f"{'-':>8}{'-':>10}{'-':>7}")
+        lines.append(f"{name:<16}{w['tcp_gbps']:>8.2f}{w['raw_socket_gbps']:>10.2f}{w['tcp_vs_raw']:>7.2f}{nixl}")
+    lines.append(f"single 2 MiB pull over tcp: p50 {summary['pull_p50_ms']:.2f} ms, "
+                 f"p99 {summary['pull_p99_ms']:.2f} ms")
+    if "nixl_pull_p50_ms" in summary:
+        lines.append(f"single 2 MiB pull over nixl: p50 {summary['nixl_pull_p50_ms']:.2f} ms, "
+                     f"p99 {summary['nixl_pull_p99_ms']:.2f} ms")
+        lines.append(f"idle owner with NIXL: {summary['nixl_idle_cpu_pct']:.1f}% of a core")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lmcache-p2p bench transfer", description=__doc__.splitlines()[0])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--workload", action="append", help="NxSIZE, e.g. 64x2MiB (repeatable)")
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--latency-samples", type=int, default=100)
+    p.add_argument("--no-nixl", action="store_true")
+    args = p.parse_args(argv)
+    args.workload = args.workload or ["64x2MiB", "256x256KiB"]
+    summary = asyncio.run(_run(args))
+    print(json.dumps(summary) if args.json else _table(summary))
+    return 0

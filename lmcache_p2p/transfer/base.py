@@ -1,0 +1,72 @@
+"""The narrow ``Transport`` seam and the values that cross it.
+
+A pull never raises for a peer's failure: every requested key comes back either *loaded*
+(verified, committed into the destination pool) or *missed* with a reason, and the engine
+recomputes misses. Only programming errors raise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..chunk import ChunkHeader
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a peer's transfer server listens (from its etcd node record)."""
+
+    host: str
+    port: int
+    node_id: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.node_id or 'peer'}@{self.host}:{self.port}"
+
+
+class MissReason(enum.StrEnum):
+    ABSENT = "absent"  # the owner does not hold the chunk (evicted since the index said so)
+    CHECKSUM = "checksum"  # bytes arrived but did not match the header: never committed
+    TIMEOUT = "timeout"  # the pull ran past its deadline
+    PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
+    BACKOFF = "backoff"  # the peer erred recently; not asked
+    CAPACITY = "capacity"  # no free slot in the destination pool
+
+
+@dataclasses.dataclass(slots=True)
+class PullResult:
+    peer: PeerAddress
+    loaded: dict[ChunkKey, ChunkHeader] = dataclasses.field(default_factory=dict)
+    missed: dict[ChunkKey, MissReason] = dataclasses.field(default_factory=dict)
+
+    def miss_rest(self, keys: Sequence[ChunkKey], reason: MissReason) -> None:
+        """Mark every key that is neither loaded nor missed yet as missed with ``reason``."""
+        for key in keys:
+            if key not in self.loaded and key not in self.missed:
+                self.missed[key] = reason
+
+    @property
+    def complete(self) -> bool:
+        return not self.missed
+
+
+class Transport(Protocol):
+    """Client side of one transport. Implementations: ``TcpTransport``, ``NixlTransport``."""
+
+    name: str
+
+    async def pull(
+        self,
+        peer: PeerAddress,
+        fingerprint: FingerprintDigest,
+        keys: Sequence[ChunkKey],
+        dst: CpuPool,
+        timeout: float,
+    ) -> PullResult: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,165 @@
+"""Requester side: authenticated pooled connections and the TCP transport.
+
+One connection per (peer, fingerprint), opened on first use, handshaken (the server must prove
+the cluster secret too), then shared by every concurrent pull to that peer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from ..errors import HandshakeError, PeerTimeout, TransferError
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool
+from . import wire
+from .base import MissReason, PeerAddress, PullResult
+from .connection import Connection
+from .health import PeerHealth
+
+log = logging.getLogger(__name__)
+
+
+def batch_size(max_frame_bytes: int) -> int:
+    """Keys per request such that the request and a ``pinned`` answer fit in one frame."""
+    return max(1, min(wire.MAX_KEYS_PER_REQUEST, (max_frame_bytes - 256) // 96))
+
+
+class ConnectionPool:
+    def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False) -> None:
+        if not secret:
+            raise ValueError("secret must not be empty")
+        self._secret = secret
+        self._timeout = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._want_nixl = want_nixl
+        self._conns: dict[tuple[PeerAddress, bytes], Connection] = {}
+        self._locks: dict[tuple[PeerAddress, bytes], asyncio.Lock] = {}
+
+    async def get(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> Connection:
+        key = (peer, bytes(fp))
+        conn = self._conns.get(key)
+        if conn is not None and not conn.closed:
+            return conn
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            await asyncio.wait_for(lock.acquire(), timeout)
+        except TimeoutError as exc:
+            raise PeerTimeout(f"{peer}: waiting for a connection") from exc
+        try:
+            conn = self._conns.get(key)
+            if conn is None or conn.closed:
+                conn = await self._connect(peer, fp, min(timeout, self._timeout))
+                self._conns[key] = conn
+            return conn
+        finally:
+            lock.release()
+
+    async def _connect(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(lambda: Connection(str(peer), self.max_frame_bytes), peer.host, peer.port),
+                timeout,
+            )
+        except TimeoutError as exc:
+            raise PeerTimeout(f"{peer}: connect timed out") from exc
+        except OSError as exc:
+            raise TransferError(f"{peer}: connect failed: {exc}") from exc
+        try:
+            await asyncio.wait_for(self._handshake(conn, fp, timeout), timeout)
+        except TimeoutError as exc:
+            conn.abort(PeerTimeout("handshake timed out"))
+            raise PeerTimeout(f"{peer}: handshake timed out") from exc
+        except BaseException as exc:
+            conn.abort(exc)
+            raise
+        return conn
+
+    async def _handshake(self, conn: Connection, fp: FingerprintDigest, timeout: float) -> None:
+        nonce_c = wire.nonce()
+        conn.send({"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c, "nixl": self._want_nixl})
+        challenge = await conn.control(timeout)
+        if challenge["t"] == "error":
+            raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
+        nonce_s = wire.field(challenge, "ns", bytes)
+        if challenge["t"] != "challenge" or not wire.proof_ok(
+            wire.proof(self._secret, b"S", fp, nonce_c, nonce_s), challenge.get("proof")
+        ):
+            raise HandshakeError(f"{conn.peer} failed to prove the cluster secret")
+        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s)})
+        ready = await conn.control(timeout)
+        if ready["t"] != "ready":
+            raise HandshakeError(f"{conn.peer} did not accept the handshake ({ready['t']!r})")
+        nixl = ready.get("nixl")
+        conn.nixl = nixl if isinstance(nixl, dict) else None
+
+    async def close(self) -> None:
+        for conn in self._conns.values():
+            conn.abort(TransferError("pool closed"))
+        self._conns.clear()
+
+
+async def guarded_pull(
+    health: PeerHealth, peer: PeerAddress, keys: Sequence[ChunkKey], result: PullResult, body: asyncio.Future[None]
+) -> PullResult:
+    """Await ``body``; map its failures to misses and the peer's health. Never raises TransferError."""
+    try:
+        await body
+    except PeerTimeout as exc:
+        result.miss_rest(keys, MissReason.TIMEOUT)
+        health.record_failure(peer, exc)
+    except TransferError as exc:
+        result.miss_rest(keys, MissReason.PEER_ERROR)
+        health.record_failure(peer, exc)
+    else:
+        health.record_success(peer)
+    return result
+
+
+class TcpTransport:
+    """Pulls chunk payloads over the authenticated TCP connection itself."""
+
+    name = "tcp"
+
+    def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
+                 health: PeerHealth | None = None) -> None:
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes)
+        self.health = health if health is not None else PeerHealth(2.0)
+
+    async def pull(
+        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+        timeout: float,
+    ) -> PullResult:
+        result = PullResult(peer)
+        if not keys:
+            return result
+        if not self.health.available(peer):
+            result.miss_rest(keys, MissReason.BACKOFF)
+            return result
+        body = asyncio.ensure_future(self._pull(peer, fingerprint, keys, dst, result, timeout))
+        return await guarded_pull(self.health, peer, keys, result, body)
+
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+                    result: PullResult, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = await self._pool.get(peer, fp, timeout)
+        step = batch_size(self._pool.max_frame_bytes)
+        requests = [conn.start_get(keys[i : i + step], fp, dst, result) for i in range(0, len(keys), step)]
+        try:
+            done, _ = await asyncio.wait([r.future for r in requests], timeout=max(0.0, deadline - loop.time()))
+        finally:
+            for request in requests:
+                if not request.future.done():
+                    conn.abandon(request)
+        for request in requests:
+            exc = request.future.exception()
+            if exc is not None:
+                if request.future not in done:
+                    raise PeerTimeout(f"{peer}: pull of {len(keys)} chunks ran past {timeout:.1f}s")
+                raise exc
+
+    async def close(self) -> None:
+        await self._pool.close()

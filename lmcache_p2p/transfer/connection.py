@@ -1,0 +1,295 @@
+"""The requester's side of one connection: an ``asyncio.BufferedProtocol`` that reads frames.
+
+Receive states (one frame at a time, each buffer handed to the kernel is exactly what is due)::
+
+    PREFIX (8 bytes) -> BODY (header_len) -> [PAYLOAD: straight into a reserved pool slot] -> PREFIX
+
+A chunk's payload lands in ``dst.reserve().view`` with no intermediate copy, is verified
+against its header and only then committed; a mismatch releases the slot and counts as a miss.
+Many requests are in flight at once, told apart by id. A request given up on (its caller timed
+out) is *abandoned*: its remaining frames are read and dropped, its slot released, and the
+connection stays usable. A frame that breaks the protocol closes the connection and fails every
+request on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+
+from ..chunk import ChunkHeader, verify
+from ..errors import ChunkError, ProtocolError, TierError, TransferError
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool, Reservation
+from . import wire
+from .base import MissReason, PullResult
+
+log = logging.getLogger(__name__)
+
+_DISCARD_BYTES = 1 << 18
+_STAGE_BYTES = 1 << 16
+_PREFIX, _BODY = range(2)
+
+
+class _Request:
+    def __init__(self, rid: int) -> None:
+        self.rid = rid
+        self.future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+            self.future.exception()  # mark retrieved: an abandoned request has no awaiter
+
+
+class _GetRequest(_Request):
+    """Streams chunks of one ``get`` into ``dst``; the result fills in as frames arrive."""
+
+    def __init__(self, rid: int, keys: Sequence[ChunkKey], fp: FingerprintDigest, dst: CpuPool,
+                 result: PullResult) -> None:
+        super().__init__(rid)
+        self.keys, self.fp, self.dst, self.result = keys, fp, dst, result
+        self.current: tuple[ChunkHeader, Reservation] | None = None
+
+    def on_chunk(self, msg: wire.Message, payload_len: int) -> memoryview | None:
+        i = wire.field(msg, "i", int)
+        if not 0 <= i < len(self.keys):
+            raise ProtocolError(f"chunk index {i} out of range")
+        try:
+            header = ChunkHeader.unpack(wire.field(msg, "h", bytes))
+        except ChunkError as exc:
+            raise ProtocolError(f"bad chunk header: {exc}") from exc
+        if header.key != self.keys[i] or header.fingerprint != self.fp or header.length != payload_len:
+            raise ProtocolError("chunk header does not match the request or the payload length")
+        if payload_len > self.dst.slot_bytes:
+            self.result.missed[header.key] = MissReason.CAPACITY
+            return None
+        try:
+            reservation = self.dst.reserve()
+        except TierError:
+            self.result.missed[header.key] = MissReason.CAPACITY
+            return None
+        self.current = (header, reservation)
+        return reservation.view[:payload_len]
+
+    def on_payload(self) -> None:
+        assert self.current is not None
+        header, reservation = self.current
+        self.current = None
+        try:
+            verify(header, reservation.view[: header.length])
+        except ChunkError as exc:
+            self.dst.release(reservation)
+            self.result.missed[header.key] = MissReason.CHECKSUM
+            log.warning("%s: %s", self.result.peer, exc)
+            return
+        self.dst.commit(reservation, header)
+        self.result.loaded[header.key] = header
+
+    def on_miss(self, msg: wire.Message) -> None:
+        i = wire.field(msg, "i", int)
+        if not 0 <= i < len(self.keys):
+            raise ProtocolError(f"miss index {i} out of range")
+        self.result.missed[self.keys[i]] = MissReason.ABSENT
+
+    def drop_current(self) -> None:
+        if self.current is not None:
+            self.dst.release(self.current[1])
+            self.current = None
+
+
+class Connection(asyncio.BufferedProtocol):
+    def __init__(self, peer: str, max_frame_bytes: int) -> None:
+        self.peer = peer
+        self.nixl: wire.Message | None = None  # the owner's NIXL info from the handshake
+        self._max_frame = max_frame_bytes
+        self._transport: asyncio.Transport | None = None
+        self._ids = itertools.count(1)
+        self._pending: dict[int, _Request] = {}
+        self._control: asyncio.Queue[wire.Message | BaseException] = asyncio.Queue()
+        # Frames are parsed out of a small staging buffer; a payload (or a body too big for the
+        # stage) becomes the *target* and the kernel writes straight into it.
+        self._stage = bytearray(_STAGE_BYTES)
+        self._stage_mv = memoryview(self._stage)
+        self._start = self._end = 0
+        self._state = _PREFIX
+        self._header_len = self._payload_len = 0
+        self._target: memoryview | None = None
+        self._tpos = 0
+        self._target_is_body = False
+        self._skip = 0
+        self._scratch = memoryview(bytearray(_DISCARD_BYTES))
+        self._receiver: _GetRequest | None = None  # whose payload is the target now
+        self.closed = False
+
+    # -- asyncio callbacks ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._tpos :]
+        if self._skip:
+            return self._scratch[: min(self._skip, len(self._scratch))]
+        if self._start == self._end:
+            self._start = self._end = 0
+        elif len(self._stage) - self._end < _STAGE_BYTES // 4:
+            n = self._end - self._start
+            self._stage[:n] = self._stage[self._start : self._end]
+            self._start, self._end = 0, n
+        return self._stage_mv[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            if self._target is not None:
+                self._tpos += nbytes
+                if self._tpos < len(self._target):
+                    return
+                self._finish_target()
+            elif self._skip:
+                self._skip -= nbytes
+                if self._skip:
+                    return
+            else:
+                self._end += nbytes
+            self._parse()
+        except (ProtocolError, TransferError) as exc:
+            log.warning("closing connection to %s: %s", self.peer, exc)
+            self.abort(exc)
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._fail_all(TransferError(f"connection to {self.peer} lost: {exc or 'closed by peer'}"))
+
+    # -- frame state machine -----------------------------------------------------------------------
+    def _parse(self) -> None:
+        """Consume staged bytes: frames, and the first part of a payload, until more are needed."""
+        while True:
+            avail = self._end - self._start
+            if self._target is not None:
+                take = min(avail, len(self._target) - self._tpos)
+                self._target[self._tpos : self._tpos + take] = self._stage_mv[self._start : self._start + take]
+                self._start += take
+                self._tpos += take
+                if self._tpos < len(self._target):
+                    return
+                self._finish_target()
+            elif self._skip:
+                take = min(avail, self._skip)
+                self._start += take
+                self._skip -= take
+                if self._skip:
+                    return
+            elif self._state == _PREFIX:
+                if avail < wire.PREFIX_SIZE:
+                    return
+                self._header_len, self._payload_len = wire.decode_prefix(
+                    self._stage_mv[self._start : self._start + wire.PREFIX_SIZE], self._max_frame)
+                self._start += wire.PREFIX_SIZE
+                self._state = _BODY
+                if self._header_len > len(self._stage) // 2:
+                    self._set_target(memoryview(bytearray(self._header_len)), is_body=True)
+            else:
+                if avail < self._header_len:
+                    return
+                body = self._stage_mv[self._start : self._start + self._header_len]
+                self._start += self._header_len
+                self._state = _PREFIX
+                self._on_message(wire.decode(body), self._payload_len)
+
+    def _set_target(self, target: memoryview, is_body: bool = False) -> None:
+        self._target, self._tpos, self._target_is_body = target, 0, is_body
+
+    def _finish_target(self) -> None:
+        target, self._target = self._target, None
+        assert target is not None
+        if self._target_is_body:
+            self._state = _PREFIX
+            self._on_message(wire.decode(target), self._payload_len)
+            return
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.on_payload()
+
+    def _on_message(self, msg: wire.Message, payload_len: int) -> None:
+        kind = msg["t"]
+        if payload_len and kind != "chunk":
+            raise ProtocolError(f"{kind!r} frame with a payload")
+        if kind not in ("chunk", "miss", "end", "pinned"):
+            self._control.put_nowait(msg)
+            return
+        request = self._pending.get(wire.field(msg, "id", int))
+        target: memoryview | None = None
+        if kind == "chunk":
+            if isinstance(request, _GetRequest):
+                target = request.on_chunk(msg, payload_len)
+        elif kind == "miss" and isinstance(request, _GetRequest):
+            request.on_miss(msg)
+        elif request is not None:
+            del self._pending[request.rid]
+            if not request.future.done():
+                request.future.set_result(msg)
+        if target is not None:
+            self._receiver = request if isinstance(request, _GetRequest) else None
+            self._set_target(target)
+        else:
+            self._skip = payload_len
+
+    # -- requests ---------------------------------------------------------------------------------
+    def send(self, msg: wire.Message) -> None:
+        if self.closed or self._transport is None:
+            raise TransferError(f"connection to {self.peer} is closed")
+        self._transport.write(wire.encode(msg))
+
+    async def control(self, timeout: float) -> wire.Message:
+        """The next handshake frame (``challenge``, ``ready`` or ``error``)."""
+        try:
+            item = await asyncio.wait_for(self._control.get(), timeout)
+        except TimeoutError as exc:
+            raise TransferError(f"{self.peer}: handshake timed out") from exc
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def start_get(self, keys: Sequence[ChunkKey], fp: FingerprintDigest, dst: CpuPool,
+                  result: PullResult) -> _GetRequest:
+        request = _GetRequest(next(self._ids), keys, fp, dst, result)
+        self._pending[request.rid] = request
+        self.send({"t": "get", "id": request.rid, "keys": list(keys)})
+        return request
+
+    def start_pin(self, keys: Sequence[ChunkKey]) -> _Request:
+        request = _Request(next(self._ids))
+        self._pending[request.rid] = request
+        self.send({"t": "pin", "id": request.rid, "keys": list(keys)})
+        return request
+
+    def abandon(self, request: _Request) -> None:
+        """Stop caring about ``request``: its remaining frames are read and dropped."""
+        self._pending.pop(request.rid, None)
+        request.fail(TransferError("abandoned"))
+        if request is self._receiver and isinstance(request, _GetRequest) and self._target is not None:
+            self._receiver = None
+            request.drop_current()
+            self._skip = len(self._target) - self._tpos
+            self._target = None
+
+    def abort(self, exc: BaseException) -> None:
+        self._fail_all(exc)
+        if self._transport is not None:
+            self._transport.abort()
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self.closed = True
+        if self._receiver is not None:
+            self._receiver.drop_current()
+            self._receiver = None
+        for request in self._pending.values():
+            request.fail(exc)
+        self._pending.clear()
+        self._control.put_nowait(exc)

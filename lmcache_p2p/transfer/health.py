@@ -1,0 +1,51 @@
+"""Per-peer backoff: a peer that erred is not asked again until its backoff has passed."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+
+from .base import PeerAddress
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _State:
+    failures: int = 0
+    until: float = 0.0
+
+
+class PeerHealth:
+    """Exponential backoff per peer: ``base_s * 2**(failures-1)``, at most ``max_s``."""
+
+    def __init__(self, base_s: float, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if base_s < 0 or max_s < base_s:
+            raise ValueError(f"need 0 <= base_s <= max_s, got {base_s}, {max_s}")
+        self._base = base_s
+        self._max = max_s
+        self._clock = clock
+        self._peers: dict[PeerAddress, _State] = {}
+
+    def available(self, peer: PeerAddress) -> bool:
+        state = self._peers.get(peer)
+        return state is None or self._clock() >= state.until
+
+    def failures(self, peer: PeerAddress) -> int:
+        state = self._peers.get(peer)
+        return 0 if state is None else state.failures
+
+    def reset(self) -> None:
+        self._peers.clear()
+
+    def record_success(self, peer: PeerAddress) -> None:
+        self._peers.pop(peer, None)
+
+    def record_failure(self, peer: PeerAddress, why: object) -> None:
+        state = self._peers.setdefault(peer, _State())
+        state.failures += 1
+        delay = min(self._max, self._base * 2 ** (state.failures - 1))
+        state.until = self._clock() + delay
+        log.warning("peer %s failed (%s); backing off %.1fs (failure %d)", peer, why, delay, state.failures)

@@ -1,0 +1,67 @@
+"""Zero-copy socket helpers for the owner side: exact reads and scatter sends with deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Sequence
+
+from ..errors import PeerTimeout
+
+
+async def recv_exact(sock: socket.socket, buf: memoryview, timeout: float) -> None:
+    """Fill ``buf`` from ``sock`` within ``timeout`` seconds; EOF raises ``ConnectionResetError``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    pos = 0
+    while pos < len(buf):
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise PeerTimeout(f"no data within {timeout:.1f}s")
+        try:
+            n = await asyncio.wait_for(loop.sock_recv_into(sock, buf[pos:]), remaining)
+        except TimeoutError as exc:
+            raise PeerTimeout(f"no data within {timeout:.1f}s") from exc
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection")
+        pos += n
+
+
+async def send_all(sock: socket.socket, buffers: Sequence[bytes | memoryview], timeout: float) -> None:
+    """``sendmsg`` the buffers in order, without copying them, within ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        try:
+            sent = sock.sendmsg(views)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        while sent and views:
+            if sent >= len(views[0]):
+                sent -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+        if views:
+            await _writable(loop, sock, deadline)
+
+
+async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float) -> None:
+    fut: asyncio.Future[bool] = loop.create_future()
+
+    def settle(ready: bool) -> None:
+        if not fut.done():
+            fut.set_result(ready)
+
+    fd = sock.fileno()
+    loop.add_writer(fd, settle, True)
+    timer = loop.call_at(deadline, settle, False)
+    try:
+        ready = await fut
+    finally:
+        timer.cancel()
+        loop.remove_writer(fd)
+    if not ready:
+        raise PeerTimeout("peer stopped reading")

@@ -1,0 +1,183 @@
+"""NIXL transport: the owner pins and describes, the requester READs one-sidedly.
+
+    requester                                  owner
+    pin {id, keys}            ─── TCP ──▶      pin each key (deadline), answer
+                              ◀── TCP ───      pinned {lease, items: [header, slot address] | None}
+    reserve local slots, one prepared READ of every present chunk (NIXL/UCX, no owner CPU)
+    verify each checksum, commit or release
+    release {lease}           ─── TCP ──▶      unpin (pins expire anyway)
+
+Handshake and control frames share the authenticated TCP connection of the TCP transport
+(``hello`` asks for the owner's NIXL agent metadata, loaded once per peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from ..chunk import ChunkHeader, verify
+from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool, Reservation
+from . import wire
+from .base import MissReason, PeerAddress, PullResult
+from .client import ConnectionPool, batch_size, guarded_pull
+from .connection import Connection
+from .health import PeerHealth
+from .nixl_engine import NixlEngine
+
+log = logging.getLogger(__name__)
+
+PIN_BATCH = 32  # keys per pin request; batches are pipelined
+
+
+class NixlTransport:
+    name = "nixl"
+
+    def __init__(self, engine: NixlEngine, secret: bytes, timeout_s: float = 5.0,
+                 max_frame_bytes: int = 1 << 20, health: PeerHealth | None = None) -> None:
+        self.engine = engine
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True)
+        self.health = health if health is not None else PeerHealth(2.0)
+        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
+
+    async def pull(
+        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+        timeout: float,
+    ) -> PullResult:
+        if dst is not self.engine.pool:
+            raise ValueError("NIXL pulls land only in the pool registered with the engine")
+        result = PullResult(peer)
+        if not keys:
+            return result
+        if not self.health.available(peer):
+            result.miss_rest(keys, MissReason.BACKOFF)
+            return result
+        body = asyncio.ensure_future(self._pull(peer, fingerprint, keys, dst, result, timeout))
+        return await guarded_pull(self.health, peer, keys, result, body)
+
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+                    result: PullResult, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        conn = await self._pool.get(peer, fp, timeout)
+        if conn.nixl is None:
+            raise TransferError(f"{peer} does not serve NIXL")
+        remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
+        # Every pin request goes out at once: the owner answers batch k+1 while batch k is read.
+        step = min(PIN_BATCH, batch_size(self._pool.max_frame_bytes))
+        batches = [keys[i : i + step] for i in range(0, len(keys), step)]
+        requests = [conn.start_pin(batch) for batch in batches]
+        finishing: list[asyncio.Task[None]] = []
+        try:
+            for request, batch in zip(requests, batches, strict=True):
+                try:
+                    answer = await asyncio.wait_for(request.future, max(0.0, deadline - loop.time()))
+                except TimeoutError as exc:
+                    raise PeerTimeout(f"{conn.peer}: no pin answer before the deadline") from exc
+                finishing.append(await self._read_batch(conn, remote, fp, batch, answer, dst, result, deadline))
+        finally:
+            for request in requests:
+                if not request.future.done():
+                    conn.abandon(request)  # its pins, if granted, expire on the owner
+            await asyncio.gather(*finishing)
+
+    async def _read_batch(self, conn: Connection, remote: str, fp: FingerprintDigest, keys: Sequence[ChunkKey],
+                          answer: wire.Message, dst: CpuPool, result: PullResult,
+                          deadline: float) -> asyncio.Task[None]:
+        """READ one pinned batch; returns the task that verifies and commits it (off the loop)."""
+        loop = asyncio.get_running_loop()
+        lease = wire.field(answer, "lease", int)
+        staged: list[tuple[ChunkHeader, Reservation, int]] = []
+        checks: list[asyncio.Future[list[bool]]] = []
+
+        def check(group: range) -> None:
+            views = [(staged[i][0], staged[i][1].view) for i in group]
+            checks.append(loop.run_in_executor(self._verifier, _verify_all, views))
+
+        try:
+            for key, item in zip(keys, self._items(answer, len(keys)), strict=True):
+                if item is None:
+                    result.missed[key] = MissReason.ABSENT
+                    continue
+                header, address = self._check(item, key, fp)
+                if header.length > dst.slot_bytes:
+                    result.missed[key] = MissReason.CAPACITY
+                    continue
+                try:
+                    staged.append((header, dst.reserve(), address))
+                except TierError:
+                    result.missed[key] = MissReason.CAPACITY
+            await self.engine.read(
+                remote,
+                [dst.slot_address(r.slot) for _, r, _ in staged],
+                [a for _, _, a in staged],
+                [h.length for h, _, _ in staged],
+                deadline,
+                on_group=check,
+            )
+        except BaseException:
+            await asyncio.gather(*checks, return_exceptions=True)
+            for _, reservation, _ in staged:
+                dst.release(reservation)
+            raise
+        finally:
+            with contextlib.suppress(TransferError):
+                conn.send({"t": "release", "lease": lease})
+        return loop.create_task(self._finish(staged, checks, dst, result))
+
+    async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]],
+                      checks: list[asyncio.Future[list[bool]]], dst: CpuPool, result: PullResult) -> None:
+        verdicts = [ok for group in await asyncio.gather(*checks) for ok in group]
+        for (header, reservation, _), ok in zip(staged, verdicts, strict=True):
+            self._deliver(header, reservation, ok, dst, result)
+
+    @staticmethod
+    def _items(answer: wire.Message, n: int) -> list[object]:
+        items = wire.field(answer, "items", list)
+        if len(items) != n:
+            raise ProtocolError(f"pinned answer has {len(items)} items for {n} keys")
+        return items
+
+    @staticmethod
+    def _check(item: object, key: ChunkKey, fp: FingerprintDigest) -> tuple[ChunkHeader, int]:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
+                and isinstance(item[1], int) and not isinstance(item[1], bool)):
+            raise ProtocolError("pinned item must be [header, address]")
+        try:
+            header = ChunkHeader.unpack(item[0])
+        except ChunkError as exc:
+            raise ProtocolError(f"bad chunk header: {exc}") from exc
+        if header.key != key or header.fingerprint != fp:
+            raise ProtocolError("pinned header does not match the requested key/fingerprint")
+        return header, item[1]
+
+    @staticmethod
+    def _deliver(header: ChunkHeader, reservation: Reservation, ok: bool, dst: CpuPool, result: PullResult) -> None:
+        if not ok:
+            dst.release(reservation)
+            result.missed[header.key] = MissReason.CHECKSUM
+            log.warning("%s: chunk %s failed its checksum; not committed", result.peer, header.key.hex())
+            return
+        dst.commit(reservation, header)
+        result.loaded[header.key] = header
+
+    async def close(self) -> None:
+        await self._pool.close()
+        self._verifier.shutdown(wait=True)
+
+
+def _verify_all(items: list[tuple[ChunkHeader, memoryview]]) -> list[bool]:
+    """Runs on the verifier thread, overlapping the next READ group."""
+    verdicts = []
+    for header, view in items:
+        try:
+            verify(header, view[: header.length])
+            verdicts.append(True)
+        except ChunkError:
+            verdicts.append(False)
+    return verdicts

@@ -1,0 +1,275 @@
+"""The owner side: serves chunks of a :class:`CpuPool` to authenticated peers.
+
+One task per connection, on raw non-blocking sockets: requests are read with
+``sock_recv_into`` and every chunk leaves as ``sendmsg([frame, slot view])`` straight out of
+the pinned slot (no payload copy; asyncio 3.11 transports would copy what the kernel does not
+take at once). Requests of one connection are served in order; connections are independent.
+A connection that fails the handshake or sends a malformed, oversized or truncated frame is
+logged and closed; nothing else is affected and no payload was sent on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import socket
+import time
+from collections.abc import Collection
+from typing import Any
+
+from ..errors import HandshakeError, ProtocolError, TransferError
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool, Pin
+from . import wire
+from .netio import recv_exact, send_all
+from .nixl_engine import NixlEngine
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 600.0  # an authenticated connection with no request for this long is closed
+MAX_CONNECTIONS = 512
+_SEND_BATCH_BYTES = 4 << 20  # chunks gathered into one sendmsg (their pins held until it returns)
+_SEND_BATCH_BUFFERS = 64
+
+
+@dataclasses.dataclass(slots=True)
+class ServerStats:
+    connections: int = 0
+    rejected: int = 0
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    misses: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Session:
+    sock: socket.socket
+    peer: str
+    fingerprint: FingerprintDigest = FingerprintDigest(b"")
+    leases: dict[int, tuple[float, list[Pin]]] = dataclasses.field(default_factory=dict)
+
+
+class TransferServer:
+    def __init__(
+        self,
+        pool: CpuPool,
+        fingerprints: Collection[FingerprintDigest],
+        secret: bytes,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 5.0,
+        max_frame_bytes: int = 1 << 20,
+        pin_timeout_s: float = 30.0,
+        nixl: NixlEngine | None = None,
+    ) -> None:
+        if not secret:
+            raise ValueError("secret must not be empty: every connection is authenticated")
+        self.pool = pool
+        self.fingerprints = frozenset(fingerprints)
+        self._secret = secret
+        self._host, self._port = host, port
+        self._timeout = timeout_s
+        self._max_frame = max_frame_bytes
+        self._pin_timeout = pin_timeout_s
+        self._nixl = nixl
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._sessions: set[asyncio.Task[None]] = set()
+        self._leases = itertools.count(1)
+        self.stats = ServerStats()
+
+    @property
+    def port(self) -> int:
+        if self._sock is None:
+            raise RuntimeError("server not started")
+        return int(self._sock.getsockname()[1])
+
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self._host, self._port))
+        except OSError as exc:
+            sock.close()
+            raise TransferError(f"cannot listen on {self._host}:{self._port}: {exc}") from exc
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        log.info("transfer server listening on %s:%d", self._host, self.port)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._accept_task, *self._sessions) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._sock is not None
+        while True:
+            conn, addr = await loop.sock_accept(self._sock)
+            if len(self._sessions) >= MAX_CONNECTIONS:
+                log.warning("refusing connection from %s: %d connections open", addr, len(self._sessions))
+                conn.close()
+                continue
+            conn.setblocking(False)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve(_Session(conn, f"{addr[0]}:{addr[1]}")))
+            self._sessions.add(task)
+            task.add_done_callback(self._sessions.discard)
+
+    async def _serve(self, s: _Session) -> None:
+        self.stats.connections += 1
+        try:
+            await self._handshake(s)
+            while True:
+                msg = await self._recv(s, IDLE_TIMEOUT_S)
+                await self._dispatch(s, msg)
+        except (HandshakeError, ProtocolError) as exc:
+            self.stats.rejected += 1
+            log.warning("closing connection from %s: %s", s.peer, exc)
+        except (TransferError, ConnectionError, OSError) as exc:
+            log.info("connection from %s ended: %s", s.peer, exc)
+        finally:
+            for _, pins in s.leases.values():
+                self._unpin_all(pins)
+            s.sock.close()
+
+    # -- framing ---------------------------------------------------------------------------------
+    async def _recv(self, s: _Session, first_byte_timeout: float) -> wire.Message:
+        prefix = bytearray(wire.PREFIX_SIZE)
+        await recv_exact(s.sock, memoryview(prefix)[:1], first_byte_timeout)
+        await recv_exact(s.sock, memoryview(prefix)[1:], self._timeout)
+        header_len, payload_len = wire.decode_prefix(prefix, self._max_frame)
+        if payload_len:
+            raise ProtocolError(f"peer sent a {payload_len}-byte payload; requests carry none")
+        body = bytearray(header_len)
+        await recv_exact(s.sock, memoryview(body), self._timeout)
+        return wire.decode(body)
+
+    async def _send(self, s: _Session, msg: wire.Message, payload: memoryview | None = None) -> None:
+        frame = wire.encode(msg, 0 if payload is None else len(payload))
+        await send_all(s.sock, [frame] if payload is None else [frame, payload], self._timeout)
+
+    # -- handshake -------------------------------------------------------------------------------
+    async def _handshake(self, s: _Session) -> None:
+        hello = await self._recv(s, self._timeout)
+        if hello["t"] != "hello":
+            raise ProtocolError(f"expected hello, got {hello['t']!r}")
+        if wire.field(hello, "v", int) != wire.WIRE_VERSION:
+            await self._refuse(s, "version")
+            raise HandshakeError(f"wire version {hello['v']} != {wire.WIRE_VERSION}")
+        fingerprint = FingerprintDigest(wire.field(hello, "fp", bytes))
+        if fingerprint not in self.fingerprints:
+            await self._refuse(s, "fingerprint")
+            raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
+        nonce_c = wire.field(hello, "nc", bytes)
+        if len(nonce_c) != wire.NONCE_BYTES:
+            raise ProtocolError("bad client nonce")
+        nonce_s = wire.nonce()
+        proof = wire.proof(self._secret, b"S", fingerprint, nonce_c, nonce_s)
+        await self._send(s, {"t": "challenge", "ns": nonce_s, "proof": proof})
+        auth = await self._recv(s, self._timeout)
+        expected = wire.proof(self._secret, b"C", fingerprint, nonce_c, nonce_s)
+        if auth["t"] != "auth" or not wire.proof_ok(expected, auth.get("proof")):
+            raise HandshakeError("client failed to prove the cluster secret")
+        s.fingerprint = fingerprint
+        nixl: dict[str, Any] | None = None
+        if hello.get("nixl") is True and self._nixl is not None:
+            nixl = {"name": self._nixl.name, "md": self._nixl.agent_metadata()}
+            self._nixl.keep_progress(max(10.0, 2 * self._timeout))  # the peer wires up now
+        await self._send(s, {"t": "ready", "nixl": nixl})
+
+    async def _refuse(self, s: _Session, why: str) -> None:
+        with contextlib.suppress(TransferError, OSError):
+            await self._send(s, {"t": "error", "why": why})
+
+    # -- requests --------------------------------------------------------------------------------
+    async def _dispatch(self, s: _Session, msg: wire.Message) -> None:
+        kind = msg["t"]
+        if kind == "get":
+            await self._serve_get(s, wire.field(msg, "id", int), wire.key_list(msg))
+        elif kind == "pin":
+            await self._serve_pin(s, wire.field(msg, "id", int), wire.key_list(msg))
+        elif kind == "release":
+            lease = s.leases.pop(wire.field(msg, "lease", int), None)
+            if lease is not None:
+                self._unpin_all(lease[1])
+        else:
+            raise ProtocolError(f"unknown request {kind!r}")
+
+    def _pin(self, s: _Session, key: bytes) -> Pin | None:
+        pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
+        if pin is not None and pin.header.fingerprint != s.fingerprint:
+            self.pool.unpin(pin)
+            return None
+        if pin is None:
+            self.stats.misses += 1
+        return pin
+
+    async def _serve_get(self, s: _Session, rid: int, keys: list[bytes]) -> None:
+        """Stream the chunks, several per ``sendmsg`` (frames and pinned slot views, no copies)."""
+        pins: list[Pin] = []
+        buffers: list[bytes | memoryview] = []
+        pending = 0
+        try:
+            for i, key in enumerate(keys):
+                pin = self._pin(s, key)
+                if pin is None:
+                    buffers.append(wire.encode({"t": "miss", "id": rid, "i": i, "why": "absent"}))
+                else:
+                    pins.append(pin)
+                    length = pin.header.length
+                    buffers.append(wire.encode({"t": "chunk", "id": rid, "i": i, "h": pin.header.pack()}, length))
+                    buffers.append(self.pool.slot_view(pin.slot, length))
+                    pending += length
+                if pending >= _SEND_BATCH_BYTES or len(buffers) >= _SEND_BATCH_BUFFERS:
+                    await self._flush(s, buffers, pins)
+                    pending = 0
+            buffers.append(wire.encode({"t": "end", "id": rid}))
+            await self._flush(s, buffers, pins)
+        finally:
+            self._unpin_all(pins)
+
+    async def _flush(self, s: _Session, buffers: list[bytes | memoryview], pins: list[Pin]) -> None:
+        await send_all(s.sock, buffers, self._timeout)
+        self.stats.chunks_sent += len(pins)
+        self.stats.bytes_sent += sum(p.header.length for p in pins)
+        self._unpin_all(pins)
+        buffers.clear()
+        pins.clear()
+
+    async def _serve_pin(self, s: _Session, rid: int, keys: list[bytes]) -> None:
+        if self._nixl is None:
+            raise ProtocolError("pin request but NIXL is not served here")
+        self._expire_leases(s)
+        pins: list[Pin] = []
+        items: list[list[Any] | None] = []
+        for key in keys:
+            pin = self._pin(s, key)
+            items.append(None if pin is None else [pin.header.pack(), self.pool.slot_address(pin.slot)])
+            if pin is not None:
+                pins.append(pin)
+        lease = next(self._leases)
+        s.leases[lease] = (time.monotonic() + self._pin_timeout, pins)
+        self._nixl.keep_progress(min(self._pin_timeout, 2 * self._timeout))
+        await self._send(s, {"t": "pinned", "id": rid, "lease": lease, "items": items})
+
+    def _expire_leases(self, s: _Session) -> None:
+        now = time.monotonic()
+        for lease, (deadline, pins) in list(s.leases.items()):
+            if deadline <= now:
+                del s.leases[lease]
+                self._unpin_all(pins)
+
+    def _unpin_all(self, pins: list[Pin]) -> None:
+        for pin in pins:
+            self.pool.unpin(pin)

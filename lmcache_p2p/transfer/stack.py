@@ -1,0 +1,96 @@
+"""Everything transfer-related one agent runs, built from its :class:`AgentConfig`.
+
+    stack = TransferStack.build(config, pool, [fingerprint.digest])   # secret from cluster_secret()
+    await stack.start()                                               # on the agent's loop
+    record["transfer"] = stack.node_record()                          # into nodes/<node_id> in etcd
+    result = await stack.preferred.pull(peer_from_record(node_id, rec["transfer"]), fp, keys, pool, timeout)
+    await stack.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from ..config import AgentConfig, cluster_secret
+from ..errors import ConfigError, ProtocolError
+from ..keys import FingerprintDigest
+from ..tiers.cpu_pool import CpuPool
+from . import wire
+from .base import PeerAddress, Transport
+from .client import TcpTransport
+from .health import PeerHealth
+from .nixl import NixlTransport
+from .nixl_engine import NixlEngine
+from .server import TransferServer
+
+
+@dataclasses.dataclass(slots=True)
+class TransferStack:
+    config: AgentConfig
+    server: TransferServer
+    transports: dict[str, Transport]
+    nixl: NixlEngine | None
+    health: PeerHealth
+
+    @classmethod
+    def build(
+        cls,
+        config: AgentConfig,
+        pool: CpuPool,
+        fingerprints: Collection[FingerprintDigest],
+        secret: bytes | None = None,
+    ) -> TransferStack:
+        """Create the NIXL engine (if configured), the server and one client per transport."""
+        tc = config.transfer
+        secret = secret if secret is not None else cluster_secret(config)
+        if not secret:
+            raise ConfigError("transfer.secret", "a cluster secret is required (or set LMCACHE_P2P_SECRET)")
+        health = PeerHealth(tc.backoff_s, max(tc.backoff_s, 30.0))
+        nixl = None
+        if "nixl" in tc.transports:
+            nixl = NixlEngine(f"{config.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}", pool)
+        server = TransferServer(
+            pool, fingerprints, secret, host=tc.listen_host, port=tc.port, timeout_s=tc.timeout_s,
+            max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s, nixl=nixl,
+        )
+        transports: dict[str, Transport] = {}
+        for name in tc.transports:
+            if name == "tcp":
+                transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health)
+            elif name == "nixl" and nixl is not None:
+                transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health)
+        return cls(config, server, transports, nixl, health)
+
+    @property
+    def preferred(self) -> Transport:
+        return self.transports[self.config.transfer.transports[0]]
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    def node_record(self) -> dict[str, Any]:
+        """The transfer part of this node's etcd record (msgpack-able)."""
+        tc = self.config.transfer
+        host = tc.advertise_host or tc.listen_host
+        nixl = None if self.nixl is None else {"name": self.nixl.name, "md": self.nixl.agent_metadata()}
+        return {"host": host, "port": self.server.port, "wire_version": wire.WIRE_VERSION,
+                "transports": list(self.transports), "nixl": nixl}
+
+    async def close(self) -> None:
+        for transport in self.transports.values():
+            await transport.close()
+        await self.server.close()
+        if self.nixl is not None:
+            await self.nixl.close()
+
+
+def peer_from_record(node_id: str, record: Mapping[str, Any]) -> PeerAddress:
+    """A :class:`PeerAddress` from another node's ``node_record()``."""
+    host, port = record.get("host"), record.get("port")
+    if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ProtocolError(f"node {node_id}: bad transfer address {host!r}:{port!r}")
+    return PeerAddress(host, port, node_id)

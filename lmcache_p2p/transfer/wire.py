@@ -1,0 +1,97 @@
+"""The transfer wire protocol: frames, messages and the authenticated handshake.
+
+Every frame is an 8-byte prefix, a msgpack map, then raw payload bytes::
+
+    | header_len u32 LE | payload_len u32 LE | msgpack map (header_len) | payload (payload_len) |
+
+Only the owner sends payloads (one chunk per ``chunk`` frame). ``header_len`` is bounded by
+``max_frame_bytes``; a payload must be exactly the chunk length its header announces. A frame
+that breaks any rule is a :class:`ProtocolError` and closes that connection only.
+
+Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerprint digest)::
+
+    C -> S  hello     {v, fp, nc, nixl}          S checks v, then fp (error frame + close)
+    S -> C  challenge {ns, proof = HMAC(K, "S" v fp nc ns)}
+    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns)}    S checks before serving anything
+    S -> C  ready     {nixl: {name, md} | None}
+
+Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
+
+    get     {id, keys}      -> per key: chunk {id, i, h} + payload | miss {id, i, why}; then end {id}
+    pin     {id, keys}      -> pinned {id, lease, items: [[h, addr] | None]}   (NIXL reads these)
+    release {lease}         -> (no answer) unpins a lease early; pins expire anyway
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from typing import Any
+
+import msgpack
+
+from ..errors import ProtocolError
+
+WIRE_VERSION = 1
+PREFIX = struct.Struct("<II")
+PREFIX_SIZE = PREFIX.size
+NONCE_BYTES = 32
+MAX_KEYS_PER_REQUEST = 4096
+
+Message = dict[str, Any]
+
+
+def encode(msg: Message, payload_len: int = 0) -> bytes:
+    body = msgpack.packb(msg, use_bin_type=True)
+    return PREFIX.pack(len(body), payload_len) + body
+
+
+def decode_prefix(data: bytes | bytearray | memoryview, max_frame_bytes: int) -> tuple[int, int]:
+    header_len, payload_len = PREFIX.unpack_from(data)
+    if header_len == 0 or header_len > max_frame_bytes:
+        raise ProtocolError(f"frame header of {header_len} bytes (limit {max_frame_bytes})")
+    return header_len, payload_len
+
+
+def decode(body: bytes | bytearray | memoryview) -> Message:
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=1 << 24)
+    except Exception as exc:  # msgpack raises a zoo of types for garbage
+        raise ProtocolError(f"undecodable frame: {type(exc).__name__}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolError("frame is not a map with a string 't'")
+    return msg
+
+
+def field(msg: Message, name: str, kind: type | tuple[type, ...]) -> Any:
+    """``msg[name]`` checked against ``kind`` (bool is never an int here)."""
+    value = msg.get(name)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        raise ProtocolError(f"{msg.get('t')!r} frame: field {name!r} must be {kind}, got {type(value).__name__}")
+    return value
+
+
+def key_list(msg: Message) -> list[bytes]:
+    keys = field(msg, "keys", list)
+    if len(keys) > MAX_KEYS_PER_REQUEST:
+        raise ProtocolError(f"{len(keys)} keys in one request (limit {MAX_KEYS_PER_REQUEST})")
+    for key in keys:
+        if not isinstance(key, bytes) or len(key) != 16:
+            raise ProtocolError("keys must be 16-byte binaries")
+    return keys
+
+
+def nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def proof(secret: bytes, role: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+    """HMAC-SHA256 binding the role, version, fingerprint and both nonces."""
+    msg = b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + fingerprint + nonce_c + nonce_s
+    return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def proof_ok(expected: bytes, got: object) -> bool:
+    return isinstance(got, bytes) and hmac.compare_digest(expected, got)

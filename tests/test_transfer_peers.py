@@ -1,0 +1,236 @@
+"""Pulls between real processes over real sockets and real NIXL (skipped only without nixl)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest
+from lmcache_p2p.tiers.cpu_pool import CpuPool
+from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport
+from lmcache_p2p.transfer.client import TcpTransport
+from lmcache_p2p.transfer.nixl import NixlTransport
+from lmcache_p2p.transfer.nixl_engine import NixlEngine, nixl_available
+from lmcache_p2p.transfer.peer_process import OwnerProcess, demo_chunk
+from lmcache_p2p.transfer.striping import merge, pull_striped
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+SECRET = "peer-test-secret"
+FP = FingerprintDigest(b"test-fingerprint")
+SIZE = 256 << 10
+N = 16
+HAS_NIXL = nixl_available()
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(not HAS_NIXL, reason="nixl not importable"))]
+
+
+class Requester:
+    """One requester agent: a loop thread, a pool, and a client per transport."""
+
+    def __init__(self) -> None:
+        self.loop = LoopThread("requester")
+        self.pool = CpuPool(SIZE * 80, SIZE)
+        self.clients: dict[str, TcpTransport | NixlTransport] = {"tcp": TcpTransport(SECRET.encode(), 3.0)}
+        self.engine: NixlEngine | None = None
+        if HAS_NIXL:
+            self.engine = self.loop.run(self._engine(), 30)
+            self.clients["nixl"] = NixlTransport(self.engine, SECRET.encode(), 3.0)
+
+    async def _engine(self) -> NixlEngine:
+        return NixlEngine(f"requester-{os.getpid()}", self.pool)
+
+    def pull(self, transport: str, peer: PeerAddress, keys: list[ChunkKey], timeout: float = 5.0,
+             fp: FingerprintDigest = FP) -> PullResult:
+        return self.loop.run(self.clients[transport].pull(peer, fp, keys, self.pool, timeout), timeout + 5)
+
+    def clear(self) -> None:
+        for key in self.pool.keys():
+            self.pool.remove(key)
+        for client in self.clients.values():
+            client.health.reset()
+
+    def free_slots(self) -> int:
+        return len(self.pool._free) + len(self.pool._zombies)
+
+    def close(self) -> None:
+        async def shutdown() -> None:
+            for client in self.clients.values():
+                await client.close()
+            if self.engine is not None:
+                await self.engine.close()
+
+        self.loop.run(shutdown(), 30)
+        self.loop.stop()
+
+
+def assert_exact(pool: CpuPool, owner: OwnerProcess, index: int, size: int = SIZE) -> None:
+    header, payload = demo_chunk(owner.seed, index, size, FP)
+    out = np.empty(size, np.uint8)
+    assert pool.read_into(header.key, out.data) == header
+    np.testing.assert_array_equal(out, payload)
+
+
+def owner(seed: int, **extra: Any) -> OwnerProcess:
+    transports = "tcp,nixl" if HAS_NIXL else "tcp"
+    return OwnerProcess(SECRET, FP, N, SIZE, seed=seed, transports=transports, pin_timeout_s=1.0, **extra)
+
+
+@pytest.fixture(scope="module")
+def requester() -> Iterator[Requester]:
+    r = Requester()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def owners() -> Iterator[tuple[OwnerProcess, OwnerProcess]]:
+    a, b = owner(1), owner(2)
+    yield a, b
+    a.close()
+    b.close()
+
+
+@pytest.fixture(autouse=True)
+def _clean(requester: Requester) -> Iterator[None]:
+    requester.clear()
+    yield
+    requester.clear()
+
+
+def peer_of(o: OwnerProcess) -> PeerAddress:
+    return PeerAddress("127.0.0.1", o.port, f"owner-{o.seed}")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_single_and_batch_pulls_are_byte_exact(requester: Requester, owners: Any, transport: str) -> None:
+    a, _ = owners
+    result = requester.pull(transport, peer_of(a), [a.key(3)])
+    assert set(result.loaded) == {a.key(3)} and not result.missed
+    assert_exact(requester.pool, a, 3)
+    keys = [a.key(i) for i in range(N)]
+    result = requester.pull(transport, peer_of(a), keys)
+    assert result.complete and len(result.loaded) == N
+    for i in range(N):
+        assert_exact(requester.pool, a, i)
+    if transport == "nixl":
+        assert a.command({"cmd": "pinned"})["pinned"] == 0  # released explicitly, not by expiry
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_striped_pull_across_two_owners(requester: Requester, owners: Any, transport: str) -> None:
+    a, b = owners
+    plan = {peer_of(a): [a.key(i) for i in range(0, N, 2)], peer_of(b): [b.key(i) for i in range(1, N, 2)]}
+    results = requester.loop.run(pull_striped(requester.clients[transport], plan, FP, requester.pool, 5.0), 10)
+    loaded, missed = merge(results)
+    assert len(loaded) == N and not missed
+    for i in range(N):
+        assert_exact(requester.pool, a if i % 2 == 0 else b, i)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_absent_evicted_and_corrupt_chunks_are_misses(requester: Requester, transport: str) -> None:
+    with owner(7) as o:
+        unknown = ChunkKey(b"\x00" * 16)
+        assert o.command({"cmd": "evict", "key": o.key(1).hex()})["ok"]  # evicted after "lookup"
+        assert o.command({"cmd": "corrupt", "key": o.key(2).hex()})["ok"]  # flipped in owner memory
+        result = requester.pull(transport, peer_of(o), [o.key(0), o.key(1), o.key(2), unknown, o.key(3)])
+        assert set(result.loaded) == {o.key(0), o.key(3)}
+        assert result.missed == {o.key(1): MissReason.ABSENT, o.key(2): MissReason.CHECKSUM,
+                                 unknown: MissReason.ABSENT}
+        assert not requester.pool.contains(o.key(2))
+        assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
+        assert_exact(requester.pool, o, 3)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_wrong_secret_or_fingerprint_gets_nothing(requester: Requester, owners: Any, transport: str) -> None:
+    a, _ = owners
+    keys = [a.key(i) for i in range(4)]
+    bad: Transport
+    if transport == "tcp":
+        bad = TcpTransport(b"wrong-secret", 2.0)
+    else:
+        assert requester.engine is not None
+        bad = NixlTransport(requester.engine, b"wrong-secret", 2.0)
+    result = requester.loop.run(bad.pull(peer_of(a), FP, keys, requester.pool, 3.0), 10)
+    assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+    assert len(requester.pool) == 0
+    requester.loop.run(bad.close(), 10)
+    result = requester.pull(transport, peer_of(a), keys, fp=FingerprintDigest(b"other-fingerprnt"))
+    assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+    requester.clear()
+    assert requester.pull(transport, peer_of(a), keys).complete  # still serving the right peers
+
+
+def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
+    big = 2 << 20
+    pool = CpuPool(big * 66, big)
+    client = TcpTransport(SECRET.encode(), 3.0)
+    with OwnerProcess(SECRET, FP, 64, big, seed=9, transports="tcp") as o:
+        keys = [o.key(i) for i in range(64)]
+
+        async def pull_and_kill() -> PullResult:
+            task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, 3.0))
+            while len(pool) < 2 and not task.done():
+                await asyncio.sleep(0)
+            os.kill(o.pid, signal.SIGKILL)
+            return await task
+
+        start = time.monotonic()
+        result = requester.loop.run(pull_and_kill(), 10)
+        assert time.monotonic() - start < 4.0
+        assert len(result.loaded) + len(result.missed) == 64
+        assert result.missed and set(result.missed.values()) <= {MissReason.PEER_ERROR}
+        assert len(pool._free) + len(pool) == pool.num_slots  # no reservation leaked
+        for key in result.loaded:
+            assert_exact(pool, o, keys.index(key), big)
+        # The peer is backed off now: the next pull returns at once, asking nobody.
+        again = requester.loop.run(client.pull(peer_of(o), FP, keys[:2], pool, 3.0), 10)
+        assert set(again.missed.values()) == {MissReason.BACKOFF}
+    requester.loop.run(client.close(), 10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport: str) -> None:
+    o = owner(11)
+    try:
+        keys = [o.key(i) for i in range(N)]
+        assert requester.pull(transport, peer_of(o), keys[:1]).complete  # connection established
+        requester.clear()
+        os.kill(o.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        result = requester.pull(transport, peer_of(o), keys, timeout=1.0)
+        assert time.monotonic() - start < 2.5
+        assert not result.loaded and set(result.missed.values()) == {MissReason.TIMEOUT}
+        assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
+        o.kill()
+        requester.clear()
+        result = requester.pull(transport, peer_of(o), keys, timeout=1.0)
+        assert not result.loaded and set(result.missed.values()) <= {MissReason.PEER_ERROR, MissReason.TIMEOUT}
+    finally:
+        o.kill()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not importable")
+def test_unreleased_nixl_pins_expire(requester: Requester, owners: Any) -> None:
+    a, _ = owners
+    client = requester.clients["nixl"]
+    assert isinstance(client, NixlTransport)
+
+    async def pin_without_release() -> None:
+        conn = await client._pool.get(peer_of(a), FP, 3.0)
+        request = conn.start_pin([a.key(i) for i in range(4)])
+        await asyncio.wait_for(request.future, 3.0)
+
+    requester.loop.run(pin_without_release(), 10)
+    assert a.command({"cmd": "pinned"})["pinned"] == 4
+    time.sleep(1.2)  # the owner's pin timeout is 1 s
+    assert a.command({"cmd": "pinned"})["pinned"] == 0

@@ -1,0 +1,74 @@
+"""Transfer building blocks in-process: frames, proofs, backoff, striping plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.errors import ProtocolError
+from lmcache_p2p.keys import ChunkKey
+from lmcache_p2p.transfer import wire
+from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
+from lmcache_p2p.transfer.health import PeerHealth
+from lmcache_p2p.transfer.striping import merge, plan_stripes
+
+A, B = PeerAddress("127.0.0.1", 1, "a"), PeerAddress("127.0.0.1", 2, "b")
+
+
+def test_frame_round_trip_and_limits() -> None:
+    frame = wire.encode({"t": "get", "id": 3, "keys": [b"k" * 16]}, 7)
+    header_len, payload_len = wire.decode_prefix(frame, 4096)
+    assert payload_len == 7
+    msg = wire.decode(frame[wire.PREFIX_SIZE : wire.PREFIX_SIZE + header_len])
+    assert wire.key_list(msg) == [b"k" * 16] and wire.field(msg, "id", int) == 3
+    with pytest.raises(ProtocolError):
+        wire.decode_prefix(wire.PREFIX.pack(5000, 0), 4096)
+    with pytest.raises(ProtocolError):
+        wire.decode_prefix(wire.PREFIX.pack(0, 0), 4096)
+    with pytest.raises(ProtocolError):
+        wire.decode(b"\xc1garbage")
+    with pytest.raises(ProtocolError):
+        wire.field({"t": "x", "id": True}, "id", int)
+    with pytest.raises(ProtocolError):
+        wire.key_list({"t": "get", "keys": [b"short"]})
+
+
+def test_proofs_bind_role_secret_and_nonces() -> None:
+    fp, nc, ns = b"f" * 16, b"c" * 32, b"s" * 32
+    p = wire.proof(b"secret", b"S", fp, nc, ns)
+    assert wire.proof_ok(p, wire.proof(b"secret", b"S", fp, nc, ns))
+    assert not wire.proof_ok(p, wire.proof(b"secret", b"C", fp, nc, ns))
+    assert not wire.proof_ok(p, wire.proof(b"other", b"S", fp, nc, ns))
+    assert not wire.proof_ok(p, wire.proof(b"secret", b"S", fp, nc, b"t" * 32))
+    assert not wire.proof_ok(p, "not bytes")
+
+
+def test_peer_health_backs_off_exponentially() -> None:
+    now = [0.0]
+    health = PeerHealth(1.0, 4.0, clock=lambda: now[0])
+    assert health.available(A)
+    health.record_failure(A, "boom")
+    assert not health.available(A) and health.available(B)
+    now[0] = 1.0
+    assert health.available(A)
+    health.record_failure(A, "boom")
+    health.record_failure(A, "boom")
+    now[0] = 4.9
+    assert not health.available(A)
+    now[0] = 5.0
+    assert health.available(A)
+    health.record_success(A)
+    assert health.failures(A) == 0
+
+
+def test_plan_stripes_balances_owners() -> None:
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(6)]
+    plan = plan_stripes({k: [A, B] for k in keys})
+    assert sorted(len(v) for v in plan.values()) == [3, 3]
+    assert plan_stripes({keys[0]: []}) == {}
+    ra, rb = PullResult(A), PullResult(B)
+    ra.missed[keys[0]] = MissReason.ABSENT
+    rb.missed[keys[1]] = MissReason.TIMEOUT
+    loaded, missed = merge({A: ra, B: rb})
+    assert loaded == set() and missed == {keys[0], keys[1]}
+    ra.miss_rest(keys[:3], MissReason.PEER_ERROR)
+    assert ra.missed[keys[0]] == MissReason.ABSENT and ra.missed[keys[2]] == MissReason.PEER_ERROR
