@@ -7,12 +7,12 @@ import json
 import queue
 
 import pytest
-from lmcache_p2p.coordinator.cli import main as config_cli
-from lmcache_p2p.coordinator.cluster_config import ClusterConfig, parse_assignments
-from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.coordinator.cli import main as config_cli
+from lmcache_p2p.coordinator.cluster_config import ClusterConfig, parse_assignments
+from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdServer

@@ -14,9 +14,9 @@ import tempfile
 import numpy as np
 import torch
 
+from ..chunk import make_header
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers import CpuPool, DiskTier
-from ..chunk import make_header
 from .common import best_of, emit, gbps, ratio
 
 

@@ -137,6 +137,22 @@ class EtcdBlockIndex:
             return mirror.nodes()
         return {}
 
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+        """Per key, the nodes holding it with their tier byte (lower is faster)."""
+        mirror = self._mirrors.get(fp)
+        return [mirror.owners(k) for k in keys] if mirror is not None else [{} for _ in keys]
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for the agent's metrics: mirror size, publish backlog and lag, lease state."""
+        publisher, session = self._publisher, self._session
+        return {
+            "index_chunks": float(sum(len(m) for m in self._mirrors.values())),
+            "publish_pending": float(publisher.pending) if publisher is not None else 0.0,
+            "publish_lag_s": float(publisher.lag_s) if publisher is not None else 0.0,
+            "lease_up": 1.0 if session is not None and not session.is_done() else 0.0,
+            "lease_ttl_left_s": session.ttl_left_s if session is not None else 0.0,
+        }
+
     def flush(self, timeout: float) -> None:
         """Wait until every queued change is in etcd."""
         self._loop.run(self.publisher.flush(timeout), timeout + 1.0)

@@ -87,9 +87,10 @@ class MemoryIndex:
                     return i
             return len(keys)
 
-    def owners(self, fp: FingerprintDigest, key: ChunkKey) -> dict[NodeId, int]:
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
         with self._mesh.lock:
-            return dict(self._mesh.blocks.get(fp, {}).get(key, {}))
+            held = self._mesh.blocks.get(fp, {})
+            return [dict(held.get(k, {})) for k in keys]
 
     def nodes(self) -> dict[NodeId, NodeRecord]:
         with self._mesh.lock:

@@ -32,6 +32,9 @@ class BlockIndex(Protocol):
     def lookup(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
         """Owners of each key, this node included."""
 
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+        """Per key, the nodes holding it (this node included) with their tier byte (lower is faster)."""
+
     def longest_prefix(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are held by at least one node."""
 

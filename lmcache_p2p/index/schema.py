@@ -76,6 +76,7 @@ class NodeRecord:
     started_at: float = dataclasses.field(default_factory=time.time)
     nixl_metadata: bytes | None = None
     metrics_url: str | None = None
+    models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
 
     def pack(self) -> bytes:
         return msgpack.packb(

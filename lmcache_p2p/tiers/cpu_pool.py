@@ -25,7 +25,7 @@ from ..chunk import ChunkHeader
 from ..errors import CapacityError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
-from .eviction import EvictionPolicy, LRU
+from .eviction import LRU, EvictionPolicy
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -20,7 +20,7 @@ from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..errors import ChunkError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
-from .eviction import EvictionPolicy, LRU
+from .eviction import LRU, EvictionPolicy
 
 log = logging.getLogger(__name__)
 SUFFIX = ".chunk"

@@ -18,7 +18,7 @@ from ..chunk import ChunkHeader, make_header
 from ..config import TierConfig
 from ..errors import TierError
 from ..keys import ChunkKey, FingerprintDigest
-from .cpu_pool import CpuPool
+from .cpu_pool import CpuPool, Reservation
 from .disk import DiskTier
 from .eviction import make_policy
 
@@ -75,6 +75,11 @@ class TieredStore:
     def put_verified(self, header: ChunkHeader, payload: memoryview) -> None:
         """Store bytes whose checksum is already in ``header``."""
         self.cpu.put(header, payload)
+        self._notify(header.key, "cpu")
+
+    def commit_reserved(self, reservation: Reservation, header: ChunkHeader) -> None:
+        """Publish a CPU slot the caller filled (its checksum is in ``header``)."""
+        self.cpu.commit(reservation, header)
         self._notify(header.key, "cpu")
 
     def where(self, key: ChunkKey) -> str | None:
@@ -146,6 +151,26 @@ class TieredStore:
         for header in found:
             self._notify(header.key, "disk")
         return found
+
+    def flush_to_disk(self) -> int:
+        """Write every CPU chunk the disk tier lacks to disk (on shutdown); returns how many."""
+        if self.disk is None:
+            return 0
+        written = 0
+        for key in self.cpu.keys():
+            if self.disk.contains(key):
+                continue
+            pin = self.cpu.pin(key, 60.0)
+            if pin is None:
+                continue
+            try:
+                self.disk.put(pin.header, self.cpu.slot_view(pin.slot, pin.header.length))
+                written += 1
+            except TierError as exc:
+                log.warning("flush of %s to disk failed: %s", key.hex(), exc)
+            finally:
+                self.cpu.unpin(pin)
+        return written
 
     def inventory(self) -> dict[ChunkKey, str]:
         """Every chunk held, with its fastest tier."""

@@ -17,7 +17,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from ..errors import HandshakeError, ProtocolError, TransferError
@@ -65,6 +65,7 @@ class TransferServer:
         max_frame_bytes: int = 1 << 20,
         pin_timeout_s: float = 30.0,
         nixl: NixlEngine | None = None,
+        prepare: Callable[[ChunkKey], bool] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty: every connection is authenticated")
@@ -76,6 +77,7 @@ class TransferServer:
         self._max_frame = max_frame_bytes
         self._pin_timeout = pin_timeout_s
         self._nixl = nixl
+        self._prepare = prepare  # makes a chunk held in a slower tier servable from the pool
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -208,6 +210,8 @@ class TransferServer:
 
     def _pin(self, s: _Session, key: bytes) -> Pin | None:
         pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
+        if pin is None and self._prepare is not None and self._prepare(ChunkKey(key)):
+            pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
         if pin is not None and pin.header.fingerprint != s.fingerprint:
             self.pool.unpin(pin)
             return None

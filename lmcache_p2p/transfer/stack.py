@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from ..config import AgentConfig, cluster_secret
 from ..errors import ConfigError, ProtocolError
-from ..keys import FingerprintDigest
+from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
 from .base import PeerAddress, Transport
@@ -43,6 +43,7 @@ class TransferStack:
         pool: CpuPool,
         fingerprints: Collection[FingerprintDigest],
         secret: bytes | None = None,
+        prepare: Callable[[ChunkKey], bool] | None = None,
     ) -> TransferStack:
         """Create the NIXL engine (if configured), the server and one client per transport."""
         tc = config.transfer
@@ -56,6 +57,7 @@ class TransferStack:
         server = TransferServer(
             pool, fingerprints, secret, host=tc.listen_host, port=tc.port, timeout_s=tc.timeout_s,
             max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s, nixl=nixl,
+            prepare=prepare,
         )
         transports: dict[str, Transport] = {}
         for name in tc.transports:

@@ -1,0 +1,385 @@
+"""The cache agent: tiers + mesh index + transports, behind a small synchronous API.
+
+    lookup(token_ids) -> HitPlan          dict probes only: local store, then the index mirror
+    load(plan, dsts)  -> [loaded?]        local tiers, then peers (striped, verified), in parallel
+    store(token_ids, chunks) -> Future    returns at once; checksum, copy and publish run behind
+
+Every side effect is injected: the config, the clock, the Prometheus registry, the index (an
+``index_factory`` building a :class:`BlockIndex` once the node record is known) and the
+transports. The network side runs on one asyncio loop in a background thread (:class:`LoopThread`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import msgpack
+import numpy as np
+
+from . import __version__
+from .aio import LoopThread
+from .chunk import ChunkHeader, make_header
+from .config import AgentConfig
+from .errors import LMCacheP2PError, TierError
+from .index.protocol import BlockIndex
+from .index.schema import WIRE_VERSION, NodeId, NodeRecord
+from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
+from .metrics import AgentMetrics, MetricsServer, new_registry
+from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
+from .tiers import TIER_CODES, Reservation, TieredStore
+from .transfer.base import MissReason, PeerAddress, PullResult, Transport
+from .transfer.stack import TransferStack
+
+log = logging.getLogger(__name__)
+IndexFactory = Callable[[LoopThread, NodeRecord], BlockIndex]
+
+
+class CacheAgent:
+    def __init__(
+        self,
+        config: AgentConfig,
+        fingerprint: Fingerprint,
+        chunk_bytes: int,
+        *,
+        index_factory: IndexFactory | None = None,
+        metrics: AgentMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        secret: bytes | None = None,
+    ) -> None:
+        self.config = config
+        self.fingerprint = fingerprint
+        self.fp = fingerprint.digest
+        self.node_id = NodeId(config.node_id)
+        self.chunk_bytes = chunk_bytes
+        self._clock = clock
+        self._index_factory = index_factory
+        self._secret = secret
+        self.metrics = metrics if metrics is not None else AgentMetrics(new_registry(self._refresh_metrics))
+        self.store = TieredStore.from_config(config.tiers, chunk_bytes)
+        self.loop: LoopThread | None = None
+        self.index: BlockIndex | None = None
+        self._stack: TransferStack | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store")
+        self._inflight: dict[NodeId, int] = {}
+        self._inflight_lock = threading.Lock()
+        self._served_seen = 0
+        self._started = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def start(self) -> CacheAgent:
+        from .index.etcd_index import EtcdBlockIndex
+
+        self.loop = LoopThread(f"lmcache-p2p-{self.node_id}")
+        try:
+            recovered = self.store.recover()
+            self._stack = TransferStack.build(self.config, self.store.cpu, [self.fp], self._secret,
+                                              prepare=self.store.ensure_in_cpu)
+            self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
+            if self.config.metrics_port is not None:
+                self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
+                                                     self.config.metrics_port)
+            record = self._record()
+            if self._index_factory is not None:
+                self.index = self._index_factory(self.loop, record)
+            else:
+                self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp])
+            self.store.set_listener(self._on_tier_change)
+            for header in recovered:
+                self._on_tier_change(header.key, "disk")
+            self.metrics.info.info({"node_id": self.node_id, "version": __version__,
+                                    "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
+        except BaseException:
+            self.stop()
+            raise
+        self._started = True
+        log.info("agent %s started: %d chunks recovered from disk, serving %s", self.node_id, len(recovered),
+                 self._record().addresses)
+        return self
+
+    def _record(self) -> NodeRecord:
+        stack = self._stack
+        metrics_url = None
+        if self._metrics_server is not None:
+            metrics_url = f"http://{self._advertise_host()}:{self._metrics_server.port}/metrics"
+        transfer = stack.node_record() if stack is not None else {}
+        address = f"{transfer.get('host')}:{transfer.get('port')}"
+        nixl = transfer.get("nixl")
+        return NodeRecord(
+            node_id=self.node_id,
+            addresses={t: address for t in transfer.get("transports", ())},
+            transports=tuple(transfer.get("transports", ())),
+            fingerprints=(self.fp.hex(),),
+            capacities={"cpu": self.store.cpu.capacity_bytes,
+                        **({"disk": self.store.disk.capacity_bytes} if self.store.disk else {})},
+            software_version=__version__,
+            wire_version=WIRE_VERSION,
+            nixl_metadata=msgpack.packb(nixl, use_bin_type=True) if nixl else None,
+            metrics_url=metrics_url,
+            models={self.fp.hex(): self.fingerprint.model_id},
+        )
+
+    def _publish_record(self) -> None:
+        if self.index is not None:
+            self.index.set_record(self._record())
+
+    def _advertise_host(self) -> str:
+        return self.config.transfer.advertise_host or self.config.transfer.listen_host
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_server.port if self._metrics_server else None
+
+    def stop(self, flush_to_disk: bool = True) -> None:
+        """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
+        self._writer.shutdown(wait=True)
+        if flush_to_disk and self._started:
+            self.store.flush_to_disk()
+        if self.index is not None:
+            try:
+                self.index.close()
+            except LMCacheP2PError as exc:
+                log.warning("closing the index failed: %s", exc)
+            self.index = None
+        if self.loop is not None:
+            if self._stack is not None:
+                self._run_quiet(self._stack.close())
+                self._stack = None
+            self.loop.stop()
+            self.loop = None
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
+        self._started = False
+
+    def _run_quiet(self, coro: object) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.run(coro, self.config.transfer.timeout_s)  # type: ignore[arg-type]
+        except (LMCacheP2PError, OSError) as exc:
+            log.warning("shutdown step failed: %s", exc)
+
+    def __enter__(self) -> CacheAgent:
+        return self.start() if not self._started else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- index wiring ------------------------------------------------------------------------------
+    def _on_tier_change(self, key: ChunkKey, tier: str | None) -> None:
+        index = self.index
+        if index is None:
+            return
+        if tier is None:
+            index.remove_many(self.fp, [key])
+        else:
+            index.add_many(self.fp, [key], TIER_CODES[tier])
+
+    # -- lookup --------------------------------------------------------------------------------------
+    def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
+        arr = tokens_to_array(token_ids)
+        return chunk_keys(self.fp, arr, self.config.chunk_size), chunk_spans(len(arr), self.config.chunk_size)
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
+        keys, spans = self.keys_for(token_ids)
+        plan = self.plan(keys, spans, sum(e - s for s, e in spans))
+        self.metrics.lookups.inc()
+        for c in plan.chunks:
+            self.metrics.hit_tokens.labels("local" if c.source == LOCAL else "peer",
+                                           self.store.where(c.key) or "peer").inc(c.end - c.start)
+        self.metrics.miss_tokens.inc(plan.num_tokens - plan.hit_tokens)
+        return plan
+
+    def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
+        index = self.index
+        nodes = index.nodes() if index is not None else {}
+
+        def owners(ks: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+            if index is None:
+                return [{} for _ in ks]
+            return [{n: t for n, t in found.items() if n != self.node_id} for found in index.owners(self.fp, ks)]
+
+        def usable(node: NodeId) -> bool:
+            record = nodes.get(node)
+            if record is None or record.wire_version != WIRE_VERSION or self._transport_for(record) is None:
+                return False
+            peer = self._peer_address(record)
+            return peer is not None and self._stack is not None and self._stack.health.available(peer)
+
+        with self._inflight_lock:
+            inflight = dict(self._inflight)
+        return make_plan(keys, spans, local=lambda k: self.store.where(k) is not None, owners=owners,
+                         usable=usable, inflight=inflight, num_tokens=num_tokens)
+
+    # -- load -----------------------------------------------------------------------------------------
+    def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
+        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified)."""
+        if len(dsts) != len(plan.chunks):
+            raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
+        remote = [c for c in plan.chunks if c.source != LOCAL and not self.store.where(c.key)]
+        if remote:
+            self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
+        loaded = []
+        for chunk, dst in zip(plan.chunks, dsts, strict=True):
+            header = self.store.read_into(chunk.key, dst)
+            ok = header is not None
+            loaded.append(ok)
+            if ok:
+                self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
+            else:
+                self.metrics.load_failures.labels("missing").inc()
+        return loaded
+
+    def chunk_header(self, key: ChunkKey) -> ChunkHeader | None:
+        return self.store.header(key)
+
+    def _pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.run(self._pull_all(chunks, timeout), timeout + 1.0)
+        except LMCacheP2PError as exc:
+            log.warning("pull of %d chunks failed: %s", len(chunks), exc)
+
+    async def _pull_all(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        groups: dict[NodeId, list[PlannedChunk]] = {}
+        for c in chunks:
+            groups.setdefault(c.source, []).append(c)
+        results = await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in groups.items()))
+        retry: dict[NodeId, list[PlannedChunk]] = {}
+        for missed in results:
+            for c in missed:
+                alt = next(iter(c.alternatives), None)
+                if alt is not None:
+                    retry.setdefault(alt, []).append(c)
+        if retry and time.monotonic() < deadline:
+            await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in retry.items()))
+
+    async def _pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
+        """Pull ``chunks`` from ``node`` into the local pool; returns those that missed."""
+        record = self.index.nodes().get(node) if self.index is not None else None
+        transport = self._transport_for(record)
+        peer = self._peer_address(record) if record is not None else None
+        if transport is None or peer is None:
+            return chunks
+        with self._inflight_lock:
+            self._inflight[node] = self._inflight.get(node, 0) + len(chunks)
+        t0 = time.perf_counter()
+        try:
+            result = await transport.pull(peer, self.fp, [c.key for c in chunks], self.store.cpu,
+                                          max(deadline - time.monotonic(), 0.01))
+        finally:
+            with self._inflight_lock:
+                self._inflight[node] -= len(chunks)
+        self._account(transport.name, node, result, time.perf_counter() - t0)
+        for key in result.loaded:
+            self._on_tier_change(key, "cpu")
+        return [c for c in chunks if c.key not in result.loaded]
+
+    def _transport_for(self, record: NodeRecord | None) -> Transport | None:
+        if record is None or self._stack is None:
+            return None
+        for name in self.config.transfer.transports:
+            if name in record.transports and name in self._stack.transports:
+                return self._stack.transports[name]
+        return None
+
+    @staticmethod
+    def _peer_address(record: NodeRecord) -> PeerAddress | None:
+        address = next(iter(record.addresses.values()), None)
+        if address is None:
+            return None
+        host, _, port = address.rpartition(":")
+        return PeerAddress(host, int(port), record.node_id) if port.isdigit() else None
+
+    def _account(self, transport: str, node: NodeId, result: PullResult, seconds: float) -> None:
+        m = self.metrics
+        m.pull_seconds.labels(transport).observe(seconds)
+        m.pull_bytes.labels(transport).inc(sum(h.length for h in result.loaded.values()))
+        m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
+        for reason in result.missed.values():
+            m.pull_chunks.labels(transport, str(reason)).inc()
+        corrupt = sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM)
+        m.checksum_failures.inc(corrupt)
+        if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
+            m.peer_errors.labels(node).inc()
+
+    # -- store -------------------------------------------------------------------------------------------
+    def store_chunks(self, keys: Sequence[ChunkKey], num_tokens: Sequence[int],
+                     chunks: Sequence[memoryview]) -> concurrent.futures.Future[int]:
+        """Store chunks in the background. The caller must not modify ``chunks`` until the future is done."""
+        if not len(keys) == len(num_tokens) == len(chunks):
+            raise ValueError("keys, num_tokens and chunks must have the same length")
+        return self._writer.submit(self._store_now, list(keys), list(num_tokens), list(chunks))
+
+    def store(self, token_ids: Sequence[int] | np.ndarray, chunks: Sequence[memoryview]
+              ) -> concurrent.futures.Future[int]:
+        keys, spans = self.keys_for(token_ids)
+        if len(chunks) > len(keys):
+            raise ValueError(f"{len(chunks)} chunks given for a prompt of {len(keys)} chunks")
+        return self.store_chunks(keys[: len(chunks)], [e - s for s, e in spans[: len(chunks)]], chunks)
+
+    def reserve_chunk(self) -> Reservation:
+        """A CPU slot to fill in place (e.g. a gather from the engine's KV cache), then ``commit_chunk``."""
+        return self.store.cpu.reserve()
+
+    def release_chunk(self, reservation: Reservation) -> None:
+        self.store.cpu.release(reservation)
+
+    def commit_chunk(self, reservation: Reservation, key: ChunkKey, num_tokens: int,
+                     length: int) -> concurrent.futures.Future[None]:
+        """Checksum, commit and announce a filled slot in the background."""
+        return self._writer.submit(self._commit_now, reservation, key, num_tokens, length)
+
+    def _commit_now(self, reservation: Reservation, key: ChunkKey, num_tokens: int, length: int) -> None:
+        try:
+            header = make_header(key, self.fp, reservation.view[:length], num_tokens)
+            self.store.commit_reserved(reservation, header)
+        except BaseException:
+            self.store.cpu.release(reservation)
+            raise
+        self.metrics.stored_chunks.inc()
+
+    def _store_now(self, keys: list[ChunkKey], num_tokens: list[int], chunks: list[memoryview]) -> int:
+        stored = 0
+        for key, ntok, payload in zip(keys, num_tokens, chunks, strict=True):
+            if self.store.where(key) is not None:
+                continue
+            try:
+                self.store.put(key, self.fp, payload, ntok)
+            except TierError as exc:
+                log.warning("store of %s skipped: %s", key.hex(), exc)
+                continue
+            stored += 1
+            self.metrics.stored_chunks.inc()
+        return stored
+
+    # -- metrics ---------------------------------------------------------------------------------------
+    def _refresh_metrics(self) -> None:
+        m = self.metrics
+        tiers = [self.store.cpu, *([self.store.disk] if self.store.disk else [])]
+        for tier in tiers:
+            m.tier_used.labels(tier.name).set(tier.used_bytes)
+            m.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
+            m.chunks_held.labels(tier.name).set(len(tier))
+            m.evictions.labels(tier.name).set(tier.stats.evictions)
+        m.pins.set(self.store.cpu.pinned_count())
+        if self._stack is not None:
+            sent = self._stack.server.stats.chunks_sent
+            m.served_chunks.inc(max(sent - self._served_seen, 0))
+            self._served_seen = sent
+        index = self.index
+        if index is not None:
+            m.index_nodes.set(len(index.nodes()))
+            stats = getattr(index, "stats", None)
+            if callable(stats):
+                for name, value in stats().items():
+                    gauge = {"index_chunks": m.index_chunks, "publish_pending": m.publish_pending,
+                             "publish_lag_s": m.publish_lag, "lease_up": m.lease_up}.get(name)
+                    if gauge is not None:
+                        gauge.set(value)

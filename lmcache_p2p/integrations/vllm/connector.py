@@ -1,0 +1,104 @@
+"""``LMCacheP2PConnector``: vLLM's V1 KV connector for the lmcache-p2p mesh.
+
+A thin class that delegates by role: the scheduler side (:mod:`.scheduler`, in the EngineCore
+process) decides hits from the index mirror; the worker side (:mod:`.worker`, one per GPU / TP
+rank) owns the embedded cache agent and moves bytes. They talk only through
+:class:`~.metadata.LMCacheP2PMetadata`.
+
+Use with ``kv_load_failure_policy: "recompute"`` so that chunks that cannot be loaded (a peer
+died, a checksum failed) are recomputed by vLLM instead of failing the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from .layout import connector_config, engine_fingerprint
+from .metadata import LMCacheP2PMetadata
+from .scheduler import P2PScheduler
+from .worker import P2PWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+log = logging.getLogger(__name__)
+
+
+class LMCacheP2PConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        config = connector_config(vllm_config)
+        block_size = vllm_config.cache_config.block_size
+        if config.chunk_size % block_size:
+            raise ValueError(f"chunk_size ({config.chunk_size}) must be a multiple of the engine block size "
+                             f"({block_size})")
+        rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
+        fingerprint = engine_fingerprint(vllm_config, config, tp_rank=rank % max(
+            vllm_config.parallel_config.tensor_parallel_size, 1))
+        self._scheduler: P2PScheduler | None = None
+        self._worker: P2PWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = P2PScheduler(config, fingerprint, block_size)
+        else:
+            self._worker = P2PWorker(config, fingerprint, block_size)
+
+    # -- scheduler side ------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._scheduler is not None:
+            self._scheduler.request_finished(request)
+        return False, None
+
+    # -- worker side ----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheP2PMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are synchronous and complete before the forward pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # whole chunks are gathered for all layers at once in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, LMCacheP2PMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -1,0 +1,109 @@
+"""The parent side of :mod:`.engine_proc`: start an engine process, send requests, stop it."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from .engine_proc import MARKER, engine_env
+
+
+class EngineProcess:
+    def __init__(self, model: str | Path, agent_config: str | Path | None = None, *, name: str = "engine",
+                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
+        cmd = [sys.executable, "-m", "lmcache_p2p.integrations.vllm.engine_proc", "--model", str(model)]
+        if agent_config is not None:
+            cmd += ["--agent-config", str(agent_config)]
+        self.name = name
+        self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=self._log or subprocess.DEVNULL, text=True,
+                                      env={**os.environ, **engine_env(), **(env or {})},
+                                      start_new_session=True)
+        self._replies: deque[dict[str, Any]] = deque()
+        self._cv = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"{name}-stdout", daemon=True)
+        self._reader.start()
+        self.startup_s: float | None = None
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            if line.startswith(MARKER):
+                with self._cv:
+                    self._replies.append(json.loads(line[len(MARKER):]))
+                    self._cv.notify_all()
+            elif self._log is not None:
+                self._log.write(line)
+        with self._cv:
+            self._cv.notify_all()
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._replies:
+                if self._proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self._proc.returncode}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{self.name}: no reply within {timeout:.0f}s")
+                self._cv.wait(min(left, 1.0))
+            return self._replies.popleft()
+
+    def wait_ready(self, timeout: float = 300.0) -> EngineProcess:
+        reply = self._next(timeout)
+        if not reply.get("ready"):
+            raise RuntimeError(f"{self.name}: unexpected first reply {reply}")
+        self.startup_s = float(reply["startup_s"])
+        return self
+
+    def request(self, op: str, prompts: list[list[int]], timeout: float = 300.0, **extra: Any) -> list[dict[str, Any]]:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"op": op, "prompts": prompts, **extra}) + "\n")
+        self._proc.stdin.flush()
+        reply = self._next(timeout)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']}")
+        return list(reply["results"])
+
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[dict[str, Any]]:
+        return self.request("generate", prompts, max_tokens=max_tokens)
+
+    def ttft(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
+        return self.request("ttft", prompts)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self._proc.poll() is None:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self._proc.stdin.close()
+                self._proc.wait(timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self._proc.kill()
+                self._proc.wait(10)
+        # vLLM's EngineCore and worker processes are in the engine's session: leave none behind.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        self._reader.join(5)
+        if self._log is not None:
+            self._log.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,57 @@
+"""The connector's view of the engine: config loading and the layout fingerprint.
+
+Both connector processes (scheduler and worker) derive the same fingerprint from the engine's
+``VllmConfig``, so the scheduler's index lookups match the keys the worker stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...config import AgentConfig, LayoutConfig, load_config
+from ...keys import Fingerprint
+
+
+def connector_config(vllm_config: Any) -> AgentConfig:
+    """The agent config: the file named by ``kv_connector_extra_config["config"]`` (optional),
+    ``LMCACHE_P2P_*`` environment variables, then ``extra_config["overrides"]`` (dotted keys),
+    with the layout taken from the engine."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    overrides = dict(extra.get("overrides") or {})
+    layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""))
+    for name in LayoutConfig.__dataclass_fields__:
+        overrides[f"layout.{name}"] = getattr(layout, name)
+    return load_config(extra.get("config"), overrides=overrides)
+
+
+def _dtype_name(vllm_config: Any) -> str:
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        return cache_dtype
+    return str(vllm_config.model_config.dtype).removeprefix("torch.")
+
+
+def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
+    return LayoutConfig(
+        model_id=f"{model.model}@{model.revision or ''}",
+        kv_dtype=_dtype_name(vllm_config),
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_size=model.get_head_size(),
+        block_size=vllm_config.cache_config.block_size,
+        kv_layout="vllm-cpu" if device == "cpu" else f"vllm-{device}",
+        tenant_salt=tenant_salt,
+    )
+
+
+def engine_fingerprint(vllm_config: Any, config: AgentConfig, tp_rank: int = 0) -> Fingerprint:
+    layout = config.layout
+    return Fingerprint(
+        model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, block_size=layout.block_size,
+        kv_layout=layout.kv_layout, tp_size=vllm_config.parallel_config.tensor_parallel_size, tp_rank=tp_rank,
+        tenant_salt=layout.tenant_salt,
+    )

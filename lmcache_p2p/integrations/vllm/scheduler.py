@@ -1,0 +1,133 @@
+"""Scheduler side (EngineCore process): how much of a prompt the mesh can supply.
+
+The hit is the longest run of leading chunks held anywhere (this node's agent or any peer),
+read from a watch-fed mirror of the index: a dict probe per chunk, no network. It ends where
+the last available chunk ends, minus one token when that is the prompt's end (vLLM must
+compute the last token itself). It is not rounded down to blocks or chunks: a 2,048-token
+prompt fully held hits 2,047 tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from ...aio import LoopThread
+from ...config import AgentConfig
+from ...index.reader import IndexReader
+from ...keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans
+from .metadata import ChunkTransfer, LMCacheP2PMetadata
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class _Prefill:
+    """A request whose prompt is being computed; saved when the prompt is complete."""
+
+    prompt: list[int]
+    keys: list[ChunkKey]
+    block_ids: list[int]
+    load: ChunkTransfer | None = None
+
+
+class P2PScheduler:
+    def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int) -> None:
+        self._config = config
+        self._fp = fingerprint.digest
+        self._chunk = config.chunk_size
+        self._block = block_size
+        self._loop = LoopThread("lmcache-p2p-scheduler")
+        try:
+            self._index = IndexReader.open(self._loop, config, self._fp)
+        except Exception:
+            self._loop.stop()
+            raise
+        self._requests: dict[str, _Prefill] = {}
+        self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
+
+    def _keys(self, prompt: list[int]) -> list[ChunkKey]:
+        return chunk_keys(self._fp, prompt, self._chunk)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        if not prompt:
+            return 0, False
+        held = self._index.longest_prefix(self._keys(prompt))
+        hit = min(held * self._chunk, len(prompt) - 1)
+        self._local_hit[request.request_id] = num_computed_tokens
+        return max(hit - num_computed_tokens, 0), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        prompt = list(request.prompt_token_ids or [])
+        keys = self._keys(prompt)
+        state = _Prefill(prompt, keys, [])
+        local_hit = self._local_hit.pop(request.request_id, 0)
+        if num_external_tokens > 0:
+            start = local_hit
+            end = start + num_external_tokens
+            state.load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]),
+                                        start, end)
+        self._requests[request.request_id] = state
+
+    def _transfer(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
+                  start: int, end: int) -> ChunkTransfer:
+        """Chunks covering tokens [start, end); block ids are the request's whole block list."""
+        spans = chunk_spans(len(prompt), self._chunk)
+        first, last = start // self._chunk, -(-end // self._chunk)
+        per = self._chunk // self._block
+        chunk_blocks = [block_ids[i * per: i * per + -(-(spans[i][1] - spans[i][0]) // self._block)]
+                        for i in range(first, last)]
+        return ChunkTransfer(req_id, [bytes(k) for k in keys[first:last]],
+                             [spans[i][1] - spans[i][0] for i in range(first, last)], chunk_blocks,
+                             skip_blocks=(start - first * self._chunk) // self._block)
+
+    def build_connector_meta(self, out: Any) -> LMCacheP2PMetadata:
+        meta = LMCacheP2PMetadata()
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            if state.load is not None:
+                meta.loads.append(state.load)
+                state.load = None
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if state is not None and new_ids is not None:
+                if req_id in getattr(cached, "resumed_req_ids", ()):
+                    state.block_ids = list(new_ids[0])
+                else:
+                    state.block_ids.extend(new_ids[0])
+        for req_id, state in list(self._requests.items()):
+            done = _computed_after_step(out, req_id)
+            if done is not None and done >= len(state.prompt):
+                meta.saves.append(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
+                                                 len(state.prompt)))
+                del self._requests[req_id]
+        return meta
+
+    def request_finished(self, request: Any) -> None:
+        self._requests.pop(request.request_id, None)
+        self._local_hit.pop(request.request_id, None)
+
+    def shutdown(self) -> None:
+        self._index.close()
+        self._loop.stop()
+
+
+def _computed_after_step(out: Any, req_id: str) -> int | None:
+    """Tokens of ``req_id`` computed once this step runs; None when it is not scheduled."""
+    scheduled = out.num_scheduled_tokens.get(req_id)
+    if scheduled is None:
+        return None
+    for new in out.scheduled_new_reqs:
+        if new.req_id == req_id:
+            return int(new.num_computed_tokens) + int(scheduled)
+    cached = out.scheduled_cached_reqs
+    if req_id in cached.req_ids:
+        return int(cached.num_computed_tokens[cached.req_ids.index(req_id)]) + int(scheduled)
+    return None

@@ -1,0 +1,194 @@
+"""``lmcache-p2p status``: one table of the mesh, from etcd and each agent's metrics endpoint.
+
+Flags what operators trip over; the exit code is 0 when healthy, 1 when anything is flagged,
+2 when etcd cannot be reached at all (usable by scripts and probes):
+
+    fingerprint-mismatch   nodes serving the same model under different fingerprints (keys never match)
+    unresponsive           lease alive, but the agent's metrics endpoint does not answer (hung?)
+    version-skew           nodes on different software or wire-protocol versions
+    etcd-member-down       an etcd endpoint in the list does not answer
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from typing import Any
+
+from .config import AgentConfig, EtcdConfig, load_config
+from .errors import LMCacheP2PError
+from .index.client import EtcdClient
+from .index.schema import NodeRecord, Schema
+
+SCRAPE_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(slots=True)
+class NodeStatus:
+    node_id: str
+    address: str
+    transports: list[str]
+    fingerprints: list[str]
+    lease_ttl_left_s: float | None
+    chunks_registered: int
+    software_version: str
+    wire_version: int
+    responsive: bool | None = None
+    tier_used_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    tier_capacity_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    hit_rate: float | None = None
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _apply_metrics(node: NodeStatus, url: str | None) -> None:
+    if not url:
+        return
+    try:
+        m = _scrape(url)
+    except OSError:
+        node.responsive = False
+        return
+    node.responsive = True
+    for name, value in m.items():
+        for prefix, target in (("lmcache_p2p_tier_used_bytes{", node.tier_used_bytes),
+                               ("lmcache_p2p_tier_capacity_bytes{", node.tier_capacity_bytes)):
+            if name.startswith(prefix):
+                target[name.split('"')[1]] = value
+    hits = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_hit_tokens_total"))
+    misses = m.get("lmcache_p2p_miss_tokens_total", 0.0)
+    node.hit_rate = hits / (hits + misses) if hits + misses else None
+
+
+async def _collect(config: AgentConfig) -> dict[str, Any]:
+    schema = Schema(config.cluster)
+    client = EtcdClient(config.etcd)
+    await client.connect()
+    try:
+        kvs, revision = await client.get_prefix(schema.nodes)
+        blocks, _ = await client.get_prefix(schema.blocks, revision)
+        per_node: Counter[str] = Counter(kv.key.rsplit(b"/", 1)[1].decode() for kv in blocks)
+        nodes: list[tuple[NodeStatus, NodeRecord]] = []
+        for kv in kvs:
+            record = NodeRecord.unpack(kv.value)
+            ttl = await client.lease.time_to_live(kv.lease, timeout=client.timeout) if kv.lease else None
+            nodes.append((NodeStatus(
+                node_id=record.node_id, address=next(iter(record.addresses.values()), ""),
+                transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
+                lease_ttl_left_s=float(ttl.TTL) if ttl is not None else None,
+                chunks_registered=per_node[record.node_id], software_version=record.software_version,
+                wire_version=record.wire_version), record))
+    finally:
+        await client.close()
+    members = await asyncio.gather(*(_member_up(config.etcd, ep) for ep in config.etcd.endpoints))
+    await asyncio.gather(*(asyncio.to_thread(_apply_metrics, n, r.metrics_url) for n, r in nodes))
+    return _report(config, [n for n, _ in nodes], [r for _, r in nodes], dict(zip(config.etcd.endpoints, members,
+                                                                                 strict=True)), revision)
+
+
+async def _member_up(etcd: EtcdConfig, endpoint: str) -> bool:
+    client = EtcdClient(dataclasses.replace(etcd, endpoints=(endpoint,), timeout_s=2.0))
+    try:
+        await client.connect()
+        await client.status()
+        return True
+    except LMCacheP2PError:
+        return False
+    finally:
+        await client.close()
+
+
+def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeRecord], members: dict[str, bool],
+            revision: int) -> dict[str, Any]:
+    flags: list[str] = []
+    by_model: dict[str, set[str]] = defaultdict(set)
+    for record in records:
+        for fp, model in record.models.items():
+            by_model[model].add(fp)
+    for model, fps in sorted(by_model.items()):
+        if len(fps) > 1:
+            flags.append(f"fingerprint-mismatch: model {model!r} is served under {len(fps)} fingerprints "
+                         f"({', '.join(sorted(f[:12] for f in fps))}): their chunks never match")
+    for node in nodes:
+        if node.responsive is False:
+            flags.append(f"unresponsive: {node.node_id} holds a live lease but its metrics endpoint does not "
+                         f"answer within {SCRAPE_TIMEOUT_S:.0f}s (hung or partitioned?)")
+    versions = {(n.software_version, n.wire_version) for n in nodes}
+    if len(versions) > 1:
+        flags.append("version-skew: " + ", ".join(f"{n.node_id}={n.software_version}/wire{n.wire_version}"
+                                                  for n in nodes))
+    for endpoint, up in members.items():
+        if not up:
+            flags.append(f"etcd-member-down: {endpoint}")
+    return {"cluster": config.cluster, "revision": revision, "time": time.time(), "healthy": not flags,
+            "flags": flags, "etcd_members": members, "nodes": [dataclasses.asdict(n) for n in nodes]}
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f}"
+
+
+def render(report: dict[str, Any]) -> str:
+    head = ["NODE", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB", "DISK GiB", "HIT%",
+            "VERSION"]
+    rows = [head]
+    for n in report["nodes"]:
+        used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
+        rows.append([
+            n["node_id"], n["address"], ",".join(n["transports"]), ",".join(n["fingerprints"]),
+            "-" if n["lease_ttl_left_s"] is None else f"{n['lease_ttl_left_s']:.0f}s", str(n["chunks_registered"]),
+            f"{_gib(used.get('cpu', 0))}/{_gib(cap.get('cpu', 0))}" if "cpu" in cap else "?",
+            f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
+            "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
+            f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?"),
+        ])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = [f"cluster {report['cluster']}  revision {report['revision']}  nodes {len(report['nodes'])}  "
+             f"etcd {sum(report['etcd_members'].values())}/{len(report['etcd_members'])} up"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += [f"! {f}" for f in report["flags"]] or ["healthy"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
+    parser.add_argument("--cluster", help="cluster name (default: config/env)")
+    parser.add_argument("--config", help="agent config file to take etcd settings from")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
+    try:
+        config = load_config(args.config, overrides=overrides)
+    except (ValueError, OSError) as exc:
+        print(f"lmcache-p2p status: {exc}", file=sys.stderr)
+        return 2
+    if not config.etcd.endpoints:
+        print("lmcache-p2p status: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)", file=sys.stderr)
+        return 2
+    while True:
+        try:
+            report = asyncio.run(_collect(config))
+        except LMCacheP2PError as exc:
+            print(f"lmcache-p2p status: cannot read etcd: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(report) if args.json else render(report), flush=True)
+        if args.watch is None:
+            return 0 if report["healthy"] else 1
+        time.sleep(args.watch)

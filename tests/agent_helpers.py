@@ -1,0 +1,80 @@
+"""Agent processes for the mesh tests: ``lmcache-p2p agent`` started for real, in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lmcache_p2p.config import AgentConfig, load_config
+
+SECRET = "mesh-test-secret"
+
+
+def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,
+               disk: Path | None = None, cpu: str = "64MiB", transports: tuple[str, ...] = ("tcp",),
+               timeout_s: float = 3.0) -> Path:
+    tiers: dict[str, Any] = {"cpu_capacity": cpu}
+    if disk is not None:
+        tiers.update(disk_path=str(disk), disk_capacity="256MiB")
+    path.write_text(yaml.safe_dump({
+        "node_id": node, "cluster": cluster, "metrics_port": 0, "tiers": tiers,
+        "etcd": {"endpoints": list(endpoints), "lease_ttl_s": ttl, "timeout_s": 3.0},
+        "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": timeout_s,
+                     "backoff_s": 0.2},
+    }))
+    return path
+
+
+def config(path: Path) -> AgentConfig:
+    return load_config(path, env={})
+
+
+class AgentProcess:
+    def __init__(self, cfg: Path, seeds: tuple[int, ...] = (), tokens: int = 0, log: Path | None = None) -> None:
+        cmd = [sys.executable, "-m", "lmcache_p2p", "agent", "--config", str(cfg), "--log-level", "INFO"]
+        for seed in seeds:
+            cmd += ["--preload-seed", str(seed)]
+        cmd += ["--preload-tokens", str(tokens)]
+        self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_P2P_")}
+        env["UCX_NET_DEVICES"] = "lo"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env)
+        self.info: dict[str, Any] = {}
+
+    def wait_ready(self, timeout: float = 60.0) -> AgentProcess:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"agent exited with {self.proc.wait()} before it was ready")
+            if line.startswith("{"):
+                self.info = json.loads(line)
+                return self
+        raise TimeoutError("agent not ready")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return self.proc.returncode

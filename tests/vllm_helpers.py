@@ -1,0 +1,42 @@
+"""Shared pieces of the vLLM integration tests: the tiny model, agent configs, engines."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+from lmcache_p2p.synthetic import synthetic_tokens
+
+SECRET = "test-cluster-secret"
+
+
+def write_agent_config(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...],
+                       transports: tuple[str, ...] = ("tcp",), lease_ttl_s: int = 10) -> Path:
+    path.write_text(yaml.safe_dump({
+        "node_id": node,
+        "cluster": cluster,
+        "chunk_size": 256,
+        "metrics_port": 0,
+        "tiers": {"cpu_capacity": "256MiB"},
+        "etcd": {"endpoints": list(endpoints), "lease_ttl_s": lease_ttl_s},
+        "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": 5},
+    }))
+    return path
+
+
+def prompts(n: int, length: int, seed: int, vocab: int = 4000) -> list[list[int]]:
+    # ids 0-2 are the tokenizer's special tokens; keep them out of the prompt body
+    return [[t + 3 for t in synthetic_tokens(seed + i, length, vocab)] for i in range(n)]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Prometheus text -> {"name{labels}": value} (comments skipped)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
