@@ -19,10 +19,19 @@ from .engine_proc import MARKER, engine_env
 
 class EngineProcess:
     def __init__(self, model: str | Path, agent_config: str | Path | None = None, *, name: str = "engine",
-                 log_path: str | Path | None = None, env: dict[str, str] | None = None) -> None:
-        cmd = [sys.executable, "-m", "lmcache_p2p.integrations.vllm.engine_proc", "--model", str(model)]
+                 log_path: str | Path | None = None, env: dict[str, str] | None = None,
+                 dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
+                 python: str = sys.executable) -> None:
+        # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
+        # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
+        if agent_config is not None and kv_transfer_json is not None:
+            raise ValueError("agent_config and kv_transfer_json are exclusive")
+        cmd = [python, "-m", "lmcache_p2p.integrations.engine_proc", "--model", str(model),
+               "--dtype", dtype]
         if agent_config is not None:
             cmd += ["--agent-config", str(agent_config)]
+        if kv_transfer_json is not None:
+            cmd += ["--kv-transfer-json", json.dumps(kv_transfer_json)]
         self.name = name
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -90,7 +99,7 @@ class EngineProcess:
             try:
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self._proc.stdin.close()
+                self._proc.stdin.flush()
                 self._proc.wait(timeout)
             except (OSError, subprocess.TimeoutExpired):
                 self._proc.kill()
@@ -99,6 +108,10 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
         self._reader.join(5)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None and not pipe.closed:
+                with contextlib.suppress(OSError):
+                    pipe.close()
         if self._log is not None:
             self._log.close()
 

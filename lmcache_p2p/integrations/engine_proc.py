@@ -1,6 +1,6 @@
 """A vLLM-on-CPU engine in its own process, driven over stdin/stdout (tests, bench, demo).
 
-    python -m lmcache_p2p.integrations.vllm.engine_proc --model DIR [--agent-config FILE]
+    python -m lmcache_p2p.integrations.engine_proc --model DIR [--agent-config FILE | --kv-transfer-json JSON]
 
 Reads JSON requests, one per line, on stdin::
 
@@ -10,7 +10,10 @@ Reads JSON requests, one per line, on stdin::
 
 and answers each with one line ``@@lmcache-p2p {...}`` on stdout (vLLM logs go to stderr/stdout
 too; the marker separates them). With ``--agent-config`` the engine runs with the
-``LMCacheP2PConnector`` and ``kv_load_failure_policy: recompute``; without, plain vLLM.
+``LMCacheP2PConnector`` and ``kv_load_failure_policy: recompute``; with ``--kv-transfer-json`` it
+uses that full ``kv_transfer_config`` dict instead (e.g. LMCache's ``LMCacheMPConnector``); without
+either, plain vLLM. This module imports only vLLM and the stdlib, so it also runs under another venv
+(``.venv-lmcache``) with this repository on ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -36,16 +39,17 @@ def _reply(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def _build(model: str, agent_config: str | None, kv_bytes: int) -> Any:
+def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
+           kv_transfer_json: dict[str, Any] | None = None) -> Any:
     from vllm import LLM
 
-    kv_transfer = None
+    kv_transfer = kv_transfer_json
     if agent_config is not None:
         kv_transfer = {"kv_connector": "LMCacheP2PConnector",
                        "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"config": agent_config}}
-    return LLM(model=model, dtype="bfloat16", max_model_len=8192, enforce_eager=True,
+    return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,
                enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
                disable_log_stats=False, seed=0)
 
@@ -60,8 +64,10 @@ def _serve(llm: Any) -> None:
             break
         prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
         if req["op"] == "generate":
+            # One prompt at a time: batch composition changes floating-point results, and greedy
+            # comparisons between engines must only differ in where the KV came from.
             params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True)
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
             _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
                                  "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
         elif req["op"] == "ttft":
@@ -82,12 +88,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
     parser.add_argument("--agent-config", default=None)
+    parser.add_argument("--kv-transfer-json", default=None,
+                        help="a full kv_transfer_config dict as JSON, used instead of the lmcache-p2p connector")
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
+    if args.agent_config is not None and args.kv_transfer_json is not None:
+        parser.error("--agent-config and --kv-transfer-json are exclusive")
+    kv_transfer_json = json.loads(args.kv_transfer_json) if args.kv_transfer_json is not None else None
     for k, v in engine_env().items():
         os.environ.setdefault(k, v)
     t0 = time.perf_counter()
-    llm = _build(args.model, args.agent_config, args.kv_cache_bytes)
+    llm = _build(args.model, args.agent_config, args.kv_cache_bytes, args.dtype, kv_transfer_json)
     _reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
     _serve(llm)
     del llm

@@ -1,0 +1,97 @@
+"""``lmcache-p2p lookup``: which chunks of a prompt are held where.
+
+    lmcache-p2p lookup --etcd URL --tokens prompt.json            # JSON list or whitespace-separated ids
+    lmcache-p2p lookup --etcd URL --text doc.txt --model /models/llama
+
+The first tool to reach for when the hit rate is low. Keys depend on the layout fingerprint; by
+default every fingerprint served in the cluster is tried (``--fingerprint PREFIX`` picks one),
+so a prompt held under another fingerprint (another dtype, block size, TP rank, tenant salt)
+shows up as such. Exit code 0 when at least one chunk is held somewhere, 1 when none is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .aio import LoopThread
+from .config import load_config
+from .errors import LMCacheP2PError
+from .index.reader import IndexReader
+from .keys import FingerprintDigest, chunk_keys, chunk_spans
+
+
+def read_tokens(args: argparse.Namespace) -> list[int]:
+    if args.tokens:
+        text = Path(args.tokens).read_text().strip()
+        data = json.loads(text) if text.startswith("[") else [int(t) for t in text.split()]
+        return [int(t) for t in data]
+    if not args.model:
+        raise SystemExit("lmcache-p2p lookup: --text needs --model (the tokenizer to use)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    return list(tokenizer(Path(args.text).read_text())["input_ids"])
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p lookup", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="file of token ids")
+    src.add_argument("--text", help="file of text, tokenized with --model's tokenizer")
+    parser.add_argument("--model", help="model directory (tokenizer) for --text")
+    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
+    parser.add_argument("--cluster")
+    parser.add_argument("--config", help="agent config to take etcd settings and chunk size from")
+    parser.add_argument("--fingerprint", help="hex prefix of the fingerprint to look under (default: all)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
+    config = load_config(args.config, overrides=overrides)
+    if not config.etcd.endpoints:
+        print("lmcache-p2p lookup: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)", file=sys.stderr)
+        return 2
+    tokens = read_tokens(args)
+    spans = chunk_spans(len(tokens), config.chunk_size)
+    report: dict[str, object] = {"tokens": len(tokens), "chunk_size": config.chunk_size, "fingerprints": {}}
+    held_any = False
+    with LoopThread("lmcache-p2p-lookup") as loop:
+        try:
+            probe = IndexReader.open(loop, config, FingerprintDigest(b"\0" * 16))
+        except LMCacheP2PError as exc:
+            print(f"lmcache-p2p lookup: cannot read etcd: {exc}", file=sys.stderr)
+            return 2
+        nodes = probe.nodes()
+        probe.close()
+        served = sorted({fp for n in nodes.values() for fp in n.fingerprints})
+        chosen = [fp for fp in served if fp.startswith(args.fingerprint or "")]
+        for fp_hex in chosen:
+            fp = FingerprintDigest(bytes.fromhex(fp_hex))
+            reader = IndexReader.open(loop, config, fp)
+            try:
+                keys = chunk_keys(fp, tokens, config.chunk_size)
+                owners = reader.owners(keys)
+            finally:
+                reader.close()
+            model = next((n.models.get(fp_hex, "?") for n in nodes.values() if fp_hex in n.models), "?")
+            rows = [{"chunk": i, "tokens": f"{s}-{e}", "key": k.hex()[:16], "owners": sorted(o)}
+                    for i, (k, (s, e), o) in enumerate(zip(keys, spans, owners, strict=True))]
+            prefix = next((i for i, o in enumerate(owners) if not o), len(owners))
+            held_any = held_any or any(owners)
+            report["fingerprints"][fp_hex] = {  # type: ignore[index]
+                "model": model, "leading_chunks_held": prefix,
+                "hit_tokens": spans[prefix - 1][1] if prefix else 0, "chunks": rows}
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"{len(tokens)} tokens, {len(spans)} chunks of {config.chunk_size}; "
+              f"{len(served)} fingerprint(s) served in cluster {config.cluster!r}")
+        for fp_hex, info in report["fingerprints"].items():  # type: ignore[attr-defined]
+            print(f"\nfingerprint {fp_hex[:12]} ({info['model']}): leading hit {info['hit_tokens']} tokens")
+            for row in info["chunks"]:
+                print(f"  chunk {row['chunk']:>4}  tokens {row['tokens']:<12} {row['key']}  "
+                      f"{', '.join(row['owners']) or '-'}")
+    return 0 if held_any else 1
