@@ -74,7 +74,7 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
     node.hit_rate = hits / (hits + misses) if hits + misses else None
 
 
-async def _collect(config: AgentConfig) -> dict[str, Any]:
+async def collect(config: AgentConfig) -> dict[str, Any]:
     schema = Schema(config.cluster)
     client = EtcdClient(config.etcd)
     await client.connect()
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
         return 2
     while True:
         try:
-            report = asyncio.run(_collect(config))
+            report = asyncio.run(collect(config))
         except LMCacheP2PError as exc:
             print(f"lmcache-p2p status: cannot read etcd: {exc}", file=sys.stderr)
             return 2

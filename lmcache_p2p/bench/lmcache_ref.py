@@ -73,10 +73,12 @@ class LMCacheServer:
     def __init__(self, repo_root: str | Path = DEFAULT_REPO_ROOT, *, port: int | None = None,
                  log_path: str | Path | None = None) -> None:
         self.port = port or _free_port()
+        self.http_port = _free_port()  # its HTTP server defaults to 8080: never collide with anything there
         exe = Path(repo_root) / VENV_NAME / "bin" / "lmcache"
         cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256",
                "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
-               "--disable-observability", "--disable-metrics"]
+               "--disable-observability", "--disable-metrics",
+               "--http-port", str(self.http_port)]
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log or subprocess.DEVNULL,
                                       stderr=subprocess.STDOUT, env={**os.environ, **lmcache_env(repo_root)},

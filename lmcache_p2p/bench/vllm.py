@@ -1,0 +1,125 @@
+"""``lmcache-p2p bench vllm``: time to first token in real vLLM on CPU, ours against the baselines.
+
+One run, same model, same prompts (2,048 tokens by default), every engine in its own process,
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for all of them, one warm-up request per engine:
+
+    ttft_cold_ms         vLLM without any connector
+    ttft_miss_ms         engine A with the connector, nothing cached anywhere (A stores the chunks)
+    ttft_peer_hit_ms     engine B, started afterwards, same prompts: B pulls A's chunks
+    ttft_lmcache_hit_ms  LMCache server mode, second engine process (when scripts/install_lmcache.sh ran)
+
+Medians over the prompts. vLLM's own prefix cache is off everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..index.etcd_server import EtcdServer
+from ..integrations.engine_client import EngineProcess
+from ..integrations.tiny_model import create_tiny_model
+from ..synthetic import synthetic_tokens
+from .common import emit
+
+SECRET = "bench-vllm-secret"
+
+
+def bench_prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    """Token ids 3..3999: clear of the tiny tokenizer's special ids 0-2."""
+    return [[t + 3 for t in synthetic_tokens(seed + i, length, 3997)] for i in range(n)]
+
+
+def agent_config(path: Path, node: str, endpoints: tuple[str, ...], transport: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "node_id": node, "cluster": "bench-vllm", "metrics_port": 0, "tiers": {"cpu_capacity": "512MiB"},
+        "etcd": {"endpoints": list(endpoints)},
+        "transfer": {"transports": [transport], "secret": SECRET},
+    }))
+    return path
+
+
+def _median_ms(results: list[dict[str, Any]]) -> float:
+    return round(1000 * statistics.median(r["ttft_s"] for r in results), 2)
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model = create_tiny_model(Path(args.model) if args.model else work / "tiny-llama")
+    prompts = bench_prompts(args.prompts, args.tokens, seed=1000)
+    warm = bench_prompts(3, args.tokens, seed=9000)
+    out: dict[str, Any] = {"prompts": args.prompts, "prompt_tokens": args.tokens, "dtype": args.dtype,
+                           "transport": args.transport}
+    with EtcdServer(base_dir=str(work)) as etcd:
+        cfg_a = agent_config(work / "a.yaml", "bench-a", etcd.endpoints, args.transport)
+        cfg_b = agent_config(work / "b.yaml", "bench-b", etcd.endpoints, args.transport)
+        engines: list[EngineProcess] = []
+        try:
+            cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+            engines.append(cold)
+            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
+            engines.append(a)
+            cold.wait_ready()
+            a.wait_ready()
+            cold.ttft([warm[0]])
+            out["ttft_cold_ms"] = _median_ms(cold.ttft(prompts))
+            cold.stop()
+            a.ttft([warm[1]])
+            miss = a.ttft(prompts)
+            out["ttft_miss_ms"] = _median_ms(miss)
+            b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
+            engines.append(b)
+            b.wait_ready()
+            out["engine_start_s"] = round(b.startup_s or 0.0, 1)
+            b.ttft([warm[2]])
+            hit = b.ttft(prompts)
+            out["ttft_peer_hit_ms"] = _median_ms(hit)
+            out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
+            out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+        finally:
+            for engine in engines:
+                engine.stop()
+    out["peer_hit_speedup_vs_cold"] = round(out["ttft_cold_ms"] / out["ttft_peer_hit_ms"], 2)
+    out["miss_overhead_pct"] = round(100 * (out["ttft_miss_ms"] / out["ttft_cold_ms"] - 1), 2)
+    if not args.no_lmcache:
+        out.update(_lmcache(model, prompts, args.dtype, work))
+        if "ttft_lmcache_hit_ms" in out:
+            out["peer_hit_vs_lmcache"] = round(out["ttft_peer_hit_ms"] / out["ttft_lmcache_hit_ms"], 3)
+    return out
+
+
+def _lmcache(model: Path, prompts: list[list[int]], dtype: str, work: Path) -> dict[str, Any]:
+    try:
+        from .lmcache_ref import lmcache_available, measure_lmcache_hit
+    except ImportError:
+        return {"lmcache": "not available"}
+    repo = Path(__file__).resolve().parents[2]
+    if not lmcache_available(repo):
+        return {"lmcache": "not installed (run scripts/install_lmcache.sh)"}
+    return measure_lmcache_hit(model, prompts, dtype, work)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
+    parser.add_argument("--model", help="model directory (default: a tiny model created in the work dir)")
+    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
+    parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        result = run(args, Path(args.workdir))
+    else:
+        with tempfile.TemporaryDirectory(prefix="lmcache-p2p-bench-") as tmp:
+            result = run(args, Path(tmp))
+    emit(result, args.json, "bench vllm (median TTFT over prompts; one warm-up per engine)")
+    return 0
