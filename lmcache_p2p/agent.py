@@ -188,10 +188,13 @@ class CacheAgent:
     def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
         keys, spans = self.keys_for(token_ids)
         plan = self.plan(keys, spans, sum(e - s for s, e in spans))
-        self.metrics.lookups.inc()
+        hits: dict[tuple[str, str], int] = {}
         for c in plan.chunks:
-            self.metrics.hit_tokens.labels("local" if c.source == LOCAL else "peer",
-                                           self.store.where(c.key) or "peer").inc(c.end - c.start)
+            label = ("local", self.store.where(c.key) or "cpu") if c.source == LOCAL else ("peer", "peer")
+            hits[label] = hits.get(label, 0) + c.end - c.start
+        self.metrics.lookups.inc()
+        for (source, tier), n in hits.items():
+            self.metrics.hit_tokens.labels(source, tier).inc(n)
         self.metrics.miss_tokens.inc(plan.num_tokens - plan.hit_tokens)
         return plan
 
@@ -204,17 +207,25 @@ class CacheAgent:
                 return [{} for _ in ks]
             return [{n: t for n, t in found.items() if n != self.node_id} for found in index.owners(self.fp, ks)]
 
+        verdicts: dict[NodeId, bool] = {}
+
         def usable(node: NodeId) -> bool:
-            record = nodes.get(node)
-            if record is None or record.wire_version != WIRE_VERSION or self._transport_for(record) is None:
-                return False
-            peer = self._peer_address(record)
-            return peer is not None and self._stack is not None and self._stack.health.available(peer)
+            verdict = verdicts.get(node)
+            if verdict is None:
+                verdict = verdicts[node] = self._usable(nodes.get(node))
+            return verdict
 
         with self._inflight_lock:
             inflight = dict(self._inflight)
         return make_plan(keys, spans, local=lambda k: self.store.where(k) is not None, owners=owners,
                          usable=usable, inflight=inflight, num_tokens=num_tokens)
+
+    def _usable(self, record: NodeRecord | None) -> bool:
+        """A peer we can pull from now: same wire version, a common transport, not backed off."""
+        if record is None or record.wire_version != WIRE_VERSION or self._transport_for(record) is None:
+            return False
+        peer = self._peer_address(record)
+        return peer is not None and self._stack is not None and self._stack.health.available(peer)
 
     # -- load -----------------------------------------------------------------------------------------
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
