@@ -28,6 +28,7 @@ from .config import AgentConfig
 from .errors import LMCacheP2PError, TierError
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord
+from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer, new_registry
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
@@ -61,6 +62,7 @@ class CacheAgent:
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(new_registry(self._refresh_metrics))
         self.store = TieredStore.from_config(config.tiers, chunk_bytes)
+        self.invalidation = MeshInvalidation(config, self.store, {self.fp: fingerprint}, self.metrics.registry)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
         self._stack: TransferStack | None = None
@@ -92,6 +94,7 @@ class CacheAgent:
             self.store.set_listener(self._on_tier_change)
             for header in recovered:
                 self._on_tier_change(header.key, "disk")
+            self.invalidation.start(self.loop, self.index)  # issued invalidations, then watch + TTL sweep
             self.metrics.info.info({"node_id": self.node_id, "version": __version__,
                                     "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
         except BaseException:
@@ -122,6 +125,7 @@ class CacheAgent:
             nixl_metadata=msgpack.packb(nixl, use_bin_type=True) if nixl else None,
             metrics_url=metrics_url,
             models={self.fp.hex(): self.fingerprint.model_id},
+            tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
         )
 
     def _publish_record(self) -> None:
@@ -137,6 +141,7 @@ class CacheAgent:
 
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
+        self.invalidation.stop()
         self._writer.shutdown(wait=True)
         if flush_to_disk and self._started:
             self.store.flush_to_disk()
@@ -188,6 +193,11 @@ class CacheAgent:
     def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
         keys, spans = self.keys_for(token_ids)
         plan = self.plan(keys, spans, sum(e - s for s, e in spans))
+        self.count_lookup(plan, plan.num_tokens - plan.hit_tokens)
+        return plan
+
+    def count_lookup(self, plan: HitPlan, miss_tokens: int) -> None:
+        """Hit tokens by source and tier, and miss tokens, for one prompt."""
         hits: dict[tuple[str, str], int] = {}
         for c in plan.chunks:
             label = ("local", self.store.where(c.key) or "cpu") if c.source == LOCAL else ("peer", "peer")
@@ -195,8 +205,7 @@ class CacheAgent:
         self.metrics.lookups.inc()
         for (source, tier), n in hits.items():
             self.metrics.hit_tokens.labels(source, tier).inc(n)
-        self.metrics.miss_tokens.inc(plan.num_tokens - plan.hit_tokens)
-        return plan
+        self.metrics.miss_tokens.inc(miss_tokens)
 
     def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
         index = self.index

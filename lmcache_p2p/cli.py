@@ -15,6 +15,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("config",): ("lmcache_p2p.coordinator.cli:main", "cluster config in etcd: get | set | watch"),
     ("agent",): ("lmcache_p2p.agent_main:main", "run a standalone cache agent"),
     ("status",): ("lmcache_p2p.status:main", "cluster status from etcd and agents' metrics"),
+    ("invalidate",): ("lmcache_p2p.invalidate_cli:main", "drop chunks mesh-wide: by fingerprint, tenant, node"),
     ("lookup",): ("lmcache_p2p.lookup_cli:main", "which chunks of a prompt are held where"),
     ("demo",): ("lmcache_p2p.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
     ("bench", "kernels"): ("lmcache_p2p.kernels.bench:main", "paged-KV gather/scatter vs memcpy"),

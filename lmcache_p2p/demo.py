@@ -50,7 +50,9 @@ def wait_with_progress(engines: list[EngineProcess], label: str) -> float:
 
 def document_tokens(model: Path, n: int) -> list[int]:
     from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # the whole file is longer than the model's context; we cut it
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     text = Path(inspect.__file__).read_text()
     ids = list(tokenizer(text)["input_ids"])
@@ -68,8 +70,8 @@ def run(work: Path, tokens: int, dtype: str) -> int:
     print(f"      model ready in {time.monotonic() - t0:.1f}s: {model}")
     with EtcdServer(base_dir=str(work)) as etcd:
         say(2, total, f"private etcd at {etcd.endpoint} (the embedded default)")
-        cfg_a = agent_config(work / "node-a.yaml", "node-a", etcd.endpoints, "tcp")
-        cfg_b = agent_config(work / "node-b.yaml", "node-b", etcd.endpoints, "tcp")
+        cfg_a = agent_config(work / "node-a.yaml", "node-a", etcd.endpoints, "tcp", "demo")
+        cfg_b = agent_config(work / "node-b.yaml", "node-b", etcd.endpoints, "tcp", "demo")
         say(3, total, "starting vLLM node A and node B, each with LMCacheP2PConnector and its cache agent")
         a = EngineProcess(model, cfg_a, name="node-a", log_path=work / "node-a.log", dtype=dtype)
         b = EngineProcess(model, cfg_b, name="node-b", log_path=work / "node-b.log", dtype=dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import http.client
 import json
 import sys
 import time
@@ -23,7 +24,7 @@ from typing import Any
 
 from .config import AgentConfig, EtcdConfig, load_config
 from .errors import LMCacheP2PError
-from .index.client import EtcdClient
+from .index.client import EtcdClient, translate
 from .index.schema import NodeRecord, Schema
 
 SCRAPE_TIMEOUT_S = 2.0
@@ -60,7 +61,7 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
         return
     try:
         m = _scrape(url)
-    except OSError:
+    except (OSError, http.client.HTTPException, ValueError):  # refused, timed out, garbled: not answering
         node.responsive = False
         return
     node.responsive = True
@@ -85,11 +86,10 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
         nodes: list[tuple[NodeStatus, NodeRecord]] = []
         for kv in kvs:
             record = NodeRecord.unpack(kv.value)
-            ttl = await client.lease.time_to_live(kv.lease, timeout=client.timeout) if kv.lease else None
             nodes.append((NodeStatus(
                 node_id=record.node_id, address=next(iter(record.addresses.values()), ""),
                 transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
-                lease_ttl_left_s=float(ttl.TTL) if ttl is not None else None,
+                lease_ttl_left_s=await _ttl_left(client, kv.lease),
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
                 wire_version=record.wire_version), record))
     finally:
@@ -98,6 +98,14 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
     await asyncio.gather(*(asyncio.to_thread(_apply_metrics, n, r.metrics_url) for n, r in nodes))
     return _report(config, [n for n, _ in nodes], [r for _, r in nodes], dict(zip(config.etcd.endpoints, members,
                                                                                  strict=True)), revision)
+
+
+async def _ttl_left(client: EtcdClient, lease: int) -> float | None:
+    if not lease:
+        return None
+    with translate("Lease.TimeToLive"):
+        resp = await client.lease.time_to_live(lease, timeout=client.timeout)
+    return float(resp.TTL) if resp.TTL >= 0 else None  # -1: expired between the two reads
 
 
 async def _member_up(etcd: EtcdConfig, endpoint: str) -> bool:
@@ -115,14 +123,15 @@ async def _member_up(etcd: EtcdConfig, endpoint: str) -> bool:
 def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeRecord], members: dict[str, bool],
             revision: int) -> dict[str, Any]:
     flags: list[str] = []
-    by_model: dict[str, set[str]] = defaultdict(set)
+    by_model: dict[tuple[str, str], set[str]] = defaultdict(set)  # tenants' salts differ on purpose
     for record in records:
         for fp, model in record.models.items():
-            by_model[model].add(fp)
-    for model, fps in sorted(by_model.items()):
+            by_model[(model, record.tenants.get(fp, ""))].add(fp)
+    for (model, tenant), fps in sorted(by_model.items()):
         if len(fps) > 1:
-            flags.append(f"fingerprint-mismatch: model {model!r} is served under {len(fps)} fingerprints "
-                         f"({', '.join(sorted(f[:12] for f in fps))}): their chunks never match")
+            flags.append(f"fingerprint-mismatch: model {model!r}{f' (tenant {tenant!r})' if tenant else ''} is "
+                         f"served under {len(fps)} fingerprints ({', '.join(sorted(f[:12] for f in fps))}): "
+                         "their chunks never match")
     for node in nodes:
         if node.responsive is False:
             flags.append(f"unresponsive: {node.node_id} holds a live lease but its metrics endpoint does not "

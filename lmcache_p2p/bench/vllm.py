@@ -35,9 +35,10 @@ def bench_prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [[t + 3 for t in synthetic_tokens(seed + i, length, 3997)] for i in range(n)]
 
 
-def agent_config(path: Path, node: str, endpoints: tuple[str, ...], transport: str) -> Path:
+def agent_config(path: Path, node: str, endpoints: tuple[str, ...], transport: str,
+                 cluster: str = "bench-vllm") -> Path:
     path.write_text(yaml.safe_dump({
-        "node_id": node, "cluster": "bench-vllm", "metrics_port": 0, "tiers": {"cpu_capacity": "512MiB"},
+        "node_id": node, "cluster": cluster, "metrics_port": 0, "tiers": {"cpu_capacity": "512MiB"},
         "etcd": {"endpoints": list(endpoints)},
         "transfer": {"transports": [transport], "secret": SECRET},
     }))

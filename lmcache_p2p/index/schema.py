@@ -5,6 +5,7 @@ All keys live under ``/lmcache-p2p/v1/<cluster>/``::
     config                                   msgpack cluster config        permanent, watched
     nodes/<node_id>                          msgpack NodeRecord            on the node's lease
     blocks/<fp_hex:32>/<key_hex:32>/<node>   one tier byte                 on the node's lease
+    invalidate/<id>                          msgpack Invalidation          on its own lease (10 min)
 
 A block entry costs one short key and a one-byte value: its presence says "this node holds this
 chunk", the byte says in which tier (a hint for choosing among owners). Fixed-width hex parts let
@@ -42,6 +43,7 @@ class Schema:
         self.config = self.root + b"config"
         self.nodes = self.root + b"nodes/"
         self.blocks = self.root + b"blocks/"
+        self.invalidations = self.root + b"invalidate/"  # see lmcache_p2p.invalidation
 
     def node(self, node_id: NodeId) -> bytes:
         return self.nodes + node_id.encode()
@@ -77,6 +79,7 @@ class NodeRecord:
     nixl_metadata: bytes | None = None
     metrics_url: str | None = None
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
+    tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
 
     def pack(self) -> bytes:
         return msgpack.packb(

@@ -54,6 +54,7 @@ class P2PWorker:
             spans.append((pos, pos + n))
             pos += n
         plan = self.agent.plan(keys, spans, pos)
+        self.agent.count_lookup(plan, 0)
         chunk_bytes = self.agent.chunk_bytes
         if self._staging.numel() < len(keys) * chunk_bytes:
             self._staging = torch.empty(len(keys) * chunk_bytes, dtype=torch.uint8)
@@ -100,6 +101,8 @@ class P2PWorker:
     def _save(self, t: ChunkTransfer) -> None:
         agent, kv = self.agent, self._kv
         assert agent is not None and kv is not None
+        computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.store.where(ChunkKey(k)) is None]
+        agent.metrics.miss_tokens.inc(sum(computed))  # tokens the engine computed: nothing held them
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
             if agent.store.where(ChunkKey(key)) is not None or not blocks:
                 continue

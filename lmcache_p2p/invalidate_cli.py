@@ -1,0 +1,106 @@
+"""``lmcache-p2p invalidate``: drop chunks across the whole mesh (entries and bytes).
+
+    lmcache-p2p invalidate --etcd URL [--cluster C] --fingerprint HEXPREFIX   # a model upgrade
+    lmcache-p2p invalidate --etcd URL [--cluster C] --tenant SALT             # one tenant's chunks
+    lmcache-p2p invalidate --etcd URL [--cluster C] --node NODE_ID            # all of one node's chunks
+
+Writes ``invalidate/<id>`` (expires after 10 minutes); every agent drops what matches. With
+``--wait`` it then watches the block index until every entry that matched when it was issued is
+gone (deleted, or re-stored after the invalidation) and reports how many were removed. Exit code
+0 when issued (and, with ``--wait``, done), 1 when ``--wait`` timed out, 2 on bad arguments or
+when etcd cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from .config import AgentConfig, load_config
+from .errors import LMCacheP2PError
+from .index.client import EtcdClient, KeyValue
+from .index.schema import NodeRecord, Schema
+from .invalidation import Invalidation, issue
+
+POLL_S = 0.2
+
+
+async def _matching(client: EtcdClient, schema: Schema, kind: str, value: str) -> list[KeyValue]:
+    """Block entries an invalidation of ``kind``/``value`` is meant to remove, read now."""
+    if kind == "fingerprint":
+        return (await client.get_prefix(schema.blocks + value.lower().encode()))[0]
+    if kind == "node":
+        suffix = b"/" + value.encode()
+        return [kv for kv in (await client.get_prefix(schema.blocks))[0] if kv.key.endswith(suffix)]
+    nodes, rev = await client.get_prefix(schema.nodes)
+    fps = {fp for kv in nodes for fp, salt in NodeRecord.unpack(kv.value).tenants.items() if salt == value}
+    out: list[KeyValue] = []
+    for fp in sorted(fps):
+        out += (await client.get_prefix(schema.blocks + fp.encode() + b"/", rev))[0]
+    return out
+
+
+async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None) -> int:
+    schema = Schema(config.cluster)
+    async with EtcdClient(config.etcd) as client:
+        before = await _matching(client, schema, kind, value)
+        inv, revision = await issue(client, schema, kind, value)
+        print(f"issued invalidate/{inv.id}: {inv.kind}={inv.value} in cluster {config.cluster!r} "
+              f"(revision {revision}); {len(before)} block entries match", flush=True)
+        if wait_s is None:
+            return 0
+        return await _wait(client, schema, inv, {kv.key for kv in before}, revision, wait_s)
+
+
+async def _wait(client: EtcdClient, schema: Schema, inv: Invalidation, keys: set[bytes], revision: int,
+                wait_s: float) -> int:
+    t0 = time.monotonic()
+    left = keys
+    while True:
+        now = await _matching(client, schema, inv.kind, inv.value)
+        left = {kv.key for kv in now if kv.key in keys and kv.mod_revision <= revision}
+        if not left or time.monotonic() - t0 >= wait_s:
+            break
+        await asyncio.sleep(POLL_S)
+    removed = len(keys) - len(left)
+    if left:
+        print(f"timeout after {wait_s:.0f}s: removed {removed} block entries, {len(left)} remain "
+              f"(their nodes may be down or hung)", flush=True)
+        return 1
+    print(f"done in {time.monotonic() - t0:.1f}s: removed {removed} block entries", flush=True)
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p invalidate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
+    parser.add_argument("--cluster", help="cluster name (default: config/env)")
+    parser.add_argument("--config", help="agent config file to take etcd settings from")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")
+    what.add_argument("--tenant", metavar="SALT", help="tenant salt")
+    what.add_argument("--node", metavar="NODE_ID", help="node id")
+    parser.add_argument("--wait", type=float, nargs="?", const=60.0, metavar="SECONDS",
+                        help="wait (default 60 s) until the matching block entries are gone")
+    args = parser.parse_args(argv)
+    kind, value = next((k, v) for k, v in (("fingerprint", args.fingerprint), ("tenant", args.tenant),
+                                           ("node", args.node)) if v is not None)
+    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
+    try:
+        config = load_config(args.config, overrides=overrides)
+        Invalidation("check", kind, value.lower() if kind == "fingerprint" else value, 0.0)
+    except (ValueError, OSError) as exc:
+        print(f"lmcache-p2p invalidate: {exc}", file=sys.stderr)
+        return 2
+    if not config.etcd.endpoints:
+        print("lmcache-p2p invalidate: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)",
+              file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run(config, kind, value, args.wait))
+    except LMCacheP2PError as exc:
+        print(f"lmcache-p2p invalidate: cannot reach etcd: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,197 @@
+"""Invalidation across the mesh and the per-chunk TTL: real etcd, real agent processes, the real CLI.
+
+"Gone everywhere" means: no block entry in etcd, no bytes in any tier (the agents' own metrics
+say 0 used, 0 held) and no chunk file left on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from agent_helpers import AgentProcess, agent_yaml, config
+from vllm_helpers import scrape
+
+from lmcache_p2p.agent_main import fingerprint_of
+from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.index.client import EtcdClient
+from lmcache_p2p.index.schema import Schema
+
+TOKENS = 1024 + 100  # 5 chunks per seed
+CPU = "1MiB"  # two 512 KiB slots: of 5 chunks, 3 are written back to disk, so both tiers hold some
+
+
+def start(tmp_path: Path, node: str, cluster: str, endpoints: tuple[str, ...], seeds: tuple[int, ...] = (1,),
+          tiers: dict[str, Any] | None = None, **layout: str) -> AgentProcess:
+    path = agent_yaml(tmp_path / f"{node}.yaml", node=node, cluster=cluster, endpoints=endpoints,
+                      disk=tmp_path / f"{node}-disk", cpu=CPU)
+    data = yaml.safe_load(path.read_text())
+    data["layout"] = dict(layout)
+    data["tiers"].update(tiers or {})
+    path.write_text(yaml.safe_dump(data))
+    return AgentProcess(path, seeds=seeds, tokens=TOKENS, log=tmp_path / f"{node}.log")
+
+
+def fp_hex(tmp_path: Path, node: str) -> str:
+    return fingerprint_of(config(tmp_path / f"{node}.yaml").layout).digest.hex()
+
+
+def invalidate(etcd, cluster: str, *what: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_P2P_")}
+    return subprocess.run([sys.executable, "-m", "lmcache_p2p", "invalidate", "--etcd", ",".join(etcd.endpoints),
+                           "--cluster", cluster, *what], capture_output=True, text=True, timeout=60, env=env)
+
+
+def block_entries(etcd, cluster: str) -> list[tuple[str, str]]:
+    """Every block entry of the cluster as ``(fingerprint hex, node)``."""
+    schema = Schema(cluster)
+
+    async def read() -> list[bytes]:
+        async with EtcdClient(EtcdConfig(endpoints=etcd.endpoints, timeout_s=3.0)) as client:
+            return [kv.key for kv in (await client.get_prefix(schema.blocks))[0]]
+
+    out = []
+    for key in asyncio.run(read()):
+        fp, _, node = key[len(schema.blocks):].decode().split("/")
+        out.append((fp, node))
+    return out
+
+
+def held(agent: AgentProcess) -> dict[str, float]:
+    m = scrape(f"http://127.0.0.1:{agent.info['metrics_port']}/metrics")
+    return {"used": sum(m[f'lmcache_p2p_tier_used_bytes{{tier="{t}"}}'] for t in ("cpu", "disk")),
+            "chunks": sum(m[f'lmcache_p2p_chunks_held{{tier="{t}"}}'] for t in ("cpu", "disk")),
+            "disk": m['lmcache_p2p_chunks_held{tier="disk"}'],
+            **{r: m.get(f'lmcache_p2p_invalidated_chunks_total{{reason="{r}"}}', 0.0)
+               for r in ("fingerprint", "tenant", "node", "ttl")}}
+
+
+def files(tmp_path: Path, node: str) -> list[Path]:
+    return sorted((tmp_path / f"{node}-disk").glob("*.chunk"))
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def count(entries: list[tuple[str, str]], node: str) -> int:
+    return sum(1 for _, n in entries if n == node)
+
+
+def test_fingerprint_invalidation_removes_entries_and_bytes_everywhere(etcd, cluster_name, tmp_path):
+    agents = [start(tmp_path, "a", cluster_name, etcd.endpoints, seeds=(1,)),
+              start(tmp_path, "b", cluster_name, etcd.endpoints, seeds=(1, 2))]
+    try:
+        a, b = (p.wait_ready() for p in agents)
+        assert wait_until(lambda: len(block_entries(etcd, cluster_name)) == 15, 10)
+        for agent, node, n in ((a, "a", 5), (b, "b", 10)):
+            before = held(agent)
+            assert before["chunks"] == n and before["disk"] > 0 and before["used"] > 0
+            assert len(files(tmp_path, node)) > 0
+        fp = fp_hex(tmp_path, "a")
+
+        r = invalidate(etcd, cluster_name, "--fingerprint", fp[:12].upper(), "--wait", "20")
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert f"fingerprint={fp[:12]}" in r.stdout and "15 block entries match" in r.stdout
+        assert "removed 15 block entries" in r.stdout
+
+        assert block_entries(etcd, cluster_name) == []
+        for agent, node, n in ((a, "a", 5), (b, "b", 10)):
+            assert wait_until(lambda agent=agent: held(agent)["chunks"] == 0, 5)
+            after = held(agent)
+            assert after["used"] == 0 and after["fingerprint"] == n and after["ttl"] == 0
+            assert files(tmp_path, node) == []
+        # A stop writes CPU chunks back to disk: nothing is left to write, nothing comes back.
+        assert agents[1].stop() == 0 and files(tmp_path, "b") == []
+    finally:
+        for p in agents:
+            p.stop()
+
+
+def test_node_invalidation_and_catch_up_on_restart(etcd, cluster_name, tmp_path):
+    agents = [start(tmp_path, "a", cluster_name, etcd.endpoints),
+              start(tmp_path, "b", cluster_name, etcd.endpoints),
+              start(tmp_path, "d", cluster_name, etcd.endpoints)]
+    try:
+        a, b, d = (p.wait_ready() for p in agents)
+        assert wait_until(lambda: len(block_entries(etcd, cluster_name)) == 15, 10)
+        r = invalidate(etcd, cluster_name, "--node", "a", "--wait", "20")
+        assert r.returncode == 0 and "removed 5 block entries" in r.stdout, r.stdout + r.stderr
+        entries = block_entries(etcd, cluster_name)
+        assert count(entries, "a") == 0 and count(entries, "b") == 5 and count(entries, "d") == 5
+        assert wait_until(lambda: held(a)["chunks"] == 0, 5)
+        assert held(a)["used"] == 0 and held(a)["node"] == 5 and files(tmp_path, "a") == []
+        assert held(b)["chunks"] == 5 and held(b)["node"] == 0 and files(tmp_path, "b")
+
+        # d is down when its invalidation is issued: on restart it reads it and drops its disk.
+        assert d.stop() == 0 and len(files(tmp_path, "d")) == 5
+        r = invalidate(etcd, cluster_name, "--node", "d")
+        assert r.returncode == 0 and "0 block entries match" in r.stdout, r.stdout + r.stderr
+        agents[2] = AgentProcess(tmp_path / "d.yaml", log=tmp_path / "d2.log").wait_ready()
+        assert agents[2].info["held"] == 0 and files(tmp_path, "d") == []
+        assert held(agents[2])["node"] == 5
+        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "d") == 0, 5)
+        assert count(block_entries(etcd, cluster_name), "b") == 5
+    finally:
+        for p in agents:
+            p.stop()
+
+
+def test_tenant_invalidation_spares_other_tenants(etcd, cluster_name, tmp_path):
+    agents = [start(tmp_path, "t1", cluster_name, etcd.endpoints, tenant_salt="acme"),
+              start(tmp_path, "t2", cluster_name, etcd.endpoints, tenant_salt="globex")]
+    try:
+        t1, t2 = (p.wait_ready() for p in agents)
+        fp1, fp2 = fp_hex(tmp_path, "t1"), fp_hex(tmp_path, "t2")
+        assert fp1 != fp2
+        assert wait_until(lambda: len(block_entries(etcd, cluster_name)) == 10, 10)
+        r = invalidate(etcd, cluster_name, "--tenant", "acme", "--wait", "20")
+        assert r.returncode == 0 and "removed 5 block entries" in r.stdout, r.stdout + r.stderr
+        assert block_entries(etcd, cluster_name) == [(fp2, "t2")] * 5
+        assert wait_until(lambda: held(t1)["chunks"] == 0, 5)
+        assert held(t1)["used"] == 0 and held(t1)["tenant"] == 5 and files(tmp_path, "t1") == []
+        assert held(t2)["chunks"] == 5 and held(t2)["tenant"] == 0 and len(files(tmp_path, "t2")) == 3
+    finally:
+        for p in agents:
+            p.stop()
+
+
+def test_chunk_ttl_expires_chunks_in_every_tier(etcd, cluster_name, tmp_path):
+    agents = [start(tmp_path, "x", cluster_name, etcd.endpoints, tiers={"chunk_ttl_s": 2}),
+              start(tmp_path, "y", cluster_name, etcd.endpoints, seeds=(2,))]  # no TTL: keeps its chunks
+    try:
+        x, y = (p.wait_ready() for p in agents)
+        t_ready = time.monotonic()
+        assert held(x)["chunks"] == 5 and held(x)["disk"] == 3 and len(files(tmp_path, "x")) == 3
+        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "x") == 0, 6)
+        assert time.monotonic() - t_ready > 1.0  # not before their time
+        assert wait_until(lambda: held(x)["chunks"] == 0, 2)
+        assert held(x)["used"] == 0 and held(x)["ttl"] == 5 and files(tmp_path, "x") == []
+        assert count(block_entries(etcd, cluster_name), "y") == 5 and held(y)["chunks"] == 5
+    finally:
+        for p in agents:
+            p.stop()
+
+
+def test_invalidate_cli_rejects_bad_input_and_dead_etcd(etcd, cluster_name):
+    r = invalidate(etcd, cluster_name, "--fingerprint", "abc")  # too short: would match far too much
+    assert r.returncode == 2 and "fingerprint" in r.stderr
+    r = invalidate(etcd, cluster_name, "--fingerprint", "xyz12345")
+    assert r.returncode == 2
+    r = invalidate(etcd, cluster_name, "--node", "a", "--tenant", "t")
+    assert r.returncode == 2
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_P2P_")}
+    r = subprocess.run([sys.executable, "-m", "lmcache_p2p", "invalidate", "--etcd", "127.0.0.1:1", "--node", "a"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "cannot reach etcd" in r.stderr
