@@ -119,7 +119,7 @@ class CacheAgent:
             transports=tuple(transfer.get("transports", ())),
             fingerprints=(self.fp.hex(),),
             capacities={"cpu": self.store.cpu.capacity_bytes,
-                        **({"disk": self.store.disk.capacity_bytes} if self.store.disk else {})},
+                        **({"disk": self.store.disk.capacity_bytes} if self.store.disk is not None else {})},
             software_version=__version__,
             wire_version=WIRE_VERSION,
             nixl_metadata=msgpack.packb(nixl, use_bin_type=True) if nixl else None,
@@ -382,7 +382,7 @@ class CacheAgent:
     # -- metrics ---------------------------------------------------------------------------------------
     def _refresh_metrics(self) -> None:
         m = self.metrics
-        tiers = [self.store.cpu, *([self.store.disk] if self.store.disk else [])]
+        tiers = [self.store.cpu, *([self.store.disk] if self.store.disk is not None else [])]  # len()==0 is falsy
         for tier in tiers:
             m.tier_used.labels(tier.name).set(tier.used_bytes)
             m.tier_capacity.labels(tier.name).set(tier.capacity_bytes)

@@ -269,12 +269,14 @@ class MeshInvalidation:
         born: dict[ChunkKey, float] = {}
         for key, t in cpu_born.items():
             born[key] = min(t, old.get(key, t))
-        for key in disk.keys() if disk is not None else ():
-            t = old.get(key)
-            if t is None:
+        if disk is None:
+            return born
+        for key in disk.keys():
+            seen = old.get(key)
+            if seen is None:
                 try:
-                    t = os.stat(disk._file(key)).st_mtime  # noqa: SLF001 - the file's mtime is its stored time
+                    seen = os.stat(disk._file(key)).st_mtime  # noqa: SLF001 - the file's mtime is its stored time
                 except OSError:
                     continue  # removed meanwhile
-            born[key] = min(t, born.get(key, t))
+            born[key] = min(seen, born.get(key, seen))
         return born

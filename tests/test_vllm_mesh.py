@@ -8,8 +8,11 @@ started afterwards, answers the same prompts by pulling A's chunks.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 # fp32: a random-weight model has near-ties in its logits; in bf16 the prefill and decode attention
 # kernels can round them apart. The KV bytes the mesh moves are exact either way.
 DTYPE = "float32"
+CORRUPT_PEER = Path(__file__).with_name("corrupt_peer_proc.py")
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +57,18 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
     docs = prompts(3, 1500, seed=1)
     shared = docs[0][:768] + prompts(1, 500, seed=99)[0]  # shares exactly 3 chunks with docs[0]
     late = prompts(1, 1200, seed=7)[0]  # computed on A just before A dies
+    doc4 = prompts(1, 1100, seed=11)[0]  # computed on A, then held corrupted by peer D
 
+    d: subprocess.Popen[str] | None = None
     cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE)
     b = None
     try:
         cold.wait_ready()
         a.wait_ready()
-        reference = cold.generate(docs + [shared, late])
+        reference = cold.generate(docs + [shared, late, doc4])
         cold.stop()
-        on_a = a.generate(docs + [late])
+        on_a = a.generate(docs + [late, doc4])
         assert [r["tokens"] for r in on_a] == [r["tokens"] for r in reference[:3] + reference[4:]]
         assert all(r["num_cached_tokens"] == 0 for r in on_a)  # nothing cached anywhere yet
 
@@ -77,14 +83,32 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
         assert metrics.get('lmcache_p2p_checksum_failures_total', 0) == 0
         assert scrape(nodes["engine-a"].metrics_url)["lmcache_p2p_served_chunks_total"] >= 18
 
-        # A dies with its lease still alive: B's scheduler still sees A's chunks of `late`,
-        # the pull fails, vLLM recomputes, and the output is still the reference.
+        # Peer D pulls doc4 from A and then holds a copy whose bytes no longer match its checksum.
+        tokens_file = tmp_path / "doc4.json"
+        tokens_file.write_text(json.dumps(doc4))
+        cfg_d = write_agent_config(tmp_path / "d.yaml", node="corrupt-d", cluster=cluster_name,
+                                   endpoints=etcd.endpoints)
+        d = subprocess.Popen([sys.executable, str(CORRUPT_PEER), str(cfg_d), str(tokens_file), f"{tiny_model}@",
+                              DTYPE], stdout=subprocess.PIPE, text=True)
+        assert d.stdout is not None and d.stdout.readline().startswith("READY")
+
+        # A dies with its lease still alive: B's scheduler still sees A's chunks of `late` and
+        # doc4; the pulls from A fail, D's corrupt chunk fails its checksum, vLLM recomputes,
+        # and the outputs are still the reference.
         os.killpg(a.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        on_b_late = b.generate([late])
-        assert on_b_late[0]["tokens"] == reference[4]["tokens"]
-        assert time.monotonic() - t0 < 30
+        on_b_late = b.generate([late, doc4])
+        assert [r["tokens"] for r in on_b_late] == [r["tokens"] for r in reference[4:]]
+        assert time.monotonic() - t0 < 60
+        metrics = scrape(nodes["engine-b"].metrics_url)
+        assert metrics["lmcache_p2p_checksum_failures_total"] >= 1
+        assert metrics['lmcache_p2p_pull_chunks_total{outcome="checksum",transport="tcp"}'] >= 1
     finally:
+        if d is not None:
+            d.kill()
+            d.wait()
+            if d.stdout is not None:
+                d.stdout.close()
         for engine in (cold, a, b):
             if engine is not None:
                 engine.stop()

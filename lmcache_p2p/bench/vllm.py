@@ -28,6 +28,11 @@ from ..synthetic import synthetic_tokens
 from .common import emit
 
 SECRET = "bench-vllm-secret"
+# tiny: 4 layers, hidden 256 (prefill ~0.2 s here); mid: 8 layers, hidden 1024, 105 M parameters.
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": {},
+    "mid": {"num_layers": 8, "hidden": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "intermediate": 2816},
+}
 
 
 def bench_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -50,10 +55,12 @@ def _median_ms(results: list[dict[str, Any]]) -> float:
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    model = create_tiny_model(Path(args.model) if args.model else work / "tiny-llama")
+    size = MODEL_SIZES[args.model_size]
+    model = (Path(args.model) if args.model
+             else create_tiny_model(work / f"{args.model_size}-llama", **size))
     prompts = bench_prompts(args.prompts, args.tokens, seed=1000)
     warm = bench_prompts(3, args.tokens, seed=9000)
-    out: dict[str, Any] = {"prompts": args.prompts, "prompt_tokens": args.tokens, "dtype": args.dtype,
+    out: dict[str, Any] = {"model": args.model or args.model_size, "prompts": args.prompts, "prompt_tokens": args.tokens, "dtype": args.dtype,
                            "transport": args.transport}
     with EtcdServer(base_dir=str(work)) as etcd:
         cfg_a = agent_config(work / "a.yaml", "bench-a", etcd.endpoints, args.transport)
@@ -87,7 +94,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["peer_hit_speedup_vs_cold"] = round(out["ttft_cold_ms"] / out["ttft_peer_hit_ms"], 2)
     out["miss_overhead_pct"] = round(100 * (out["ttft_miss_ms"] / out["ttft_cold_ms"] - 1), 2)
     if not args.no_lmcache:
-        out.update(_lmcache(model, prompts, args.dtype, work))
+        ref = _lmcache(model, prompts, args.dtype, work)
+        tokens = ref.pop("lmcache_tokens", None)
+        if tokens is not None:
+            ref["lmcache_outputs_match_miss"] = tokens == [r["tokens"] for r in miss]
+        out.update(ref)
         if "ttft_lmcache_hit_ms" in out:
             out["peer_hit_vs_lmcache"] = round(out["ttft_peer_hit_ms"] / out["ttft_lmcache_hit_ms"], 3)
     return out
@@ -111,7 +122,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model", help="model directory (default: a tiny model created in the work dir)")
+    parser.add_argument("--model", help="model directory (default: a test model created in the work dir)")
+    parser.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES),
+                        help="size of the random-weight test model to create")
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
     parser.add_argument("--json", action="store_true")
