@@ -60,8 +60,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
              else create_tiny_model(work / f"{args.model_size}-llama", **size))
     prompts = bench_prompts(args.prompts, args.tokens, seed=1000)
     warm = bench_prompts(3, args.tokens, seed=9000)
-    out: dict[str, Any] = {"model": args.model or args.model_size, "prompts": args.prompts, "prompt_tokens": args.tokens, "dtype": args.dtype,
-                           "transport": args.transport}
+    out: dict[str, Any] = {"model": args.model or args.model_size, "prompts": args.prompts,
+                           "prompt_tokens": args.tokens, "dtype": args.dtype, "transport": args.transport}
     with EtcdServer(base_dir=str(work)) as etcd:
         cfg_a = agent_config(work / "a.yaml", "bench-a", etcd.endpoints, args.transport)
         cfg_b = agent_config(work / "b.yaml", "bench-b", etcd.endpoints, args.transport)
