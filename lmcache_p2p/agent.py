@@ -32,7 +32,7 @@ from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer, new_registry
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
-from .tiers import TIER_CODES, Reservation, TieredStore
+from .tiers import TIER_CODES, CpuPool, DiskTier, Reservation, TieredStore
 from .transfer.base import MissReason, PeerAddress, PullResult, Transport
 from .transfer.stack import TransferStack
 
@@ -61,8 +61,8 @@ class CacheAgent:
         self._index_factory = index_factory
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(new_registry(self._refresh_metrics))
-        self.store = TieredStore.from_config(config.tiers, chunk_bytes)
-        self.invalidation = MeshInvalidation(config, self.store, {self.fp: fingerprint}, self.metrics.registry)
+        self.tiers = TieredStore.from_config(config.tiers, chunk_bytes)
+        self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
         self._stack: TransferStack | None = None
@@ -79,9 +79,9 @@ class CacheAgent:
 
         self.loop = LoopThread(f"lmcache-p2p-{self.node_id}")
         try:
-            recovered = self.store.recover()
-            self._stack = TransferStack.build(self.config, self.store.cpu, [self.fp], self._secret,
-                                              prepare=self.store.ensure_in_cpu)
+            recovered = self.tiers.recover()
+            self._stack = TransferStack.build(self.config, self.tiers.cpu, [self.fp], self._secret,
+                                              prepare=self.tiers.ensure_in_cpu)
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
@@ -91,7 +91,7 @@ class CacheAgent:
                 self.index = self._index_factory(self.loop, record)
             else:
                 self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp])
-            self.store.set_listener(self._on_tier_change)
+            self.tiers.set_listener(self._on_tier_change)
             for header in recovered:
                 self._on_tier_change(header.key, "disk")
             self.invalidation.start(self.loop, self.index)  # issued invalidations, then watch + TTL sweep
@@ -118,8 +118,8 @@ class CacheAgent:
             addresses={t: address for t in transfer.get("transports", ())},
             transports=tuple(transfer.get("transports", ())),
             fingerprints=(self.fp.hex(),),
-            capacities={"cpu": self.store.cpu.capacity_bytes,
-                        **({"disk": self.store.disk.capacity_bytes} if self.store.disk is not None else {})},
+            capacities={"cpu": self.tiers.cpu.capacity_bytes,
+                        **({"disk": self.tiers.disk.capacity_bytes} if self.tiers.disk is not None else {})},
             software_version=__version__,
             wire_version=WIRE_VERSION,
             nixl_metadata=msgpack.packb(nixl, use_bin_type=True) if nixl else None,
@@ -144,7 +144,7 @@ class CacheAgent:
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
         if flush_to_disk and self._started:
-            self.store.flush_to_disk()
+            self.tiers.flush_to_disk()
         if self.index is not None:
             try:
                 self.index.close()
@@ -200,7 +200,7 @@ class CacheAgent:
         """Hit tokens by source and tier, and miss tokens, for one prompt."""
         hits: dict[tuple[str, str], int] = {}
         for c in plan.chunks:
-            label = ("local", self.store.where(c.key) or "cpu") if c.source == LOCAL else ("peer", "peer")
+            label = ("local", self.tiers.where(c.key) or "cpu") if c.source == LOCAL else ("peer", "peer")
             hits[label] = hits.get(label, 0) + c.end - c.start
         self.metrics.lookups.inc()
         for (source, tier), n in hits.items():
@@ -226,7 +226,7 @@ class CacheAgent:
 
         with self._inflight_lock:
             inflight = dict(self._inflight)
-        return make_plan(keys, spans, local=lambda k: self.store.where(k) is not None, owners=owners,
+        return make_plan(keys, spans, local=lambda k: self.tiers.where(k) is not None, owners=owners,
                          usable=usable, inflight=inflight, num_tokens=num_tokens)
 
     def _usable(self, record: NodeRecord | None) -> bool:
@@ -241,12 +241,12 @@ class CacheAgent:
         """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified)."""
         if len(dsts) != len(plan.chunks):
             raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
-        remote = [c for c in plan.chunks if c.source != LOCAL and not self.store.where(c.key)]
+        remote = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
         if remote:
             self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
         loaded = []
         for chunk, dst in zip(plan.chunks, dsts, strict=True):
-            header = self.store.read_into(chunk.key, dst)
+            header = self.tiers.read_into(chunk.key, dst)
             ok = header is not None
             loaded.append(ok)
             if ok:
@@ -256,7 +256,7 @@ class CacheAgent:
         return loaded
 
     def chunk_header(self, key: ChunkKey) -> ChunkHeader | None:
-        return self.store.header(key)
+        return self.tiers.header(key)
 
     def _pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
         assert self.loop is not None
@@ -291,7 +291,7 @@ class CacheAgent:
             self._inflight[node] = self._inflight.get(node, 0) + len(chunks)
         t0 = time.perf_counter()
         try:
-            result = await transport.pull(peer, self.fp, [c.key for c in chunks], self.store.cpu,
+            result = await transport.pull(peer, self.fp, [c.key for c in chunks], self.tiers.cpu,
                                           max(deadline - time.monotonic(), 0.01))
         finally:
             with self._inflight_lock:
@@ -346,10 +346,10 @@ class CacheAgent:
 
     def reserve_chunk(self) -> Reservation:
         """A CPU slot to fill in place (e.g. a gather from the engine's KV cache), then ``commit_chunk``."""
-        return self.store.cpu.reserve()
+        return self.tiers.cpu.reserve()
 
     def release_chunk(self, reservation: Reservation) -> None:
-        self.store.cpu.release(reservation)
+        self.tiers.cpu.release(reservation)
 
     def commit_chunk(self, reservation: Reservation, key: ChunkKey, num_tokens: int,
                      length: int) -> concurrent.futures.Future[None]:
@@ -359,19 +359,19 @@ class CacheAgent:
     def _commit_now(self, reservation: Reservation, key: ChunkKey, num_tokens: int, length: int) -> None:
         try:
             header = make_header(key, self.fp, reservation.view[:length], num_tokens)
-            self.store.commit_reserved(reservation, header)
+            self.tiers.commit_reserved(reservation, header)
         except BaseException:
-            self.store.cpu.release(reservation)
+            self.tiers.cpu.release(reservation)
             raise
         self.metrics.stored_chunks.inc()
 
     def _store_now(self, keys: list[ChunkKey], num_tokens: list[int], chunks: list[memoryview]) -> int:
         stored = 0
         for key, ntok, payload in zip(keys, num_tokens, chunks, strict=True):
-            if self.store.where(key) is not None:
+            if self.tiers.where(key) is not None:
                 continue
             try:
-                self.store.put(key, self.fp, payload, ntok)
+                self.tiers.put(key, self.fp, payload, ntok)
             except TierError as exc:
                 log.warning("store of %s skipped: %s", key.hex(), exc)
                 continue
@@ -382,13 +382,15 @@ class CacheAgent:
     # -- metrics ---------------------------------------------------------------------------------------
     def _refresh_metrics(self) -> None:
         m = self.metrics
-        tiers = [self.store.cpu, *([self.store.disk] if self.store.disk is not None else [])]  # len()==0 is falsy
+        tiers: list[CpuPool | DiskTier] = [self.tiers.cpu]
+        if self.tiers.disk is not None:  # not `if disk:`: an empty tier has len() 0
+            tiers.append(self.tiers.disk)
         for tier in tiers:
             m.tier_used.labels(tier.name).set(tier.used_bytes)
             m.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
             m.chunks_held.labels(tier.name).set(len(tier))
             m.evictions.labels(tier.name).set(tier.stats.evictions)
-        m.pins.set(self.store.cpu.pinned_count())
+        m.pins.set(self.tiers.cpu.pinned_count())
         if self._stack is not None:
             sent = self._stack.server.stats.chunks_sent
             m.served_chunks.inc(max(sent - self._served_seen, 0))

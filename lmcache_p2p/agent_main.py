@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
         stored = sum(preload(agent, seed, args.preload_tokens) for seed in args.preload_seed)
         gc.freeze()  # long-lived objects out of the collector: no full-GC stalls on the loop (measured)
         print(json.dumps({"ready": True, "node_id": agent.node_id, "metrics_port": agent.metrics_port,
-                          "stored": stored, "held": len(agent.store.inventory())}), flush=True)
+                          "stored": stored, "held": len(agent.tiers.inventory())}), flush=True)
         stop.wait()
     finally:
         agent.stop()

@@ -52,7 +52,7 @@ class ChunkHeader:
         )
 
     @classmethod
-    def unpack(cls, data: bytes | memoryview) -> ChunkHeader:
+    def unpack(cls, data: bytes | bytearray | memoryview) -> ChunkHeader:
         if len(data) < HEADER_SIZE:
             raise MalformedChunk(f"header needs {HEADER_SIZE} bytes, got {len(data)}")
         magic, version, _, key, fp, length, ntok, _, csum = _HEADER.unpack_from(data)

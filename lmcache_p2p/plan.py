@@ -56,7 +56,7 @@ def make_plan(
     spans: Sequence[tuple[int, int]],
     *,
     local: Callable[[ChunkKey], bool],
-    owners: Callable[[Sequence[ChunkKey]], list[Mapping[NodeId, int]]],
+    owners: Callable[[Sequence[ChunkKey]], Sequence[Mapping[NodeId, int]]],
     usable: Callable[[NodeId], bool],
     inflight: Mapping[NodeId, int],
     num_tokens: int,

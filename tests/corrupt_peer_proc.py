@@ -36,10 +36,10 @@ def main(cfg_path: str, tokens_path: str, model_id: str, dtype: str) -> None:
     if len(loaded) < 2 or not all(loaded):
         print(f"FAILED to pull: {loaded}", flush=True)
         sys.exit(1)
-    pin = agent.store.cpu.pin(plan.chunks[1].key, 5.0)
+    pin = agent.tiers.cpu.pin(plan.chunks[1].key, 5.0)
     assert pin is not None
-    agent.store.cpu.slot_view(pin.slot)[1000] ^= 0xFF
-    agent.store.cpu.unpin(pin)
+    agent.tiers.cpu.slot_view(pin.slot)[1000] ^= 0xFF
+    agent.tiers.cpu.unpin(pin)
     print("READY", len(loaded), flush=True)
     while True:
         time.sleep(1)

@@ -68,7 +68,7 @@ def test_pull_from_peer_then_owner_dies(etcd, cluster_name, tmp_path):
         assert {ch.source for ch in c.lookup(synthetic_tokens(1, TOKENS)).chunks} == {LOCAL}
 
         for key in c.keys_for(synthetic_tokens(1, TOKENS))[0]:
-            c.store.remove(key)
+            c.tiers.remove(key)
         plan = c.lookup(synthetic_tokens(1, TOKENS))
         a.kill(signal.SIGKILL)
         t0 = time.monotonic()
@@ -131,7 +131,7 @@ def test_concurrent_requesters_against_two_owners(etcd, cluster_name, tmp_path):
                 assert loaded == [True] * 5, loaded
                 pulled[i] += sum(1 for ch in plan.chunks if ch.source != LOCAL)
                 for ch in plan.chunks:
-                    c.store.remove(ch.key)  # so the next round pulls again
+                    c.tiers.remove(ch.key)  # so the next round pulls again
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 

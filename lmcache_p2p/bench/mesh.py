@@ -75,12 +75,12 @@ def _measure(agent: CacheAgent, tokens: list[int], rounds: int, chunks: int, tra
         time.sleep(0.05)
     n = len(agent.lookup(tokens).chunks)
     staging = np.zeros(n * agent.chunk_bytes, dtype=np.uint8)
-    views = [memoryview(staging[i * agent.chunk_bytes:(i + 1) * agent.chunk_bytes]) for i in range(n)]
+    views = [staging[i * agent.chunk_bytes:(i + 1) * agent.chunk_bytes].data for i in range(n)]
     src = np.ones_like(staging)
     lookup, peer, local, memcpy = [], [], [], []
     for _ in range(rounds):
         for chunk in agent.lookup(tokens).chunks:
-            agent.store.remove(chunk.key)
+            agent.tiers.remove(chunk.key)
         t0 = time.perf_counter()
         plan = agent.lookup(tokens)
         t1 = time.perf_counter()

@@ -26,8 +26,8 @@ def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) ->
     rng = np.random.default_rng(0)
     src = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8))
     dst = torch.zeros(total, dtype=torch.uint8)
-    src_views = [memoryview(src.numpy()[i * chunk_bytes : (i + 1) * chunk_bytes]) for i in range(num_chunks)]
-    dst_views = [memoryview(dst.numpy()[i * chunk_bytes : (i + 1) * chunk_bytes]) for i in range(num_chunks)]
+    src_views = [src.numpy()[i * chunk_bytes : (i + 1) * chunk_bytes].data for i in range(num_chunks)]
+    dst_views = [dst.numpy()[i * chunk_bytes : (i + 1) * chunk_bytes].data for i in range(num_chunks)]
     keys = [ChunkKey(i.to_bytes(16, "little")) for i in range(num_chunks)]
     headers = [make_header(k, fp, v, 256) for k, v in zip(keys, src_views, strict=True)]
     pool = CpuPool(total, chunk_bytes)

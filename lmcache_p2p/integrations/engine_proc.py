@@ -49,7 +49,7 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
                        "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"config": agent_config}}
-    return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,
+    return LLM(model=model, dtype=dtype,  # type: ignore[arg-type]  # argparse limits the choices max_model_len=8192, enforce_eager=True,
                enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
                disable_log_stats=False, seed=0)
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-transfer-json", default=None,
                         help="a full kv_transfer_config dict as JSON, used instead of the lmcache-p2p connector")
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     args = parser.parse_args(argv)
     if args.agent_config is not None and args.kv_transfer_json is not None:
         parser.error("--agent-config and --kv-transfer-json are exclusive")

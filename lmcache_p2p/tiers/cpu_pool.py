@@ -100,7 +100,7 @@ class CpuPool:
 
     def slot_view(self, slot: int, length: int | None = None) -> memoryview:
         start = slot * self.slot_bytes
-        return memoryview(self._array[start : start + (self.slot_bytes if length is None else length)])
+        return self._array[start : start + (self.slot_bytes if length is None else length)].data
 
     # -- queries -----------------------------------------------------------------------------
     def contains(self, key: ChunkKey) -> bool:

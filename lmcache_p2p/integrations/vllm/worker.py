@@ -65,7 +65,7 @@ class P2PWorker:
         chunk_bytes = self.agent.chunk_bytes
         if self._staging.numel() < len(keys) * chunk_bytes:
             self._staging = torch.empty(len(keys) * chunk_bytes, dtype=torch.uint8)
-        views = [memoryview(self._staging[i * chunk_bytes:(i + 1) * chunk_bytes].numpy())
+        views = [self._staging[i * chunk_bytes:(i + 1) * chunk_bytes].numpy().data
                  for i in range(len(plan.chunks))]
         t1 = time.perf_counter()
         loaded = self.agent.load(plan, views) if plan.chunks else []
@@ -113,10 +113,10 @@ class P2PWorker:
     def _save(self, t: ChunkTransfer) -> None:
         agent, kv = self.agent, self._kv
         assert agent is not None and kv is not None
-        computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.store.where(ChunkKey(k)) is None]
+        computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.tiers.where(ChunkKey(k)) is None]
         agent.metrics.miss_tokens.inc(sum(computed))  # tokens the engine computed: nothing held them
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
-            if agent.store.where(ChunkKey(key)) is not None or not blocks:
+            if agent.tiers.where(ChunkKey(key)) is not None or not blocks:
                 continue
             nbytes = kv.payload_nbytes(len(blocks))
             try:
