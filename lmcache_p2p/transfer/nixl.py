@@ -32,7 +32,10 @@ from .nixl_engine import NixlEngine
 
 log = logging.getLogger(__name__)
 
-PIN_BATCH = 32  # keys per pin request; batches are pipelined
+# Keys per pin request. The first batch is small so the first READ starts early; the rest are
+# large, since every batch costs a descriptor preparation and a pause between READs.
+FIRST_PIN_BATCH = 32
+PIN_BATCH = 512
 
 
 class NixlTransport:
@@ -69,8 +72,7 @@ class NixlTransport:
             raise TransferError(f"{peer} does not serve NIXL")
         remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
         # Every pin request goes out at once: the owner answers batch k+1 while batch k is read.
-        step = min(PIN_BATCH, batch_size(self._pool.max_frame_bytes))
-        batches = [keys[i : i + step] for i in range(0, len(keys), step)]
+        batches = _pin_batches(keys, batch_size(self._pool.max_frame_bytes))
         requests = [conn.start_pin(batch) for batch in batches]
         finishing: list[asyncio.Task[None]] = []
         try:
@@ -169,6 +171,13 @@ class NixlTransport:
     async def close(self) -> None:
         await self._pool.close()
         self._verifier.shutdown(wait=True)
+
+
+def _pin_batches(keys: Sequence[ChunkKey], limit: int) -> list[Sequence[ChunkKey]]:
+    """``keys`` split for pinning: ``FIRST_PIN_BATCH`` first, then ``PIN_BATCH`` (each <= ``limit``)."""
+    first = min(FIRST_PIN_BATCH, limit)
+    step = min(PIN_BATCH, limit)
+    return [keys[:first], *(keys[i : i + step] for i in range(first, len(keys), step))]
 
 
 def _verify_all(items: list[tuple[ChunkHeader, memoryview]]) -> list[bool]:
