@@ -46,8 +46,9 @@ class NodeStatus:
     hit_rate: float | None = None
 
 
-def _scrape(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S).read().decode()
+def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """Prometheus text format -> ``{"name{labels}": value}``."""
+    text = urllib.request.urlopen(url, timeout=timeout).read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -60,7 +61,7 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
     if not url:
         return
     try:
-        m = _scrape(url)
+        m = scrape(url)
     except (OSError, http.client.HTTPException, ValueError):  # refused, timed out, garbled: not answering
         node.responsive = False
         return

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...
                      "backoff_s": 0.2},
     }))
     return path
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
 
 
 def config(path: Path) -> AgentConfig:

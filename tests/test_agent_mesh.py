@@ -7,7 +7,7 @@ import threading
 import time
 from pathlib import Path
 
-from agent_helpers import AgentProcess, agent_yaml, config
+from agent_helpers import AgentProcess, agent_yaml, config, wait_until
 from prometheus_client import CollectorRegistry
 from vllm_helpers import scrape
 
@@ -25,15 +25,6 @@ def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: st
     metrics = AgentMetrics(CollectorRegistry())
     return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=metrics).start()
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def load_and_check(agent: CacheAgent, seed: int) -> tuple[list[bool], object]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from agent_helpers import AgentProcess, agent_yaml, config
+from agent_helpers import AgentProcess, agent_yaml, config, wait_until
 from vllm_helpers import scrape
 
 from lmcache_p2p.agent_main import fingerprint_of
@@ -74,15 +74,6 @@ def held(agent: AgentProcess) -> dict[str, float]:
 
 def files(tmp_path: Path, node: str) -> list[Path]:
     return sorted((tmp_path / f"{node}-disk").glob("*.chunk"))
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def count(entries: list[tuple[str, str]], node: str) -> int:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import urllib.request
 from pathlib import Path
 
 import yaml
 
+from lmcache_p2p.status import scrape as status_scrape
 from lmcache_p2p.synthetic import synthetic_tokens
 
 SECRET = "test-cluster-secret"
@@ -31,12 +31,4 @@ def prompts(n: int, length: int, seed: int, vocab: int = 4000) -> list[list[int]
     return [[t + 3 for t in synthetic_tokens(seed + i, length, vocab)] for i in range(n)]
 
 
-def scrape(url: str) -> dict[str, float]:
-    """Prometheus text -> {"name{labels}": value} (comments skipped)."""
-    text = urllib.request.urlopen(url, timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
+scrape = status_scrape
