@@ -32,7 +32,7 @@ from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer, new_registry
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
-from .tiers import TIER_CODES, CpuPool, DiskTier, Reservation, TieredStore
+from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
 from .transfer.base import MissReason, PeerAddress, PullResult, Transport
 from .transfer.stack import TransferStack
 
@@ -254,6 +254,31 @@ class CacheAgent:
             else:
                 self.metrics.load_failures.labels("missing").inc()
         return loaded
+
+    def load_pinned(self, plan: HitPlan, timeout: float | None = None) -> list[Pin | None]:
+        """Like :meth:`load`, but hands out pins on CPU-pool slots instead of copies.
+
+        The caller reads ``tiers.cpu.slot_view(pin.slot, pin.header.length)`` (e.g. scatters it
+        into the engine's blocks) and must ``unpin_chunk`` every pin it got; pins expire anyway
+        after ``tiers.pin_timeout_s``. A chunk that can't be had is None.
+        """
+        remote = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
+        if remote:
+            self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
+        pins: list[Pin | None] = []
+        for chunk in plan.chunks:
+            pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
+            if pin is None and self.tiers.ensure_in_cpu(chunk.key):
+                pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
+            pins.append(pin)
+            if pin is not None:
+                self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
+            else:
+                self.metrics.load_failures.labels("missing").inc()
+        return pins
+
+    def unpin_chunk(self, pin: Pin) -> None:
+        self.tiers.cpu.unpin(pin)
 
     def chunk_header(self, key: ChunkKey) -> ChunkHeader | None:
         return self.tiers.header(key)

@@ -33,7 +33,6 @@ class P2PWorker:
         self._blocks_per_chunk = config.chunk_size // block_size
         self._kv: PagedKV | None = None
         self.agent: CacheAgent | None = None
-        self._staging = torch.empty(0, dtype=torch.uint8)
         self._load_errors: set[int] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -62,23 +61,28 @@ class P2PWorker:
             pos += n
         plan = self.agent.plan(keys, spans, pos)
         self.agent.count_lookup(plan, 0)
-        chunk_bytes = self.agent.chunk_bytes
-        if self._staging.numel() < len(keys) * chunk_bytes:
-            self._staging = torch.empty(len(keys) * chunk_bytes, dtype=torch.uint8)
-        views = [self._staging[i * chunk_bytes:(i + 1) * chunk_bytes].numpy().data
-                 for i in range(len(plan.chunks))]
         t1 = time.perf_counter()
-        loaded = self.agent.load(plan, views) if plan.chunks else []
+        pins = self.agent.load_pinned(plan) if plan.chunks else []
         t2 = time.perf_counter()
-        for i, blocks in enumerate(t.block_ids):
-            if i >= len(loaded) or not loaded[i]:
-                failed = [b for later in t.block_ids[i:] for b in later]
-                log.warning("request %s: chunk %d of %d not loadable, %d blocks recomputed", t.req_id, i,
-                            len(keys), len(failed))
-                self._load_errors.update(failed)
-                return
-            skip = t.skip_blocks if i == 0 else 0
-            self._scatter(self._staging[i * chunk_bytes:], blocks, skip)
+        try:
+            for i, blocks in enumerate(t.block_ids):
+                pin = pins[i] if i < len(pins) else None
+                if pin is not None and pin.header.length != self._kv.payload_nbytes(len(blocks)):
+                    log.error("request %s: chunk %d is %d bytes, its %d blocks need %d: layout mismatch", t.req_id,
+                              i, pin.header.length, len(blocks), self._kv.payload_nbytes(len(blocks)))
+                    pin = None
+                if pin is None:
+                    failed = [b for later in t.block_ids[i:] for b in later]
+                    log.warning("request %s: chunk %d of %d not loadable, %d blocks recomputed", t.req_id, i,
+                                len(keys), len(failed))
+                    self._load_errors.update(failed)
+                    break
+                view = self.agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
+                self._scatter(torch.frombuffer(view, dtype=torch.uint8), blocks, t.skip_blocks if i == 0 else 0)
+        finally:
+            for pin in pins:
+                if pin is not None:
+                    self.agent.unpin_chunk(pin)
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
