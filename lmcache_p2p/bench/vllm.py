@@ -1,7 +1,8 @@
 """``lmcache-p2p bench vllm``: time to first token in real vLLM on CPU, ours against the baselines.
 
 One run, same model, same prompts (2,048 tokens by default), every engine in its own process,
-``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for all of them, one warm-up request per engine:
+``VLLM_CPU_NUM_OF_RESERVED_CPU=1`` for all of them, one warm-up request per engine, cold and miss
+each measured with no other engine started:
 
     ttft_cold_ms         vLLM without any connector
     ttft_miss_ms         engine A with the connector, nothing cached anywhere (A stores the chunks)
@@ -67,15 +68,17 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cfg_b = agent_config(work / "b.yaml", "bench-b", etcd.endpoints, args.transport)
         engines: list[EngineProcess] = []
         try:
+            # Each engine is measured while no other engine has run anything: two vLLM-CPU workers
+            # share core 0 here, and one that has just computed keeps spinning its OpenMP threads.
             cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
             engines.append(cold)
-            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
-            engines.append(a)
             cold.wait_ready()
-            a.wait_ready()
             cold.ttft([warm[0]])
             out["ttft_cold_ms"] = _median_ms(cold.ttft(prompts))
             cold.stop()
+            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
+            engines.append(a)
+            a.wait_ready()
             a.ttft([warm[1]])
             miss = a.ttft(prompts)
             out["ttft_miss_ms"] = _median_ms(miss)
@@ -118,7 +121,7 @@ def _lmcache(model: Path, prompts: list[list[int]], dtype: str, work: Path) -> d
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench vllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])

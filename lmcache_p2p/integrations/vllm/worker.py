@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 
 import torch
@@ -42,7 +43,9 @@ class P2PWorker:
                                 secret=cluster_secret(self._config)).start()
         # Everything alive now (model, KV cache, engine state) is long-lived: keep it out of the
         # collector, whose full passes over it stalled the agent's loop for 20-80 ms (measured).
-        gc.freeze()
+        # LMCACHE_P2P_GC_FREEZE=0 turns this off.
+        if os.environ.get("LMCACHE_P2P_GC_FREEZE", "1") != "0":
+            gc.freeze()
         log.info("lmcache-p2p worker: %d layers, chunk %d bytes, agent %s", len(kv_caches), chunk_bytes,
                  self.agent.node_id)
 
