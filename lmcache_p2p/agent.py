@@ -2,7 +2,9 @@
 
     lookup(token_ids) -> HitPlan          dict probes only: local store, then the index mirror
     load(plan, dsts)  -> [loaded?]        local tiers, then peers (striped, verified), in parallel
+    load_pinned(plan) -> [Pin | None]     the same, handing out pinned CPU slots instead of copies
     store(token_ids, chunks) -> Future    returns at once; checksum, copy and publish run behind
+    reserve_chunk / commit_chunk          fill a CPU slot in place (a gather), publish it behind
 
 Every side effect is injected: the config, the clock, the Prometheus registry, the index (an
 ``index_factory`` building a :class:`BlockIndex` once the node record is known) and the
