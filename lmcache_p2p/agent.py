@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from . import __version__
 from .aio import LoopThread
@@ -32,7 +33,7 @@ from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
-from .metrics import AgentMetrics, MetricsServer, new_registry
+from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
 from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
 from .transfer.base import MissReason, PeerAddress, PullResult, Transport
@@ -62,7 +63,8 @@ class CacheAgent:
         self._clock = clock
         self._index_factory = index_factory
         self._secret = secret
-        self.metrics = metrics if metrics is not None else AgentMetrics(new_registry(self._refresh_metrics))
+        self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
+        self.metrics.on_collect(self._refresh_metrics)
         self.tiers = TieredStore.from_config(config.tiers, chunk_bytes)
         self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry)
         self.loop: LoopThread | None = None

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.metrics_core import Metric
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -18,6 +19,9 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self._refreshers: list[Callable[[], None]] = []
+        # Registered first, so a scrape refreshes the state-mirroring gauges before reading them.
+        registry.register(_Refresher(self.refresh))
         ns = "lmcache_p2p"
         self.lookups = Counter("lookups", "Prompt lookups served by the agent", namespace=ns, registry=registry)
         self.hit_tokens = Counter("hit_tokens", "Prompt tokens found cached, by source and tier",
@@ -58,7 +62,6 @@ class AgentMetrics:
         self.lease_losses = Counter("lease_losses", "Times the etcd lease was lost", namespace=ns, registry=registry)
         self.pins = Gauge("pins", "Live pins on CPU slots", namespace=ns, registry=registry)
         self.info = Info("agent", "Agent identity and versions", namespace=ns, registry=registry)
-        self._refreshers: list[Callable[[], None]] = []
 
     def on_collect(self, fn: Callable[[], None]) -> None:
         """Gauges that mirror other objects' state are refreshed by ``fn`` before each scrape."""
@@ -69,20 +72,15 @@ class AgentMetrics:
             fn()
 
 
-class _RefreshingRegistry(CollectorRegistry):
-    """A registry that lets the agent refresh its gauges right before a scrape."""
+class _Refresher:
+    """A collector with no metrics of its own: it runs the agent's gauge refreshers on each scrape."""
 
     def __init__(self, refresh: Callable[[], None]) -> None:
-        super().__init__()
         self._refresh = refresh
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> list[Metric]:
         self._refresh()
-        return super().collect()
-
-
-def new_registry(refresh: Callable[[], None] | None = None) -> CollectorRegistry:
-    return _RefreshingRegistry(refresh) if refresh is not None else CollectorRegistry()
+        return []
 
 
 class MetricsServer:
