@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -41,6 +42,25 @@ def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and wait until every one of its threads has stopped.
+
+    ``kill`` returns before the stop takes effect: a thread of the target may still run (and answer
+    a request) for a moment afterwards, longer on a loaded machine.
+    """
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} did not stop within {timeout:.0f}s")
 
 
 def config(path: Path) -> AgentConfig:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from agent_helpers import AgentProcess, agent_yaml, config
+from agent_helpers import AgentProcess, agent_yaml, config, stop_process
 
 TOKENS = 1024 + 100  # 5 chunks per seed
 
@@ -93,7 +93,7 @@ def test_live_mesh_then_a_hung_agent(etcd, cluster_name, tmp_path):
         assert [ln.split()[0] for ln in lines[2:5]] == ["a", "b", "c"]
         assert [ln.split()[5] for ln in lines[2:5]] == ["5", "10", "0"]
 
-        os.kill(agents[2].proc.pid, signal.SIGSTOP)
+        stop_process(agents[2].proc.pid)
         rc, report = status_json(etcd.endpoints, cluster_name)
         assert rc == 1 and not report["healthy"]
         assert [f.split(":")[0] for f in report["flags"]] == ["unresponsive"]

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from agent_helpers import stop_process
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
@@ -205,7 +206,7 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
         keys = [o.key(i) for i in range(N)]
         assert requester.pull(transport, peer_of(o), keys[:1]).complete  # connection established
         requester.clear()
-        os.kill(o.pid, signal.SIGSTOP)
+        stop_process(o.pid)
         start = time.monotonic()
         result = requester.pull(transport, peer_of(o), keys, timeout=1.0)
         assert time.monotonic() - start < 2.5
