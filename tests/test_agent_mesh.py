@@ -67,7 +67,7 @@ def test_pull_from_peer_then_owner_dies(etcd, cluster_name, tmp_path):
         assert c.load(plan, bufs) == [False] * 5  # misses, never wrong bytes
         assert time.monotonic() - t0 < c.config.transfer.timeout_s + 2
         # After A's lease (3 s) expires, its node and chunks leave every mirror; nobody offers them.
-        assert wait_until(lambda: "a" not in c.index.nodes(), 3 + 2)
+        assert wait_until(lambda: "a" not in c.index.nodes(), 3 + 5)
         time.sleep(0.5)  # past A's backoff too, so the empty plan is the index's doing
         assert c.lookup(synthetic_tokens(1, TOKENS)).chunks == ()
         assert c.index.owners(c.fp, c.keys_for(synthetic_tokens(1, TOKENS))[0]) == [{}] * 5
