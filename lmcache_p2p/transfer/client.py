@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from ..errors import HandshakeError, PeerTimeout, TransferError
 from ..keys import ChunkKey, FingerprintDigest
@@ -102,11 +103,19 @@ class ConnectionPool:
 
 
 async def guarded_pull(
-    health: PeerHealth, peer: PeerAddress, keys: Sequence[ChunkKey], result: PullResult, body: asyncio.Future[None]
+    health: PeerHealth, peer: PeerAddress, keys: Sequence[ChunkKey],
+    run: Callable[[PullResult], Coroutine[Any, Any, None]],
 ) -> PullResult:
-    """Await ``body``; map its failures to misses and the peer's health. Never raises TransferError."""
+    """Run ``run(result)`` unless there is nothing to do or the peer is backed off; map its failures
+    to misses and the peer's health. Never raises TransferError."""
+    result = PullResult(peer)
+    if not keys:
+        return result
+    if not health.available(peer):
+        result.miss_rest(keys, MissReason.BACKOFF)
+        return result
     try:
-        await body
+        await asyncio.ensure_future(run(result))
     except PeerTimeout as exc:
         result.miss_rest(keys, MissReason.TIMEOUT)
         health.record_failure(peer, exc)
@@ -132,14 +141,8 @@ class TcpTransport:
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
         timeout: float,
     ) -> PullResult:
-        result = PullResult(peer)
-        if not keys:
-            return result
-        if not self.health.available(peer):
-            result.miss_rest(keys, MissReason.BACKOFF)
-            return result
-        body = asyncio.ensure_future(self._pull(peer, fingerprint, keys, dst, result, timeout))
-        return await guarded_pull(self.health, peer, keys, result, body)
+        return await guarded_pull(self.health, peer, keys,
+                                  lambda result: self._pull(peer, fingerprint, keys, dst, result, timeout))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
                     result: PullResult, timeout: float) -> None:

@@ -54,14 +54,8 @@ class NixlTransport:
     ) -> PullResult:
         if dst is not self.engine.pool:
             raise ValueError("NIXL pulls land only in the pool registered with the engine")
-        result = PullResult(peer)
-        if not keys:
-            return result
-        if not self.health.available(peer):
-            result.miss_rest(keys, MissReason.BACKOFF)
-            return result
-        body = asyncio.ensure_future(self._pull(peer, fingerprint, keys, dst, result, timeout))
-        return await guarded_pull(self.health, peer, keys, result, body)
+        return await guarded_pull(self.health, peer, keys,
+                                  lambda result: self._pull(peer, fingerprint, keys, dst, result, timeout))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
                     result: PullResult, timeout: float) -> None:
