@@ -9,7 +9,6 @@ config; an invalid value written behind the tools' back is logged and skipped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -22,6 +21,7 @@ from lmcache_p2p.errors import ConfigError, IndexError_
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
 
+from ..aio import cancel_and_wait
 from .cluster_config import ClusterConfig
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,7 @@ class ConfigWatcher:
         return config
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self._task = None
 
     def _deliver(self, config: ClusterConfig) -> None:

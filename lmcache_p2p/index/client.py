@@ -26,6 +26,7 @@ from etcd3aio.kv import KVService, prefix_range_end
 from etcd3aio.lease import LeaseService
 from etcd3aio.maintenance import MaintenanceService
 
+from ..aio import cancel_and_wait
 from ..config import EtcdConfig
 from ..errors import IndexError_, LeaseLost
 
@@ -162,10 +163,7 @@ class EtcdClient:
                 log.warning("etcd token refresh failed: %s", exc)
 
     async def close(self) -> None:
-        if self._refresh_task is not None:
-            self._refresh_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresh_task
+        await cancel_and_wait(self._refresh_task)
         if self._channel is not None:
             await self._channel.close()
         self._channel = None

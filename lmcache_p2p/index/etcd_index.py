@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterable, Sequence
 
-from ..aio import LoopThread
+from ..aio import LoopThread, cancel_and_wait
 from ..config import AgentConfig
 from ..errors import IndexError_
 from ..keys import ChunkKey, FingerprintDigest
@@ -164,10 +164,7 @@ class EtcdBlockIndex:
             self._loop.run(self._close(), self._config.etcd.timeout_s * 2)
 
     async def _close(self) -> None:
-        if self._guard is not None:
-            self._guard.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._guard
+        await cancel_and_wait(self._guard)
         for mirror in self._mirrors.values():
             await mirror.stop()
         if self._publisher is not None:

@@ -16,7 +16,6 @@ slot and its 16-byte key.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import sys
 import threading
@@ -28,6 +27,7 @@ import grpc.aio
 from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
 from etcd3aio.kv import prefix_range_end
 
+from ..aio import cancel_and_wait
 from ..errors import IndexError_
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient, KeyValue
@@ -132,10 +132,7 @@ class Mirror:
         self._task = asyncio.create_task(self._run(), name=f"index-mirror-{self.fp.hex()[:8]}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self._task = None
 
     async def _run(self) -> None:

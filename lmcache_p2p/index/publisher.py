@@ -18,7 +18,6 @@ desired state (and the node record) dirty: that is ``republish_all``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -26,6 +25,7 @@ from collections.abc import Iterable
 
 from etcd3aio.kv import KVService
 
+from ..aio import cancel_and_wait
 from ..errors import IndexError_, LeaseLost
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient, is_transient
@@ -128,10 +128,7 @@ class Publisher:
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
         self._task = None
 
     async def flush(self, timeout: float) -> None:

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from ..aio import cancel_and_wait
 from ..errors import PeerTimeout, TransferError
 from ..tiers.cpu_pool import CpuPool
 
@@ -193,10 +194,7 @@ class NixlEngine:
 
     async def close(self) -> None:
         self._closed = True
-        if self._progress_task is not None:
-            self._progress_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._progress_task
+        await cancel_and_wait(self._progress_task)
         for name in list(self._remotes):
             self.forget_remote(name)
         with contextlib.suppress(Exception):
