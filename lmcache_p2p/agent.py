@@ -30,7 +30,7 @@ from .chunk import ChunkHeader, make_header
 from .config import AgentConfig
 from .errors import LMCacheP2PError, TierError
 from .index.protocol import BlockIndex
-from .index.schema import WIRE_VERSION, NodeId, NodeRecord
+from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
@@ -65,8 +65,11 @@ class CacheAgent:
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
         self.metrics.on_collect(self._refresh_metrics)
-        self.tiers = TieredStore.from_config(config.tiers, chunk_bytes)
-        self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry)
+        self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
+        self.tiers = TieredStore.from_config(config.tiers, chunk_bytes, admit=self._admit)
+        self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry,
+                                             rejects=self.rejects)
+        self.metrics.watch_rejects(self.rejects)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
         self._stack: TransferStack | None = None
@@ -83,7 +86,6 @@ class CacheAgent:
 
         self.loop = LoopThread(f"lmcache-p2p-{self.node_id}")
         try:
-            recovered = self.tiers.recover()
             self._stack = TransferStack.build(self.config, self.tiers.cpu, [self.fp], self._secret,
                                               prepare=self.tiers.ensure_in_cpu)
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
@@ -93,20 +95,25 @@ class CacheAgent:
             record = self._record()
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)
-            else:
-                self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp])
+            else:  # returns within etcd.start_wait_s even when etcd is down (degraded until it answers)
+                self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp], rejects=self.rejects)
+            # Standing invalidations first, so nothing they cover is recovered or published.
+            client = self.index.client if isinstance(self.index, EtcdBlockIndex) else None
+            self.invalidation.start(self.loop, client)
+            recovered = self.tiers.recover()
             self.tiers.set_listener(self._on_tier_change)
-            for header in recovered:
-                self._on_tier_change(header.key, "disk")
-            self.invalidation.start(self.loop, self.index)  # issued invalidations, then watch + TTL sweep
+            mine = [h.key for h in recovered if h.fingerprint == self.fp]  # others stay on disk, unannounced
+            if mine:
+                self.index.add_many(self.fp, mine, TIER_CODES["disk"])
             self.metrics.info.info({"node_id": self.node_id, "version": __version__,
                                     "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
         except BaseException:
             self.stop()
             raise
         self._started = True
-        log.info("agent %s started: %d chunks recovered from disk, serving %s", self.node_id, len(recovered),
-                 self._record().addresses)
+        log.info("agent %s started: %d chunks recovered from disk (%d of this fingerprint), serving %s%s",
+                 self.node_id, len(recovered), len(mine), self._record().addresses,
+                 "" if getattr(self.index, "online", True) else " (degraded: etcd not reachable yet)")
         return self
 
     def _record(self) -> NodeRecord:
@@ -186,8 +193,18 @@ class CacheAgent:
             return
         if tier is None:
             index.remove_many(self.fp, [key])
-        else:
+            return
+        header = self.tiers.header(key)
+        if header is not None and header.fingerprint == self.fp:  # only what this agent serves is announced
             index.add_many(self.fp, [key], TIER_CODES[tier])
+
+    def _admit(self, header: ChunkHeader) -> bool:
+        """The store's admission gate: nothing a standing invalidation covers gets in."""
+        invalidation = getattr(self, "invalidation", None)
+        if invalidation is None or not invalidation.covers(header):
+            return True
+        invalidation.count_refused(header)
+        return False
 
     # -- lookup --------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
@@ -274,6 +291,10 @@ class CacheAgent:
             pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
             if pin is None and self.tiers.ensure_in_cpu(chunk.key):
                 pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
+            if pin is not None and not self._admit(pin.header):  # covered since it was stored
+                self.tiers.cpu.unpin(pin)
+                self.tiers.remove(chunk.key)
+                pin = None
             pins.append(pin)
             if pin is not None:
                 self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
@@ -322,6 +343,12 @@ class CacheAgent:
         try:
             result = await transport.pull(peer, self.fp, [c.key for c in chunks], self.tiers.cpu,
                                           max(deadline - time.monotonic(), 0.01))
+        except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
+            # A transport should report failures in its result; whatever escapes is a miss, never the
+            # caller's (the engine's) exception.
+            log.warning("pull from %s failed: %s: %s", node, type(exc).__name__, exc)
+            self.metrics.peer_errors.labels(node).inc()
+            return chunks
         finally:
             with self._inflight_lock:
                 self._inflight[node] -= len(chunks)
@@ -387,12 +414,12 @@ class CacheAgent:
 
     def _commit_now(self, reservation: Reservation, key: ChunkKey, num_tokens: int, length: int) -> None:
         try:
-            header = make_header(key, self.fp, reservation.view[:length], num_tokens)
-            self.tiers.commit_reserved(reservation, header)
+            header = make_header(key, self.fp, reservation.view[:length], num_tokens, self.invalidation.epoch)
         except BaseException:
             self.tiers.cpu.release(reservation)
             raise
-        self.metrics.stored_chunks.inc()
+        if self.tiers.commit_reserved(reservation, header):  # releases the slot itself when refused
+            self.metrics.stored_chunks.inc()
 
     def _store_now(self, keys: list[ChunkKey], num_tokens: list[int], chunks: list[memoryview]) -> int:
         stored = 0
@@ -400,7 +427,8 @@ class CacheAgent:
             if self.tiers.where(key) is not None:
                 continue
             try:
-                self.tiers.put(key, self.fp, payload, ntok)
+                if self.tiers.put(key, self.fp, payload, ntok, self.invalidation.epoch) is None:
+                    continue  # covered by a standing invalidation
             except TierError as exc:
                 log.warning("store of %s skipped: %s", key.hex(), exc)
                 continue
@@ -431,6 +459,8 @@ class CacheAgent:
             if callable(stats):
                 for name, value in stats().items():
                     gauge = {"index_chunks": m.index_chunks, "publish_pending": m.publish_pending,
-                             "publish_lag_s": m.publish_lag, "lease_up": m.lease_up}.get(name)
+                             "publish_lag_s": m.publish_lag, "lease_up": m.lease_up, "degraded": m.degraded}.get(name)
                     if gauge is not None:
                         gauge.set(value)
+                    elif name == "lease_losses":
+                        m.set_lease_losses(int(value))

@@ -6,9 +6,10 @@
     6      2     reserved (0)
     8      16    chunk key
     24     16    fingerprint digest
-    40     8     payload length in bytes (u64)
-    48     4     number of tokens in the chunk (u32; < chunk_size for a prompt's tail)
-    52     4     reserved (0)
+    40     4     payload length in bytes (u32)
+    44     4     number of tokens in the chunk (u32; < chunk_size for a prompt's tail)
+    48     8     epoch (u64): the etcd revision up to which the computing node had applied
+                 invalidations; a standing invalidation at revision R covers chunks with epoch < R
     56     8     xxh3_64 of the payload (u64)
 
 All integers little-endian. The payload is, for every layer in order, the bytes of the
@@ -27,8 +28,9 @@ from .errors import ChecksumMismatch, MalformedChunk
 from .keys import ChunkKey, FingerprintDigest
 
 MAGIC = b"LMP2"
-CHUNK_FORMAT_VERSION = 1
-_HEADER = struct.Struct("<4sHH16s16sQIIQ")
+CHUNK_FORMAT_VERSION = 2  # 2: u32 length and the epoch
+_HEADER = struct.Struct("<4sHH16s16sIIQQ")
+MAX_PAYLOAD = (1 << 32) - 1
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 
@@ -44,29 +46,32 @@ class ChunkHeader:
     length: int
     num_tokens: int
     checksum: int
+    epoch: int = 0
     version: int = CHUNK_FORMAT_VERSION
 
     def pack(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, self.version, 0, self.key, self.fingerprint, self.length, self.num_tokens, 0, self.checksum
-        )
+            MAGIC, self.version, 0, self.key, self.fingerprint, self.length, self.num_tokens, self.epoch,
+            self.checksum)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ChunkHeader:
         if len(data) < HEADER_SIZE:
             raise MalformedChunk(f"header needs {HEADER_SIZE} bytes, got {len(data)}")
-        magic, version, _, key, fp, length, ntok, _, csum = _HEADER.unpack_from(data)
+        magic, version, _, key, fp, length, ntok, epoch, csum = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise MalformedChunk(f"bad magic {magic!r}")
         if version != CHUNK_FORMAT_VERSION:
             raise MalformedChunk(f"unsupported chunk format version {version}")
-        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, version)
+        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, epoch, version)
 
 
 def make_header(
-    key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview | bytes, num_tokens: int
+    key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview | bytes, num_tokens: int, epoch: int = 0
 ) -> ChunkHeader:
-    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload))
+    if len(payload) > MAX_PAYLOAD:
+        raise MalformedChunk(f"payload of {len(payload)} bytes exceeds the format's {MAX_PAYLOAD}")
+    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload), epoch)
 
 
 def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> memoryview:

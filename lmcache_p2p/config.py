@@ -95,6 +95,7 @@ class EtcdConfig:
     user: str | None = None
     password: str | None = None
     timeout_s: float = 5.0
+    start_wait_s: float = 2.0  # how long start-up waits for etcd before going on degraded
 
     def __post_init__(self) -> None:
         for ep in self.endpoints:
@@ -105,6 +106,7 @@ class EtcdConfig:
         _check((self.cert_cert is None) == (self.cert_key is None), "etcd.cert_key",
                "cert_cert and cert_key go together")
         _check(self.timeout_s > 0, "etcd.timeout_s", "must be > 0")
+        _check(self.start_wait_s >= 0, "etcd.start_wait_s", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@
     ├── TierError                         a tier cannot take or give a chunk
     │   └── CapacityError                 nothing evictable: every slot is pinned
     ├── IndexError_                       the etcd block index failed (translated gRPC errors)
-    │   └── LeaseLost                     the session's lease expired or was revoked
+    │   ├── LeaseLost                     the session's lease expired or was revoked
+    │   ├── WatchCompacted                a watch's start revision was compacted away: resync
+    │   └── MalformedRecord               a key or value read from etcd that the schema rejects
     └── TransferError                     a peer transfer failed (translated socket/NIXL/UCX errors)
         ├── HandshakeError                wrong secret, protocol version or fingerprint
         ├── ProtocolError                 malformed, oversized or unexpected frame
@@ -59,6 +61,22 @@ class IndexError_(LMCacheP2PError):  # noqa: N801 - avoid shadowing the builtin 
 
 class LeaseLost(IndexError_):
     pass
+
+
+class WatchCompacted(IndexError_):
+    """History before ``revision`` is gone: the watcher must resync from a range read."""
+
+    def __init__(self, message: str, revision: int) -> None:
+        super().__init__(message)
+        self.revision = revision
+
+
+class MalformedRecord(IndexError_):
+    """A key or value read from etcd that the schema rejects; ``kind`` names the record type."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"malformed {kind}: {message}")
+        self.kind = kind
 
 
 class TransferError(LMCacheP2PError):

@@ -4,7 +4,10 @@
     lmcache-p2p invalidate --etcd URL [--cluster C] --tenant SALT             # one tenant's chunks
     lmcache-p2p invalidate --etcd URL [--cluster C] --node NODE_ID            # all of one node's chunks
 
-Writes ``invalidate/<id>`` (expires after 10 minutes); every agent drops what matches. With
+Writes ``invalidate/<id>``, a standing barrier at the revision of the write: every agent drops
+what matches and was computed before it, now and whenever it later pulls, stores or recovers such
+a chunk (see ``lmcache_p2p.invalidation``). It stands until deleted (``etcdctl del``), or for
+``--ttl`` seconds. With
 ``--wait`` it then watches the block index until every entry that matched when it was issued is
 gone (deleted, or re-stored after the invalidation) and reports how many were removed. Exit code
 0 when issued (and, with ``--wait``, done), 1 when ``--wait`` timed out, 2 on bad arguments or
@@ -19,9 +22,9 @@ import sys
 import time
 
 from .config import AgentConfig, load_config
-from .errors import LMCacheP2PError
+from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, KeyValue
-from .index.schema import NodeRecord, Schema
+from .index.schema import Schema, decode_node_record
 from .invalidation import Invalidation, issue
 
 POLL_S = 0.2
@@ -35,18 +38,24 @@ async def _matching(client: EtcdClient, schema: Schema, kind: str, value: str) -
         suffix = b"/" + value.encode()
         return [kv for kv in (await client.get_prefix(schema.blocks))[0] if kv.key.endswith(suffix)]
     nodes, rev = await client.get_prefix(schema.nodes)
-    fps = {fp for kv in nodes for fp, salt in NodeRecord.unpack(kv.value).tenants.items() if salt == value}
+    fps: set[str] = set()
+    for kv in nodes:
+        try:
+            record = decode_node_record(kv.value)
+        except MalformedRecord:
+            continue  # agents skip it too
+        fps.update(fp for fp, salt in record.tenants.items() if salt == value)
     out: list[KeyValue] = []
     for fp in sorted(fps):
         out += (await client.get_prefix(schema.blocks + fp.encode() + b"/", rev))[0]
     return out
 
 
-async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None) -> int:
+async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None, ttl_s: int | None) -> int:
     schema = Schema(config.cluster)
     async with EtcdClient(config.etcd) as client:
         before = await _matching(client, schema, kind, value)
-        inv, revision = await issue(client, schema, kind, value)
+        inv, revision = await issue(client, schema, kind, value, ttl_s=ttl_s)
         print(f"issued invalidate/{inv.id}: {inv.kind}={inv.value} in cluster {config.cluster!r} "
               f"(revision {revision}); {len(before)} block entries match", flush=True)
         if wait_s is None:
@@ -83,6 +92,9 @@ def main(argv: list[str]) -> int:
     what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")
     what.add_argument("--tenant", metavar="SALT", help="tenant salt")
     what.add_argument("--node", metavar="NODE_ID", help="node id")
+    parser.add_argument("--ttl", type=int, metavar="SECONDS",
+                        help="let the invalidation lapse after this long (default: it stands until deleted; "
+                             "a node restarted from disk after it lapsed would serve what it covered)")
     parser.add_argument("--wait", type=float, nargs="?", const=60.0, metavar="SECONDS",
                         help="wait (default 60 s) until the matching block entries are gone")
     args = parser.parse_args(argv)
@@ -100,7 +112,7 @@ def main(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run(config, kind, value, args.wait))
+        return asyncio.run(_run(config, kind, value, args.wait, args.ttl))
     except LMCacheP2PError as exc:
         print(f"lmcache-p2p invalidate: cannot reach etcd: {exc}", file=sys.stderr)
         return 2

@@ -1,51 +1,57 @@
-"""Invalidation across the mesh: drop chunks everywhere, bytes and index entries alike.
+"""Invalidation across the mesh: a standing barrier, applied to what a node holds, pulls and recovers.
 
-An operator (``lmcache-p2p invalidate``) writes one key; every agent watches the prefix::
+An operator (``lmcache-p2p invalidate``) writes one key; every agent follows the prefix with a
+:class:`~lmcache_p2p.index.watch.ResumableWatch`::
 
-    invalidate/<id>   msgpack {kind, value, issued_at}   on a lease of ISSUE_TTL_S (they expire)
+    invalidate/<id>   msgpack {kind, value, issued_at}   standing until removed (optionally a lease)
 
-    kind          value                 an agent drops
-    fingerprint   hex prefix (>= 8)     every chunk whose fingerprint digest starts with it (model upgrade)
-    tenant        tenant salt           every chunk of its fingerprints salted with it
-    node          node id               everything, if it is that node
+    kind          value                 covers a chunk
+    fingerprint   hex prefix (>= 8)     whose fingerprint digest starts with it (model upgrade)
+    tenant        tenant salt           of a fingerprint salted with it
+    node          node id               held by that node
 
-Each agent reads the existing keys when it starts (so a node that was down catches up within
-the lease), then follows one watch. An invalidation is applied once per agent process, to every
-matching chunk it holds at that moment: ``TieredStore.remove`` frees the CPU slot and deletes the
-disk file, and the store's listener deletes the block entry in etcd. Invalidation is a purge at
-a point in time: chunks stored afterwards (a node still serving the old model) stay.
+The barrier is the etcd revision R at which the record was written. Every chunk carries an
+*epoch* in its header: the revision up to which the node that computed it had applied
+invalidations (this watch's revision, advanced by progress notifications). An invalidation
+covers a matching chunk iff ``chunk.epoch < R``; chunks computed after a node has seen the
+invalidation (a node now serving the new model) are not covered. For as long as the record
+exists every agent
+
+* drops the covered chunks it holds when it learns of the record (``apply``, off the loop),
+* refuses covered chunks at the CPU pool's admission gate (``covers``): a pull from a lagging
+  peer, an engine store stamped before the barrier, a promotion,
+* and deletes covered chunks found on disk at start (``recover`` runs after the first sync).
+
+A node that was stopped or partitioned while the record was written catches up on resume (the
+watch resumes from its revision, or resyncs); one restarted from disk, however much later, reads
+the standing records before it publishes anything. Removals are counted in
+``lmcache_p2p_invalidated_chunks_total{reason}`` (reason: fingerprint, tenant, node, ttl).
 
 The per-chunk TTL (``tiers.chunk_ttl_s``) is a local sweep every ``min(ttl/4, 5 s)``: a chunk's age
 counts from the oldest copy this node has seen of it (CPU ``stored_at``, disk file mtime), so a
-chunk written back to disk does not restart its clock. Removals are counted in
-``lmcache_p2p_invalidated_chunks_total{reason}`` (reason: fingerprint, tenant, node, ttl).
+chunk written back to disk does not restart its clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
-import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import grpc
-import grpc.aio
-import msgpack
-from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
-from etcd3aio.kv import prefix_range_end
 from prometheus_client import CollectorRegistry, Counter
 
 from .aio import LoopThread
+from .chunk import ChunkHeader
 from .config import AgentConfig
-from .errors import IndexError_, LMCacheP2PError
-from .index.client import EtcdClient
-from .index.schema import NodeId, Schema
+from .errors import LMCacheP2PError, MalformedRecord
+from .index.client import EtcdClient, KeyValue, WatchEvent
+from .index.schema import INVALIDATION_KINDS, MIN_FP_PREFIX, Invalidation, NodeId, Rejects, Schema, decode_invalidation
+from .index.watch import ResumableWatch
 from .keys import ChunkKey, Fingerprint, FingerprintDigest
 
 if TYPE_CHECKING:  # the tiers import torch; the invalidate CLI must start fast
@@ -53,92 +59,82 @@ if TYPE_CHECKING:  # the tiers import torch; the invalidate CLI must start fast
 
 log = logging.getLogger(__name__)
 
-KINDS = ("fingerprint", "tenant", "node")
-ISSUE_TTL_S = 600
-MIN_FP_PREFIX = 8
+KINDS = INVALIDATION_KINDS
 MAX_SWEEP_INTERVAL_S = 5.0
-_PUT = 0  # mvccpb.Event.EventType
+__all__ = ["KINDS", "MIN_FP_PREFIX", "Invalidation", "MeshInvalidation", "issue"]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Invalidation:
-    id: str
-    kind: str
-    value: str
-    issued_at: float
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"invalidation kind must be one of {KINDS}, got {self.kind!r}")
-        if not self.value:
-            raise ValueError(f"invalidation {self.kind}: value must not be empty")
-        if self.kind == "fingerprint" and not re.fullmatch(rf"[0-9a-f]{{{MIN_FP_PREFIX},32}}", self.value):
-            raise ValueError(f"fingerprint: expected {MIN_FP_PREFIX}-32 lower-case hex chars, got {self.value!r}")
-
-    def pack(self) -> bytes:
-        return msgpack.packb({"kind": self.kind, "value": self.value, "issued_at": self.issued_at},
-                             use_bin_type=True)
-
-    @classmethod
-    def unpack(cls, id_: str, data: bytes) -> Invalidation:
-        try:
-            raw = msgpack.unpackb(data, raw=False)
-            return cls(id_, str(raw["kind"]), str(raw["value"]), float(raw.get("issued_at", 0.0)))
-        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
-            raise IndexError_(f"malformed invalidation {id_!r}: {exc}") from exc
-
-    def matches(self, fp: FingerprintDigest, fingerprint: Fingerprint | None, node_id: str) -> bool:
-        """Whether a chunk of ``fp`` (described by ``fingerprint`` when known) held by ``node_id`` goes."""
-        if self.kind == "node":
-            return self.value == node_id
-        if self.kind == "fingerprint":
-            return fp.hex().startswith(self.value)
-        return fingerprint is not None and fingerprint.tenant_salt == self.value
-
-
-async def issue(client: EtcdClient, schema: Schema, kind: str, value: str, *, ttl_s: int = ISSUE_TTL_S,
+async def issue(client: EtcdClient, schema: Schema, kind: str, value: str, *, ttl_s: int | None = None,
                 clock: Callable[[], float] = time.time) -> tuple[Invalidation, int]:
-    """Write one invalidation under a lease of its own; ``(invalidation, revision of the write)``."""
+    """Write one standing invalidation (on a lease of ``ttl_s`` if given); ``(invalidation, revision)``."""
     inv = Invalidation(uuid.uuid4().hex[:16], kind, value.lower() if kind == "fingerprint" else value, clock())
-    lease_id, _ = await client.grant(ttl_s)
+    lease_id = (await client.grant(ttl_s))[0] if ttl_s is not None else 0
     revision = await client.put(schema.invalidations + inv.id.encode(), inv.pack(), lease=lease_id)
-    return inv, revision
+    return Invalidation(inv.id, inv.kind, inv.value, inv.issued_at, revision), revision
+
+
+def matches(inv: Invalidation, header: ChunkHeader, fingerprint: Fingerprint | None, node_id: str) -> bool:
+    """Whether ``inv`` covers a chunk with ``header`` held by ``node_id``."""
+    if header.epoch >= inv.revision:
+        return False
+    if inv.kind == "node":
+        return inv.value == node_id
+    if inv.kind == "fingerprint":
+        return header.fingerprint.hex().startswith(inv.value)
+    return fingerprint is not None and fingerprint.tenant_salt == inv.value
 
 
 class MeshInvalidation:
-    """One agent's side: follows ``invalidate/`` and sweeps expired chunks, on the agent's loop.
+    """One agent's side: follows ``invalidate/``, gates chunks, sweeps expired ones, on the agent's loop.
 
     ``fingerprints`` are those this agent serves (digest -> fingerprint): a tenant is matched
     through them; a chunk of an unknown fingerprint (an old disk file) matches by digest only.
     """
 
     def __init__(self, config: AgentConfig, store: TieredStore, fingerprints: Mapping[FingerprintDigest, Fingerprint],
-                 registry: CollectorRegistry, *, wall_clock: Callable[[], float] = time.time) -> None:
+                 registry: CollectorRegistry, *, wall_clock: Callable[[], float] = time.time,
+                 rejects: Rejects | None = None) -> None:
         self._schema = Schema(config.cluster)
         self._timeout = config.etcd.timeout_s
+        self._wait_s = config.etcd.start_wait_s
         self._ttl_s = config.tiers.chunk_ttl_s
         self._store = store
         self._fingerprints = dict(fingerprints)
         self._node_id = NodeId(config.node_id)
         self._wall = wall_clock
+        self.rejects = rejects if rejects is not None else Rejects()
         self.removed = Counter("invalidated_chunks", "Chunks dropped by invalidation or TTL, by reason",
                                ["reason"], namespace="lmcache_p2p", registry=registry)
-        self._seen: set[str] = set()
+        self._active: dict[str, Invalidation] = {}  # replaced, never mutated: readers on any thread
+        self._applied: set[tuple[str, int]] = set()
         self._born: dict[ChunkKey, float] = {}  # wall time of the oldest copy seen, for the TTL
-        self._rev = 0
-        self._need_read = True
-        self._client: EtcdClient | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watch: ResumableWatch | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
         self._loop: LoopThread | None = None
 
-    # -- lifecycle (any thread but the loop's) ---------------------------------------------------
-    def start(self, loop: LoopThread, index: object) -> None:
-        """Apply the invalidations already issued, then follow new ones (when ``index`` is in etcd)."""
-        from .index.etcd_index import EtcdBlockIndex
+    # -- the barrier (any thread) ----------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The revision up to which invalidations are applied here: the epoch of chunks computed now."""
+        return self._watch.revision if self._watch is not None else 0
 
+    def active(self) -> list[Invalidation]:
+        return list(self._active.values())
+
+    def covers(self, header: ChunkHeader) -> bool:
+        """Whether a standing invalidation covers this chunk (it must not be stored or served)."""
+        active = self._active
+        if not active:
+            return False
+        fingerprint = self._fingerprints.get(header.fingerprint)
+        return any(matches(inv, header, fingerprint, self._node_id) for inv in active.values())
+
+    # -- lifecycle (any thread but the loop's) ---------------------------------------------------
+    def start(self, loop: LoopThread, client: EtcdClient | None) -> bool:
+        """Follow ``invalidate/`` (when ``client`` is given) and start the TTL sweep. Waits up to
+        ``etcd.start_wait_s`` for the standing records; False if etcd did not answer in time."""
         self._loop = loop
-        self._client = index.client if isinstance(index, EtcdBlockIndex) else None
-        loop.run(self._start(), self._timeout * 5)
+        return loop.run(self._start(client), self._wait_s + self._timeout + 5.0)
 
     def stop(self) -> None:
         loop, self._loop = self._loop, None
@@ -146,91 +142,99 @@ class MeshInvalidation:
             with contextlib.suppress(LMCacheP2PError, RuntimeError):
                 loop.run(self._stop(), self._timeout)
 
-    async def _start(self) -> None:
-        if self._client is not None:
-            self._need_read = True
-            try:
-                await self._read_existing()
-            except IndexError_ as exc:
-                log.warning("invalidation: reading issued invalidations failed (will retry): %s", exc)
-            self._tasks.append(asyncio.create_task(self._follow(), name="invalidation-watch"))
+    async def _start(self, client: EtcdClient | None) -> bool:
         if self._ttl_s is not None:
-            self._tasks.append(asyncio.create_task(self._sweep_forever(), name="chunk-ttl-sweeper"))
+            self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
+        if client is None:
+            return True
+        self._watch = ResumableWatch(client, self._schema.invalidations, load=self._load, apply=self._apply,
+                                     name="invalidations")
+        self._watch.start()
+        return await self._watch.wait_synced(self._wait_s)
 
     async def _stop(self) -> None:
-        tasks, self._tasks = self._tasks, []
+        if self._watch is not None:
+            await self._watch.stop()
+        tasks, self._tasks = self._tasks, set()
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    # -- invalidations ---------------------------------------------------------------------------
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._reap)
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("invalidation task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- records (loop callbacks: no blocking) ---------------------------------------------------
+    def _decode(self, key: bytes, value: bytes, revision: int) -> Invalidation | None:
+        try:
+            return decode_invalidation(key, value, revision, prefix_len=len(self._schema.invalidations))
+        except MalformedRecord as exc:
+            self.rejects.add(exc, key)
+            return None
+
+    def _load(self, kvs: list[KeyValue], _revision: int) -> None:
+        active = {}
+        for kv in kvs:
+            inv = self._decode(kv.key, kv.value, kv.mod_revision)
+            if inv is not None:
+                active[inv.id] = inv
+        self._active = active
+        self._apply_all(list(active.values()))
+
+    def _apply(self, events: Sequence[WatchEvent]) -> None:
+        active = dict(self._active)
+        new = []
+        for ev in events:
+            id_ = ev.key[len(self._schema.invalidations):].decode(errors="replace")
+            if ev.deleted:
+                active.pop(id_, None)
+                continue
+            inv = self._decode(ev.key, ev.value, ev.mod_revision)
+            if inv is not None:
+                active[inv.id] = inv
+                new.append(inv)
+        self._active = active
+        self._apply_all(new)
+
+    def _apply_all(self, invalidations: list[Invalidation]) -> None:
+        todo = [inv for inv in invalidations if (inv.id, inv.revision) not in self._applied]
+        if todo:
+            self._applied.update((inv.id, inv.revision) for inv in todo)
+            self._spawn(asyncio.to_thread(self._apply_many, todo), "invalidation-apply")
+
+    def _apply_many(self, invalidations: list[Invalidation]) -> None:
+        for inv in invalidations:
+            self.apply(inv)
+
     def apply(self, inv: Invalidation) -> int:
-        """Drop every held chunk ``inv`` matches (blocking: deletes files); returns how many."""
+        """Drop every held chunk ``inv`` covers (blocking: deletes files); returns how many."""
         dropped = 0
         for key in list(self._store.inventory()):
             header = self._store.header(key)
             if header is None:
                 continue
-            if inv.matches(header.fingerprint, self._fingerprints.get(header.fingerprint), self._node_id):
+            if matches(inv, header, self._fingerprints.get(header.fingerprint), self._node_id):
                 dropped += self._store.remove(key)
         self.removed.labels(inv.kind).inc(dropped)
-        log.info("invalidation %s (%s %s): dropped %d chunks", inv.id, inv.kind, inv.value, dropped)
+        log.info("invalidation %s (%s %s, rev %d): dropped %d chunks", inv.id, inv.kind, inv.value, inv.revision,
+                 dropped)
         return dropped
 
-    async def _apply_new(self, id_: str, data: bytes) -> None:
-        if id_ in self._seen:
-            return
-        self._seen.add(id_)
-        try:
-            inv = Invalidation.unpack(id_, data)
-        except IndexError_ as exc:
-            log.warning("invalidation: skipping %s", exc)
-            return
-        await asyncio.to_thread(self.apply, inv)
-
-    async def _read_existing(self) -> None:
-        assert self._client is not None
-        prefix = self._schema.invalidations
-        kvs, self._rev = await self._client.get_prefix(prefix)
-        for kv in kvs:
-            await self._apply_new(kv.key[len(prefix):].decode(), kv.value)
-        self._need_read = False
-
-    async def _follow(self) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                if self._need_read:
-                    await self._read_existing()
-                await self._watch()
-                backoff = 0.05
-            except (IndexError_, grpc.aio.AioRpcError, OSError) as exc:
-                log.info("invalidation watch interrupted (%s); resuming at rev %d", exc, self._rev)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-
-    async def _watch(self) -> None:
-        assert self._client is not None
-        prefix = self._schema.invalidations
-        call = WatchStub(self._client.channel).Watch(metadata=self._client.metadata(require_leader=True))
-        try:
-            await call.write(WatchRequest(create_request=WatchCreateRequest(
-                key=prefix, range_end=prefix_range_end(prefix), start_revision=self._rev + 1)))
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    raise OSError("watch stream closed by the server")
-                if resp.compact_revision > 0 or resp.canceled:
-                    self._need_read = True  # history gone: read what is issued now
-                    return
-                for ev in resp.events:
-                    self._rev = ev.kv.mod_revision
-                    if ev.type == _PUT:
-                        await self._apply_new(ev.kv.key[len(prefix):].decode(), ev.kv.value)
-        finally:
-            call.cancel()
+    def count_refused(self, header: ChunkHeader) -> None:
+        """A chunk refused at the gate counts like one dropped, under the first covering kind."""
+        fingerprint = self._fingerprints.get(header.fingerprint)
+        for inv in list(self._active.values()):
+            if matches(inv, header, fingerprint, self._node_id):
+                self.removed.labels(inv.kind).inc()
+                return
 
     # -- per-chunk TTL -----------------------------------------------------------------------------
     async def _sweep_forever(self) -> None:

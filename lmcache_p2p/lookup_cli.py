@@ -12,6 +12,7 @@ shows up as such. Exit code 0 when at least one chunk is held somewhere, 1 when 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,6 +52,9 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
     config = load_config(args.config, overrides=overrides)
+    # A tool exists to read etcd: give it the full timeout, not an agent's short start-up wait.
+    config = dataclasses.replace(config, etcd=dataclasses.replace(
+        config.etcd, start_wait_s=max(config.etcd.start_wait_s, config.etcd.timeout_s)))
     if not config.etcd.endpoints:
         print("lmcache-p2p lookup: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)", file=sys.stderr)
         return 2
@@ -63,6 +67,11 @@ def main(argv: list[str]) -> int:
             probe = IndexReader.open(loop, config, FingerprintDigest(b"\0" * 16))
         except LMCacheP2PError as exc:
             print(f"lmcache-p2p lookup: cannot read etcd: {exc}", file=sys.stderr)
+            return 2
+        if not probe.synced:
+            probe.close()
+            print(f"lmcache-p2p lookup: cannot read etcd at {','.join(config.etcd.endpoints)} "
+                  f"within {config.etcd.start_wait_s:.1f}s", file=sys.stderr)
             return 2
         nodes = probe.nodes()
         probe.close()

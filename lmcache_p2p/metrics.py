@@ -7,11 +7,14 @@ Library code never touches prometheus_client's global registry: the agent receiv
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics_core import Metric
+
+from .index.schema import Rejects
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -59,9 +62,25 @@ class AgentMetrics:
                                  namespace=ns, registry=registry)
         self.lease_up = Gauge("lease_up", "1 while the agent holds a live etcd lease", namespace=ns,
                               registry=registry)
-        self.lease_losses = Counter("lease_losses", "Times the etcd lease was lost", namespace=ns, registry=registry)
+        self.degraded = Gauge("degraded", "1 while the node is outside the mesh (no live etcd lease or the mirror "
+                              "not synced): it serves local hits and pulls from its last mirror", namespace=ns,
+                              registry=registry)
+        self._counts = _LiveCounters()
+        registry.register(self._counts)
         self.pins = Gauge("pins", "Live pins on CPU slots", namespace=ns, registry=registry)
         self.info = Info("agent", "Agent identity and versions", namespace=ns, registry=registry)
+
+    def watch_rejects(self, rejects: Rejects) -> None:
+        """Export ``rejects`` as ``lmcache_p2p_index_rejected_total{kind}``."""
+        self._counts.rejects = rejects
+
+    def set_lease_losses(self, total: int) -> None:
+        """``lmcache_p2p_lease_losses_total``: leases lost and replaced so far (a counter kept by the index)."""
+        self._counts.lease_losses = total
+
+    def live_counters(self) -> dict[str, tuple[str, ...]]:
+        """Names (without ``_total``) and label names of the counters kept outside prometheus_client."""
+        return dict(_LiveCounters.LABELS)
 
     def on_collect(self, fn: Callable[[], None]) -> None:
         """Gauges that mirror other objects' state are refreshed by ``fn`` before each scrape."""
@@ -81,6 +100,27 @@ class _Refresher:
     def collect(self) -> list[Metric]:
         self._refresh()
         return []
+
+
+class _LiveCounters:
+    """Counters whose values live in other objects (the index's, shared with non-agent readers)."""
+
+    LABELS = {"lmcache_p2p_index_rejected": ("kind",), "lmcache_p2p_lease_losses": ()}
+
+    def __init__(self) -> None:
+        self.rejects: Rejects | None = None
+        self.lease_losses = 0
+
+    def collect(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily("lmcache_p2p_index_rejected", "Malformed etcd keys or values skipped, by kind",
+                                       labels=["kind"])
+        counts = dict(self.rejects.counts) if self.rejects is not None else {}
+        for kind, n in sorted(counts.items()):
+            rejected.add_metric([kind], n)
+        yield rejected
+        losses = CounterMetricFamily("lmcache_p2p_lease_losses", "Times the etcd lease was lost and re-taken")
+        losses.add_metric([], self.lease_losses)
+        yield losses
 
 
 class MetricsServer:

@@ -23,9 +23,9 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from .config import AgentConfig, EtcdConfig, load_config
-from .errors import LMCacheP2PError
+from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, translate
-from .index.schema import NodeRecord, Schema
+from .index.schema import NodeRecord, Schema, decode_node_key, decode_node_record
 
 SCRAPE_TIMEOUT_S = 2.0
 
@@ -44,6 +44,8 @@ class NodeStatus:
     tier_used_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     tier_capacity_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     hit_rate: float | None = None
+    degraded: bool | None = None  # outside the mesh by its own account (no live lease / mirror not synced)
+    index_rejected: float = 0.0  # malformed etcd records it skipped
 
 
 def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
@@ -74,6 +76,9 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
     hits = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_hit_tokens_total"))
     misses = m.get("lmcache_p2p_miss_tokens_total", 0.0)
     node.hit_rate = hits / (hits + misses) if hits + misses else None
+    if "lmcache_p2p_degraded" in m:
+        node.degraded = m["lmcache_p2p_degraded"] > 0
+    node.index_rejected = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_index_rejected_total"))
 
 
 async def collect(config: AgentConfig) -> dict[str, Any]:
@@ -85,8 +90,13 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
         blocks, _ = await client.get_prefix(schema.blocks, revision)
         per_node: Counter[str] = Counter(kv.key.rsplit(b"/", 1)[1].decode() for kv in blocks)
         nodes: list[tuple[NodeStatus, NodeRecord]] = []
+        rejected = 0
         for kv in kvs:
-            record = NodeRecord.unpack(kv.value)
+            try:
+                record = decode_node_record(kv.value, decode_node_key(len(schema.nodes), kv.key))
+            except MalformedRecord:
+                rejected += 1
+                continue
             nodes.append((NodeStatus(
                 node_id=record.node_id, address=next(iter(record.addresses.values()), ""),
                 transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
@@ -97,8 +107,13 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
         await client.close()
     members = await asyncio.gather(*(_member_up(config.etcd, ep) for ep in config.etcd.endpoints))
     await asyncio.gather(*(asyncio.to_thread(_apply_metrics, n, r.metrics_url) for n, r in nodes))
-    return _report(config, [n for n, _ in nodes], [r for _, r in nodes], dict(zip(config.etcd.endpoints, members,
-                                                                                 strict=True)), revision)
+    report = _report(config, [n for n, _ in nodes], [r for _, r in nodes],
+                     dict(zip(config.etcd.endpoints, members, strict=True)), revision)
+    if rejected:
+        report["flags"].append(f"malformed-records: {rejected} node records under {schema.nodes.decode()} do "
+                               "not decode (agents skip and count them)")
+        report["healthy"] = False
+    return report
 
 
 async def _ttl_left(client: EtcdClient, lease: int) -> float | None:
@@ -134,6 +149,9 @@ def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeReco
                          f"served under {len(fps)} fingerprints ({', '.join(sorted(f[:12] for f in fps))}): "
                          "their chunks never match")
     for node in nodes:
+        if node.degraded:
+            flags.append(f"degraded: {node.node_id} reports it is outside the mesh (lease not confirmed or index "
+                         "not synced): it serves local hits only")
         if node.responsive is False:
             flags.append(f"unresponsive: {node.node_id} holds a live lease but its metrics endpoint does not "
                          f"answer within {SCRAPE_TIMEOUT_S:.0f}s (hung or partitioned?)")
@@ -164,7 +182,8 @@ def render(report: dict[str, Any]) -> str:
             f"{_gib(used.get('cpu', 0))}/{_gib(cap.get('cpu', 0))}" if "cpu" in cap else "?",
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
             "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
-            f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?"),
+            f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?")
+            + (" DEGRADED" if n["degraded"] else ""),
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = [f"cluster {report['cluster']}  revision {report['revision']}  nodes {len(report['nodes'])}  "

@@ -11,7 +11,7 @@ from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_index import EtcdBlockIndex
 from lmcache_p2p.index.etcd_server import EtcdServer
 from lmcache_p2p.index.mirror import Mirror
-from lmcache_p2p.index.schema import TIER_CPU, TIER_DISK, NodeId
+from lmcache_p2p.index.schema import TIER_CPU, TIER_DISK, NodeId, decode_block_key
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 
@@ -21,7 +21,7 @@ def fresh_read(loop: LoopThread, index: EtcdBlockIndex, fp: FingerprintDigest) -
     kvs, _ = loop.run(index.client.get_prefix(prefix), 10.0)
     out: dict[ChunkKey, dict[NodeId, int]] = {}
     for kv in kvs:
-        key, node = index.schema.parse_block(len(prefix), kv.key)
+        key, node = decode_block_key(len(prefix), kv.key)
         out.setdefault(key, {})[node] = kv.value[0]
     return out
 

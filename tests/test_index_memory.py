@@ -8,7 +8,7 @@ from conftest import make_keys
 
 from lmcache_p2p.index.memory import MemoryIndex, MemoryMesh
 from lmcache_p2p.index.protocol import BlockIndex
-from lmcache_p2p.index.schema import TIER_CPU, TIER_GPU, NodeId, NodeRecord, Schema
+from lmcache_p2p.index.schema import TIER_CPU, TIER_GPU, NodeId, NodeRecord, Schema, decode_block_key
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 
@@ -50,4 +50,4 @@ def test_block_key_layout() -> None:
     k = schema.block(fp, key, NodeId("n-1"))
     assert k == b"/lmcache-p2p/v1/prod/blocks/" + fp.hex().encode() + b"/" + key.hex().encode() + b"/n-1"
     assert k.startswith(schema.blocks_of(fp))
-    assert schema.parse_block(len(schema.blocks_of(fp)), k) == (key, "n-1")
+    assert decode_block_key(len(schema.blocks_of(fp)), k) == (key, "n-1")

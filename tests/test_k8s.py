@@ -510,6 +510,7 @@ def metric_series() -> dict[str, set[str]]:
         if isinstance(collector, MetricWrapperBase):
             for fam in collector.describe():
                 out.update({fam.name + s: set(collector._labelnames) for s in suffixes[fam.type]})
+    out.update({name + "_total": set(labels) for name, labels in metrics.live_counters().items()})
     registered = {fam.name for fam in metrics.registry.collect()}
     assert registered and all(any(s.startswith(n) for s in out) for n in registered)
     return out

@@ -13,13 +13,23 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
 import grpc.aio
+from etcd3aio._protobuf import (
+    Compare,
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchStub,
+)
+from etcd3aio._protobuf import rpc_pb2 as _rpc
 from etcd3aio.auth import AuthService
 from etcd3aio.errors import EtcdConnectionError, EtcdError, EtcdTransientError
 from etcd3aio.kv import KVService, prefix_range_end
@@ -28,10 +38,12 @@ from etcd3aio.maintenance import MaintenanceService
 
 from ..aio import cancel_and_wait
 from ..config import EtcdConfig
-from ..errors import IndexError_, LeaseLost
+from ..errors import IndexError_, LeaseLost, WatchCompacted
 
 log = logging.getLogger(__name__)
 
+WATCH_PROGRESS_S = 5.0  # a quiet watch asks etcd how far it has seen this often
+_DELETE = 1  # mvccpb.Event.EventType
 MAX_RECEIVE_BYTES = 256 << 20  # big range reads; gRPC's default of 4 MiB is ~30k block entries
 RANGE_PAGE = 20_000  # keys per range-read page
 TOKEN_REFRESH_S = 240.0  # etcd simple tokens live 5 minutes
@@ -47,6 +59,43 @@ class KeyValue:
     lease: int
 
 
+@dataclass(frozen=True, slots=True)
+class WatchEvent:
+    key: bytes
+    value: bytes  # empty for a delete
+    mod_revision: int
+    deleted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class WatchBatch:
+    """What one watch response says: events (in order), and the revision the watcher has seen up to.
+
+    ``revision`` is the last event's revision, or for a progress notification (no events) the
+    store revision: every change under the prefix up to it has been delivered.
+    """
+
+    events: tuple[WatchEvent, ...]
+    revision: int
+
+
+Op = object  # an opaque txn operation built by op_put / op_delete
+Comparison = object  # an opaque txn comparison built by compare_mod_revision
+
+
+def op_put(key: bytes, value: bytes, lease: int = 0) -> Op:
+    return KVService.txn_op_put(key, value, lease=lease)
+
+
+def op_delete(key: bytes) -> Op:
+    return KVService.txn_op_delete(key)
+
+
+def compare_mod_revision(key: bytes, mod_revision: int) -> Comparison:
+    """True while ``key``'s last modification is at ``mod_revision`` (0: the key does not exist)."""
+    return Compare(result=Compare.EQUAL, target=Compare.MOD, key=key, mod_revision=mod_revision)
+
+
 @contextlib.contextmanager
 def translate(operation: str) -> Iterator[None]:
     """Map gRPC / etcd3aio / timeout errors raised inside the block to IndexError_ or LeaseLost."""
@@ -57,7 +106,7 @@ def translate(operation: str) -> Iterator[None]:
         if exc.code() == grpc.StatusCode.NOT_FOUND and "lease" in details:
             raise LeaseLost(f"{operation}: {details}") from exc
         raise IndexError_(f"{operation}: {exc.code().name} {details}") from exc
-    except (EtcdError, TimeoutError, OSError) as exc:
+    except (EtcdError, TimeoutError, OSError, asyncio.InvalidStateError, grpc.RpcError) as exc:
         raise IndexError_(f"{operation}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -113,7 +162,9 @@ class EtcdClient:
         self._token: str | None = None
         self._refresh_task: asyncio.Task[None] | None = None
 
-    async def connect(self) -> None:
+    async def connect(self, *, lazy: bool = False) -> None:
+        """Open the channel. With ``lazy`` nothing waits on etcd: authentication (if configured)
+        is retried in the background until etcd answers (agents start while etcd is down)."""
         target, server_name = channel_target(self.config.endpoints)
         options: list[tuple[str, str | int]] = [
             ("grpc.lb_policy_name", "round_robin"),
@@ -141,8 +192,10 @@ class EtcdClient:
         self._lease = LeaseService(self._channel, max_attempts=3)
         self._maintenance = MaintenanceService(self._channel, max_attempts=3)
         if self.config.user is not None and self.config.password is not None:
-            await self._authenticate()
-            self._refresh_task = asyncio.create_task(self._refresh_token(), name="etcd-token-refresh")
+            if not lazy:
+                await self._authenticate()
+            self._refresh_task = asyncio.create_task(self._refresh_token(authenticated=not lazy),
+                                                     name="etcd-token-refresh")
 
     async def _authenticate(self) -> None:
         assert self._channel is not None and self.config.user is not None and self.config.password is not None
@@ -154,13 +207,19 @@ class EtcdClient:
             if svc is not None:
                 svc.set_token(self._token)
 
-    async def _refresh_token(self) -> None:
+    async def _refresh_token(self, authenticated: bool) -> None:
+        backoff = 0.2
         while True:
-            await asyncio.sleep(TOKEN_REFRESH_S)
+            if authenticated:
+                await asyncio.sleep(TOKEN_REFRESH_S)
             try:
                 await self._authenticate()
+                authenticated, backoff = True, 0.2
             except IndexError_ as exc:
-                log.warning("etcd token refresh failed: %s", exc)
+                log.warning("etcd authentication failed (retrying in %.1fs): %s", backoff, exc)
+                authenticated = False
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
 
     async def close(self) -> None:
         await cancel_and_wait(self._refresh_task)
@@ -194,7 +253,7 @@ class EtcdClient:
             raise IndexError_("etcd client is not connected")
         return self._channel
 
-    def metadata(self, require_leader: bool = False) -> tuple[tuple[str, str], ...] | None:
+    def _metadata(self, require_leader: bool = False) -> tuple[tuple[str, str], ...] | None:
         """Call metadata for raw streams: the auth token and, for watches, etcd's has-leader guard."""
         md: list[tuple[str, str]] = []
         if self._token:
@@ -277,6 +336,85 @@ class EtcdClient:
     async def compact(self, revision: int) -> None:
         with translate("KV.Compact"):
             await self.kv.compact(revision, physical=True, timeout=self.timeout)
+
+    # ---- streams -----------------------------------------------------------------------------
+    async def keep_alive(self, lease_id: int, on_refresh: Callable[[float, int], None]) -> None:
+        """Refresh ``lease_id`` on one stream, every TTL/3, until the stream breaks.
+
+        Never returns normally: raises :class:`LeaseLost` when etcd says the lease is gone and
+        :class:`IndexError_` for anything else (stream closed, timeout, member down).
+        ``on_refresh(sent_at, ttl)`` hears every confirmed refresh (``sent_at`` is monotonic).
+        """
+        call = LeaseStub(self.channel).LeaseKeepAlive(metadata=self._metadata())
+        try:
+            while True:
+                sent_at = time.monotonic()
+                with translate("Lease.KeepAlive"):
+                    await asyncio.wait_for(call.write(LeaseKeepAliveRequest(ID=lease_id)), self.timeout)
+                    resp = await asyncio.wait_for(call.read(), self.timeout)
+                if resp is grpc.aio.EOF:
+                    raise IndexError_("Lease.KeepAlive: stream closed by the server")
+                if resp.TTL <= 0:
+                    raise LeaseLost(f"lease {lease_id:x} expired or was revoked")
+                on_refresh(sent_at, int(resp.TTL))
+                await asyncio.sleep(max(0.5, resp.TTL / 3))
+        finally:
+            call.cancel()
+
+    async def watch(self, prefix: bytes, start_revision: int, *, progress_every_s: float = WATCH_PROGRESS_S
+                    ) -> AsyncIterator[WatchBatch]:
+        """Every change under ``prefix`` from ``start_revision`` on, on one stream, until it breaks.
+
+        Raises :class:`WatchCompacted` when the history from ``start_revision`` is gone (or etcd's
+        revision went backwards: a restored or new cluster) and :class:`IndexError_` when the
+        stream breaks or stays silent. A progress notification is asked for every
+        ``progress_every_s``, so the revision of a quiet prefix advances too and a silent stream
+        is noticed; the stream asks for ``hasleader``, so a member cut off from the quorum ends it.
+        """
+        call = WatchStub(self.channel).Watch(metadata=self._metadata(require_leader=True))
+        ticker: asyncio.Task[None] | None = None
+        try:
+            create = WatchCreateRequest(key=prefix, range_end=prefix_range_end(prefix),
+                                        start_revision=start_revision, progress_notify=True)
+            with translate("Watch"):
+                await asyncio.wait_for(call.write(WatchRequest(create_request=create)), self.timeout)
+            ticker = asyncio.create_task(self._ask_progress(call, progress_every_s), name="etcd-watch-progress")
+            while True:
+                with translate("Watch"):
+                    resp = await asyncio.wait_for(call.read(), progress_every_s * 3 + self.timeout)
+                batch = _watch_batch(resp, start_revision)
+                if batch is not None:
+                    yield batch
+        finally:
+            await cancel_and_wait(ticker)
+            call.cancel()
+
+    async def _ask_progress(self, call: grpc.aio.StreamStreamCall, every_s: float) -> None:
+        request = WatchRequest(progress_request=_rpc.WatchProgressRequest())
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError, OSError):
+            while True:
+                await asyncio.sleep(every_s)
+                await call.write(request)
+
+
+def _watch_batch(resp: object, start_revision: int) -> WatchBatch | None:
+    """One watch response as a batch (None for the creation answer); raises when the watch ended."""
+    if resp is grpc.aio.EOF:
+        raise IndexError_("Watch: stream closed by the server")
+    if resp.compact_revision > 0:  # type: ignore[attr-defined]
+        raise WatchCompacted(f"Watch: revision {start_revision} compacted (now {resp.compact_revision})",  # type: ignore[attr-defined]
+                             resp.compact_revision)  # type: ignore[attr-defined]
+    if resp.canceled:  # type: ignore[attr-defined]
+        raise IndexError_(f"Watch: cancelled by etcd: {resp.cancel_reason or 'no reason'}")  # type: ignore[attr-defined]
+    revision = int(resp.header.revision)  # type: ignore[attr-defined]
+    if resp.created:  # type: ignore[attr-defined]
+        if revision < start_revision - 1:
+            raise WatchCompacted(f"Watch: etcd is at revision {revision}, behind {start_revision - 1}: "
+                                 "a restored or new cluster", revision)
+        return None
+    events = tuple(WatchEvent(ev.kv.key, ev.kv.value, int(ev.kv.mod_revision), ev.type == _DELETE)
+                   for ev in resp.events)  # type: ignore[attr-defined]
+    return WatchBatch(events, events[-1].mod_revision if events else revision)
 
 
 def _read(path: str | None) -> bytes | None:

@@ -1,10 +1,14 @@
 """The etcd :class:`~lmcache_p2p.index.protocol.BlockIndex`: a sync facade over one node's
 session, publisher and per-fingerprint mirrors, all running on the agent's loop thread.
 
-If the lease is lost (partition longer than the TTL, etcd restored from backup), a guard task
-opens a new session, hands it to the publisher (which republishes the node record and every
-entry it holds) and calls ``on_new_lease``. ``close()`` revokes the lease: the node's entries
-vanish from every mirror at once.
+etcd is a hint, not a dependency: ``open`` never fails because etcd is down. It waits up to
+``etcd.start_wait_s`` for a lease and the first sync, then returns either way; until etcd
+answers the node runs *degraded* (local hits only, an empty or last-known mirror, writes queued
+in the publisher's desired state). A supervised registrar task takes a lease as soon as etcd
+answers and, whenever the lease is lost (partition longer than the TTL, etcd restored from
+backup, expired during an outage), takes a new one, hands it to the publisher (which
+republishes the node record and every entry it holds) and calls ``on_new_lease``.
+``close()`` revokes the lease: the node's entries vanish from every mirror at once.
 
 Construct from an :class:`~lmcache_p2p.config.AgentConfig`::
 
@@ -29,7 +33,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .mirror import Mirror
 from .publisher import Publisher
-from .schema import NodeId, NodeRecord, Schema
+from .schema import NodeId, NodeRecord, Rejects, Schema
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -39,7 +43,7 @@ _EMPTY: frozenset[NodeId] = frozenset()
 
 class EtcdBlockIndex:
     def __init__(self, loop: LoopThread, config: AgentConfig, record: NodeRecord,
-                 on_new_lease: Callable[[Session], None] | None = None) -> None:
+                 on_new_lease: Callable[[Session], None] | None = None, rejects: Rejects | None = None) -> None:
         if record.node_id != config.node_id:
             raise ValueError(f"record.node_id {record.node_id!r} != config.node_id {config.node_id!r}")
         self._loop = loop
@@ -48,43 +52,63 @@ class EtcdBlockIndex:
         self._on_new_lease = on_new_lease
         self.schema = Schema(config.cluster)
         self.client = EtcdClient(config.etcd)
+        self.rejects = rejects if rejects is not None else Rejects()
         self._mirrors: dict[FingerprintDigest, Mirror] = {}
         self._session: Session | None = None
         self._publisher: Publisher | None = None
-        self._guard: asyncio.Task[None] | None = None
+        self._registrar: asyncio.Task[None] | None = None
         self._closing = False
+        self.leases_taken = 0
+        self.lease_losses = 0
 
     @classmethod
     def open(cls, loop: LoopThread, config: AgentConfig, record: NodeRecord,
              fingerprints: Sequence[FingerprintDigest] = (),
-             on_new_lease: Callable[[Session], None] | None = None) -> EtcdBlockIndex:
-        """Connect, take a lease, register the node and sync a mirror per fingerprint."""
-        index = cls(loop, config, record, on_new_lease)
-        timeout = config.etcd.timeout_s * 4
+             on_new_lease: Callable[[Session], None] | None = None, rejects: Rejects | None = None) -> EtcdBlockIndex:
+        """Start registering the node and mirroring each fingerprint; returns within about
+        ``etcd.start_wait_s`` whether or not etcd answered (see :attr:`online`)."""
+        index = cls(loop, config, record, on_new_lease, rejects)
+        wait = config.etcd.start_wait_s
         try:
-            loop.run(index._open(), timeout)
-            for fp in fingerprints:
-                index.follow(fp)
+            loop.run(index._open(fingerprints, wait), wait * 2 + config.etcd.timeout_s + 5.0)
         except Exception:
             index.close()
             raise
+        if not index.online:
+            log.warning("index: etcd %s not reachable within %.1fs; running degraded (local hits only) until "
+                        "it answers", ",".join(config.etcd.endpoints), wait)
         return index
 
-    async def _open(self) -> None:
-        await self.client.connect()
-        self._session = await Session.create(self.client, self._config.etcd.lease_ttl_s)
-        self._publisher = Publisher(self.client, self.schema, self._record, self._session)
+    async def _open(self, fingerprints: Sequence[FingerprintDigest], wait_s: float) -> None:
+        await self.client.connect(lazy=True)
+        self._publisher = Publisher(self.client, self.schema, self._record, None)
         self._publisher.start()
-        await self._publisher.flush(self._config.etcd.timeout_s)  # the node record is visible on return
-        self._guard = asyncio.create_task(self._renew_on_loss(), name="index-lease-guard")
+        self._registrar = asyncio.create_task(self._register_forever(), name="index-registrar")
+        deadline = asyncio.get_running_loop().time() + wait_s
+        for fp in fingerprints:
+            await self._follow(fp, max(deadline - asyncio.get_running_loop().time(), 0.0))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(deadline - asyncio.get_running_loop().time(), 0.0)):
+                await self._publisher.flush(wait_s)  # the node record is visible on return when etcd is up
 
     def follow(self, fp: FingerprintDigest) -> Mirror:
-        """Keep a mirror of ``fp``'s block entries (idempotent); returns after the first sync."""
-        if fp not in self._mirrors:
-            mirror = Mirror(self.client, self.schema, fp)
-            self._loop.run(mirror.start(self._config.etcd.timeout_s * 4), self._config.etcd.timeout_s * 5)
-            self._mirrors[fp] = mirror
-        return self._mirrors[fp]
+        """Keep a mirror of ``fp``'s block entries (idempotent); waits up to ``etcd.start_wait_s``
+        for its first sync."""
+        wait = self._config.etcd.start_wait_s
+        return self._loop.run(self._follow(fp, wait), wait + self._config.etcd.timeout_s + 5.0)
+
+    async def _follow(self, fp: FingerprintDigest, wait_s: float) -> Mirror:
+        mirror = self._mirrors.get(fp)
+        if mirror is None:
+            mirror = self._mirrors[fp] = Mirror(self.client, self.schema, fp, rejects=self.rejects)
+            await mirror.start(wait_s)
+        return mirror
+
+    @property
+    def online(self) -> bool:
+        """Registered under a live lease and every mirror synced: the node is part of the mesh."""
+        session = self._session
+        return session is not None and session.up and all(m.synced for m in self._mirrors.values())
 
     @property
     def node_id(self) -> NodeId:
@@ -99,7 +123,7 @@ class EtcdBlockIndex:
     @property
     def session(self) -> Session:
         if self._session is None:
-            raise IndexError_("index is not open")
+            raise IndexError_("no etcd session yet (etcd has not answered)")
         return self._session
 
     def mirror(self, fp: FingerprintDigest) -> Mirror:
@@ -149,8 +173,10 @@ class EtcdBlockIndex:
             "index_chunks": float(sum(len(m) for m in self._mirrors.values())),
             "publish_pending": float(publisher.pending) if publisher is not None else 0.0,
             "publish_lag_s": float(publisher.lag_s) if publisher is not None else 0.0,
-            "lease_up": 1.0 if session is not None and not session.is_done() else 0.0,
+            "lease_up": 1.0 if session is not None and session.up else 0.0,
             "lease_ttl_left_s": session.ttl_left_s if session is not None else 0.0,
+            "degraded": 0.0 if self.online else 1.0,
+            "lease_losses": float(self.lease_losses),
         }
 
     def flush(self, timeout: float) -> None:
@@ -164,7 +190,7 @@ class EtcdBlockIndex:
             self._loop.run(self._close(), self._config.etcd.timeout_s * 2)
 
     async def _close(self) -> None:
-        await cancel_and_wait(self._guard)
+        await cancel_and_wait(self._registrar)
         for mirror in self._mirrors.values():
             await mirror.stop()
         if self._publisher is not None:
@@ -173,21 +199,32 @@ class EtcdBlockIndex:
             await self._session.close()
         await self.client.close()
 
-    async def _renew_on_loss(self) -> None:
-        while True:
-            await self.session.done()
-            if self._closing or not self.session.lost:
-                return
+    async def _register_forever(self) -> None:
+        """Hold a lease whenever etcd answers; after a loss, take a new one and republish."""
+        backoff = 0.1
+        while not self._closing:
+            try:
+                session = await Session.create(self.client, self._config.etcd.lease_ttl_s)
+            except Exception as exc:  # IndexError_ while etcd is down; anything else is logged too
+                log.log(logging.INFO if isinstance(exc, IndexError_) else logging.ERROR,
+                        "index: taking a lease failed (retrying in %.1fs): %s", backoff, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
             backoff = 0.1
-            while True:
-                try:
-                    self._session = await Session.create(self.client, self._config.etcd.lease_ttl_s)
-                    break
-                except IndexError_ as exc:
-                    log.warning("index: new lease failed, retrying: %s", exc)
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 2.0)
-            self.publisher.republish_all(self._session)
-            log.info("index: re-registered under lease %x", self._session.lease_id)
-            if self._on_new_lease is not None:
-                self._on_new_lease(self._session)
+            renewed = self._session is not None
+            self._session = session
+            self.leases_taken += 1
+            self.publisher.set_session(session)
+            if renewed:
+                log.info("index: re-registered under lease %x; republishing %d entries", session.lease_id,
+                         self.publisher.held())
+                if self._on_new_lease is not None:
+                    try:
+                        self._on_new_lease(session)
+                    except Exception:
+                        log.exception("index: on_new_lease callback failed")
+            await session.done()
+            if self._closing or not session.lost:
+                return
+            self.lease_losses += 1

@@ -1,11 +1,12 @@
-"""An in-memory view of ``nodes/`` and ``blocks/<fp>/`` fed by one watch stream.
+"""An in-memory view of ``nodes/`` and ``blocks/<fp>/``, each fed by one :class:`ResumableWatch`.
 
-Sync: read both prefixes at one revision R (paged), then one gRPC watch stream carrying two
-watchers (nodes, blocks) from R+1. Each watcher's last applied revision is tracked separately;
-a broken stream (member killed, leader lost: the stream asks for ``hasleader``) resumes each
-watcher from its own revision, so nothing is skipped or applied twice. A compacted start
-revision or a cancelled watcher means history is gone: the mirror resyncs from a fresh range
-read and swaps the new maps in at once.
+Each prefix is read at a revision R (paged), then followed from R+1; a broken stream resumes
+from the last revision seen (progress notifications advance it on a quiet prefix), and history
+that is gone (compaction, a restored etcd) means one resync that swaps the new map in at once.
+Until the first sync (etcd down at start) the mirror is empty and readers simply see no owners.
+
+Every key and value goes through the schema's decoders: a malformed one is skipped and counted
+in the shared :class:`~lmcache_p2p.index.schema.Rejects`, never raised.
 
 Readers (any thread) never touch the network and take no lock: ``lookup`` and
 ``longest_prefix`` probe a dict whose reference is swapped atomically on resync; the loop is the
@@ -15,28 +16,30 @@ slot and its 16-byte key.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 
-import grpc
-import grpc.aio
-from etcd3aio._protobuf import WatchCreateRequest, WatchRequest, WatchStub
-from etcd3aio.kv import prefix_range_end
-
-from ..aio import cancel_and_wait
-from ..errors import IndexError_
+from ..errors import MalformedRecord
 from ..keys import ChunkKey, FingerprintDigest
-from .client import EtcdClient, KeyValue
-from .schema import NodeId, NodeRecord, Schema
+from .client import EtcdClient, KeyValue, WatchEvent
+from .schema import (
+    NodeId,
+    NodeRecord,
+    Rejects,
+    Schema,
+    decode_block_key,
+    decode_node_key,
+    decode_node_record,
+    decode_tier,
+)
+from .watch import ResumableWatch
 
 log = logging.getLogger(__name__)
 
 EMPTY: frozenset[NodeId] = frozenset()
-_PUT, _DELETE = 0, 1  # mvccpb.Event.EventType
 
 
 class Owners:
@@ -51,21 +54,23 @@ class Owners:
 
 class Mirror:
     def __init__(self, client: EtcdClient, schema: Schema, fp: FingerprintDigest,
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, rejects: Rejects | None = None) -> None:
         self.fp = fp
-        self._client = client
         self._nodes_prefix = schema.nodes
         self._blocks_prefix = schema.blocks_of(fp)
         self._plen = len(self._blocks_prefix)
+        self._nlen = len(self._nodes_prefix)
         self._blocks: dict[ChunkKey, Owners] = {}
         self._nodes: dict[NodeId, NodeRecord] = {}
         self._intern: dict[tuple[tuple[NodeId, int], ...], Owners] = {}
-        self._rev = {self._nodes_prefix: 0, self._blocks_prefix: 0}
         self._on_change = on_change
+        self.rejects = rejects if rejects is not None else Rejects()
         self._changed = threading.Condition()
-        self._task: asyncio.Task[None] | None = None
-        self._need_resync = True
-        self.resyncs = 0
+        short = fp.hex()[:8]
+        self._node_watch = ResumableWatch(client, self._nodes_prefix, load=self._load_nodes, apply=self._apply_nodes,
+                                          name=f"nodes-{short}")
+        self._block_watch = ResumableWatch(client, self._blocks_prefix, load=self._load_blocks,
+                                           apply=self._apply_blocks, name=f"blocks-{short}")
         self.events_total = 0
 
     # ---- readers: any thread, no I/O ---------------------------------------------------------
@@ -98,7 +103,21 @@ class Mirror:
 
     @property
     def revision(self) -> int:
-        return min(self._rev.values())
+        return min(self._node_watch.revision, self._block_watch.revision)
+
+    @property
+    def resyncs(self) -> int:
+        return self._block_watch.resyncs
+
+    @property
+    def synced(self) -> bool:
+        """Both prefixes have been read at least once (etcd answered since start)."""
+        return self._node_watch.synced.is_set() and self._block_watch.synced.is_set()
+
+    @property
+    def connected(self) -> bool:
+        """Both watches are following etcd right now."""
+        return self._node_watch.connected and self._block_watch.connected
 
     def memory_bytes(self) -> int:
         """Estimate of the block map's memory: the dict, its keys and the interned owner sets."""
@@ -120,109 +139,75 @@ class Mirror:
         return True
 
     # ---- loop side ---------------------------------------------------------------------------
-    async def start(self, timeout: float) -> None:
-        """Sync (raises IndexError_ if etcd cannot be read in time), then follow the watch.
-
-        After ``stop()`` a new ``start()`` resumes the watch from the revision it stopped at, so
-        the changes in between are replayed (or, if compacted away, a resync happens).
-        """
-        if self._need_resync:
-            async with asyncio.timeout(timeout):
-                await self._resync()
-        self._task = asyncio.create_task(self._run(), name=f"index-mirror-{self.fp.hex()[:8]}")
+    async def start(self, wait_s: float) -> bool:
+        """Start following; wait up to ``wait_s`` for the first sync. False: etcd did not answer in
+        time, and the mirror fills in the background when it does."""
+        self._node_watch.start()
+        self._block_watch.start()
+        nodes_ok = await self._node_watch.wait_synced(wait_s)
+        return await self._block_watch.wait_synced(wait_s if nodes_ok else 0.0) and nodes_ok
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        await self._node_watch.stop()
+        await self._block_watch.stop()
 
-    async def _run(self) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                if self._need_resync:
-                    await self._resync()
-                await self._watch()
-                backoff = 0.05
-            except (IndexError_, grpc.aio.AioRpcError, TimeoutError, OSError) as exc:
-                log.info("mirror %s: watch interrupted (%s), resuming at rev %d",
-                         self.fp.hex()[:8], _why(exc), self.revision)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-
-    async def _resync(self) -> None:
-        nodes, rev = await self._client.get_prefix(self._nodes_prefix)
-        blocks, _ = await self._client.get_prefix(self._blocks_prefix, revision=rev)
-        self._intern = {}
-        new_blocks: dict[ChunkKey, dict[NodeId, int]] = {}
-        parse = self._parse_block
-        for kv in blocks:
-            key, node = parse(kv.key)
-            new_blocks.setdefault(key, {})[node] = kv.value[0] if kv.value else 0
-        self._blocks = {k: self._interned(tuple(sorted(v.items()))) for k, v in new_blocks.items()}
-        self._nodes = dict(self._records(nodes))
-        self._rev = {self._nodes_prefix: rev, self._blocks_prefix: rev}
-        self._need_resync = False
-        self.resyncs += 1
-        log.info("mirror %s: synced %d chunks, %d nodes at rev %d", self.fp.hex()[:8], len(self._blocks),
-                 len(self._nodes), rev)
+    def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
+        nodes: dict[NodeId, NodeRecord] = {}
+        for kv in kvs:
+            record = self._node(kv.key, kv.value)
+            if record is not None:
+                nodes[record.node_id] = record
+        self._nodes = nodes
+        log.info("mirror %s: %d nodes at rev %d", self.fp.hex()[:8], len(nodes), revision)
         self._notify()
 
-    def _records(self, kvs: list[KeyValue]) -> list[tuple[NodeId, NodeRecord]]:
-        out = []
+    def _load_blocks(self, kvs: list[KeyValue], revision: int) -> None:
+        self._intern = {}
+        new_blocks: dict[ChunkKey, dict[NodeId, int]] = {}
         for kv in kvs:
-            try:
-                out.append((NodeId(kv.key[len(self._nodes_prefix):].decode()), NodeRecord.unpack(kv.value)))
-            except IndexError_ as exc:
-                log.warning("mirror: skipping node %r: %s", kv.key, exc)
-        return out
+            entry = self._block(kv.key, kv.value)
+            if entry is not None:
+                new_blocks.setdefault(entry[0], {})[entry[1]] = entry[2]
+        self._blocks = {k: self._interned(tuple(sorted(v.items()))) for k, v in new_blocks.items()}
+        log.info("mirror %s: synced %d chunks at rev %d", self.fp.hex()[:8], len(self._blocks), revision)
+        self._notify()
 
-    async def _watch(self) -> None:
-        """Follow one stream until it breaks (raises) or history is gone (sets ``_need_resync``)."""
-        call = WatchStub(self._client.channel).Watch(metadata=self._client.metadata(require_leader=True))
-        try:
-            for prefix in (self._nodes_prefix, self._blocks_prefix):
-                await call.write(WatchRequest(create_request=WatchCreateRequest(
-                    key=prefix, range_end=prefix_range_end(prefix), start_revision=self._rev[prefix] + 1)))
-            while True:
-                resp = await call.read()
-                if resp is grpc.aio.EOF:
-                    raise OSError("watch stream closed by the server")
-                if resp.compact_revision > 0 or resp.canceled:
-                    log.warning("mirror %s: watch %s (compacted at %d): resyncing", self.fp.hex()[:8],
-                                resp.cancel_reason or "cancelled", resp.compact_revision)
-                    self._need_resync = True
-                    return
-                if resp.events:
-                    self._apply(resp.events)
-        finally:
-            call.cancel()
-
-    def _apply(self, events: Sequence[object]) -> None:
-        blocks_prefix, nodes_prefix = self._blocks_prefix, self._nodes_prefix
+    def _apply_nodes(self, events: Sequence[WatchEvent]) -> None:
         for ev in events:
-            kv = ev.kv  # type: ignore[attr-defined]
-            k: bytes = kv.key
-            deleted = ev.type == _DELETE  # type: ignore[attr-defined]
-            if k.startswith(blocks_prefix):
-                key, node = self._parse_block(k)
-                self._set_owner(key, node, None if deleted else (kv.value[0] if kv.value else 0))
-                self._rev[blocks_prefix] = kv.mod_revision
-            elif k.startswith(nodes_prefix):
-                node = NodeId(k[len(nodes_prefix):].decode())
-                if deleted:
-                    self._nodes.pop(node, None)
-                else:
-                    self._nodes.update(self._records([KeyValue(k, kv.value, kv.mod_revision, kv.lease)]))
-                self._rev[nodes_prefix] = kv.mod_revision
+            if ev.deleted:
+                try:
+                    self._nodes.pop(decode_node_key(self._nlen, ev.key), None)
+                except MalformedRecord:
+                    pass  # never admitted
+                continue
+            record = self._node(ev.key, ev.value)
+            if record is not None:
+                self._nodes[record.node_id] = record
         self.events_total += len(events)
         self._notify()
 
-    def _parse_block(self, k: bytes) -> tuple[ChunkKey, NodeId]:
-        p = self._plen
+    def _apply_blocks(self, events: Sequence[WatchEvent]) -> None:
+        for ev in events:
+            entry = self._block(ev.key, b"\x01" if ev.deleted else ev.value)
+            if entry is not None:
+                self._set_owner(entry[0], entry[1], None if ev.deleted else entry[2])
+        self.events_total += len(events)
+        self._notify()
+
+    def _node(self, key: bytes, value: bytes) -> NodeRecord | None:
         try:
-            return ChunkKey(bytes.fromhex(k[p:p + 32].decode())), NodeId(k[p + 33:].decode())
-        except ValueError as exc:
-            raise IndexError_(f"malformed block key {k!r}") from exc
+            return decode_node_record(value, decode_node_key(self._nlen, key))
+        except MalformedRecord as exc:
+            self.rejects.add(exc, key)
+            return None
+
+    def _block(self, key: bytes, value: bytes) -> tuple[ChunkKey, NodeId, int] | None:
+        try:
+            chunk, node = decode_block_key(self._plen, key)
+            return chunk, node, decode_tier(value)
+        except MalformedRecord as exc:
+            self.rejects.add(exc, key)
+            return None
 
     def _set_owner(self, key: ChunkKey, node: NodeId, tier: int | None) -> None:
         cur = self._blocks.get(key)
@@ -252,9 +237,3 @@ class Mirror:
                 self._on_change()
             except Exception:
                 log.exception("mirror on_change callback failed")
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name} {exc.details() or ''}".strip()
-    return f"{type(exc).__name__}: {exc}"

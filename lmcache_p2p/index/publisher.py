@@ -11,8 +11,12 @@ one raft entry and one fsync)::
 
 Each write reads the desired state at the moment it is taken, so a failed txn is simply marked
 dirty again: retries never duplicate or resurrect an entry, and puts/deletes are idempotent.
-A lost lease blocks writing until :meth:`set_session` gives a new one, which marks the whole
-desired state (and the node record) dirty: that is ``republish_all``.
+Without a session (etcd down at start) or with a lost lease, writing waits until
+:meth:`set_session` gives a new one, which marks the whole desired state (and the node record)
+dirty: that is ``republish_all``. The desired state is bounded by what the node holds, so an
+outage of any length costs memory proportional to the node's chunks, and the publisher
+converges on reconnect. The flush task is supervised: an unexpected error is logged, counted
+and retried, never the end of publishing.
 """
 
 from __future__ import annotations
@@ -23,12 +27,10 @@ import threading
 import time
 from collections.abc import Iterable
 
-from etcd3aio.kv import KVService
-
 from ..aio import cancel_and_wait
 from ..errors import IndexError_, LeaseLost
 from ..keys import ChunkKey, FingerprintDigest
-from .client import EtcdClient, is_transient
+from .client import EtcdClient, is_transient, op_delete, op_put
 from .schema import NodeRecord, Schema
 from .session import Session
 
@@ -39,7 +41,7 @@ _Entry = tuple[FingerprintDigest, ChunkKey]
 
 
 class Publisher:
-    def __init__(self, client: EtcdClient, schema: Schema, record: NodeRecord, session: Session,
+    def __init__(self, client: EtcdClient, schema: Schema, record: NodeRecord, session: Session | None,
                  *, coalesce_s: float = 0.003, txn_ops: int = TXN_MAX_OPS, max_inflight: int = 8) -> None:
         if not 1 <= txn_ops <= TXN_MAX_OPS:
             raise ValueError(f"txn_ops must be in [1, {TXN_MAX_OPS}], got {txn_ops}")
@@ -139,6 +141,10 @@ class Publisher:
                 self._idle.clear()
                 await self._idle.wait()
 
+    @property
+    def record(self) -> NodeRecord:
+        return self._record
+
     def set_session(self, session: Session) -> None:
         """Continue under a new lease: republish the node record and the whole desired state."""
         with self._lock:
@@ -155,7 +161,14 @@ class Publisher:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self._coalesce_s)
-            ok = await self._drain()
+            try:
+                ok = await self._drain()
+            except Exception:
+                self.errors_total += 1
+                log.exception("publisher: unexpected error; retrying")
+                with self._lock:
+                    self._inflight = 0
+                ok = False
             if ok:
                 backoff = 0.05
                 self._idle.set()
@@ -168,7 +181,7 @@ class Publisher:
         """Write until nothing is dirty; False after a failure (the caller backs off)."""
         while True:
             session = self._session
-            if session.is_done():
+            if session is None or session.is_done():
                 return True  # blocked until set_session(); nothing to do meanwhile
             if self._record_dirty:
                 self._record_dirty = False
@@ -208,19 +221,19 @@ class Publisher:
             for (fp, key), tier in batch[i:i + self._txn_ops]:
                 etcd_key = b"%s%s/%s/%s" % (blocks, fp.hex().encode(), key.hex().encode(), self._node)
                 if tier is None:
-                    ops.append(KVService.txn_op_delete(etcd_key))
+                    ops.append(op_delete(etcd_key))
                 else:
-                    ops.append(KVService.txn_op_put(etcd_key, bytes((tier,)), lease=lease))
+                    ops.append(op_put(etcd_key, bytes((tier,)), lease=lease))
             txns.append(ops)
         results = await asyncio.gather(*(self._client.txn((), ops) for ops in txns), return_exceptions=True)
         ok = True
         for i, res in enumerate(results):
             part = batch[i * self._txn_ops:(i + 1) * self._txn_ops]
             if isinstance(res, BaseException):
-                if not isinstance(res, IndexError_):
+                if isinstance(res, asyncio.CancelledError):
                     raise res
                 ok = False
-                self._failed(res)
+                self._failed(res if isinstance(res, IndexError_) else IndexError_(f"txn: {res!r}"))
                 with self._lock:
                     self._dirty.update(entry for entry, _ in part)  # re-read desired state on retry
             else:
@@ -232,7 +245,7 @@ class Publisher:
     def _failed(self, exc: IndexError_) -> None:
         self.errors_total += 1
         if isinstance(exc, LeaseLost):
-            log.warning("publisher: lease %x is gone, waiting for a new session", self._session.lease_id)
+            log.warning("publisher: the lease is gone, waiting for a new session")
         elif is_transient(exc):
             log.info("publisher: transient etcd error, will retry: %s", exc)
         else:

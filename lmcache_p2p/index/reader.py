@@ -1,7 +1,9 @@
 """A read-only view of the index: one mirror of a fingerprint, no lease, nothing published.
 
 The vLLM scheduler-side connector, ``lmcache-p2p lookup`` and ``status`` use it: they need to
-know who holds what, but hold nothing themselves.
+know who holds what, but hold nothing themselves. ``open`` waits up to ``etcd.start_wait_s`` for
+the first sync and never fails because etcd is down: the mirror stays empty (every lookup a
+miss, so the engine computes) until etcd answers. Tools that must read etcd check ``synced``.
 """
 
 from __future__ import annotations
@@ -14,30 +16,38 @@ from ..config import AgentConfig
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .mirror import Mirror
-from .schema import NodeId, NodeRecord, Schema
+from .schema import NodeId, NodeRecord, Rejects, Schema
 
 
 class IndexReader:
-    def __init__(self, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest) -> None:
+    def __init__(self, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest,
+                 rejects: Rejects | None = None) -> None:
         self._loop = loop
         self._timeout = config.etcd.timeout_s
+        self._wait_s = config.etcd.start_wait_s
         self.client = EtcdClient(config.etcd)
         self.schema = Schema(config.cluster)
-        self.mirror = Mirror(self.client, self.schema, fp)
+        self.mirror = Mirror(self.client, self.schema, fp, rejects=rejects)
 
     @classmethod
-    def open(cls, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest) -> IndexReader:
-        reader = cls(loop, config, fp)
+    def open(cls, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest,
+             rejects: Rejects | None = None) -> IndexReader:
+        reader = cls(loop, config, fp, rejects)
         try:
-            loop.run(reader._open(), reader._timeout * 5)
+            loop.run(reader._open(), reader._wait_s * 2 + reader._timeout + 5.0)
         except Exception:
             reader.close()
             raise
         return reader
 
     async def _open(self) -> None:
-        await self.client.connect()
-        await self.mirror.start(self._timeout * 4)
+        await self.client.connect(lazy=True)
+        await self.mirror.start(self._wait_s)
+
+    @property
+    def synced(self) -> bool:
+        """The mirror has read etcd at least once."""
+        return self.mirror.synced
 
     def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
         return self.mirror.longest_prefix(keys)

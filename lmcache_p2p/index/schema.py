@@ -5,34 +5,57 @@ All keys live under ``/lmcache-p2p/v1/<cluster>/``::
     config                                   msgpack cluster config        permanent, watched
     nodes/<node_id>                          msgpack NodeRecord            on the node's lease
     blocks/<fp_hex:32>/<key_hex:32>/<node>   one tier byte                 on the node's lease
-    invalidate/<id>                          msgpack Invalidation          on its own lease (10 min)
+    invalidate/<id>                          msgpack Invalidation          standing (optionally a lease)
 
 A block entry costs one short key and a one-byte value: its presence says "this node holds this
 chunk", the byte says in which tier (a hint for choosing among owners). Fixed-width hex parts let
 the mirror cut a key by offset instead of splitting it.
+
+Everything read back from etcd goes through one decode function per record type
+(:func:`decode_node_key`, :func:`decode_node_record`, :func:`decode_block_key`, :func:`decode_tier`,
+:func:`decode_invalidation`); each raises :class:`~lmcache_p2p.errors.MalformedRecord`, and readers
+count the reject in a :class:`Rejects` and skip the record: nothing written into etcd by anyone
+can crash an agent or reach an engine as an exception.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import logging
+import math
+import re
+import threading
 import time
-from typing import NewType
+from typing import Any, NewType
 
 import msgpack
 
-from ..errors import IndexError_
+from ..errors import MalformedRecord
 from ..keys import ChunkKey, FingerprintDigest
+from ..transfer.wire import WIRE_VERSION
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-WIRE_VERSION = 1
 NodeId = NewType("NodeId", str)
 
-# Tier bytes stored as block values; lower is faster.
-TIER_GPU = 0
-TIER_CPU = 1
-TIER_DISK = 2
+
+class TierCode(enum.IntEnum):
+    """The tier byte of a block entry; lower is faster."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
+
+
+TIER_GPU, TIER_CPU, TIER_DISK = int(TierCode.GPU), int(TierCode.CPU), int(TierCode.DISK)
 
 _HEX = 32  # hex chars of a 16-byte digest
+_HEX_RE = re.compile(rb"[0-9a-f]{32}")
+_NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
+MAX_RECORD_BYTES = 64 << 10
+__all__ = ["WIRE_VERSION", "SCHEMA_VERSION", "TierCode", "NodeId", "NodeRecord", "Schema", "Invalidation", "Rejects"]
 
 
 class Schema:
@@ -55,13 +78,93 @@ class Schema:
     def block(self, fp: FingerprintDigest, key: ChunkKey, node_id: NodeId) -> bytes:
         return b"%s%s/%s/%s" % (self.blocks, fp.hex().encode(), key.hex().encode(), node_id.encode())
 
-    def parse_block(self, prefix_len: int, etcd_key: bytes) -> tuple[ChunkKey, NodeId]:
-        """``(chunk key, node)`` of a block entry under a ``blocks_of`` prefix of ``prefix_len``."""
-        try:
-            key = ChunkKey(bytes.fromhex(etcd_key[prefix_len:prefix_len + _HEX].decode()))
-        except ValueError as exc:
-            raise IndexError_(f"malformed block key {etcd_key!r}") from exc
-        return key, NodeId(etcd_key[prefix_len + _HEX + 1:].decode())
+
+class Rejects:
+    """Counts of records skipped as malformed, by kind; each offending key is logged once.
+
+    Shared by every reader of one agent (thread-safe); the agent exports it as
+    ``lmcache_p2p_index_rejected_total{kind}``.
+    """
+
+    MAX_LOGGED = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+        self._logged: set[bytes] = set()
+
+    def add(self, exc: MalformedRecord, key: bytes) -> None:
+        with self._lock:
+            self.counts[exc.kind] = self.counts.get(exc.kind, 0) + 1
+            first = key not in self._logged and len(self._logged) < self.MAX_LOGGED
+            if first:
+                self._logged.add(key)
+        if first:
+            log.warning("etcd: skipping %r: %s", key[:200], exc)
+
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+# ---- decoding -------------------------------------------------------------------------------
+def decode_node_key(prefix_len: int, etcd_key: bytes) -> NodeId:
+    try:
+        node = etcd_key[prefix_len:].decode()
+    except UnicodeDecodeError as exc:
+        raise MalformedRecord("node key", f"not UTF-8: {exc}") from exc
+    if not _NODE_ID_RE.fullmatch(node):
+        raise MalformedRecord("node key", f"invalid node id {node[:80]!r}")
+    return NodeId(node)
+
+
+def decode_block_key(prefix_len: int, etcd_key: bytes) -> tuple[ChunkKey, NodeId]:
+    """``(chunk key, node)`` of a block entry under a ``blocks_of`` prefix of ``prefix_len``."""
+    hex_key = etcd_key[prefix_len:prefix_len + _HEX]
+    if not _HEX_RE.fullmatch(hex_key) or etcd_key[prefix_len + _HEX:prefix_len + _HEX + 1] != b"/":
+        raise MalformedRecord("block key", "expected <32 lower-case hex>/<node id>")
+    return ChunkKey(bytes.fromhex(hex_key.decode())), decode_node_key(prefix_len + _HEX + 1, etcd_key)
+
+
+_TIER_BYTES = frozenset(int(t) for t in TierCode)
+
+
+def decode_tier(value: bytes) -> int:
+    if len(value) != 1 or value[0] not in _TIER_BYTES:
+        raise MalformedRecord("block value", f"expected one tier byte in {sorted(_TIER_BYTES)}, got {value[:8]!r}")
+    return value[0]
+
+
+def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING) -> Any:
+    value = raw.get(name, default)
+    if value is dataclasses.MISSING:
+        raise MalformedRecord("node record", f"{name}: missing")
+    if value is default:
+        return value
+    if not isinstance(value, kind) or isinstance(value, bool):  # bool is an int, never a valid field here
+        raise MalformedRecord("node record", f"{name}: expected {kind}, got {type(value).__name__}")
+    return value
+
+
+def _str_map(raw: dict[str, Any], name: str) -> dict[str, str]:
+    value = _field(raw, name, dict, {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise MalformedRecord("node record", f"{name}: expected a map of strings")
+    return dict(value)
+
+
+def _str_tuple(raw: dict[str, Any], name: str) -> tuple[str, ...]:
+    value = _field(raw, name, (list, tuple), ())
+    if not all(isinstance(v, str) for v in value):
+        raise MalformedRecord("node record", f"{name}: expected a list of strings")
+    return tuple(value)
+
+
+def _address(name: str, address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise MalformedRecord("node record", f"addresses.{name}: expected host:port with port in 1-65535, "
+                                             f"got {address[:80]!r}")
+    return address
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,13 +190,90 @@ class NodeRecord:
 
     @classmethod
     def unpack(cls, data: bytes) -> NodeRecord:
-        try:
-            raw = msgpack.unpackb(data, raw=False)
-            known = {f.name for f in dataclasses.fields(cls)}
-            fields = {k: v for k, v in raw.items() if k in known}  # newer writers may add fields
-            fields["node_id"] = NodeId(str(fields["node_id"]))
-            fields["transports"] = tuple(fields.get("transports", ()))
-            fields["fingerprints"] = tuple(fields.get("fingerprints", ()))
-            return cls(**fields)
-        except (ValueError, TypeError, KeyError, AttributeError, msgpack.UnpackException) as exc:
-            raise IndexError_(f"malformed node record: {exc}") from exc
+        """Decode and validate every field; MalformedRecord names the first bad one."""
+        return decode_node_record(data)
+
+
+def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord:
+    """A node record from its msgpack value; ``node_id``, when given, must match the record's."""
+    if len(data) > MAX_RECORD_BYTES:
+        raise MalformedRecord("node record", f"{len(data)} bytes, limit {MAX_RECORD_BYTES}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise MalformedRecord("node record", f"not msgpack: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise MalformedRecord("node record", f"expected a map, got {type(raw).__name__}")
+    record_id = _field(raw, "node_id", str)
+    if not _NODE_ID_RE.fullmatch(record_id) or (node_id is not None and record_id != node_id):
+        raise MalformedRecord("node record", f"node_id {record_id[:80]!r} does not match its key {node_id!r}")
+    addresses = {name: _address(name, a) for name, a in _str_map(raw, "addresses").items()}
+    fingerprints = _str_tuple(raw, "fingerprints")
+    if not all(re.fullmatch("[0-9a-f]{32}", fp) for fp in fingerprints):
+        raise MalformedRecord("node record", "fingerprints: expected 32 lower-case hex chars each")
+    capacities = _field(raw, "capacities", dict, {})
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for k, v in capacities.items()):
+        raise MalformedRecord("node record", "capacities: expected tier name -> bytes >= 0")
+    wire_version = _field(raw, "wire_version", int, WIRE_VERSION)
+    started_at = float(_field(raw, "started_at", (int, float), 0.0))
+    if not math.isfinite(started_at):
+        raise MalformedRecord("node record", "started_at: not finite")
+    nixl = _field(raw, "nixl_metadata", (bytes, type(None)), None)
+    metrics_url = _field(raw, "metrics_url", (str, type(None)), None)
+    return NodeRecord(
+        node_id=NodeId(record_id), addresses=addresses, transports=_str_tuple(raw, "transports"),
+        fingerprints=fingerprints, capacities=dict(capacities),
+        software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
+        started_at=started_at, nixl_metadata=nixl, metrics_url=metrics_url,
+        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"))
+
+
+# ---- invalidations ----------------------------------------------------------------------------
+INVALIDATION_KINDS = ("fingerprint", "tenant", "node")
+MIN_FP_PREFIX = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Invalidation:
+    """A standing invalidation: drop every matching chunk stamped before ``revision``.
+
+    ``revision`` is the etcd revision at which the record was written (its ``mod_revision``), so
+    it is known from the read, not stored in the value. See :mod:`lmcache_p2p.invalidation`.
+    """
+
+    id: str
+    kind: str
+    value: str
+    issued_at: float
+    revision: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in INVALIDATION_KINDS:
+            raise ValueError(f"invalidation kind must be one of {INVALIDATION_KINDS}, got {self.kind!r}")
+        if not self.value:
+            raise ValueError(f"invalidation {self.kind}: value must not be empty")
+        if self.kind == "fingerprint" and not re.fullmatch(rf"[0-9a-f]{{{MIN_FP_PREFIX},32}}", self.value):
+            raise ValueError(f"fingerprint: expected {MIN_FP_PREFIX}-32 lower-case hex chars, got {self.value!r}")
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"kind": self.kind, "value": self.value, "issued_at": self.issued_at},
+                             use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, id_: str, data: bytes, revision: int = 0) -> Invalidation:
+        return decode_invalidation(id_.encode(), data, revision, prefix_len=0)
+
+
+def decode_invalidation(etcd_key: bytes, data: bytes, revision: int, *, prefix_len: int) -> Invalidation:
+    try:
+        id_ = etcd_key[prefix_len:].decode()
+        raw = msgpack.unpackb(data, raw=False)
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a map, got {type(raw).__name__}")
+        kind, value, issued_at = raw["kind"], raw["value"], raw.get("issued_at", 0.0)
+        if not isinstance(kind, str) or not isinstance(value, str) or not isinstance(issued_at, (int, float)):
+            raise TypeError("kind and value must be strings, issued_at a number")
+        return Invalidation(id_, kind, value, float(issued_at), revision)
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise MalformedRecord("invalidation", f"{etcd_key[-40:]!r}: {exc}") from exc

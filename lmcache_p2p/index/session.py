@@ -8,20 +8,24 @@ or is partitioned for longer than the TTL, etcd deletes its entries and nobody h
   ``lost`` tells the first case apart; the owner then opens a new session and re-registers.
 * ``close()`` revokes the lease: every entry under it vanishes at once.
 * ``orphan()`` stops refreshing without revoking: entries live until the TTL runs out.
+
+The lease is *lost* only when etcd says so (a keep-alive answered with TTL 0, or NOT_FOUND).
+Any other failure of the keep-alive (a broken or silent stream, etcd down, an unexpected
+exception) is retried with backoff for as long as it takes: etcd keeps leases across restarts
+and extends them when a new leader takes over, so after an outage the lease is usually still
+alive, and if it is not, the first answer says so. A watchdog restarts a keep-alive that has not
+confirmed a refresh for a TTL. ``up`` is true only while the last confirmed refresh is still
+within the TTL: the truth as far as this node can know it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
-import grpc
-import grpc.aio
-from etcd3aio._protobuf import LeaseKeepAliveRequest, LeaseStub
-
-from ..errors import IndexError_
+from ..aio import cancel_and_wait
+from ..errors import IndexError_, LeaseLost
 from .client import EtcdClient
 
 log = logging.getLogger(__name__)
@@ -36,15 +40,20 @@ class Session:
         self.ttl = ttl
         self.lost = False
         self._expires_at = time.monotonic() + ttl
+        self._refreshed_at = time.monotonic()
         self._done = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self.stream_failures = 0
+        self.watchdog_restarts = 0
 
     @classmethod
     async def create(cls, client: EtcdClient, ttl: int) -> Session:
         """Grant a lease of ``ttl`` seconds and start refreshing it every ``ttl / 3``."""
         lease_id, granted = await client.grant(ttl)
         session = cls(client, lease_id, granted)
-        session._task = asyncio.create_task(session._keepalive(), name=f"lease-{lease_id:x}")
+        session._start_keepalive()
+        session._watchdog = asyncio.create_task(session._watch_refreshes(), name=f"lease-watchdog-{lease_id:x}")
         log.info("etcd session: lease %x, ttl %ds", lease_id, granted)
         return session
 
@@ -52,6 +61,11 @@ class Session:
     def ttl_left_s(self) -> float:
         """Seconds until the lease expires unless refreshed (as last confirmed by etcd)."""
         return max(0.0, self._expires_at - time.monotonic())
+
+    @property
+    def up(self) -> bool:
+        """The lease is held and etcd confirmed it within its TTL."""
+        return not self._done.is_set() and self.ttl_left_s > 0
 
     def is_done(self) -> bool:
         return self._done.is_set()
@@ -62,7 +76,7 @@ class Session:
 
     async def close(self) -> None:
         """Stop refreshing and revoke the lease: the entries attached to it vanish at once."""
-        await self._stop_task()
+        await self._stop_tasks()
         if not self.lost:
             try:
                 await self.client.revoke(self.lease_id)
@@ -72,50 +86,58 @@ class Session:
 
     async def orphan(self) -> None:
         """Stop refreshing; the lease and its entries live until the TTL runs out."""
-        await self._stop_task()
+        await self._stop_tasks()
         self._done.set()
 
-    async def _stop_task(self) -> None:
-        if self._task is not None and self._task is not asyncio.current_task():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        self._task = None
+    async def _stop_tasks(self) -> None:
+        current = asyncio.current_task()
+        for task in (self._watchdog, self._task):
+            if task is not current:
+                await cancel_and_wait(task)
+        self._task = self._watchdog = None
 
     def _mark_lost(self, why: str) -> None:
-        log.warning("etcd session lost: lease %x %s", self.lease_id, why)
+        if not self.lost:
+            log.warning("etcd session lost: lease %x %s", self.lease_id, why)
         self.lost = True
         self._done.set()
+
+    def _refreshed(self, sent_at: float, ttl: int) -> None:
+        self._expires_at = sent_at + ttl
+        self._refreshed_at = time.monotonic()
+
+    def _start_keepalive(self) -> None:
+        self._task = asyncio.create_task(self._keepalive(), name=f"lease-{self.lease_id:x}")
 
     async def _keepalive(self) -> None:
         backoff = 0.1
         while True:
             try:
-                if await self._refresh_stream():
-                    return  # the lease is gone
-            except (grpc.aio.AioRpcError, TimeoutError, OSError) as exc:
-                log.debug("lease %x keep-alive stream failed: %s", self.lease_id, exc)
-            if self.ttl_left_s <= 0:
-                self._mark_lost("expired: no refresh reached etcd within the TTL")
+                await self.client.keep_alive(self.lease_id, self._refreshed)
+            except LeaseLost as exc:
+                self._mark_lost(f"is gone ({exc})")
                 return
-            await asyncio.sleep(min(backoff, self.ttl_left_s))
+            except IndexError_ as exc:
+                self.stream_failures += 1
+                log.debug("lease %x keep-alive stream failed: %s", self.lease_id, exc)
+            except Exception:  # never let the task die silently: retry, the watchdog keeps watching
+                self.stream_failures += 1
+                log.exception("lease %x keep-alive failed unexpectedly; retrying", self.lease_id)
+            if self.ttl_left_s > 0.0:
+                backoff = min(backoff, max(self.ttl_left_s / 4, 0.05))
+            await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 1.0)
 
-    async def _refresh_stream(self) -> bool:
-        """Refresh on one stream until it breaks; True when etcd says the lease no longer exists."""
-        call = LeaseStub(self.client.channel).LeaseKeepAlive(metadata=self.client.metadata())
-        try:
-            while True:
-                sent_at = time.monotonic()
-                await call.write(LeaseKeepAliveRequest(ID=self.lease_id))
-                wait = max(0.1, min(self.client.timeout, self.ttl_left_s))
-                resp = await asyncio.wait_for(call.read(), wait)
-                if resp is grpc.aio.EOF:
-                    raise OSError("keep-alive stream closed by the server")
-                if resp.TTL <= 0:
-                    self._mark_lost("expired or revoked")
-                    return True
-                self._expires_at = sent_at + resp.TTL
-                await asyncio.sleep(max(0.5, resp.TTL / 3))
-        finally:
-            call.cancel()
+    async def _watch_refreshes(self) -> None:
+        """Restart a keep-alive that has confirmed nothing for a whole TTL (hung, or dead)."""
+        while not self._done.is_set():
+            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            task = self._task
+            stale = time.monotonic() - self._refreshed_at > self.ttl
+            if task is not None and (task.done() or stale) and not self._done.is_set():
+                self.watchdog_restarts += 1
+                log.warning("lease %x: no refresh confirmed for %.1fs; restarting the keep-alive", self.lease_id,
+                            time.monotonic() - self._refreshed_at)
+                await cancel_and_wait(task)
+                self._refreshed_at = time.monotonic()  # one TTL of grace for the new stream
+                self._start_keepalive()

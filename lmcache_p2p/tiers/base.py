@@ -7,9 +7,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..chunk import ChunkHeader
+from ..index.schema import TierCode
 from ..keys import ChunkKey
 
-TIER_CODES = {"gpu": 0, "cpu": 1, "disk": 2}
+TIER_CODES = {t.name.lower(): int(t) for t in TierCode}
 """One byte per block entry in etcd says where an owner holds the chunk."""
 
 
@@ -21,6 +22,7 @@ class TierStats:
     evictions: int = 0
     corrupt_dropped: int = 0
     stray_removed: int = 0
+    refused: int = 0  # chunks the admission hook refused (covered by an invalidation)
 
 
 EvictCallback = Callable[[ChunkHeader, memoryview | None], None]

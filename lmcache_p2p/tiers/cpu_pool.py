@@ -8,6 +8,10 @@ free), copies the payload in, and commits the header. Peers and the engine read 
 under a **pin**, which carries a deadline: an expired pin is ignored, so a crashed reader
 cannot hold a slot forever. A removed chunk that is still pinned keeps its slot (as a
 "zombie") until its pins are released or expire.
+
+Every chunk enters through ``commit`` (``put`` included), which asks the ``admit`` hook first: a
+chunk it refuses (one a standing invalidation covers) is never stored, its slot goes back, and
+``commit`` returns False. Pulls, engine stores and promotions all pass this one gate.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ class CpuPool:
         on_evict: EvictCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
         pin_memory: bool = False,
+        admit: Callable[[ChunkHeader], bool] | None = None,
     ) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
@@ -73,6 +78,7 @@ class CpuPool:
         self._array = self.buffer.numpy()
         self._policy: EvictionPolicy = policy if policy is not None else LRU()
         self._on_evict = on_evict
+        self._admit = admit
         self._clock = clock
         self._entries: dict[ChunkKey, _Entry] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -124,11 +130,16 @@ class CpuPool:
             slot = self._take_slot()
         return Reservation(slot, self.slot_view(slot))
 
-    def commit(self, reservation: Reservation, header: ChunkHeader) -> None:
-        """Publish a filled slot. The caller has verified the bytes against ``header``."""
+    def commit(self, reservation: Reservation, header: ChunkHeader) -> bool:
+        """Publish a filled slot (the caller has verified the bytes against ``header``); False
+        when the ``admit`` hook refuses the chunk, whose slot is then released."""
         if header.length > self.slot_bytes:
             self.release(reservation)
             raise TierError(f"chunk of {header.length} bytes exceeds slot size {self.slot_bytes}")
+        if self._admit is not None and not self._admit(header):
+            self.release(reservation)
+            self.stats.refused += 1
+            return False
         with self._lock:
             old = self._entries.pop(header.key, None)
             if old is not None:
@@ -137,18 +148,19 @@ class CpuPool:
             self._entries[header.key] = _Entry(header, reservation.slot, {}, self._clock())
             self._policy.insert(header.key)
             self.stats.stores += 1
+        return True
 
     def release(self, reservation: Reservation) -> None:
         with self._lock:
             self._free.append(reservation.slot)
 
-    def put(self, header: ChunkHeader, payload: memoryview) -> None:
-        """Copy ``payload`` (already checksummed into ``header``) into a slot."""
+    def put(self, header: ChunkHeader, payload: memoryview) -> bool:
+        """Copy ``payload`` (already checksummed into ``header``) into a slot; False if refused."""
         if header.length > self.slot_bytes:
             raise TierError(f"chunk of {header.length} bytes exceeds slot size {self.slot_bytes}")
         res = self.reserve()
         np.copyto(np.frombuffer(res.view, np.uint8, header.length), np.frombuffer(payload, np.uint8))
-        self.commit(res, header)
+        return self.commit(res, header)
 
     def remove(self, key: ChunkKey) -> bool:
         with self._lock:

@@ -24,24 +24,30 @@ from .eviction import make_policy
 
 log = logging.getLogger(__name__)
 Listener = Callable[[ChunkKey, str | None], None]
+Admit = Callable[[ChunkHeader], bool]
 
 
 class TieredStore:
-    def __init__(self, cpu: CpuPool, disk: DiskTier | None = None, *, listener: Listener | None = None) -> None:
+    def __init__(self, cpu: CpuPool, disk: DiskTier | None = None, *, listener: Listener | None = None,
+                 admit: Admit | None = None) -> None:
         self.cpu = cpu
         self.disk = disk
         self._listener = listener
+        self._admit = admit
         cpu._on_evict = self._on_cpu_evict  # noqa: SLF001 - the store owns both tiers' wiring
         if disk is not None:
             disk._on_evict = self._on_disk_evict  # noqa: SLF001
 
     @classmethod
-    def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None) -> TieredStore:
-        cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction))
+    def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None,
+                    admit: Admit | None = None) -> TieredStore:
+        """``admit(header)`` gates every chunk entering the store (see :class:`CpuPool`) and every
+        chunk recovered from disk."""
+        cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction), admit=admit)
         disk = None
         if config.disk_path:
             disk = DiskTier(config.disk_path, config.disk_capacity, policy=make_policy(config.eviction))
-        return cls(cpu, disk, listener=listener)
+        return cls(cpu, disk, listener=listener, admit=admit)
 
     def set_listener(self, listener: Listener | None) -> None:
         self._listener = listener
@@ -67,20 +73,26 @@ class TieredStore:
             self._notify(header.key, None)
 
     # -- API --------------------------------------------------------------------------------------
-    def put(self, key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview, num_tokens: int) -> ChunkHeader:
-        header = make_header(key, fingerprint, payload, num_tokens)
-        self.put_verified(header, payload)
-        return header
+    def put(self, key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview, num_tokens: int,
+            epoch: int = 0) -> ChunkHeader | None:
+        """Checksum and store; None when the admission hook refused the chunk."""
+        header = make_header(key, fingerprint, payload, num_tokens, epoch)
+        return header if self.put_verified(header, payload) else None
 
-    def put_verified(self, header: ChunkHeader, payload: memoryview) -> None:
-        """Store bytes whose checksum is already in ``header``."""
-        self.cpu.put(header, payload)
+    def put_verified(self, header: ChunkHeader, payload: memoryview) -> bool:
+        """Store bytes whose checksum is already in ``header``; False if refused."""
+        if not self.cpu.put(header, payload):
+            return False
         self._notify(header.key, "cpu")
+        return True
 
-    def commit_reserved(self, reservation: Reservation, header: ChunkHeader) -> None:
-        """Publish a CPU slot the caller filled (its checksum is in ``header``)."""
-        self.cpu.commit(reservation, header)
+    def commit_reserved(self, reservation: Reservation, header: ChunkHeader) -> bool:
+        """Publish a CPU slot the caller filled (its checksum is in ``header``); False if refused
+        (the slot is released)."""
+        if not self.cpu.commit(reservation, header):
+            return False
         self._notify(header.key, "cpu")
+        return True
 
     def where(self, key: ChunkKey) -> str | None:
         if self.cpu.contains(key):
@@ -100,6 +112,9 @@ class TieredStore:
         if header is not None or self.disk is None:
             return header
         header = self.disk.read_into(key, dst)
+        if header is not None and self._admit is not None and not self._admit(header):
+            self.remove(key)
+            header = None
         if header is None:
             if not self.cpu.contains(key):
                 self._notify(key, None)
@@ -123,14 +138,16 @@ class TieredStore:
             self.cpu.release(res)
             self._notify(key, None)
             return False
-        self.cpu.commit(res, header)
+        if not self.cpu.commit(res, header):
+            self.remove(key)  # covered by an invalidation: the disk copy goes too
+            return False
         self._notify(key, "cpu")
         return True
 
     def _promote(self, header: ChunkHeader, payload: memoryview) -> None:
         try:
-            self.cpu.put(header, payload[: header.length])
-            self._notify(header.key, "cpu")
+            if self.cpu.put(header, payload[: header.length]):
+                self._notify(header.key, "cpu")
         except TierError as exc:
             log.debug("promotion of %s skipped: %s", header.key.hex(), exc)
 
@@ -143,12 +160,18 @@ class TieredStore:
         return removed
 
     def recover(self) -> list[ChunkHeader]:
-        """Rescan the disk tier (on start); returns the valid chunks found."""
+        """Rescan the disk tier (on start); returns the valid chunks found that the admission
+        hook accepts (the others are deleted)."""
         if self.disk is None:
             return []
         scratch = memoryview(bytearray(self.cpu.slot_bytes))
-        found = self.disk.rescan(scratch)
-        for header in found:
+        found = []
+        for header in self.disk.rescan(scratch):
+            if self._admit is not None and not self._admit(header):
+                self.disk.remove(header.key)
+                self.cpu.stats.refused += 1
+                continue
+            found.append(header)
             self._notify(header.key, "disk")
         return found
 

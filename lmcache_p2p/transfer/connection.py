@@ -85,7 +85,9 @@ class _GetRequest(_Request):
             self.result.missed[header.key] = MissReason.CHECKSUM
             log.warning("%s: %s", self.result.peer, exc)
             return
-        self.dst.commit(reservation, header)
+        if not self.dst.commit(reservation, header):
+            self.result.missed[header.key] = MissReason.INVALIDATED
+            return
         self.result.loaded[header.key] = header
 
     def on_miss(self, msg: wire.Message) -> None:

@@ -159,7 +159,9 @@ class NixlTransport:
             result.missed[header.key] = MissReason.CHECKSUM
             log.warning("%s: chunk %s failed its checksum; not committed", result.peer, header.key.hex())
             return
-        dst.commit(reservation, header)
+        if not dst.commit(reservation, header):
+            result.missed[header.key] = MissReason.INVALIDATED
+            return
         result.loaded[header.key] = header
 
     async def close(self) -> None:

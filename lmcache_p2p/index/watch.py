@@ -1,0 +1,109 @@
+"""One resumable watch of an etcd prefix: the only watch loop in lmcache-p2p.
+
+    sync:    range read of the prefix at revision R  ->  load(kvs, R)
+    follow:  watch from R+1  ->  apply(events) per batch; progress notifications advance R
+    break:   (member down, leader lost, silent stream)  ->  back off, resume from R+1
+    history gone (compacted, or etcd's revision went backwards)  ->  one resync, then follow
+
+The mirror, invalidation and the cluster-config watcher each own one. Callbacks run on the loop
+and must not raise; if one does, the batch is skipped, counted in ``callback_errors`` and logged,
+and the watch goes on: a supervised loop never dies silently (``CancelledError`` ends it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+
+from ..aio import cancel_and_wait
+from ..errors import IndexError_, WatchCompacted
+from .client import EtcdClient, KeyValue, WatchEvent
+
+log = logging.getLogger(__name__)
+
+Loader = Callable[[list[KeyValue], int], None]
+Applier = Callable[[Sequence[WatchEvent]], None]
+
+
+class ResumableWatch:
+    def __init__(self, client: EtcdClient, prefix: bytes, *, load: Loader, apply: Applier, name: str,
+                 max_backoff_s: float = 2.0) -> None:
+        self._client = client
+        self.prefix = prefix
+        self._load = load
+        self._apply = apply
+        self.name = name
+        self._max_backoff_s = max_backoff_s
+        self.revision = 0  # everything under the prefix up to here has been loaded or applied
+        self._need_sync = True
+        self.synced = asyncio.Event()  # set after the first successful sync
+        self.connected = False  # the stream is following now
+        self._task: asyncio.Task[None] | None = None
+        self.resyncs = 0
+        self.interruptions = 0
+        self.callback_errors = 0
+
+    def start(self) -> None:
+        """Sync and follow in the background (etcd may be down: it keeps trying)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"watch-{self.name}")
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the first sync; False if etcd did not answer in time."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.synced.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        self.connected = False
+
+    async def _run(self) -> None:
+        backoff = 0.05
+        while True:
+            try:
+                if self._need_sync:
+                    await self._sync()
+                await self._follow()
+            except WatchCompacted as exc:
+                log.warning("watch %s: %s; resyncing", self.name, exc)
+                self._need_sync = True
+                continue
+            except IndexError_ as exc:
+                self.interruptions += 1
+                log.info("watch %s interrupted at rev %d (%s); retrying in %.2fs", self.name, self.revision,
+                         exc, backoff)
+            except Exception:
+                self.interruptions += 1
+                log.exception("watch %s: unexpected error at rev %d; retrying", self.name, self.revision)
+            finally:
+                self.connected = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    async def _sync(self) -> None:
+        kvs, revision = await self._client.get_prefix(self.prefix)
+        self._call(self._load, kvs, revision)
+        self.revision = revision
+        self._need_sync = False
+        self.resyncs += 1
+        self.synced.set()
+
+    async def _follow(self) -> None:
+        async for batch in self._client.watch(self.prefix, self.revision + 1):
+            self.connected = True
+            if batch.events:
+                self._call(self._apply, batch.events)
+            self.revision = max(self.revision, batch.revision)
+
+    def _call(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            fn(*args)
+        except Exception:
+            self.callback_errors += 1
+            log.exception("watch %s: callback failed; batch skipped", self.name)
