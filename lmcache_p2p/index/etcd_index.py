@@ -209,7 +209,7 @@ class EtcdBlockIndex:
                 log.log(logging.INFO if isinstance(exc, IndexError_) else logging.ERROR,
                         "index: taking a lease failed (retrying in %.1fs): %s", backoff, exc)
                 await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.1
             renewed = self._session is not None

@@ -28,7 +28,7 @@ Applier = Callable[[Sequence[WatchEvent]], None]
 
 class ResumableWatch:
     def __init__(self, client: EtcdClient, prefix: bytes, *, load: Loader, apply: Applier, name: str,
-                 max_backoff_s: float = 2.0) -> None:
+                 max_backoff_s: float = 1.0) -> None:
         self._client = client
         self.prefix = prefix
         self._load = load
