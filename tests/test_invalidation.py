@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,22 +16,24 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from agent_helpers import AgentProcess, agent_yaml, config, wait_until
+from agent_helpers import AgentProcess, agent_yaml, config, stop_process, wait_until
+from test_agent_mesh import requester
 from vllm_helpers import scrape
 
 from lmcache_p2p.agent_main import fingerprint_of
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
+from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100  # 5 chunks per seed
 CPU = "1MiB"  # two 512 KiB slots: of 5 chunks, 3 are written back to disk, so both tiers hold some
 
 
 def start(tmp_path: Path, node: str, cluster: str, endpoints: tuple[str, ...], seeds: tuple[int, ...] = (1,),
-          tiers: dict[str, Any] | None = None, **layout: str) -> AgentProcess:
+          tiers: dict[str, Any] | None = None, ttl: int = 3, cpu: str = CPU, **layout: str) -> AgentProcess:
     path = agent_yaml(tmp_path / f"{node}.yaml", node=node, cluster=cluster, endpoints=endpoints,
-                      disk=tmp_path / f"{node}-disk", cpu=CPU)
+                      disk=tmp_path / f"{node}-disk", cpu=cpu, ttl=ttl)
     data = yaml.safe_load(path.read_text())
     data["layout"] = dict(layout)
     data["tiers"].update(tiers or {})
@@ -186,3 +189,66 @@ def test_invalidate_cli_rejects_bad_input_and_dead_etcd(etcd, cluster_name):
     r = subprocess.run([sys.executable, "-m", "lmcache_p2p", "invalidate", "--etcd", "127.0.0.1:1", "--node", "a"],
                        capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "cannot reach etcd" in r.stderr
+
+
+def test_invalidation_is_a_barrier_for_lagging_stopped_and_restarted_nodes(etcd_cluster, cluster_name, tmp_path):
+    """A standing invalidation covers every chunk computed before it, wherever it turns up later."""
+    eps = etcd_cluster.endpoints
+    lag = start(tmp_path, "lag", cluster_name, (eps[2],), ttl=10, cpu="16MiB")  # serves all 5 from memory
+    stopped = start(tmp_path, "s", cluster_name, eps)
+    restarted = start(tmp_path, "r", cluster_name, eps)
+    agents = [lag, stopped, restarted]
+    c = None
+    try:
+        for p in agents:
+            p.wait_ready()
+        fp = fp_hex(tmp_path, "s")
+        assert fp_hex(tmp_path, "lag") == fp
+        assert wait_until(lambda: len(block_entries(etcd_cluster, cluster_name)) == 15, 10)
+        assert restarted.stop() == 0 and len(files(tmp_path, "r")) == 5  # down, its chunks on disk
+        stop_process(stopped.proc.pid)  # hung while the invalidation is issued
+        etcd_cluster.kill_member(2)  # `lag` talks to this member only: it keeps serving, but can't hear etcd
+
+        r = invalidate(etcd_cluster, cluster_name, "--fingerprint", fp)
+        assert r.returncode == 0, r.stdout + r.stderr
+
+        # A requester that knows the invalidation pulls from the lagging peer: the chunks arrive intact
+        # and are refused at the pool's gate, never stored, never served.
+        c = requester(tmp_path, cluster_name, (eps[0], eps[1]))
+        tokens = synthetic_tokens(1, TOKENS)
+        keys = c.keys_for(tokens)[0]
+        plan = c.lookup(tokens)
+        assert plan.chunks and {ch.source for ch in plan.chunks} <= {"lag", "s"}
+        assert c.load(plan, [memoryview(bytearray(c.chunk_bytes)) for _ in plan.chunks]) == [False] * len(plan.chunks)
+        m = c.metrics.registry
+        assert m.get_sample_value("lmcache_p2p_pull_chunks_total", {"transport": "tcp", "outcome": "invalidated"}) >= 1
+        assert m.get_sample_value("lmcache_p2p_invalidated_chunks_total", {"reason": "fingerprint"}) >= 1
+        assert all(c.tiers.where(k) is None for k in keys)
+
+        # The stopped node continues: it drops its chunks and does not announce them again.
+        os.kill(stopped.proc.pid, signal.SIGCONT)
+        assert wait_until(lambda: held(stopped)["chunks"] == 0, 10)
+        assert held(stopped)["fingerprint"] == 5 and files(tmp_path, "s") == []
+        assert wait_until(lambda: count(block_entries(etcd_cluster, cluster_name), "s") == 0, 10)
+
+        # The lagging node hears etcd again: the same.
+        etcd_cluster.restart_member(2)
+        assert wait_until(lambda: held(lag)["chunks"] == 0, 15)
+        assert wait_until(lambda: count(block_entries(etcd_cluster, cluster_name), "lag") == 0, 10)
+
+        # The node restarted from disk reads the standing record before it publishes anything.
+        agents[2] = AgentProcess(tmp_path / "r.yaml", log=tmp_path / "r2.log").wait_ready()
+        assert agents[2].info["held"] == 0 and files(tmp_path, "r") == []
+        assert held(agents[2])["fingerprint"] == 5
+        assert count(block_entries(etcd_cluster, cluster_name), "r") == 0
+
+        # Chunks computed after the barrier are not covered: stored, announced, and loadable.
+        c.store(tokens, [memoryview(synthetic_payload(k, c.config.layout.chunk_bytes(e - s)))
+                         for k, (s, e) in zip(keys, c.keys_for(tokens)[1], strict=True)]).result(10)
+        assert all(c.tiers.where(k) is not None for k in keys)
+        assert wait_until(lambda: count(block_entries(etcd_cluster, cluster_name), "c") == 5, 10)
+    finally:
+        if c is not None:
+            c.stop()
+        for p in agents:
+            p.stop()
