@@ -25,6 +25,7 @@ from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.aio import LoopThread  # noqa: E402
 from lmcache_p2p.config import load_config  # noqa: E402
+from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
 from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
@@ -112,3 +113,36 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
         for engine in (cold, a, b):
             if engine is not None:
                 engine.stop()
+
+
+def test_connector_starts_while_etcd_is_down_serves_local_hits_and_joins_later(tiny_model, cluster_name, tmp_path):
+    """Engine mode: eager (``enforce_eager``), like every engine these tests start."""
+    etcd = EtcdServer(unsafe_no_fsync=True)  # ports chosen, nothing listening yet
+    cfg = write_agent_config(tmp_path / "e.yaml", node="engine-e", cluster=cluster_name, endpoints=etcd.endpoints,
+                             lease_ttl_s=3)
+    doc = prompts(1, 1500, seed=21)[0]
+    e = EngineProcess(tiny_model, cfg, name="engine-e", log_path=tmp_path / "e.log", dtype=DTYPE)
+    try:
+        e.wait_ready()  # both connector sides started without etcd
+        first, second = e.generate([doc]), e.generate([doc])
+        assert first[0]["num_cached_tokens"] == 0
+        assert second[0]["num_cached_tokens"] == 1499  # a local hit from the embedded agent, etcd still down
+        assert second[0]["tokens"] == first[0]["tokens"]
+        etcd.start()
+        config = load_config(cfg)
+        with LoopThread() as loop:
+            reader = IndexReader.open(loop, config, b"\0" * 16)
+            try:
+                assert reader.mirror.wait_for(lambda m: "engine-e" in m.nodes(), 10.0)
+                fp = bytes.fromhex(reader.nodes()["engine-e"].fingerprints[0])
+            finally:
+                reader.close()
+            reader = IndexReader.open(loop, config, fp)
+            try:
+                assert reader.mirror.wait_for(lambda m: len(m) == 6, 10.0)  # 5 full chunks and the tail
+            finally:
+                reader.close()
+        assert e.generate([doc])[0]["num_cached_tokens"] == 1499
+    finally:
+        e.stop()
+        etcd.stop()

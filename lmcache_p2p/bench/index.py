@@ -14,6 +14,15 @@ for quick runs but its numbers are not the headline), then:
 * ``lease_revoke_to_mirror_empty_s``: the publisher closes its session (revoke) until the other
   mirror holds no chunk.
 
+Then the control plane under faults, with a node holding ``--fault-chunks`` (10k) chunks, lease TTL 3 s:
+
+* ``republish_chunks_per_s``: its lease is revoked behind its back (what an expiry looks like);
+  from the node's new lease to every entry back in etcd. ``lease_loss_detected_s``: from the revoke
+  to the new lease;
+* ``recovery_s_after_etcd_restart``: etcd is SIGKILLed, stays down past the TTL, and restarts on
+  the same data dir; from etcd healthy again until the node's lease is confirmed and its node record
+  and every block entry are in etcd (read straight from etcd).
+
 The last line of output is one JSON object; without ``--json`` a table precedes it.
 """
 
@@ -24,16 +33,18 @@ import json
 import os
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
 
 from ..aio import LoopThread
 from ..config import AgentConfig, EtcdConfig
+from ..errors import LMCacheP2PError
 from ..index.client import EtcdClient
 from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdServer
-from ..index.schema import TIER_CPU, NodeId, NodeRecord
+from ..index.schema import TIER_CPU, NodeId, NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
 
 GOALS = {"publish_chunks_per_s": (">=", 20_000.0), "lookup_us_per_chunk": ("<=", 5.0),
@@ -55,7 +66,7 @@ def _db_in_use(loop: LoopThread, endpoints: tuple[str, ...]) -> int:
     return loop.run(status(), 10.0)
 
 
-def run(chunks: int, unsafe_no_fsync: bool) -> dict[str, Any]:
+def run(chunks: int, unsafe_no_fsync: bool, fault_chunks: int = 10_000) -> dict[str, Any]:
     fp = FingerprintDigest(os.urandom(16))
     keys = [ChunkKey(os.urandom(16)) for _ in range(chunks)]
     out: dict[str, Any] = {"chunks": chunks, "fsync": not unsafe_no_fsync, "etcd_members": 1}
@@ -90,9 +101,73 @@ def run(chunks: int, unsafe_no_fsync: bool) -> dict[str, Any]:
             raise RuntimeError("mirror did not empty after the lease was revoked")
         out["lease_revoke_to_mirror_empty_s"] = time.perf_counter() - t0
         reader.close()
+        out.update(_faults(loop, server, fault_chunks))
     per = out["etcd_bytes_per_chunk"]
     out["scale_chunks_per_cluster_at_8GiB_quota"] = int(QUOTA_BYTES / per) if per > 0 else None
     out["goals_met"] = all(_met(out[k], op, v) for k, (op, v) in GOALS.items())
+    return out
+
+
+FAULT_TTL_S = 3
+
+
+def _count_node(loop: LoopThread, endpoints: tuple[str, ...], node: str) -> tuple[bool, int]:
+    """(node record present, block entries of ``node``) straight from etcd; (False, -1) if it does not answer."""
+    async def read() -> tuple[bool, int]:
+        schema = Schema("bench")
+        async with EtcdClient(EtcdConfig(endpoints=endpoints, timeout_s=2.0)) as client:
+            record, _ = await client.get(schema.node(NodeId(node)))
+            blocks, _ = await client.get_prefix(schema.blocks)
+        suffix = b"/" + node.encode()
+        return record is not None, sum(1 for kv in blocks if kv.key.endswith(suffix))
+    try:
+        return loop.run(read(), 30.0)
+    except LMCacheP2PError:
+        return False, -1
+
+
+def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+    t0 = time.perf_counter()
+    while not predicate():
+        if time.perf_counter() - t0 > timeout:
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.02)
+    return time.perf_counter() - t0
+
+
+def _faults(loop: LoopThread, server: EtcdServer, n: int) -> dict[str, Any]:
+    eps = server.endpoints
+    config = AgentConfig(node_id="bench-node", cluster="bench",
+                         etcd=EtcdConfig(endpoints=eps, timeout_s=5.0, lease_ttl_s=FAULT_TTL_S))
+    node = EtcdBlockIndex.open(loop, config, NodeRecord(NodeId("bench-node"), {"tcp": "127.0.0.1:7470"}, ("tcp",)))
+    out: dict[str, Any] = {"fault_chunks": n, "fault_lease_ttl_s": FAULT_TTL_S}
+    try:
+        node.add_many(FingerprintDigest(os.urandom(16)), [ChunkKey(os.urandom(16)) for _ in range(n)], TIER_CPU)
+        node.flush(timeout=120.0)
+        everything = (True, n)
+
+        async def revoke(lease: int) -> None:
+            async with EtcdClient(EtcdConfig(endpoints=eps)) as client:
+                await client.revoke(lease)
+        taken = node.leases_taken
+        t0 = time.perf_counter()
+        loop.run(revoke(node.session.lease_id), 10.0)
+        out["lease_loss_detected_s"] = _wait(lambda: node.leases_taken > taken, 30.0, "a new lease")
+        t1 = time.perf_counter()
+        _wait(lambda: _count_node(loop, eps, "bench-node") == everything, 120.0, "the republish")
+        out["republish_chunks_per_s"] = n / (time.perf_counter() - t1)
+        out["lease_revoke_to_all_back_s"] = time.perf_counter() - t0
+
+        server.kill_member(0)
+        time.sleep(FAULT_TTL_S * 1.5)  # past the TTL: the node can no longer confirm its lease
+        server.restart_member(0)
+        t0 = time.perf_counter()
+        _wait(lambda: node.stats()["lease_up"] == 1.0 and _count_node(loop, eps, "bench-node") == everything,
+              120.0, "the node back after the etcd restart")
+        out["recovery_s_after_etcd_restart"] = time.perf_counter() - t0
+        out["lease_losses"] = node.lease_losses
+    finally:
+        node.close()
     return out
 
 
@@ -122,9 +197,10 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench index", description=__doc__.split("\n")[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--chunks", type=int, default=100_000)
+    parser.add_argument("--fault-chunks", type=int, default=10_000, help="chunks of the node under etcd faults")
     parser.add_argument("--unsafe-no-fsync", action="store_true", help="not for headline numbers")
     args = parser.parse_args(argv)
-    result = run(args.chunks, args.unsafe_no_fsync)
+    result = run(args.chunks, args.unsafe_no_fsync, args.fault_chunks)
     if not args.json:
         for name, value in result.items():
             goal = GOALS.get(name)

@@ -382,9 +382,7 @@ class EtcdClient:
             while True:
                 with translate("Watch"):
                     resp = await asyncio.wait_for(call.read(), progress_every_s * 3 + self.timeout)
-                batch = _watch_batch(resp, start_revision)
-                if batch is not None:
-                    yield batch
+                yield _watch_batch(resp, start_revision)
         finally:
             await cancel_and_wait(ticker)
             call.cancel()
@@ -397,8 +395,8 @@ class EtcdClient:
                 await call.write(request)
 
 
-def _watch_batch(resp: object, start_revision: int) -> WatchBatch | None:
-    """One watch response as a batch (None for the creation answer); raises when the watch ended."""
+def _watch_batch(resp: object, start_revision: int) -> WatchBatch:
+    """One watch response as a batch (empty for the creation answer); raises when the watch ended."""
     if resp is grpc.aio.EOF:
         raise IndexError_("Watch: stream closed by the server")
     if resp.compact_revision > 0:  # type: ignore[attr-defined]
@@ -411,7 +409,7 @@ def _watch_batch(resp: object, start_revision: int) -> WatchBatch | None:
         if revision < start_revision - 1:
             raise WatchCompacted(f"Watch: etcd is at revision {revision}, behind {start_revision - 1}: "
                                  "a restored or new cluster", revision)
-        return None
+        return WatchBatch((), start_revision - 1)  # following now; nothing new seen yet
     events = tuple(WatchEvent(ev.kv.key, ev.kv.value, int(ev.kv.mod_revision), ev.type == _DELETE)
                    for ev in resp.events)  # type: ignore[attr-defined]
     return WatchBatch(events, events[-1].mod_revision if events else revision)

@@ -79,6 +79,9 @@ class Mirror:
         get = self._blocks.get
         return [o.nodes if (o := get(k)) is not None else EMPTY for k in keys]
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._blocks
+
     def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys have at least one owner."""
         blocks = self._blocks

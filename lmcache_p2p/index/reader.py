@@ -9,7 +9,7 @@ miss, so the engine computes) until etcd answers. Tools that must read etcd chec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from ..aio import LoopThread
 from ..config import AgentConfig
@@ -49,8 +49,20 @@ class IndexReader:
         """The mirror has read etcd at least once."""
         return self.mirror.synced
 
-    def longest_prefix(self, keys: Sequence[ChunkKey]) -> int:
-        return self.mirror.longest_prefix(keys)
+    @property
+    def connected(self) -> bool:
+        """Following etcd right now (False while etcd is down or unreachable)."""
+        return self.mirror.connected
+
+    def longest_prefix(self, keys: Sequence[ChunkKey], also_held: Container[ChunkKey] = ()) -> int:
+        """How many leading keys are held by some node, or are in ``also_held``."""
+        if not also_held:
+            return self.mirror.longest_prefix(keys)
+        mirror = self.mirror
+        for i, key in enumerate(keys):
+            if key not in mirror and key not in also_held:
+                return i
+        return len(keys)
 
     def owners(self, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
         return [self.mirror.owners(k) for k in keys]

@@ -49,7 +49,8 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
                        "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
                        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                        "kv_connector_extra_config": {"config": agent_config}}
-    return LLM(model=model, dtype=dtype,  # type: ignore[arg-type]  # argparse limits the choices max_model_len=8192, enforce_eager=True,
+    # dtype: argparse limits the choices to what vLLM accepts.
+    return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,  # type: ignore[arg-type]
                enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
                disable_log_stats=False, seed=0)
 

@@ -5,12 +5,18 @@ read from a watch-fed mirror of the index: a dict probe per chunk, no network. I
 the last available chunk ends, minus one token when that is the prompt's end (vLLM must
 compute the last token itself). It is not rounded down to blocks or chunks: a 2,048-token
 prompt fully held hits 2,047 tokens.
+
+While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
+this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
+(a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
+worker has evicted since fails its load, and vLLM recomputes it (fail closed).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from ...aio import LoopThread
@@ -20,6 +26,7 @@ from ...keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans
 from .metadata import ChunkTransfer, LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
+SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
 
 
 @dataclasses.dataclass(slots=True)
@@ -45,6 +52,7 @@ class P2PScheduler:
             self._loop.stop()
             raise
         self._requests: dict[str, _Prefill] = {}
+        self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
         self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
 
     def _keys(self, prompt: list[int]) -> list[ChunkKey]:
@@ -54,7 +62,8 @@ class P2PScheduler:
         prompt = list(request.prompt_token_ids or [])
         if not prompt:
             return 0, False
-        held = self._index.longest_prefix(self._keys(prompt))
+        keys = self._keys(prompt)
+        held = self._index.longest_prefix(keys, () if self._index.connected else self._saved)
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
         return max(hit - num_computed_tokens, 0), False
@@ -107,8 +116,17 @@ class P2PScheduler:
             if done is not None and done >= len(state.prompt):
                 meta.saves.append(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
                                                  len(state.prompt)))
+                self._remember_saved(state.keys)
                 del self._requests[req_id]
         return meta
+
+    def _remember_saved(self, keys: list[ChunkKey]) -> None:
+        saved = self._saved
+        for key in keys:
+            saved[key] = None
+            saved.move_to_end(key)
+        while len(saved) > SAVED_KEYS_MAX:
+            saved.popitem(last=False)
 
     def request_finished(self, request: Any) -> None:
         self._requests.pop(request.request_id, None)
