@@ -194,7 +194,7 @@ class CacheAgent:
         if tier is None:
             index.remove_many(self.fp, [key])
             return
-        header = self.tiers.header(key)
+        header = self.tiers.header(key)  # lock-free dict probes: safe under the tiers' locks
         if header is not None and header.fingerprint == self.fp:  # only what this agent serves is announced
             index.add_many(self.fp, [key], TIER_CODES[tier])
 

@@ -21,10 +21,17 @@ T = TypeVar("T")
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a background task and wait until it has finished (its cancellation is swallowed)."""
+    """Cancel a background task and wait until it has finished (its cancellation is swallowed).
+
+    The cancel is repeated until the task is done: a cancellation can be lost inside the task
+    (Python 3.11's ``asyncio.wait_for`` drops one that races with its inner result), and a
+    stop must never hang on it.
+    """
     if task is None:
         return
-    task.cancel()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
     with contextlib.suppress(asyncio.CancelledError):
         await task
 

@@ -54,7 +54,8 @@ QUOTA_BYTES = 8 << 30  # etcd's largest recommended --quota-backend-bytes
 
 
 def _open(loop: LoopThread, endpoints: tuple[str, ...], node: str) -> EtcdBlockIndex:
-    config = AgentConfig(node_id=node, cluster="bench", etcd=EtcdConfig(endpoints=endpoints, timeout_s=10.0))
+    config = AgentConfig(node_id=node, cluster="bench",
+                         etcd=EtcdConfig(endpoints=endpoints, timeout_s=10.0, start_wait_s=30.0))
     record = NodeRecord(NodeId(node), {"tcp": "127.0.0.1:7470"}, ("tcp",))
     return EtcdBlockIndex.open(loop, config, record)
 

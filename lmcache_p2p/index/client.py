@@ -349,9 +349,11 @@ class EtcdClient:
         try:
             while True:
                 sent_at = time.monotonic()
+                # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
                 with translate("Lease.KeepAlive"):
-                    await asyncio.wait_for(call.write(LeaseKeepAliveRequest(ID=lease_id)), self.timeout)
-                    resp = await asyncio.wait_for(call.read(), self.timeout)
+                    async with asyncio.timeout(self.timeout):
+                        await call.write(LeaseKeepAliveRequest(ID=lease_id))
+                        resp = await call.read()
                 if resp is grpc.aio.EOF:
                     raise IndexError_("Lease.KeepAlive: stream closed by the server")
                 if resp.TTL <= 0:
@@ -377,11 +379,13 @@ class EtcdClient:
             create = WatchCreateRequest(key=prefix, range_end=prefix_range_end(prefix),
                                         start_revision=start_revision, progress_notify=True)
             with translate("Watch"):
-                await asyncio.wait_for(call.write(WatchRequest(create_request=create)), self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await call.write(WatchRequest(create_request=create))
             ticker = asyncio.create_task(self._ask_progress(call, progress_every_s), name="etcd-watch-progress")
             while True:
                 with translate("Watch"):
-                    resp = await asyncio.wait_for(call.read(), progress_every_s * 3 + self.timeout)
+                    async with asyncio.timeout(progress_every_s * 3 + self.timeout):
+                        resp = await call.read()
                 yield _watch_batch(resp, start_revision)
         finally:
             await cancel_and_wait(ticker)
