@@ -29,12 +29,13 @@ from .aio import LoopThread
 from .chunk import ChunkHeader, make_header
 from .config import AgentConfig
 from .errors import LMCacheP2PError, TierError
+from .estimates import PeerEstimates, PrefillRate
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
-from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
 from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
 from .transfer.base import MissReason, PeerAddress, PullResult, Transport
 from .transfer.stack import TransferStack
@@ -66,6 +67,8 @@ class CacheAgent:
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
         self.metrics.on_collect(self._refresh_metrics)
         self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
+        self.peer_estimates = PeerEstimates()  # pull latency and bandwidth per peer, measured here
+        self.prefill = PrefillRate()  # this engine's prefill rate (the worker connector feeds it)
         self.tiers = TieredStore.from_config(config.tiers, chunk_bytes, admit=self._admit)
         self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry,
                                              rejects=self.rejects)
@@ -276,16 +279,23 @@ class CacheAgent:
                 self.metrics.load_failures.labels("missing").inc()
         return loaded
 
-    def load_pinned(self, plan: HitPlan, timeout: float | None = None) -> list[Pin | None]:
+    def budget(self, plan: HitPlan) -> FetchBudget:
+        """Cut ``plan`` to the pulls expected to beat recomputing (see :func:`fetch_budget`)."""
+        return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
+                            expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
+                            max_s=self.config.transfer.timeout_s)
+
+    def load_pinned(self, plan: HitPlan, timeout: float | None = None, *, remote: bool = True) -> list[Pin | None]:
         """Like :meth:`load`, but hands out pins on CPU-pool slots instead of copies.
 
         The caller reads ``tiers.cpu.slot_view(pin.slot, pin.header.length)`` (e.g. scatters it
         into the engine's blocks) and must ``unpin_chunk`` every pin it got; pins expire anyway
-        after ``tiers.pin_timeout_s``. A chunk that can't be had is None.
+        after ``tiers.pin_timeout_s``. A chunk that can't be had is None. With ``remote=False``
+        nothing is pulled: only what the local tiers hold now is pinned.
         """
-        remote = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
-        if remote:
-            self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
+        remote_chunks = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
+        if remote and remote_chunks:
+            self._pull(remote_chunks, timeout if timeout is not None else self.config.transfer.timeout_s)
         pins: list[Pin | None] = []
         for chunk in plan.chunks:
             pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
@@ -376,7 +386,10 @@ class CacheAgent:
     def _account(self, transport: str, node: NodeId, result: PullResult, seconds: float) -> None:
         m = self.metrics
         m.pull_seconds.labels(transport).observe(seconds)
-        m.pull_bytes.labels(transport).inc(sum(h.length for h in result.loaded.values()))
+        nbytes = sum(h.length for h in result.loaded.values())
+        m.pull_bytes.labels(transport).inc(nbytes)
+        if result.loaded and not result.missed:
+            self.peer_estimates.observe(node, nbytes, seconds)
         m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
         for reason in result.missed.values():
             m.pull_chunks.labels(transport, str(reason)).inc()

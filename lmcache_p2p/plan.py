@@ -81,3 +81,62 @@ def make_plan(
         load[best] = load.get(best, 0) + 1
         chunks.append(PlannedChunk(i, key, start, end, best, tuple(c[2] for c in candidates[1:])))
     return HitPlan(num_tokens, tuple(chunks))
+
+
+DEADLINE_FACTOR = 4.0  # a pull may take this many times its expected time before it is abandoned
+DEADLINE_SLACK_S = 0.05  # ... and at least this much more than expected (scheduling noise)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FetchBudget:
+    """A plan cut to the pulls that beat recomputing, and the deadline those pulls get."""
+
+    plan: HitPlan
+    deadline_s: float
+    expected_s: float  # expected time of the pulls kept (0 when all local)
+    recompute_s: float | None  # engine time for the tokens pulled (None: prefill rate unknown)
+
+
+def fetch_budget(
+    plan: HitPlan,
+    *,
+    chunk_bytes: Callable[[PlannedChunk], int],
+    expected_s: Callable[[NodeId, int], float],
+    recompute_s: Callable[[int], float | None],
+    max_s: float,
+) -> FetchBudget:
+    """Keep the longest prefix of ``plan`` whose pulls are expected to finish before the engine
+    could recompute the tokens they carry; give them a deadline from that expectation.
+
+    Pulls from different peers run in parallel, one peer's chunks one after another::
+
+        chunks:   c0 local | c1 peer A | c2 peer B | c3 peer A | c4 peer A
+        expected: 0          A: 1 chunk  max(A1, B1)  A: 2 chunks  A: 3 chunks
+        recompute of the pulled tokens (c1..ck) at this engine's measured prefill rate
+        keep c0..ck for the largest k with expected <= recompute
+
+    Without a prefill rate yet, every pull is kept and gets ``max_s``.
+    """
+    per_peer: dict[NodeId, int] = {}
+    first_remote: int | None = None
+    keep, kept_expected, kept_recompute = 0, 0.0, None
+    for i, chunk in enumerate(plan.chunks):
+        if chunk.source == LOCAL:
+            if first_remote is None:
+                keep = i + 1
+            continue
+        if first_remote is None:
+            first_remote = chunk.start
+        per_peer[chunk.source] = per_peer.get(chunk.source, 0) + chunk_bytes(chunk)
+        expected = max(expected_s(peer, nbytes) for peer, nbytes in per_peer.items())
+        recompute = recompute_s(chunk.end - first_remote)
+        if recompute is None or expected <= recompute:
+            keep, kept_expected, kept_recompute = i + 1, expected, recompute
+    if first_remote is not None:
+        # Local chunks after the last pull worth making are only usable if that pull is kept.
+        while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
+            keep += 1
+    deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
+    if kept_recompute is not None:
+        deadline = min(deadline, max(kept_recompute, kept_expected))
+    return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), deadline, kept_expected, kept_recompute)

@@ -18,6 +18,7 @@ from . import wire
 from .base import MissReason, PeerAddress, PullResult
 from .connection import Connection
 from .health import PeerHealth
+from .netio import set_keepalive
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ConnectionPool:
             raise PeerTimeout(f"{peer}: connect timed out") from exc
         except OSError as exc:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
+        set_keepalive(conn.transport_socket())
         try:
             await asyncio.wait_for(self._handshake(conn, fp, timeout), timeout)
         except TimeoutError as exc:
@@ -154,9 +156,11 @@ class TcpTransport:
         try:
             done, _ = await asyncio.wait([r.future for r in requests], timeout=max(0.0, deadline - loop.time()))
         finally:
-            for request in requests:
-                if not request.future.done():
-                    conn.abandon(request)
+            if not all(r.future.done() for r in requests):
+                # Close rather than drain: the rest of an overrun answer would hold up every later
+                # pull to this peer on this connection, and a hung peer may never send it. Closing
+                # stops the kernel from writing into our slots; they go back to the pool.
+                conn.abort(PeerTimeout(f"{peer}: pull abandoned at its deadline"))
         for request in requests:
             exc = request.future.exception()
             if exc is not None:

@@ -6,10 +6,11 @@ Receive states (one frame at a time, each buffer handed to the kernel is exactly
 
 A chunk's payload lands in ``dst.reserve().view`` with no intermediate copy, is verified
 against its header and only then committed; a mismatch releases the slot and counts as a miss.
-Many requests are in flight at once, told apart by id. A request given up on (its caller timed
-out) is *abandoned*: its remaining frames are read and dropped, its slot released, and the
-connection stays usable. A frame that breaks the protocol closes the connection and fails every
-request on it.
+Many requests are in flight at once, told apart by id. A request given up on is either
+*abandoned* (its remaining frames are read and dropped, its slot released, the connection stays
+usable: NIXL's small pin answers) or, when a TCP pull overruns its deadline, the connection is
+aborted (``abort``): no more bytes land in any slot, every request on it fails. A frame that breaks
+the protocol closes the connection and fails every request on it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 from collections.abc import Sequence
 
 from ..chunk import ChunkHeader, verify
@@ -270,6 +272,9 @@ class Connection(asyncio.BufferedProtocol):
         self._pending[request.rid] = request
         self.send({"t": "pin", "id": request.rid, "keys": list(keys)})
         return request
+
+    def transport_socket(self) -> socket.socket | None:
+        return self._transport.get_extra_info("socket") if self._transport is not None else None
 
     def abandon(self, request: _Request) -> None:
         """Stop caring about ``request``: its remaining frames are read and dropped."""

@@ -24,7 +24,7 @@ from ..errors import HandshakeError, ProtocolError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
-from .netio import recv_exact, send_all
+from .netio import recv_exact, send_all, set_keepalive
 from .nixl_engine import NixlEngine
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,7 @@ class TransferServer:
                 continue
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(conn)
             task = loop.create_task(self._serve(_Session(conn, f"{addr[0]}:{addr[1]}")))
             self._sessions.add(task)
             task.add_done_callback(self._sessions.discard)

@@ -89,6 +89,11 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, LMCacheP2PMetadata):
+            self._worker.step_started(connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -96,7 +101,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are synchronous and complete before the forward pass
+        return None  # sync loads complete in start_load_kv; async ones report through get_finished
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return None  # whole chunks are gathered for all layers at once in wait_for_save
@@ -106,6 +111,12 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMCacheP2PMetadata)
         self._worker.wait_for_save(meta)
+        self._worker.step_finished()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is None:
+            return None, None
+        return None, self._worker.get_finished() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

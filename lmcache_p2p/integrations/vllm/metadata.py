@@ -26,9 +26,11 @@ class ChunkTransfer:
     num_tokens: list[int]  # tokens of each chunk (< chunk size only for the prompt's tail)
     block_ids: list[list[int]]  # engine blocks of each chunk, in order
     skip_blocks: int = 0  # leading blocks of the first chunk not to overwrite (loads only)
+    sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
 
 
 @dataclasses.dataclass
 class LMCacheP2PMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = dataclasses.field(default_factory=list)
     saves: list[ChunkTransfer] = dataclasses.field(default_factory=list)
+    num_scheduled_tokens: int = 0  # this step's tokens: the worker times prefill steps by it

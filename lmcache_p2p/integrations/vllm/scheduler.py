@@ -6,6 +6,11 @@ the last available chunk ends, minus one token when that is the prompt's end (vL
 compute the last token itself). It is not rounded down to blocks or chunks: a 2,048-token
 prompt fully held hits 2,047 tokens.
 
+A hit whose chunks this engine's own worker saved is loaded synchronously (pinned local slots,
+scattered before the forward pass: cheaper than a scheduler round trip). Any other hit is loaded
+asynchronously (``(n, True)``): the request waits in WAITING_FOR_REMOTE_KVS while the worker pulls
+with a deadline, and other requests keep running; the worker reports it through ``get_finished``.
+
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
 (a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
@@ -36,7 +41,6 @@ class _Prefill:
     prompt: list[int]
     keys: list[ChunkKey]
     block_ids: list[int]
-    load: ChunkTransfer | None = None
 
 
 class P2PScheduler:
@@ -52,8 +56,10 @@ class P2PScheduler:
             self._loop.stop()
             raise
         self._requests: dict[str, _Prefill] = {}
+        self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
         self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
         self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
+        self._async: dict[str, bool] = {}  # per request: was the hit announced as an async load
 
     def _keys(self, prompt: list[int]) -> list[ChunkKey]:
         return chunk_keys(self._fp, prompt, self._chunk)
@@ -66,7 +72,13 @@ class P2PScheduler:
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved)
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
-        return max(hit - num_computed_tokens, 0), False
+        n = max(hit - num_computed_tokens, 0)
+        if n == 0:
+            return 0, False
+        needed = keys[num_computed_tokens // self._chunk: -(-hit // self._chunk)]
+        load_async = not all(k in self._saved for k in needed)
+        self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
+        return n, load_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
@@ -76,8 +88,9 @@ class P2PScheduler:
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
-            state.load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]),
-                                        start, end)
+            load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]), start, end)
+            load.sync = not self._async.pop(request.request_id, True)
+            self._loads.append(load)
         self._requests[request.request_id] = state
 
     def _transfer(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
@@ -93,15 +106,14 @@ class P2PScheduler:
                              skip_blocks=(start - first * self._chunk) // self._block)
 
     def build_connector_meta(self, out: Any) -> LMCacheP2PMetadata:
-        meta = LMCacheP2PMetadata()
+        meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
+        # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
+        # for their KV (not scheduled): both start on the worker in this step.
+        meta.loads, self._loads = self._loads, []
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = list(new.block_ids[0])
-            if state.load is not None:
-                meta.loads.append(state.load)
-                state.load = None
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._requests.get(req_id)
@@ -129,7 +141,9 @@ class P2PScheduler:
             saved.popitem(last=False)
 
     def request_finished(self, request: Any) -> None:
-        self._requests.pop(request.request_id, None)
+        self._async.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM holds
+        # the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
 
     def shutdown(self) -> None:

@@ -1,8 +1,11 @@
 """Worker side (one per GPU / TP rank): the embedded cache agent and the engine's paged KV.
 
-    start_load_kv:  plan (local tiers, then peers) -> load verified chunks into staging
-                    -> scatter into the request's blocks; a chunk that fails and every later
-                    one are reported by block id, so vLLM recomputes them (fail closed)
+    start_load_kv:  sync loads (every chunk this engine's own): pin local slots -> scatter, inline
+                    async loads: handed to the load thread, which plans (local tiers, then peers,
+                    cut by the fetch-or-recompute budget), pulls with a deadline, scatters the
+                    verified chunks and reports the request through get_finished
+                    a chunk that fails and every later one are reported by block id (no later
+                    than the request's get_finished), so vLLM recomputes them (fail closed)
     wait_for_save:  gather each new chunk from the engine's blocks straight into a reserved CPU
                     slot (synchronous: the blocks may be reused after the step), then checksum,
                     commit and publish in the background
@@ -10,9 +13,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -34,7 +39,14 @@ class P2PWorker:
         self._blocks_per_chunk = config.chunk_size // block_size
         self._kv: PagedKV | None = None
         self.agent: CacheAgent | None = None
+        # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
+        # results are handed over under the lock: a request's failed blocks before its id.
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load")
+        self._done_lock = threading.Lock()
         self._load_errors: set[int] = set()
+        self._loads_done: set[str] = set()
+        self._step_started: float | None = None
+        self._step_tokens = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._kv = PagedKV(list(kv_caches.values()))
@@ -50,23 +62,66 @@ class P2PWorker:
                  self.agent.node_id)
 
     # -- load --------------------------------------------------------------------------------------
+    # -- steps: the engine's prefill rate, for the planner ---------------------------------------------
+    def step_started(self, meta: LMCacheP2PMetadata) -> None:
+        self._step_started, self._step_tokens = time.perf_counter(), meta.num_scheduled_tokens
+
+    def step_finished(self) -> None:
+        if self._step_started is not None and self.agent is not None:
+            self.agent.prefill.observe(self._step_tokens, time.perf_counter() - self._step_started)
+        self._step_started = None
+
+    # -- load ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: LMCacheP2PMetadata) -> None:
         for transfer in meta.loads:
-            self._load(transfer)
+            if transfer.sync:
+                failed = self._load(transfer, remote=False)
+                with self._done_lock:
+                    self._load_errors.update(failed)
+            else:
+                self._loader.submit(self._load_async, transfer)
 
-    def _load(self, t: ChunkTransfer) -> None:
+    def _load_async(self, t: ChunkTransfer) -> None:
+        try:
+            failed = self._load(t, remote=True)
+        except Exception:  # a cache problem must never become a serving problem: recompute it all
+            log.exception("request %s: asynchronous load failed; recomputing", t.req_id)
+            failed = _blocks_from(t, 0)
+        with self._done_lock:
+            self._load_errors.update(failed)
+            self._loads_done.add(t.req_id)
+
+    def get_finished(self) -> set[str]:
+        """Requests whose asynchronous load finished (loaded, or failed blocks already reported)."""
+        with self._done_lock:
+            done, self._loads_done = self._loads_done, set()
+        return done
+
+    def _load(self, t: ChunkTransfer, remote: bool) -> set[int]:
+        """Load ``t``'s chunks into its blocks; returns the blocks that must be recomputed."""
         assert self.agent is not None and self._kv is not None
+        agent = self.agent
         t0 = time.perf_counter()
         keys = [ChunkKey(k) for k in t.keys]
         spans, pos = [], 0
         for n in t.num_tokens:
             spans.append((pos, pos + n))
             pos += n
-        plan = self.agent.plan(keys, spans, pos)
-        self.agent.count_lookup(plan, 0)
+        plan = agent.plan(keys, spans, pos)
+        agent.count_lookup(plan, 0)
+        timeout = None
+        if remote:
+            budget = agent.budget(plan)
+            if len(budget.plan.chunks) < len(plan.chunks):
+                agent.metrics.load_failures.labels("recompute_faster").inc(len(plan.chunks) - len(budget.plan.chunks))
+                log.info("request %s: pulling %d of %d chunks, recomputing the rest (expected %.1f ms, recompute "
+                         "%s)", t.req_id, len(budget.plan.chunks), len(plan.chunks), 1e3 * budget.expected_s,
+                         "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
+            plan, timeout = budget.plan, budget.deadline_s
         t1 = time.perf_counter()
-        pins = self.agent.load_pinned(plan) if plan.chunks else []
+        pins = agent.load_pinned(plan, timeout, remote=remote) if plan.chunks else []
         t2 = time.perf_counter()
+        failed: set[int] = set()
         try:
             for i, blocks in enumerate(t.block_ids):
                 pin = pins[i] if i < len(pins) else None
@@ -75,20 +130,20 @@ class P2PWorker:
                               i, pin.header.length, len(blocks), self._kv.payload_nbytes(len(blocks)))
                     pin = None
                 if pin is None:
-                    failed = [b for later in t.block_ids[i:] for b in later]
-                    log.warning("request %s: chunk %d of %d not loadable, %d blocks recomputed", t.req_id, i,
-                                len(keys), len(failed))
-                    self._load_errors.update(failed)
+                    failed = _blocks_from(t, i)
+                    log.info("request %s: chunk %d of %d not loaded, %d blocks recomputed", t.req_id, i,
+                             len(keys), len(failed))
                     break
-                view = self.agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
+                view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
                 self._scatter(torch.frombuffer(view, dtype=torch.uint8), blocks, t.skip_blocks if i == 0 else 0)
         finally:
             for pin in pins:
                 if pin is not None:
-                    self.agent.unpin_chunk(pin)
+                    agent.unpin_chunk(pin)
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+        return failed
 
     def _scatter(self, staging: torch.Tensor, blocks: list[int], skip: int) -> None:
         assert self._kv is not None
@@ -109,7 +164,8 @@ class P2PWorker:
         return self.agent.config.layout.num_layers
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
+        with self._done_lock:
+            errors, self._load_errors = self._load_errors, set()
         return errors
 
     # -- save ---------------------------------------------------------------------------------------
@@ -136,6 +192,14 @@ class P2PWorker:
             agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
 
     def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
         if self.agent is not None:
             self.agent.stop()
             self.agent = None
+
+
+def _blocks_from(t: ChunkTransfer, chunk: int) -> set[int]:
+    """The blocks of chunk ``chunk`` and every later one, less those vLLM's own prefix cache filled."""
+    blocks = [b for i, later in enumerate(t.block_ids[chunk:], chunk)
+              for b in (later[t.skip_blocks:] if i == 0 else later)]
+    return set(blocks)
