@@ -87,6 +87,12 @@ class EngineProcess:
     def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[dict[str, Any]]:
         return self.request("generate", prompts, max_tokens=max_tokens)
 
+    def concurrent(self, prompts: list[list[int]], stream: list[int], stream_tokens: int = 4000
+                   ) -> list[dict[str, Any]]:
+        """Each prompt served (one token) while a decode stream runs: ``ttft_s``, ``tokens``,
+        ``num_cached_tokens``, ``max_gap_s`` (the stream's longest gap), ``stream_tokens_during``."""
+        return self.request("concurrent", prompts, stream=stream, stream_tokens=stream_tokens)
+
     def ttft(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         return self.request("ttft", prompts)
 

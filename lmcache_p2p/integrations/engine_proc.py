@@ -81,8 +81,61 @@ def _serve(llm: Any) -> None:
                                 "num_cached_tokens": int(out.num_cached_tokens or 0),
                                 "tokens": list(out.outputs[0].token_ids)})
             _reply({"results": results})
+        elif req["op"] == "concurrent":
+            _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)))
+                                for p in req["prompts"]]})
         else:
             _reply({"error": f"unknown op {req['op']!r}"})
+
+
+def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int) -> dict[str, Any]:
+    """Serve ``doc`` (one token) while a decode stream runs on the same engine.
+
+    Returns the document's TTFT, its token and cached-token count, and the longest gap between two
+    tokens of the stream from just before the document arrived to just after it was answered: what
+    the document cost every other request on the engine.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    engine.add_request("stream", TokensPrompt(prompt_token_ids=stream),
+                       SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True))
+    times: list[float] = []
+    doc_out: Any = None
+
+    def pump() -> float:
+        nonlocal doc_out
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id == "stream":
+                times.extend([now] * (len(o.outputs[0].token_ids) - len(times)))
+            elif o.request_id == "doc" and o.finished:
+                doc_out = o
+        return now
+
+    while len(times) < 3:
+        pump()
+    t_doc = time.perf_counter()
+    engine.add_request("doc", TokensPrompt(prompt_token_ids=doc),
+                       SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    t_done = t_doc
+    while doc_out is None:
+        t_done = pump()
+    while times[-1] <= t_done and len(times) < stream_tokens:
+        pump()
+    engine.abort_request(["stream"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    before = [t for t in times if t < t_doc][-1:]
+    window = before + [t for t in times if t >= t_doc]
+    after = [t for t in window if t > t_done][:1]
+    window = [t for t in window if t <= t_done] + after
+    gaps = [b - a for a, b in zip(window, window[1:], strict=False)]
+    return {"ttft_s": t_done - t_doc, "tokens": list(doc_out.outputs[0].token_ids),
+            "num_cached_tokens": int(doc_out.num_cached_tokens or 0), "max_gap_s": max(gaps, default=0.0),
+            "stream_tokens_during": sum(1 for t in times if t_doc <= t <= t_done)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,13 +60,16 @@ class P2PScheduler:
         self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
         self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
         self._async: dict[str, bool] = {}  # per request: was the hit announced as an async load
+        self._loaded: set[str] = set()  # requests that got a load: never offered a hit twice
 
     def _keys(self, prompt: list[int]) -> list[ChunkKey]:
         return chunk_keys(self._fp, prompt, self._chunk)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.prompt_token_ids or [])
-        if not prompt:
+        if not prompt or request.request_id in self._loaded:
+            # Asked again after a load for this request: the load failed (vLLM reset the request to
+            # recompute it). Offering the same hit again would loop; the engine computes it.
             return 0, False
         keys = self._keys(prompt)
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved)
@@ -91,6 +94,7 @@ class P2PScheduler:
             load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]), start, end)
             load.sync = not self._async.pop(request.request_id, True)
             self._loads.append(load)
+            self._loaded.add(request.request_id)
         self._requests[request.request_id] = state
 
     def _transfer(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
@@ -142,6 +146,7 @@ class P2PScheduler:
 
     def request_finished(self, request: Any) -> None:
         self._async.pop(request.request_id, None)
+        self._loaded.discard(request.request_id)
         self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM holds
         # the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
