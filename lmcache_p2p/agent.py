@@ -157,6 +157,7 @@ class CacheAgent:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
+        self.tiers.close()  # the tier worker finishes the write-backs queued so far
         if flush_to_disk and self._started:
             self.tiers.flush_to_disk()
         if self.index is not None:
@@ -291,7 +292,8 @@ class CacheAgent:
         The caller reads ``tiers.cpu.slot_view(pin.slot, pin.header.length)`` (e.g. scatters it
         into the engine's blocks) and must ``unpin_chunk`` every pin it got; pins expire anyway
         after ``tiers.pin_timeout_s``. A chunk that can't be had is None. With ``remote=False``
-        nothing is pulled: only what the local tiers hold now is pinned.
+        nothing is pulled and nothing read from disk: only what the CPU pool holds now is pinned
+        (a disk chunk is promoted in the background, for the next request).
         """
         remote_chunks = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
         if remote and remote_chunks:
@@ -299,7 +301,9 @@ class CacheAgent:
         pins: list[Pin | None] = []
         for chunk in plan.chunks:
             pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-            if pin is None and self.tiers.ensure_in_cpu(chunk.key):
+            if pin is None and not remote:
+                self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
+            elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
                 pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
             if pin is not None and not self._admit(pin.header):  # covered since it was stored
                 self.tiers.cpu.unpin(pin)

@@ -1,8 +1,11 @@
 """Running estimates the fetch-or-recompute planner decides by: each peer's pull latency and
 bandwidth, and this engine's own prefill rate.
 
-    expected pull time (peer, n bytes)  = latency(peer) + n / bandwidth(peer)
+    expected pull time (peer, n bytes)  = max(latency(peer), n * seconds_per_byte(peer))
     recompute time (t tokens)           = t / prefill_tokens_per_s
+
+``latency`` is learned from small pulls, ``seconds_per_byte`` from large ones (their whole time,
+fixed costs included, so pulls of the usual size predict each other well).
 
 Both are exponentially weighted moving averages of what this node measured itself; a peer never
 measured starts from deliberately modest priors, so the first pull from it gets a generous but
@@ -17,7 +20,7 @@ import threading
 
 ALPHA = 0.3  # weight of the newest observation
 PRIOR_LATENCY_S = 0.005
-PRIOR_BANDWIDTH_BPS = 500e6  # loopback TCP measured 3 GB/s here; a peer unknown yet gets less credit
+PRIOR_SECONDS_PER_BYTE = 1 / 500e6  # loopback TCP measured 3 GB/s here; a peer unknown yet gets less credit
 SMALL_PULL_BYTES = 256 << 10  # pulls below this mostly measure latency
 MIN_PREFILL_TOKENS = 128  # engine steps with fewer scheduled tokens are decode steps: not a prefill rate
 
@@ -25,8 +28,9 @@ MIN_PREFILL_TOKENS = 128  # engine steps with fewer scheduled tokens are decode 
 @dataclasses.dataclass(slots=True)
 class _Peer:
     latency_s: float = PRIOR_LATENCY_S
-    bandwidth_bps: float = PRIOR_BANDWIDTH_BPS
-    samples: int = 0
+    seconds_per_byte: float = PRIOR_SECONDS_PER_BYTE
+    small: int = 0
+    large: int = 0
 
 
 class PeerEstimates:
@@ -41,21 +45,21 @@ class PeerEstimates:
         with self._lock:
             p = self._peers.setdefault(peer, _Peer())
             if nbytes < SMALL_PULL_BYTES:
-                p.latency_s = _ewma(p.latency_s, seconds, p.samples)
+                p.latency_s = _ewma(p.latency_s, seconds, p.small)
+                p.small += 1
             else:
-                transfer_s = max(seconds - p.latency_s, seconds * 0.1)
-                p.bandwidth_bps = _ewma(p.bandwidth_bps, nbytes / transfer_s, p.samples)
-            p.samples += 1
+                p.seconds_per_byte = _ewma(p.seconds_per_byte, seconds / nbytes, p.large)
+                p.large += 1
 
     def expected_s(self, peer: str, nbytes: int) -> float:
         with self._lock:
             p = self._peers.get(peer) or _Peer()
-            return p.latency_s + nbytes / p.bandwidth_bps
+            return max(p.latency_s, nbytes * p.seconds_per_byte)
 
     def snapshot(self) -> dict[str, tuple[float, float, int]]:
         """peer -> (latency s, bandwidth B/s, samples)."""
         with self._lock:
-            return {k: (p.latency_s, p.bandwidth_bps, p.samples) for k, p in self._peers.items()}
+            return {k: (p.latency_s, 1 / p.seconds_per_byte, p.small + p.large) for k, p in self._peers.items()}
 
 
 class PrefillRate:

@@ -83,8 +83,8 @@ def make_plan(
     return HitPlan(num_tokens, tuple(chunks))
 
 
-DEADLINE_FACTOR = 4.0  # a pull may take this many times its expected time before it is abandoned
-DEADLINE_SLACK_S = 0.05  # ... and at least this much more than expected (scheduling noise)
+DEADLINE_FACTOR = 3.0  # a pull may take this many times its expected time before it is abandoned
+DEADLINE_SLACK_S = 0.005  # ... and at least this much more than expected (scheduling noise)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

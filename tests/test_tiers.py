@@ -1,4 +1,6 @@
 import os
+import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -123,12 +125,14 @@ def test_write_back_then_promotion_round_trips(tmp_path):
     disk = DiskTier(tmp_path, 100 * SLOT)
     store = TieredStore(cpu, disk, listener=lambda k, t: events.append((k, t)))
     originals = {}
+    assert store.worker is not None
     for i in range(6):
         payload = os.urandom(SLOT - i)
         originals[i] = payload
         store.put(key(i), FP, memoryview(payload), 256)
-    assert len(cpu) == 2 and len(disk) == 4
-    assert (key(0), "disk") in events
+        assert store.worker.drain(10.0)  # steady state: the worker keeps up with the stores
+    assert len(cpu) == 2 and len(disk) == 6  # written behind, all of them; the last two also in CPU
+    assert (key(0), "disk") in events and store.writeback_dropped == 0
     dst = memoryview(bytearray(SLOT))
     for i in range(6):
         header = store.read_into(key(i), dst)
@@ -143,3 +147,31 @@ def test_store_without_disk_reports_dropped_chunks():
     store.put(key(0), FP, memoryview(os.urandom(10)), 1)
     store.put(key(1), FP, memoryview(os.urandom(10)), 1)
     assert events == [(key(0), "cpu"), (key(0), None), (key(1), "cpu")]
+
+
+class _SlowDisk(DiskTier):
+    """A disk whose writes take long and record which thread made them."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.writers: set[str] = set()
+
+    def put(self, header, payload):  # type: ignore[no-untyped-def]
+        self.writers.add(threading.current_thread().name)
+        time.sleep(0.2)
+        return super().put(header, payload)
+
+
+def test_no_disk_io_on_the_storing_thread_or_under_the_pool_lock(tmp_path):
+    """A full pool with a slow disk: stores and reservations never wait on a disk write."""
+    cpu = CpuPool(2 * SLOT, SLOT)
+    disk = _SlowDisk(tmp_path, 100 * SLOT)
+    store = TieredStore(cpu, disk)
+    for i in range(8):  # 8 stores into 2 slots: six evictions while the disk is busy
+        store.put(key(i), FP, memoryview(os.urandom(SLOT)), 256)
+        cpu.release(cpu.reserve())  # what the forward pass does before a gather
+    assert disk.writers <= {"lmcache-p2p-tiers"}  # only the tier worker ever wrote
+    assert store.writeback_dropped >= 1  # victims the slow disk had not reached were dropped, not waited for
+    assert store.worker is not None and store.worker.drain(10.0)
+    assert len(cpu) >= 1 and all(disk.header(k) is not None for k in cpu.keys())  # the survivors are on disk
+    store.close()

@@ -9,12 +9,27 @@ each measured with no other engine started:
     ttft_peer_hit_ms     engine B, started afterwards, same prompts: B pulls A's chunks
     ttft_lmcache_hit_ms  LMCache server mode, second engine process (when scripts/install_lmcache.sh ran)
 
-Medians over the prompts. vLLM's own prefix cache is off everywhere.
+Then, on engine B, each document served while a decode stream runs on B (the longest gap between
+two of the stream's tokens is what the document cost every other request):
+
+    decode_gap_ms_miss       a document nobody holds (B computes it)
+    decode_gap_ms_peer_hit   a document A holds
+    hung_owner_ttft_ms       A holds the document but is SIGSTOPped (its lease alive): the pull is
+                             abandoned at its deadline and B recomputes; hung_owner_vs_miss (goal
+                             <= 1.1) compares it with ttft_miss_concurrent_ms, measured the same way
+    hung_owner_backed_off_ttft_ms  the next documents A holds, A backed off: recomputed at once
+    decode_gap_ms_hung_owner the stream's longest gap while the hung owner's document was served
+
+Medians over the prompts. vLLM's own prefix cache is off everywhere. Engine mode: eager
+(``enforce_eager``) for every engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import statistics
 import tempfile
 from pathlib import Path
@@ -61,6 +76,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
              else create_tiny_model(work / f"{args.model_size}-llama", **size))
     prompts = bench_prompts(args.prompts, args.tokens, seed=1000)
     warm = bench_prompts(3, args.tokens, seed=9000)
+    hung_docs = bench_prompts(3, args.tokens, seed=5000)
+    fresh = bench_prompts(1, args.tokens, seed=7000)
+    stream = bench_prompts(1, 40, seed=8000)[0]
     out: dict[str, Any] = {"model": args.model or args.model_size, "prompts": args.prompts,
                            "prompt_tokens": args.tokens, "dtype": args.dtype, "transport": args.transport}
     with EtcdServer(base_dir=str(work)) as etcd:
@@ -82,6 +100,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             a.ttft([warm[1]])
             miss = a.ttft(prompts)
             out["ttft_miss_ms"] = _median_ms(miss)
+            a.ttft(hung_docs)  # A holds these too
             b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
             engines.append(b)
             b.wait_ready()
@@ -91,10 +110,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["ttft_peer_hit_ms"] = _median_ms(hit)
             out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
             out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+            out.update(_stalls(a, b, fresh[0], hung_docs, stream))
         finally:
             for engine in engines:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(engine.pid, signal.SIGCONT)
                 engine.stop()
     out["peer_hit_speedup_vs_cold"] = round(out["ttft_cold_ms"] / out["ttft_peer_hit_ms"], 2)
+    out["hung_owner_vs_miss"] = round(out["hung_owner_ttft_ms"] / out["ttft_miss_concurrent_ms"], 3)
     out["miss_overhead_pct"] = round(100 * (out["ttft_miss_ms"] / out["ttft_cold_ms"] - 1), 2)
     if not args.no_lmcache:
         ref = _lmcache(model, prompts, args.dtype, work)
@@ -104,6 +127,29 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out.update(ref)
         if "ttft_lmcache_hit_ms" in out:
             out["peer_hit_vs_lmcache"] = round(out["ttft_peer_hit_ms"] / out["ttft_lmcache_hit_ms"], 3)
+    return out
+
+
+def _stalls(a: EngineProcess, b: EngineProcess, fresh: list[int], hung_docs: list[list[int]],
+            stream: list[int]) -> dict[str, Any]:
+    """B serves documents while a decode stream runs on it: a miss, a peer hit, a hung owner."""
+    out: dict[str, Any] = {}
+    miss = b.concurrent([fresh], stream)[0]
+    out["ttft_miss_concurrent_ms"] = round(1000 * miss["ttft_s"], 2)
+    out["decode_gap_ms_miss"] = round(1000 * miss["max_gap_s"], 2)
+    peer = b.concurrent([hung_docs[0]], stream)[0]
+    out["decode_gap_ms_peer_hit"] = round(1000 * peer["max_gap_s"], 2)
+    out["ttft_peer_hit_concurrent_ms"] = round(1000 * peer["ttft_s"], 2)
+    os.killpg(a.pid, signal.SIGSTOP)
+    try:
+        hung = b.concurrent(hung_docs[1:], stream)
+    finally:
+        os.killpg(a.pid, signal.SIGCONT)
+    out["hung_owner_ttft_ms"] = round(1000 * hung[0]["ttft_s"], 2)
+    out["decode_gap_ms_hung_owner"] = round(1000 * hung[0]["max_gap_s"], 2)
+    out["hung_owner_stream_tokens_during"] = hung[0]["stream_tokens_during"]
+    if len(hung) > 1:
+        out["hung_owner_backed_off_ttft_ms"] = round(1000 * statistics.median(r["ttft_s"] for r in hung[1:]), 2)
     return out
 
 

@@ -2,7 +2,11 @@
 
     read:   CPU hit -> copy out
             disk hit -> read + verify into the caller's buffer, then promote into CPU
-    store:  into CPU; a CPU victim is written back to disk (when a disk tier exists)
+    store:  into CPU; written behind to disk by the tier worker (when a disk tier exists), so a
+            CPU victim is usually on disk already when it is evicted (else it is dropped, counted)
+
+No disk I/O happens under a tier's lock or in an eviction callback: :class:`TierWorker` does the
+write-behind and the promotions asked for with :meth:`promote_later`.
 
 ``listener(key, tier)`` hears where each chunk now lives ("cpu", "disk", or None when no tier
 holds it any more); the index publisher subscribes to it. It is called with tier locks held,
@@ -21,6 +25,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from .cpu_pool import CpuPool, Reservation
 from .disk import DiskTier
 from .eviction import make_policy
+from .worker import TierWorker
 
 log = logging.getLogger(__name__)
 Listener = Callable[[ChunkKey, str | None], None]
@@ -34,9 +39,13 @@ class TieredStore:
         self.disk = disk
         self._listener = listener
         self._admit = admit
+        self.writeback_dropped = 0  # CPU victims evicted before the worker wrote them to disk
+        self.worker: TierWorker | None = None
         cpu._on_evict = self._on_cpu_evict  # noqa: SLF001 - the store owns both tiers' wiring
         if disk is not None:
             disk._on_evict = self._on_disk_evict  # noqa: SLF001
+            self.worker = TierWorker(self._write_back_now, self.ensure_in_cpu)
+            cpu._on_commit = self._on_cpu_commit  # noqa: SLF001
 
     @classmethod
     def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None,
@@ -57,16 +66,40 @@ class TieredStore:
             self._listener(key, tier)
 
     # -- eviction wiring ------------------------------------------------------------------------
-    def _on_cpu_evict(self, header: ChunkHeader, view: memoryview | None) -> None:
-        if self.disk is None or view is None:
-            self._notify(header.key, None)
-            return
-        try:
-            self.disk.put(header, view)
+    def _on_cpu_evict(self, header: ChunkHeader, _view: memoryview | None) -> None:
+        """Under the pool lock: no I/O. The victim lives on if the worker already wrote it to disk."""
+        if self.disk is not None and self.disk.contains(header.key):
             self._notify(header.key, "disk")
-        except TierError as exc:
-            log.warning("write-back of %s to disk failed: %s", header.key.hex(), exc)
-            self._notify(header.key, None)
+            return
+        if self.disk is not None:
+            self.writeback_dropped += 1
+        self._notify(header.key, None)
+
+    def _on_cpu_commit(self, header: ChunkHeader) -> None:
+        if self.worker is not None:
+            self.worker.write_back(header.key)
+
+    def _write_back_now(self, key: ChunkKey) -> None:
+        """On the tier worker: copy a CPU chunk to disk under a pin (the slot can't be reused meanwhile)."""
+        if self.disk is None or self.disk.contains(key):
+            return
+        pin = self.cpu.pin(key, 60.0)
+        if pin is None:
+            return  # evicted or removed before its turn
+        try:
+            self.disk.put(pin.header, self.cpu.slot_view(pin.slot, pin.header.length))
+        finally:
+            self.cpu.unpin(pin)
+
+    def promote_later(self, key: ChunkKey) -> None:
+        """Bring a disk chunk into the CPU pool on the tier worker (callers that must not do I/O)."""
+        if self.worker is not None and self.disk is not None and self.disk.contains(key):
+            self.worker.promote(key)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
 
     def _on_disk_evict(self, header: ChunkHeader, _view: memoryview | None) -> None:
         if not self.cpu.contains(header.key):

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..errors import HandshakeError, ProtocolError, TransferError
+from ..errors import HandshakeError, ProtocolError, TierError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
@@ -209,9 +209,9 @@ class TransferServer:
         else:
             raise ProtocolError(f"unknown request {kind!r}")
 
-    def _pin(self, s: _Session, key: bytes) -> Pin | None:
+    async def _pin(self, s: _Session, key: bytes) -> Pin | None:
         pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
-        if pin is None and self._prepare is not None and self._prepare(ChunkKey(key)):
+        if pin is None and self._prepare is not None and await self._prepared(ChunkKey(key)):
             pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
         if pin is not None and pin.header.fingerprint != s.fingerprint:
             self.pool.unpin(pin)
@@ -220,6 +220,16 @@ class TransferServer:
             self.stats.misses += 1
         return pin
 
+    async def _prepared(self, key: ChunkKey) -> bool:
+        """Bring a chunk held in a slower tier into the pool, off the loop (disk I/O); a pool with
+        no unpinned slot answers "absent" for it rather than failing the connection."""
+        assert self._prepare is not None
+        try:
+            return await asyncio.to_thread(self._prepare, key)
+        except TierError as exc:
+            log.info("cannot bring %s into the pool: %s", key.hex()[:16], exc)
+            return False
+
     async def _serve_get(self, s: _Session, rid: int, keys: list[bytes]) -> None:
         """Stream the chunks, several per ``sendmsg`` (frames and pinned slot views, no copies)."""
         pins: list[Pin] = []
@@ -227,7 +237,7 @@ class TransferServer:
         pending = 0
         try:
             for i, key in enumerate(keys):
-                pin = self._pin(s, key)
+                pin = await self._pin(s, key)
                 if pin is None:
                     buffers.append(wire.encode({"t": "miss", "id": rid, "i": i, "why": "absent"}))
                 else:
@@ -259,7 +269,7 @@ class TransferServer:
         pins: list[Pin] = []
         items: list[list[Any] | None] = []
         for key in keys:
-            pin = self._pin(s, key)
+            pin = await self._pin(s, key)
             items.append(None if pin is None else [pin.header.pack(), self.pool.slot_address(pin.slot)])
             if pin is not None:
                 pins.append(pin)

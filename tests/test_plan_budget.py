@@ -1,0 +1,80 @@
+"""The fetch-or-recompute budget and the estimates it decides by (pure functions, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.estimates import PRIOR_LATENCY_S, PeerEstimates, PrefillRate
+from lmcache_p2p.index.schema import NodeId
+from lmcache_p2p.keys import ChunkKey
+from lmcache_p2p.plan import DEADLINE_SLACK_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
+
+MiB = 1 << 20
+
+
+def plan_of(*sources: str) -> HitPlan:
+    chunks = tuple(PlannedChunk(i, ChunkKey(bytes([i]) * 16), 256 * i, 256 * (i + 1), NodeId(s))
+                   for i, s in enumerate(sources))
+    return HitPlan(256 * len(sources), chunks)
+
+
+def budget(plan: HitPlan, per_peer_s_per_chunk: dict[str, float], tokens_per_s: float | None, max_s: float = 5.0):
+    return fetch_budget(plan, chunk_bytes=lambda c: MiB,
+                        expected_s=lambda peer, nbytes: per_peer_s_per_chunk[peer] * nbytes / MiB,
+                        recompute_s=lambda t: None if tokens_per_s is None else t / tokens_per_s, max_s=max_s)
+
+
+def test_all_local_needs_no_deadline() -> None:
+    b = budget(plan_of(LOCAL, LOCAL), {}, 1000.0)
+    assert len(b.plan.chunks) == 2 and b.expected_s == 0.0 and b.deadline_s == DEADLINE_SLACK_S
+
+
+def test_fast_peer_is_pulled_with_a_deadline_from_its_expected_time() -> None:
+    b = budget(plan_of(LOCAL, "a", "a", "b"), {"a": 0.002, "b": 0.003}, 10_000.0)  # recompute: 25.6 ms/chunk
+    assert len(b.plan.chunks) == 4
+    assert b.expected_s == pytest.approx(0.004)  # a's two chunks in a row; b's in parallel
+    assert b.deadline_s == pytest.approx(0.012)  # 3 x expected
+    assert b.recompute_s == pytest.approx(768 / 10_000)
+
+
+def test_a_peer_slower_than_recompute_is_not_asked() -> None:
+    b = budget(plan_of(LOCAL, "slow", "slow"), {"slow": 1.0}, 10_000.0)
+    assert [c.source for c in b.plan.chunks] == [LOCAL]
+
+
+def test_the_cut_keeps_the_longest_worthwhile_prefix_and_the_local_chunks_after_it() -> None:
+    # fast peer for two chunks, then a slow one: the slow chunk and what follows are recomputed
+    b = budget(plan_of("a", LOCAL, "slow", LOCAL), {"a": 0.001, "slow": 10.0}, 1000.0)
+    assert [c.source for c in b.plan.chunks] == ["a", LOCAL]
+    b = budget(plan_of("a", LOCAL, LOCAL), {"a": 0.001}, 1000.0)
+    assert len(b.plan.chunks) == 3
+
+
+def test_without_a_prefill_rate_every_pull_is_kept_and_the_deadline_is_bounded() -> None:
+    b = budget(plan_of("a", "a"), {"a": 10.0}, None, max_s=5.0)
+    assert len(b.plan.chunks) == 2 and b.deadline_s == 5.0 and b.recompute_s is None
+
+
+def test_the_deadline_never_exceeds_recompute() -> None:
+    b = budget(plan_of("a"), {"a": 0.02}, 10_000.0)  # expected 20 ms, recompute 25.6 ms
+    assert b.deadline_s == pytest.approx(0.0256)
+
+
+def test_peer_estimates_learn_from_pulls() -> None:
+    est = PeerEstimates()
+    assert est.expected_s("x", 0) == PRIOR_LATENCY_S
+    for _ in range(20):
+        est.observe("x", 8 * MiB, 0.004)  # 2 GB/s, fixed costs included
+        est.observe("x", 1024, 0.0005)
+    assert est.expected_s("x", 8 * MiB) == pytest.approx(0.004, rel=0.01)
+    assert est.expected_s("x", 1024) == pytest.approx(0.0005, rel=0.01)
+    assert est.expected_s("y", 8 * MiB) > est.expected_s("x", 8 * MiB)  # unknown peers get less credit
+
+
+def test_prefill_rate_ignores_decode_steps() -> None:
+    rate = PrefillRate()
+    assert rate.recompute_s(1000) is None
+    rate.observe(1, 0.005)  # a decode step
+    assert rate.tokens_per_s is None
+    rate.observe(2048, 0.2)
+    assert rate.recompute_s(1024) == pytest.approx(0.1)
