@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -28,7 +29,7 @@ from .base import MissReason, PeerAddress, PullResult
 from .client import ConnectionPool, batch_size, guarded_pull
 from .connection import Connection
 from .health import PeerHealth
-from .nixl_engine import NixlEngine
+from .nixl_engine import NixlEngine, ReadOverrun
 
 log = logging.getLogger(__name__)
 
@@ -116,10 +117,14 @@ class NixlTransport:
                 deadline,
                 on_group=check,
             )
-        except BaseException:
+        except BaseException as exc:
             await asyncio.gather(*checks, return_exceptions=True)
-            for _, reservation, _ in staged:
-                dst.release(reservation)
+            overrun = exc if isinstance(exc, ReadOverrun) else None
+            for i, (_, reservation, _) in enumerate(staged):
+                if overrun is not None and i in overrun.group:  # no late writes: held until the READ is over
+                    overrun.landed.add_done_callback(functools.partial(_release_after, dst, reservation))
+                else:
+                    dst.release(reservation)
             raise
         finally:
             with contextlib.suppress(TransferError):
@@ -186,3 +191,7 @@ def _verify_all(items: list[tuple[ChunkHeader, memoryview]]) -> list[bool]:
         except ChunkError:
             verdicts.append(False)
     return verdicts
+
+
+def _release_after(dst: CpuPool, reservation: Reservation, _landed: asyncio.Future[str]) -> None:
+    dst.release(reservation)

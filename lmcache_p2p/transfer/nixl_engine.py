@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 
 _SPIN_POLLS = 5000  # polls that only yield to the loop before backing off to 1 ms sleeps
 _PROGRESS_PERIOD_S = 0.001
+_REAP_PERIOD_S = 0.01
+
+
+class ReadOverrun(PeerTimeout):
+    """A READ ran past its deadline and may still land: the destinations of ``group`` must not be
+    reused until ``landed`` completes (with the READ's final state)."""
+
+    def __init__(self, message: str, group: range, landed: asyncio.Future[str]) -> None:
+        super().__init__(message)
+        self.group = group
+        self.landed = landed
 
 
 def nixl_available() -> bool:
@@ -84,6 +95,8 @@ class NixlEngine:
         self._remotes: dict[str, bytes] = {}
         self._progress_until = 0.0
         self._progress_task: asyncio.Task[None] | None = None
+        self._reapers: set[asyncio.Task[None]] = set()
+        self.late_reads = 0  # abandoned READs that ended later (their slots were held until then)
         self._closed = False
 
     # -- metadata ----------------------------------------------------------------------------
@@ -134,15 +147,23 @@ class NixlEngine:
         with _nixl_errors("READ preparation"):
             local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local_addrs, lengths), "DRAM")
             far = self._agent.prep_xfer_dlist(remote, _descs(remote_addrs, lengths), "DRAM")
+        def release_dlists(*_: object) -> None:
+            for dlist in (local, far):
+                with contextlib.suppress(Exception):
+                    dlist.release()
+
         try:
             for group in _groups(lengths, group_bytes):
                 await self._read_group(remote, local, far, group, deadline)
                 if on_group is not None:
                     on_group(group)
-        finally:
-            for dlist in (local, far):
-                with contextlib.suppress(Exception):
-                    dlist.release()
+        except ReadOverrun as exc:
+            exc.landed.add_done_callback(release_dlists)  # still in use by the abandoned READ
+            raise
+        except BaseException:
+            release_dlists()
+            raise
+        release_dlists()
 
     async def _read_group(self, remote: str, local: Any, far: Any, group: range, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -156,14 +177,40 @@ class NixlEngine:
                 polls = 0
                 while state == "PROC":
                     if loop.time() > deadline:
-                        raise PeerTimeout(f"NIXL READ from {remote} ran past its deadline")
+                        # The READ may still land: its destination slots stay quarantined until
+                        # NIXL says it is over (the caller releases them when `landed` completes).
+                        landed: asyncio.Future[str] = loop.create_future()
+                        reaper = loop.create_task(self._reap(handle, landed), name="nixl-reap")
+                        self._reapers.add(reaper)
+                        reaper.add_done_callback(self._reapers.discard)
+                        state = "ABANDONED"
+                        raise ReadOverrun(f"NIXL READ from {remote} ran past its deadline", group, landed)
                     polls += 1
                     await asyncio.sleep(0 if polls < _SPIN_POLLS else _PROGRESS_PERIOD_S)
                     state = self._agent.check_xfer_state(handle)
                 if state != "DONE":
                     raise TransferError(f"NIXL READ from {remote} failed ({state})")
         finally:
-            self._release(handle, state)
+            if state != "ABANDONED":
+                self._release(handle, state)
+
+    async def _reap(self, handle: Any, landed: asyncio.Future[str]) -> None:
+        """Poll an abandoned READ until it is over, then release it and say so."""
+        state = "PROC"
+        try:
+            while state == "PROC" and not self._closed:
+                await asyncio.sleep(_REAP_PERIOD_S)
+                try:
+                    state = self._agent.check_xfer_state(handle)
+                except Exception as exc:  # an error state is an end too
+                    log.info("abandoned NIXL READ ended in an error: %s", exc)
+                    state = "ERR"
+            if state != "PROC":
+                self._release(handle, state)
+                self.late_reads += 1
+        finally:
+            if not landed.done() and state != "PROC":
+                landed.set_result(state)  # only now may the slots be reused
 
     def _release(self, handle: Any, state: str) -> None:
         try:
@@ -194,6 +241,8 @@ class NixlEngine:
 
     async def close(self) -> None:
         self._closed = True
+        for reaper in list(self._reapers):
+            await cancel_and_wait(reaper)
         await cancel_and_wait(self._progress_task)
         for name in list(self._remotes):
             self.forget_remote(name)
