@@ -21,7 +21,7 @@ class EngineProcess:
     def __init__(self, model: str | Path, agent_config: str | Path | None = None, *, name: str = "engine",
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
-                 python: str = sys.executable) -> None:
+                 python: str = sys.executable, prefix_caching: bool = False) -> None:
         # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
         # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
         if agent_config is not None and kv_transfer_json is not None:
@@ -32,6 +32,8 @@ class EngineProcess:
             cmd += ["--agent-config", str(agent_config)]
         if kv_transfer_json is not None:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer_json)]
+        if prefix_caching:
+            cmd.append("--prefix-caching")
         self.name = name
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -40,7 +40,7 @@ def _reply(obj: dict[str, Any]) -> None:
 
 
 def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
-           kv_transfer_json: dict[str, Any] | None = None) -> Any:
+           kv_transfer_json: dict[str, Any] | None = None, prefix_caching: bool = False) -> Any:
     from vllm import LLM
 
     kv_transfer = kv_transfer_json
@@ -51,7 +51,7 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
                        "kv_connector_extra_config": {"config": agent_config}}
     # dtype: argparse limits the choices to what vLLM accepts.
     return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,  # type: ignore[arg-type]
-               enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
+               enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
                disable_log_stats=False, seed=0)
 
 
@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a full kv_transfer_config dict as JSON, used instead of the lmcache-p2p connector")
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--prefix-caching", action="store_true", help="turn vLLM's own prefix cache on")
     args = parser.parse_args(argv)
     if args.agent_config is not None and args.kv_transfer_json is not None:
         parser.error("--agent-config and --kv-transfer-json are exclusive")
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, v in engine_env().items():
         os.environ.setdefault(k, v)
     t0 = time.perf_counter()
-    llm = _build(args.model, args.agent_config, args.kv_cache_bytes, args.dtype, kv_transfer_json)
+    llm = _build(args.model, args.agent_config, args.kv_cache_bytes, args.dtype, kv_transfer_json,
+                 args.prefix_caching)
     _reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
     _serve(llm)
     del llm

@@ -27,6 +27,7 @@ class ChunkTransfer:
     block_ids: list[list[int]]  # engine blocks of each chunk, in order
     skip_blocks: int = 0  # leading blocks of the first chunk not to overwrite (loads only)
     sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
+    generated: bool = False  # saves: chunks filled by generated tokens (not prompt misses)
 
 
 @dataclasses.dataclass

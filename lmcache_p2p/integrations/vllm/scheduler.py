@@ -11,6 +11,10 @@ scattered before the forward pass: cheaper than a scheduler round trip). Any oth
 asynchronously (``(n, True)``): the request waits in WAITING_FOR_REMOTE_KVS while the worker pulls
 with a deadline, and other requests keep running; the worker reports it through ``get_finished``.
 
+Generated tokens are saved too: every chunk a request's output fills is stored as it fills (keys
+chained on the prompt's), so the next turn of a conversation, on any node, finds the whole history
+up to its last full chunk and recomputes only the rest and the new message.
+
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
 (a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
@@ -35,12 +39,16 @@ SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while
 
 
 @dataclasses.dataclass(slots=True)
-class _Prefill:
-    """A request whose prompt is being computed; saved when the prompt is complete."""
+class _Active:
+    """A request being computed: its prompt is saved once complete, then every chunk its generated
+    tokens fill (so the next turn of a conversation, on any node, finds its history)."""
 
+    request: Any  # vLLM's Request: all_token_ids grows as tokens are generated
     prompt: list[int]
     keys: list[ChunkKey]
     block_ids: list[int]
+    prompt_saved: bool = False
+    full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
 
 
 class P2PScheduler:
@@ -55,7 +63,7 @@ class P2PScheduler:
         except Exception:
             self._loop.stop()
             raise
-        self._requests: dict[str, _Prefill] = {}
+        self._requests: dict[str, _Active] = {}
         self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
         self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
         self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
@@ -86,7 +94,7 @@ class P2PScheduler:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
         keys = self._keys(prompt)
-        state = _Prefill(prompt, keys, [])
+        state = _Active(request, prompt, keys, [])
         local_hit = self._local_hit.pop(request.request_id, 0)
         if num_external_tokens > 0:
             start = local_hit
@@ -127,14 +135,30 @@ class P2PScheduler:
                     state.block_ids = list(new_ids[0])
                 else:
                     state.block_ids.extend(new_ids[0])
-        for req_id, state in list(self._requests.items()):
+        for req_id, state in self._requests.items():
             done = _computed_after_step(out, req_id)
-            if done is not None and done >= len(state.prompt):
+            if done is None or done < len(state.prompt):
+                continue
+            if not state.prompt_saved:
                 meta.saves.append(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
                                                  len(state.prompt)))
                 self._remember_saved(state.keys)
-                del self._requests[req_id]
+                state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
+            full = done // self._chunk
+            if full > state.full_chunks_saved:
+                meta.saves.append(self._generated(state, full))
         return meta
+
+    def _generated(self, state: _Active, full: int) -> ChunkTransfer:
+        """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's keys."""
+        first = state.full_chunks_saved
+        keys = self._keys(list(state.request.all_token_ids[: full * self._chunk]))
+        per = self._chunk // self._block
+        state.full_chunks_saved = full
+        self._remember_saved(keys[first:full])
+        return ChunkTransfer(state.request.request_id, [bytes(k) for k in keys[first:full]],
+                             [self._chunk] * (full - first),
+                             [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)], generated=True)
 
     def _remember_saved(self, keys: list[ChunkKey]) -> None:
         saved = self._saved

@@ -176,8 +176,9 @@ class P2PWorker:
     def _save(self, t: ChunkTransfer) -> None:
         agent, kv = self.agent, self._kv
         assert agent is not None and kv is not None
-        computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.tiers.where(ChunkKey(k)) is None]
-        agent.metrics.miss_tokens.inc(sum(computed))  # tokens the engine computed: nothing held them
+        if not t.generated:
+            computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.tiers.where(ChunkKey(k)) is None]
+            agent.metrics.miss_tokens.inc(sum(computed))  # prompt tokens the engine computed: nothing held them
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
             if agent.tiers.where(ChunkKey(key)) is not None or not blocks:
                 continue

