@@ -284,7 +284,7 @@ class CacheAgent:
         """Cut ``plan`` to the pulls expected to beat recomputing (see :func:`fetch_budget`)."""
         return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
                             expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
-                            max_s=self.config.transfer.timeout_s)
+                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known)
 
     def load_pinned(self, plan: HitPlan, timeout: float | None = None, *, remote: bool = True) -> list[Pin | None]:
         """Like :meth:`load`, but hands out pins on CPU-pool slots instead of copies.

@@ -51,6 +51,12 @@ class PeerEstimates:
                 p.seconds_per_byte = _ewma(p.seconds_per_byte, seconds / nbytes, p.large)
                 p.large += 1
 
+    def known(self, peer: str) -> bool:
+        """Whether a pull from ``peer`` has been measured (else :meth:`expected_s` is a prior)."""
+        with self._lock:
+            p = self._peers.get(peer)
+            return p is not None and p.small + p.large > 0
+
     def expected_s(self, peer: str, nbytes: int) -> float:
         with self._lock:
             p = self._peers.get(peer) or _Peer()

@@ -104,6 +104,7 @@ def fetch_budget(
     expected_s: Callable[[NodeId, int], float],
     recompute_s: Callable[[int], float | None],
     max_s: float,
+    known: Callable[[NodeId], bool] = lambda _peer: True,
 ) -> FetchBudget:
     """Keep the longest prefix of ``plan`` whose pulls are expected to finish before the engine
     could recompute the tokens they carry; give them a deadline from that expectation.
@@ -115,7 +116,9 @@ def fetch_budget(
         recompute of the pulled tokens (c1..ck) at this engine's measured prefill rate
         keep c0..ck for the largest k with expected <= recompute
 
-    Without a prefill rate yet, every pull is kept and gets ``max_s``.
+    Without a prefill rate yet, every pull is kept. A pull from a peer never measured (``known``
+    false: its first pull also pays for the connection and handshake) gets the recompute time, or
+    ``max_s`` without a prefill rate, rather than a multiple of a guess.
     """
     per_peer: dict[NodeId, int] = {}
     first_remote: int | None = None
@@ -137,6 +140,8 @@ def fetch_budget(
         while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
             keep += 1
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
+    if not all(known(c.source) for c in plan.chunks[:keep] if c.source != LOCAL):
+        deadline = max_s
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
     return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), deadline, kept_expected, kept_recompute)

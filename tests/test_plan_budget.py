@@ -55,6 +55,15 @@ def test_without_a_prefill_rate_every_pull_is_kept_and_the_deadline_is_bounded()
     assert len(b.plan.chunks) == 2 and b.deadline_s == 5.0 and b.recompute_s is None
 
 
+def test_a_peer_never_measured_gets_the_recompute_time() -> None:
+    b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
+                     recompute_s=lambda t: t / 1000, max_s=5.0, known=lambda peer: False)
+    assert b.deadline_s == pytest.approx(0.256)  # not 3 x a guess: its first pull also connects
+    b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
+                     recompute_s=lambda t: None, max_s=5.0, known=lambda peer: False)
+    assert b.deadline_s == 5.0
+
+
 def test_the_deadline_never_exceeds_recompute() -> None:
     b = budget(plan_of("a"), {"a": 0.02}, 10_000.0)  # expected 20 ms, recompute 25.6 ms
     assert b.deadline_s == pytest.approx(0.0256)
@@ -62,11 +71,11 @@ def test_the_deadline_never_exceeds_recompute() -> None:
 
 def test_peer_estimates_learn_from_pulls() -> None:
     est = PeerEstimates()
-    assert est.expected_s("x", 0) == PRIOR_LATENCY_S
+    assert est.expected_s("x", 0) == PRIOR_LATENCY_S and not est.known("x")
     for _ in range(20):
         est.observe("x", 8 * MiB, 0.004)  # 2 GB/s, fixed costs included
         est.observe("x", 1024, 0.0005)
-    assert est.expected_s("x", 8 * MiB) == pytest.approx(0.004, rel=0.01)
+    assert est.known("x") and est.expected_s("x", 8 * MiB) == pytest.approx(0.004, rel=0.01)
     assert est.expected_s("x", 1024) == pytest.approx(0.0005, rel=0.01)
     assert est.expected_s("y", 8 * MiB) > est.expected_s("x", 8 * MiB)  # unknown peers get less credit
 

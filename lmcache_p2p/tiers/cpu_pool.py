@@ -68,7 +68,6 @@ class CpuPool:
         clock: Callable[[], float] = time.monotonic,
         pin_memory: bool = False,
         admit: Callable[[ChunkHeader], bool] | None = None,
-        on_commit: Callable[[ChunkHeader], None] | None = None,
     ) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
@@ -80,7 +79,6 @@ class CpuPool:
         self._policy: EvictionPolicy = policy if policy is not None else LRU()
         self._on_evict = on_evict
         self._admit = admit
-        self._on_commit = on_commit
         self._clock = clock
         self._entries: dict[ChunkKey, _Entry] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -150,8 +148,6 @@ class CpuPool:
             self._entries[header.key] = _Entry(header, reservation.slot, {}, self._clock())
             self._policy.insert(header.key)
             self.stats.stores += 1
-        if self._on_commit is not None:
-            self._on_commit(header)  # must only enqueue: may run on the engine's thread
         return True
 
     def release(self, reservation: Reservation) -> None:
@@ -252,6 +248,6 @@ class CpuPool:
             raise CapacityError(f"all {self.num_slots} CPU slots are pinned or reserved")
         entry = self._entries.pop(victim)  # type: ignore[call-overload]
         self.stats.evictions += 1
-        if self._on_evict is not None:  # under the pool lock: the callback must not do I/O
+        if self._on_evict is not None:  # under the pool lock: the callback must not do disk I/O
             self._on_evict(entry.header, self.slot_view(entry.slot, entry.header.length))
         return entry.slot

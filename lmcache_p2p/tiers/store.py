@@ -2,11 +2,13 @@
 
     read:   CPU hit -> copy out
             disk hit -> read + verify into the caller's buffer, then promote into CPU
-    store:  into CPU; written behind to disk by the tier worker (when a disk tier exists), so a
-            CPU victim is usually on disk already when it is evicted (else it is dropped, counted)
+    store:  into CPU; a CPU victim is copied out of its slot (memory only) and written back to disk
+            by the tier worker (when a disk tier exists); until then reads find it in the staging
+            map. Past ``STAGING_BYTES`` of pending write-backs a victim is dropped (counted).
 
-No disk I/O happens under a tier's lock or in an eviction callback: :class:`TierWorker` does the
-write-behind and the promotions asked for with :meth:`promote_later`.
+No disk I/O happens under a tier's lock, in an eviction callback or on the caller's thread of a
+store: :class:`TierWorker` does the write-backs and the promotions asked for with
+:meth:`promote_later`.
 
 ``listener(key, tier)`` hears where each chunk now lives ("cpu", "disk", or None when no tier
 holds it any more); the index publisher subscribes to it. It is called with tier locks held,
@@ -16,6 +18,7 @@ so it must only enqueue.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 
 from ..chunk import ChunkHeader, make_header
@@ -29,6 +32,7 @@ from .worker import TierWorker
 
 log = logging.getLogger(__name__)
 Listener = Callable[[ChunkKey, str | None], None]
+STAGING_BYTES = 256 << 20  # evicted chunks waiting for the tier worker to write them to disk
 Admit = Callable[[ChunkHeader], bool]
 
 
@@ -39,13 +43,15 @@ class TieredStore:
         self.disk = disk
         self._listener = listener
         self._admit = admit
-        self.writeback_dropped = 0  # CPU victims evicted before the worker wrote them to disk
+        self.writeback_dropped = 0  # CPU victims dropped because STAGING_BYTES were already pending
         self.worker: TierWorker | None = None
+        self._staged: dict[ChunkKey, tuple[ChunkHeader, bytes]] = {}  # evicted, not yet on disk
+        self._staged_bytes = 0
+        self._staging_lock = threading.Lock()
         cpu._on_evict = self._on_cpu_evict  # noqa: SLF001 - the store owns both tiers' wiring
         if disk is not None:
             disk._on_evict = self._on_disk_evict  # noqa: SLF001
             self.worker = TierWorker(self._write_back_now, self.ensure_in_cpu)
-            cpu._on_commit = self._on_cpu_commit  # noqa: SLF001
 
     @classmethod
     def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None,
@@ -66,34 +72,55 @@ class TieredStore:
             self._listener(key, tier)
 
     # -- eviction wiring ------------------------------------------------------------------------
-    def _on_cpu_evict(self, header: ChunkHeader, _view: memoryview | None) -> None:
-        """Under the pool lock: no I/O. The victim lives on if the worker already wrote it to disk."""
-        if self.disk is not None and self.disk.contains(header.key):
-            self._notify(header.key, "disk")
+    def _on_cpu_evict(self, header: ChunkHeader, view: memoryview | None) -> None:
+        """Under the pool lock: no I/O, one memcpy. The victim's bytes go to the staging map and
+        the worker writes them to disk; past the staging budget the victim is dropped."""
+        key = header.key
+        if self.disk is None or self.worker is None or view is None:
+            self._notify(key, None)
             return
-        if self.disk is not None:
-            self.writeback_dropped += 1
-        self._notify(header.key, None)
-
-    def _on_cpu_commit(self, header: ChunkHeader) -> None:
-        if self.worker is not None:
-            self.worker.write_back(header.key)
+        if self.disk.contains(key):
+            self._notify(key, "disk")
+            return
+        with self._staging_lock:
+            if self._staged_bytes + header.length > STAGING_BYTES:
+                self.writeback_dropped += 1
+                staged = False
+            else:
+                self._staged[key] = (header, bytes(view[: header.length]))
+                self._staged_bytes += header.length
+                staged = True
+        if staged:
+            self.worker.write_back(key)
+        self._notify(key, "disk" if staged else None)
 
     def _write_back_now(self, key: ChunkKey) -> None:
-        """On the tier worker: copy a CPU chunk to disk under a pin (the slot can't be reused meanwhile)."""
-        if self.disk is None or self.disk.contains(key):
+        """On the tier worker: write a staged victim to disk, unless it was removed meanwhile."""
+        with self._staging_lock:
+            item = self._staged.get(key)
+        if item is None or self.disk is None:
             return
-        pin = self.cpu.pin(key, 60.0)
-        if pin is None:
-            return  # evicted or removed before its turn
         try:
-            self.disk.put(pin.header, self.cpu.slot_view(pin.slot, pin.header.length))
-        finally:
-            self.cpu.unpin(pin)
+            self.disk.put(item[0], memoryview(item[1]))
+        except TierError as exc:
+            log.warning("write-back of %s to disk failed: %s", key.hex(), exc)
+        with self._staging_lock:
+            current = self._staged.get(key)
+            if current is item:
+                del self._staged[key]
+                self._staged_bytes -= item[0].length
+        if current is not item:  # removed (e.g. invalidated) while it was being written: no resurrection
+            self.disk.remove(key)
+        elif not self.disk.contains(key) and not self.cpu.contains(key):
+            self._notify(key, None)
+
+    def _staged_copy(self, key: ChunkKey) -> tuple[ChunkHeader, bytes] | None:
+        with self._staging_lock:
+            return self._staged.get(key)
 
     def promote_later(self, key: ChunkKey) -> None:
         """Bring a disk chunk into the CPU pool on the tier worker (callers that must not do I/O)."""
-        if self.worker is not None and self.disk is not None and self.disk.contains(key):
+        if self.worker is not None and self.disk is not None and (self.disk.contains(key) or key in self._staged):
             self.worker.promote(key)
 
     def close(self) -> None:
@@ -130,7 +157,7 @@ class TieredStore:
     def where(self, key: ChunkKey) -> str | None:
         if self.cpu.contains(key):
             return "cpu"
-        if self.disk is not None and self.disk.contains(key):
+        if self.disk is not None and (self.disk.contains(key) or key in self._staged):
             return "disk"
         return None
 
@@ -138,11 +165,20 @@ class TieredStore:
         header = self.cpu.header(key)
         if header is None and self.disk is not None:
             header = self.disk.header(key)
+        if header is None:
+            staged = self._staged_copy(key)
+            header = staged[0] if staged is not None else None
         return header
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> ChunkHeader | None:
         header = self.cpu.read_into(key, dst)
         if header is not None or self.disk is None:
+            return header
+        staged = self._staged_copy(key)
+        if staged is not None:  # evicted a moment ago, on its way to disk: the bytes are right here
+            header, data = staged
+            dst[: header.length] = data
+            self._promote(header, dst)
             return header
         header = self.disk.read_into(key, dst)
         if header is not None and self._admit is not None and not self._admit(header):
@@ -159,11 +195,16 @@ class TieredStore:
         """Make a chunk servable from CPU memory (peers read slots); promotes a disk hit."""
         if self.cpu.contains(key):
             return True
-        if self.disk is None or not self.disk.contains(key):
+        staged = self._staged_copy(key)
+        if self.disk is None or (staged is None and not self.disk.contains(key)):
             return False
         res = self.cpu.reserve()
         try:
-            header = self.disk.read_into(key, res.view)
+            if staged is not None:
+                header: ChunkHeader | None = staged[0]
+                res.view[: staged[0].length] = staged[1]
+            else:
+                header = self.disk.read_into(key, res.view)
         except BaseException:
             self.cpu.release(res)
             raise
@@ -185,7 +226,11 @@ class TieredStore:
             log.debug("promotion of %s skipped: %s", header.key.hex(), exc)
 
     def remove(self, key: ChunkKey) -> bool:
-        removed = self.cpu.remove(key)
+        with self._staging_lock:
+            staged = self._staged.pop(key, None)
+            if staged is not None:
+                self._staged_bytes -= staged[0].length
+        removed = self.cpu.remove(key) or staged is not None
         if self.disk is not None:
             removed = self.disk.remove(key) or removed
         if removed:
@@ -233,6 +278,8 @@ class TieredStore:
         out: dict[ChunkKey, str] = {}
         if self.disk is not None:
             out.update((k, "disk") for k in self.disk.keys())
+            with self._staging_lock:
+                out.update((k, "disk") for k in self._staged)
         out.update((k, "cpu") for k in self.cpu.keys())
         return out
 

@@ -1,14 +1,11 @@
 """The tier worker: the one thread that does disk I/O for the tiered store.
 
-    commit into the CPU pool ──▶ queue ──▶ write-behind: pin the slot, write the file, unpin
-    promote(key)             ──▶ queue ──▶ read the file into a CPU slot (verified), commit
+    CPU victim (copied out of its slot) ──▶ queue ──▶ write the file
+    promote(key)                        ──▶ queue ──▶ read the file into a CPU slot (verified), commit
 
 No disk I/O runs under a pool lock, on the agent's event loop or on the engine's forward-pass
-thread: they only enqueue. Every chunk committed to the CPU pool is written behind to disk, so
-by the time the pool evicts it (LRU: the oldest first) it is usually already on disk and the
-eviction costs nothing; a victim the worker has not reached yet is dropped and counted
-(``writeback_dropped``), never waited for. The queue is bounded: when the disk cannot keep up,
-new write-backs are skipped (and counted) rather than queued without limit.
+thread: they only enqueue. The store bounds the bytes staged for write-back; the queue itself is
+bounded too (an overflow is skipped and counted, never waited for).
 """
 
 from __future__ import annotations
@@ -49,6 +46,10 @@ class TierWorker:
             self._queue.put_nowait(item)
         except queue.Full:
             self.skipped += 1
+
+    @property
+    def pending(self) -> int:
+        return self._queue.unfinished_tasks
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything queued so far is done (tests, shutdown); False on timeout."""

@@ -117,6 +117,10 @@ class P2PWorker:
                 log.info("request %s: pulling %d of %d chunks, recomputing the rest (expected %.1f ms, recompute "
                          "%s)", t.req_id, len(budget.plan.chunks), len(plan.chunks), 1e3 * budget.expected_s,
                          "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
+            log.debug("request %s: budget: %d chunks, expected %.1f ms, recompute %s, deadline %.1f ms", t.req_id,
+                      len(budget.plan.chunks), 1e3 * budget.expected_s,
+                      "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
+                      1e3 * budget.deadline_s)
             plan, timeout = budget.plan, budget.deadline_s
         t1 = time.perf_counter()
         pins = agent.load_pinned(plan, timeout, remote=remote) if plan.chunks else []
