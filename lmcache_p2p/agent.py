@@ -20,15 +20,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-import msgpack
 import numpy as np
 from prometheus_client import CollectorRegistry
 
 from . import __version__
 from .aio import LoopThread
-from .chunk import ChunkHeader, make_header
+from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig
-from .errors import LMCacheP2PError, TierError
+from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
@@ -126,7 +125,6 @@ class CacheAgent:
             metrics_url = f"http://{self._advertise_host()}:{self._metrics_server.port}/metrics"
         transfer = stack.node_record() if stack is not None else {}
         address = f"{transfer.get('host')}:{transfer.get('port')}"
-        nixl = transfer.get("nixl")
         return NodeRecord(
             node_id=self.node_id,
             addresses={t: address for t in transfer.get("transports", ())},
@@ -136,7 +134,6 @@ class CacheAgent:
                         **({"disk": self.tiers.disk.capacity_bytes} if self.tiers.disk is not None else {})},
             software_version=__version__,
             wire_version=WIRE_VERSION,
-            nixl_metadata=msgpack.packb(nixl, use_bin_type=True) if nixl else None,
             metrics_url=metrics_url,
             models={self.fp.hex(): self.fingerprint.model_id},
             tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
@@ -305,8 +302,8 @@ class CacheAgent:
                 self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
             elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
                 pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-            if pin is not None and not self._admit(pin.header):  # covered since it was stored
-                self.tiers.cpu.unpin(pin)
+            if pin is not None and not (self._admit(pin.header) and self._intact(pin)):
+                self.tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
                 self.tiers.remove(chunk.key)
                 pin = None
             pins.append(pin)
@@ -315,6 +312,17 @@ class CacheAgent:
             else:
                 self.metrics.load_failures.labels("missing").inc()
         return pins
+
+    def _intact(self, pin: Pin) -> bool:
+        """Re-verify a slot before the engine reads it: registered memory can be changed after commit
+        (a NIXL WRITE by a peer, a stray write); changed bytes never reach the engine."""
+        try:
+            verify(pin.header, self.tiers.cpu.slot_view(pin.slot, pin.header.length))
+            return True
+        except ChunkError as exc:
+            log.error("chunk %s changed in memory after it was committed; dropped: %s", pin.key.hex()[:16], exc)
+            self.metrics.checksum_failures.inc()
+            return False
 
     def unpin_chunk(self, pin: Pin) -> None:
         self.tiers.cpu.unpin(pin)

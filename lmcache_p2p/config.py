@@ -128,6 +128,22 @@ class TransferConfig:
         _check(self.timeout_s > 0, "transfer.timeout_s", "must be > 0")
         _check(self.max_frame_bytes >= 4096, "transfer.max_frame_bytes", "must be >= 4096")
         _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
+        if self.secret is not None:
+            check_secret(self.secret, "transfer.secret")
+
+
+MIN_SECRET_BYTES = 32
+_PLACEHOLDERS = ("replace-me", "replace_me", "change-me", "changeme", "change_me", "placeholder", "example",
+                 "your-secret", "secret-here")
+
+
+def check_secret(value: str, field: str) -> None:
+    """A cluster secret is the trust boundary: refuse short ones and known placeholders."""
+    _check(len(value.encode()) >= MIN_SECRET_BYTES, field,
+           f"must be at least {MIN_SECRET_BYTES} bytes (e.g. `openssl rand -hex 32`), got {len(value.encode())}")
+    lowered = value.lower()
+    _check(not any(p in lowered for p in _PLACEHOLDERS) and len(set(value)) > 4, field,
+           "looks like a placeholder: generate one, e.g. `openssl rand -hex 32`")
 
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "float8_e4m3fn": 1}
@@ -315,4 +331,6 @@ def cluster_secret(config: AgentConfig, env: Mapping[str, str] | None = None) ->
     if config.transfer.secret:
         return config.transfer.secret.encode()
     value = (os.environ if env is None else env).get(ENV_PREFIX + "SECRET")
+    if value:
+        check_secret(value, ENV_PREFIX + "SECRET")
     return value.encode() if value else None

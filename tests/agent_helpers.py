@@ -17,7 +17,7 @@ import yaml
 
 from lmcache_p2p.config import AgentConfig, load_config
 
-SECRET = "mesh-test-secret"
+SECRET = "mesh-test-secret-7f3a9c1e5b2d80461c9e4a7b"
 
 
 def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,

@@ -148,3 +148,27 @@ def test_concurrent_requesters_against_two_owners(etcd, cluster_name, tmp_path):
         c.stop()
         for o in owners:
             o.stop()
+
+
+def test_a_chunk_changed_in_memory_after_commit_never_reaches_the_engine(etcd, cluster_name, tmp_path):
+    """Registered memory can be written after a chunk is committed (a peer's NIXL WRITE into the pool,
+    a stray write): the slot is re-verified when it is handed to the engine, and dropped."""
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    try:
+        tokens = synthetic_tokens(3, TOKENS)
+        keys, spans = c.keys_for(tokens)
+        c.store(tokens, [memoryview(synthetic_payload(k, c.config.layout.chunk_bytes(e - s)))
+                         for k, (s, e) in zip(keys, spans, strict=True)]).result(10)
+        pin = c.tiers.cpu.pin(keys[2], 5.0)
+        assert pin is not None
+        c.tiers.cpu.slot_view(pin.slot, pin.header.length)[100] ^= 0x5A  # what a WRITE into the pool does
+        c.unpin_chunk(pin)
+        pins = c.load_pinned(c.lookup(tokens), remote=False)
+        assert [p is not None for p in pins] == [True, True, False, True, True]
+        for p in pins:
+            if p is not None:
+                c.unpin_chunk(p)
+        assert c.tiers.where(keys[2]) is None  # dropped, not served to anyone
+        assert c.metrics.registry.get_sample_value("lmcache_p2p_checksum_failures_total") == 1
+    finally:
+        c.stop()

@@ -1,6 +1,6 @@
 import pytest
 
-from lmcache_p2p.config import AgentConfig, load_config, parse_size
+from lmcache_p2p.config import AgentConfig, cluster_secret, load_config, parse_size
 from lmcache_p2p.errors import ConfigError
 
 
@@ -37,6 +37,8 @@ def test_sizes(text, expected):
     ("etcd.timeout_s", 0), ("transfer.transports", ["carrier-pigeon"]), ("transfer.transports", []),
     ("transfer.port", 99999), ("transfer.timeout_s", -1), ("transfer.max_frame_bytes", 10),
     ("transfer.backoff_s", -1), ("tiers.nonsense", 1), ("nonsense", 1), ("tiers", 5),
+    ("transfer.secret", "short"), ("transfer.secret", "REPLACE-ME-with-openssl-rand-hex-32"),
+    ("transfer.secret", "a" * 40), ("etcd.start_wait_s", -1),
 ])
 def test_each_invalid_field_is_named(dotted, value):
     with pytest.raises(ConfigError) as info:
@@ -59,3 +61,12 @@ def test_unknown_file_type(tmp_path):
 
 def test_defaults_are_valid():
     assert AgentConfig().chunk_size == 256
+
+
+def test_secret_from_the_environment_is_checked_too():
+    cfg = load_config(None, env={})
+    good = "3c9f0e1a7b52d84c6e0f9a1b2c3d4e5f"
+    assert cluster_secret(cfg, env={"LMCACHE_P2P_SECRET": good}) == good.encode()
+    with pytest.raises(ConfigError, match="LMCACHE_P2P_SECRET"):
+        cluster_secret(cfg, env={"LMCACHE_P2P_SECRET": "changeme"})
+    assert cluster_secret(cfg, env={}) is None

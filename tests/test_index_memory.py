@@ -13,7 +13,7 @@ from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 
 def _record(node: str) -> NodeRecord:
-    return NodeRecord(NodeId(node), {"tcp": "10.0.0.1:7470"}, ("tcp", "nixl"), nixl_metadata=b"\x00meta")
+    return NodeRecord(NodeId(node), {"tcp": "10.0.0.1:7470"}, ("tcp", "nixl"))
 
 
 def test_memory_index_shares_a_mesh() -> None:

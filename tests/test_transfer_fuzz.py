@@ -19,7 +19,7 @@ from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import TcpTransport
 from lmcache_p2p.transfer.peer_process import OwnerProcess
 
-SECRET = "fuzz-secret"
+SECRET = "fuzz-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"fuzz-fingerprint")
 SIZE = 64 << 10
 

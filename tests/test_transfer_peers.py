@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -25,7 +27,7 @@ from lmcache_p2p.transfer.striping import merge, pull_striped
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-SECRET = "peer-test-secret"
+SECRET = "peer-test-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"test-fingerprint")
 SIZE = 256 << 10
 N = 16
@@ -235,3 +237,27 @@ def test_unreleased_nixl_pins_expire(requester: Requester, owners: Any) -> None:
     assert a.command({"cmd": "pinned"})["pinned"] == 4
     time.sleep(1.2)  # the owner's pin timeout is 1 s
     assert a.command({"cmd": "pinned"})["pinned"] == 0
+
+
+def test_idle_unauthenticated_flood_and_descriptor_exhaustion_do_not_lock_peers_out(requester: Requester) -> None:
+    """1,000 idle connections that never say hello, from the requester's own address, against an owner
+    that runs out of file descriptors on the way: a legitimate pull is still served in its deadline."""
+    o = owner(21)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    flood: list[socket.socket] = []
+    try:
+        resource.prlimit(o.pid, resource.RLIMIT_NOFILE, (96, 96))  # the owner hits EMFILE mid-flood
+        for _ in range(1000):
+            flood.append(socket.create_connection(("127.0.0.1", o.port), timeout=5))
+        keys = [o.key(i) for i in range(N)]
+        result = requester.pull("tcp", peer_of(o), keys, timeout=5.0)
+        assert result.complete, result.missed
+        for i in range(N):
+            assert_exact(requester.pool, o, i)
+        assert o.command({"cmd": "stats"})["preauth_dropped"] >= 900
+    finally:
+        for s in flood:
+            s.close()
+        o.kill()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -9,7 +9,7 @@ import yaml
 from lmcache_p2p.status import scrape as status_scrape
 from lmcache_p2p.synthetic import synthetic_tokens
 
-SECRET = "test-cluster-secret"
+SECRET = "test-cluster-secret-7f3a9c1e5b2d80461c9e4a7b"
 
 
 def write_agent_config(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...],

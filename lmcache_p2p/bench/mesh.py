@@ -33,7 +33,7 @@ from ..metrics import AgentMetrics
 from ..synthetic import synthetic_tokens
 from .common import emit, gbps
 
-SECRET = "bench-mesh-secret"
+SECRET = "bench-mesh-secret-7f3a9c1e5b2d80461c9e4a7b"
 
 
 def _config(path: Path, node: str, endpoints: tuple[str, ...], transport: str, cpu: str) -> Path:

@@ -37,7 +37,7 @@ from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available
 from ..transfer.peer_process import OwnerProcess
 
-SECRET = "bench-secret"
+SECRET = "bench-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"bench-fingerprnt")
 
 

@@ -43,7 +43,7 @@ from ..integrations.tiny_model import create_tiny_model
 from ..synthetic import synthetic_tokens
 from .common import emit
 
-SECRET = "bench-vllm-secret"
+SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
 # tiny: 4 layers, hidden 256 (prefill ~0.2 s here); mid: 8 layers, hidden 1024, 105 M parameters.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},

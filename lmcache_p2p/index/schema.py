@@ -179,7 +179,6 @@ class NodeRecord:
     software_version: str = ""
     wire_version: int = WIRE_VERSION
     started_at: float = dataclasses.field(default_factory=time.time)
-    nixl_metadata: bytes | None = None
     metrics_url: str | None = None
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
     tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
@@ -219,13 +218,12 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     started_at = float(_field(raw, "started_at", (int, float), 0.0))
     if not math.isfinite(started_at):
         raise MalformedRecord("node record", "started_at: not finite")
-    nixl = _field(raw, "nixl_metadata", (bytes, type(None)), None)
     metrics_url = _field(raw, "metrics_url", (str, type(None)), None)
     return NodeRecord(
         node_id=NodeId(record_id), addresses=addresses, transports=_str_tuple(raw, "transports"),
         fingerprints=fingerprints, capacities=dict(capacities),
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
-        started_at=started_at, nixl_metadata=nixl, metrics_url=metrics_url,
+        started_at=started_at, metrics_url=metrics_url,
         models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"))
 
 

@@ -93,6 +93,8 @@ class ConnectionPool:
             raise HandshakeError(f"{conn.peer} failed to prove the cluster secret")
         conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s)})
         ready = await conn.control(timeout)
+        if ready["t"] == "error":
+            raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
         if ready["t"] != "ready":
             raise HandshakeError(f"{conn.peer} did not accept the handshake ({ready['t']!r})")
         nixl = ready.get("nixl")

@@ -13,6 +13,7 @@ The child fills a CpuPool with deterministic chunks (:func:`demo_chunk`), serves
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -71,6 +72,9 @@ def _serve(args: argparse.Namespace) -> int:
             cmd = json.loads(line)
             if cmd["cmd"] == "quit":
                 break
+            if cmd["cmd"] == "stats":
+                _reply(dataclasses.asdict(stack.server.stats))
+                continue
             _reply(_command(pool, cmd))
     finally:
         loop.run(stack.close(), 10)

@@ -30,7 +30,14 @@ from .nixl_engine import NixlEngine
 log = logging.getLogger(__name__)
 
 IDLE_TIMEOUT_S = 600.0  # an authenticated connection with no request for this long is closed
-MAX_CONNECTIONS = 512
+MAX_CONNECTIONS = 512  # authenticated connections
+# Before a client has proved the secret it gets little: a short deadline for each handshake step,
+# at most PREAUTH_PER_SOURCE connections per source address and PREAUTH_TOTAL in all. Past a limit
+# the *oldest* unauthenticated connection (of that source, else any) is closed to admit the new one:
+# idle connections can't lock out a peer that completes its handshake in milliseconds.
+HANDSHAKE_STEP_S = 2.0
+PREAUTH_PER_SOURCE = 16
+PREAUTH_TOTAL = 128
 _SEND_BATCH_BYTES = 4 << 20  # chunks gathered into one sendmsg (their pins held until it returns)
 _SEND_BATCH_BUFFERS = 64
 
@@ -42,13 +49,17 @@ class ServerStats:
     chunks_sent: int = 0
     bytes_sent: int = 0
     misses: int = 0
+    accept_errors: int = 0
+    preauth_dropped: int = 0
 
 
 @dataclasses.dataclass(slots=True)
 class _Session:
     sock: socket.socket
     peer: str
+    source: str = ""
     fingerprint: FingerprintDigest = FingerprintDigest(b"")
+    authenticated: bool = False
     leases: dict[int, tuple[float, list[Pin]]] = dataclasses.field(default_factory=dict)
 
 
@@ -81,6 +92,7 @@ class TransferServer:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
+        self._preauth: dict[asyncio.Task[None], _Session] = {}  # insertion order = age
         self._leases = itertools.count(1)
         self.stats = ServerStats()
 
@@ -116,23 +128,57 @@ class TransferServer:
     async def _accept_loop(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._sock is not None
+        backoff = 0.01
         while True:
-            conn, addr = await loop.sock_accept(self._sock)
-            if len(self._sessions) >= MAX_CONNECTIONS:
-                log.warning("refusing connection from %s: %d connections open", addr, len(self._sessions))
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except OSError as exc:  # EMFILE/ENFILE/ENOBUFS...: free what we can, keep accepting
+                self.stats.accept_errors += 1
+                log.warning("accept failed (%s); dropping the oldest unauthenticated connection", exc)
+                self._drop_oldest_preauth(None)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
+            if len(self._sessions) - len(self._preauth) >= MAX_CONNECTIONS:
+                log.warning("refusing connection from %s: %d authenticated connections open", addr,
+                            len(self._sessions) - len(self._preauth))
                 conn.close()
                 continue
+            source = str(addr[0])
+            if sum(1 for s in self._preauth.values() if s.source == source) >= PREAUTH_PER_SOURCE:
+                self._drop_oldest_preauth(source)
+            elif len(self._preauth) >= PREAUTH_TOTAL:
+                self._drop_oldest_preauth(None)
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             set_keepalive(conn)
-            task = loop.create_task(self._serve(_Session(conn, f"{addr[0]}:{addr[1]}")))
+            session = _Session(conn, f"{addr[0]}:{addr[1]}", source)
+            task = loop.create_task(self._serve(session))
             self._sessions.add(task)
-            task.add_done_callback(self._sessions.discard)
+            self._preauth[task] = session
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self._sessions.discard(task)
+        self._preauth.pop(task, None)
+
+    def _drop_oldest_preauth(self, source: str | None) -> None:
+        for task, session in self._preauth.items():
+            if source is None or session.source == source:
+                self.stats.preauth_dropped += 1
+                del self._preauth[task]
+                with contextlib.suppress(OSError):
+                    session.sock.close()  # frees the descriptor now; the task ends on its next read
+                task.cancel()
+                return
 
     async def _serve(self, s: _Session) -> None:
         self.stats.connections += 1
         try:
             await self._handshake(s)
+            s.authenticated = True
+            self._preauth.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
             while True:
                 msg = await self._recv(s, IDLE_TIMEOUT_S)
                 await self._dispatch(s, msg)
@@ -164,26 +210,27 @@ class TransferServer:
 
     # -- handshake -------------------------------------------------------------------------------
     async def _handshake(self, s: _Session) -> None:
-        hello = await self._recv(s, self._timeout)
+        step = min(self._timeout, HANDSHAKE_STEP_S)
+        hello = await self._recv(s, step)
         if hello["t"] != "hello":
             raise ProtocolError(f"expected hello, got {hello['t']!r}")
         if wire.field(hello, "v", int) != wire.WIRE_VERSION:
             await self._refuse(s, "version")
             raise HandshakeError(f"wire version {hello['v']} != {wire.WIRE_VERSION}")
         fingerprint = FingerprintDigest(wire.field(hello, "fp", bytes))
-        if fingerprint not in self.fingerprints:
-            await self._refuse(s, "fingerprint")
-            raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
         nonce_c = wire.field(hello, "nc", bytes)
         if len(nonce_c) != wire.NONCE_BYTES:
             raise ProtocolError("bad client nonce")
         nonce_s = wire.nonce()
         proof = wire.proof(self._secret, b"S", fingerprint, nonce_c, nonce_s)
         await self._send(s, {"t": "challenge", "ns": nonce_s, "proof": proof})
-        auth = await self._recv(s, self._timeout)
+        auth = await self._recv(s, step)
         expected = wire.proof(self._secret, b"C", fingerprint, nonce_c, nonce_s)
         if auth["t"] != "auth" or not wire.proof_ok(expected, auth.get("proof")):
             raise HandshakeError("client failed to prove the cluster secret")
+        if fingerprint not in self.fingerprints:  # told only to a peer that proved the secret
+            await self._refuse(s, "fingerprint")
+            raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
         s.fingerprint = fingerprint
         nixl: dict[str, Any] | None = None
         if hello.get("nixl") is True and self._nixl is not None:

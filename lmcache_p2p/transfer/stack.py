@@ -78,9 +78,10 @@ class TransferStack:
         """The transfer part of this node's etcd record (msgpack-able)."""
         tc = self.config.transfer
         host = tc.advertise_host or tc.listen_host
-        nixl = None if self.nixl is None else {"name": self.nixl.name, "md": self.nixl.agent_metadata()}
+        # Never the NIXL agent metadata: it grants one-sided access to the pool. Peers get it only
+        # over the authenticated TCP connection, after the HMAC handshake.
         return {"host": host, "port": self.server.port, "wire_version": wire.WIRE_VERSION,
-                "transports": list(self.transports), "nixl": nixl}
+                "transports": list(self.transports)}
 
     async def close(self) -> None:
         for transport in self.transports.values():
