@@ -119,6 +119,7 @@ class TransferConfig:
     timeout_s: float = 5.0
     max_frame_bytes: int = 1 << 20
     backoff_s: float = 2.0
+    payload_mac: bool = False  # a per-session keyed MAC over every TCP chunk (see transfer/wire.py)
 
     def __post_init__(self) -> None:
         _check(len(self.transports) > 0, "transfer.transports", "must name at least one transport")

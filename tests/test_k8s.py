@@ -14,6 +14,7 @@ mutation tests at the end assert it notices a deliberately broken copy.
 
 from __future__ import annotations
 
+import base64
 import copy
 import dataclasses
 import importlib.util
@@ -184,11 +185,20 @@ def test_schema_validation_rejects_bad_manifests():
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
-def test_kustomize_build_renders_valid_resources():
-    out = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=60, check=True)
+def test_kustomize_build_renders_valid_resources(tmp_path):
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt"))
+    subprocess.run([str(k8s / "generate-secret.sh")], check=True, timeout=30, capture_output=True)
+    key = (k8s / "cluster-secret.txt").read_text()
+    assert len(key) == 64 and int(key, 16) and (k8s / "cluster-secret.txt").stat().st_mode & 0o077 == 0
+    assert subprocess.run([str(k8s / "generate-secret.sh")], timeout=30, capture_output=True).returncode != 0
+    out = subprocess.run(["kubectl", "kustomize", str(k8s)], capture_output=True, text=True, timeout=60, check=True)
     rendered = [d for d in yaml.safe_load_all(out.stdout) if d]
     kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert len(rendered) == len(MANIFESTS) + len(kust.get("configMapGenerator", []))
+    assert len(rendered) == len(MANIFESTS) + len(kust.get("configMapGenerator", [])) + len(
+        kust.get("secretGenerator", []))
+    secret = one(rendered, "Secret", "lmcache-p2p-secret")
+    assert base64.b64decode(secret["data"]["cluster-secret"]).decode() == key
     for d in rendered:
         if d["kind"] != "Namespace":
             assert d["metadata"]["namespace"] == kust["namespace"], d["metadata"]["name"]

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -16,8 +19,10 @@ import pytest
 from agent_helpers import stop_process
 
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.chunk import ChunkHeader, checksum
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.tiers.cpu_pool import CpuPool
+from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport
 from lmcache_p2p.transfer.client import TcpTransport
 from lmcache_p2p.transfer.nixl import NixlTransport
@@ -261,3 +266,84 @@ def test_idle_unauthenticated_flood_and_descriptor_exhaustion_do_not_lock_peers_
             s.close()
         o.kill()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class TamperingRelay:
+    """A relay on the network path: it passes the handshake through untouched (it holds no secret),
+    then flips a byte in every chunk payload and rewrites the chunk header's xxh3 to match."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.tampered = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
+            threading.Thread(target=self._frames, args=(server, client), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+
+    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
+        def exact(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                piece = src.recv(n - len(buf))
+                if not piece:
+                    raise OSError("closed")
+                buf += piece
+            return bytes(buf)
+
+        with contextlib.suppress(OSError):
+            while True:
+                header_len, payload_len = wire.PREFIX.unpack(exact(wire.PREFIX_SIZE))
+                msg = wire.decode(exact(header_len))
+                payload = bytearray(exact(payload_len))
+                if msg["t"] == "chunk" and payload:
+                    payload[0] ^= 0x01
+                    h = ChunkHeader.unpack(msg["h"])
+                    msg["h"] = dataclasses.replace(h, checksum=checksum(payload)).pack()
+                    self.tampered += 1
+                dst.sendall(wire.encode(msg, payload_len) + bytes(payload))
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
+    """Without the MAC, a relay that fixes the xxh3 header injects bytes (the attack is real);
+    with ``transfer.payload_mac`` every rewritten chunk is rejected and counted."""
+    for mac in (False, True):
+        o = owner(31, payload_mac=mac)
+        relay = TamperingRelay(o.port)
+        loop = LoopThread("mac-test")
+        pool = CpuPool(SIZE * 8, SIZE)
+        client = TcpTransport(SECRET.encode(), 3.0, payload_mac=mac)
+        try:
+            keys = [o.key(i) for i in range(4)]
+            result = loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, "relayed"), FP, keys, pool, 5.0), 10)
+            assert relay.tampered >= 1
+            if mac:
+                assert not result.loaded and set(result.missed.values()) == {MissReason.MAC}
+                assert len(pool) == 0
+            else:  # the checksum alone lets the rewritten bytes in: what the MAC is for
+                assert len(result.loaded) == 4
+                out = np.empty(SIZE, np.uint8)
+                assert pool.read_into(keys[0], out.data) is not None
+                assert not np.array_equal(out, demo_chunk(o.seed, 0, SIZE, FP)[1])
+        finally:
+            loop.run(client.close(), 10)
+            loop.stop()
+            relay.close()
+            o.kill()

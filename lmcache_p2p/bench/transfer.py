@@ -4,6 +4,8 @@ Two processes on loopback: an owner (``peer_process``, a filled CpuPool behind a
 server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 
 - ``tcp``: :class:`TcpTransport` pulls (handshake done, protocol, verify, commit)
+- ``tcp_mac``: the same with ``transfer.payload_mac`` (a keyed BLAKE2b per chunk, computed by the
+  owner and checked by the requester): ``tcp_mac_vs_tcp`` is its cost
 - ``raw_socket``: the same bytes from the same owner process over one plain socket,
   blocking ``recv_into`` into a preallocated buffer (no protocol, no checks)
 - ``nixl``: :class:`NixlTransport` pulls (pin round trip, one READ, verify, commit, release)
@@ -118,6 +120,10 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
             [_raw_socket_gbps(owner, n, size, dst) for _ in range(repeat + 1)][1:])
         out["tcp_vs_raw"] = out["tcp_gbps"] / out["raw_socket_gbps"]
         await tcp.close()
+        tcp_mac = TcpTransport(SECRET.encode(), 10.0, payload_mac=True)
+        out["tcp_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp_mac, peer, keys, dst, size))
+        out["tcp_mac_vs_tcp"] = out["tcp_mac_gbps"] / out["tcp_gbps"]
+        await tcp_mac.close()
         if use_nixl:
             engine = NixlEngine(f"bench-{os.getpid()}", dst)
             nixl = NixlTransport(engine, SECRET.encode(), 10.0)

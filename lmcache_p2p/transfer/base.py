@@ -32,6 +32,7 @@ class PeerAddress:
 class MissReason(enum.StrEnum):
     ABSENT = "absent"  # the owner does not hold the chunk (evicted since the index said so)
     CHECKSUM = "checksum"  # bytes arrived but did not match the header: never committed
+    MAC = "mac"  # bytes or header changed on the way (the session's payload MAC did not match): dropped
     INVALIDATED = "invalidated"  # arrived intact, but a standing invalidation covers it: dropped
     TIMEOUT = "timeout"  # the pull ran past its deadline
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure

@@ -29,10 +29,12 @@ def batch_size(max_frame_bytes: int) -> int:
 
 
 class ConnectionPool:
-    def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False) -> None:
+    def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False,
+                 payload_mac: bool = False) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
         self._secret = secret
+        self._payload_mac = payload_mac
         self._timeout = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._want_nixl = want_nixl
@@ -82,7 +84,8 @@ class ConnectionPool:
 
     async def _handshake(self, conn: Connection, fp: FingerprintDigest, timeout: float) -> None:
         nonce_c = wire.nonce()
-        conn.send({"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c, "nixl": self._want_nixl})
+        conn.send({"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c, "nixl": self._want_nixl,
+                   "mac": self._payload_mac})
         challenge = await conn.control(timeout)
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
@@ -92,6 +95,8 @@ class ConnectionPool:
         ):
             raise HandshakeError(f"{conn.peer} failed to prove the cluster secret")
         conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s)})
+        if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
+            conn.mac_key = wire.session_key(self._secret, fp, nonce_c, nonce_s)
         ready = await conn.control(timeout)
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
@@ -137,8 +142,8 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 health: PeerHealth | None = None) -> None:
-        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes)
+                 health: PeerHealth | None = None, payload_mac: bool = False) -> None:
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac)
         self.health = health if health is not None else PeerHealth(2.0)
 
     async def pull(

@@ -16,6 +16,7 @@ the protocol closes the connection and fails every request on it.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import socket
@@ -54,13 +55,17 @@ class _GetRequest(_Request):
         super().__init__(rid)
         self.keys, self.fp, self.dst, self.result = keys, fp, dst, result
         self.current: tuple[ChunkHeader, Reservation] | None = None
+        self.mac_key: bytes | None = None  # set: every chunk must carry a valid session MAC
+        self._mac: tuple[int, bytes, object] | None = None  # (index, header bytes, claimed MAC) of current
 
     def on_chunk(self, msg: wire.Message, payload_len: int) -> memoryview | None:
         i = wire.field(msg, "i", int)
         if not 0 <= i < len(self.keys):
             raise ProtocolError(f"chunk index {i} out of range")
+        raw_header = wire.field(msg, "h", bytes)
+        self._mac = (i, raw_header, msg.get("m"))
         try:
-            header = ChunkHeader.unpack(wire.field(msg, "h", bytes))
+            header = ChunkHeader.unpack(raw_header)
         except ChunkError as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
         if header.key != self.keys[i] or header.fingerprint != self.fp or header.length != payload_len:
@@ -80,6 +85,12 @@ class _GetRequest(_Request):
         assert self.current is not None
         header, reservation = self.current
         self.current = None
+        if self.mac_key is not None and not self._mac_ok(reservation.view[: header.length]):
+            self.dst.release(reservation)
+            self.result.missed[header.key] = MissReason.MAC
+            log.error("%s: chunk %s failed its session MAC: changed on the way; dropped", self.result.peer,
+                      header.key.hex()[:16])
+            return
         try:
             verify(header, reservation.view[: header.length])
         except ChunkError as exc:
@@ -91,6 +102,12 @@ class _GetRequest(_Request):
             self.result.missed[header.key] = MissReason.INVALIDATED
             return
         self.result.loaded[header.key] = header
+
+    def _mac_ok(self, payload: memoryview) -> bool:
+        assert self.mac_key is not None and self._mac is not None
+        index, raw_header, claimed = self._mac
+        expected = wire.chunk_mac(self.mac_key, self.rid, index, raw_header, payload)
+        return isinstance(claimed, bytes) and hmac.compare_digest(expected, claimed)
 
     def on_miss(self, msg: wire.Message) -> None:
         i = wire.field(msg, "i", int)
@@ -108,6 +125,7 @@ class Connection(asyncio.BufferedProtocol):
     def __init__(self, peer: str, max_frame_bytes: int) -> None:
         self.peer = peer
         self.nixl: wire.Message | None = None  # the owner's NIXL info from the handshake
+        self.mac_key: bytes | None = None  # the session's payload MAC key, when asked for
         self._max_frame = max_frame_bytes
         self._transport: asyncio.Transport | None = None
         self._ids = itertools.count(1)
@@ -263,6 +281,7 @@ class Connection(asyncio.BufferedProtocol):
     def start_get(self, keys: Sequence[ChunkKey], fp: FingerprintDigest, dst: CpuPool,
                   result: PullResult) -> _GetRequest:
         request = _GetRequest(next(self._ids), keys, fp, dst, result)
+        request.mac_key = self.mac_key
         self._pending[request.rid] = request
         self.send({"t": "get", "id": request.rid, "keys": list(keys)})
         return request

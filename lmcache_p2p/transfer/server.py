@@ -60,6 +60,7 @@ class _Session:
     source: str = ""
     fingerprint: FingerprintDigest = FingerprintDigest(b"")
     authenticated: bool = False
+    mac_key: bytes | None = None
     leases: dict[int, tuple[float, list[Pin]]] = dataclasses.field(default_factory=dict)
 
 
@@ -77,6 +78,7 @@ class TransferServer:
         pin_timeout_s: float = 30.0,
         nixl: NixlEngine | None = None,
         prepare: Callable[[ChunkKey], bool] | None = None,
+        require_mac: bool = False,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty: every connection is authenticated")
@@ -89,6 +91,7 @@ class TransferServer:
         self._pin_timeout = pin_timeout_s
         self._nixl = nixl
         self._prepare = prepare  # makes a chunk held in a slower tier servable from the pool
+        self._require_mac = require_mac
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -231,6 +234,11 @@ class TransferServer:
         if fingerprint not in self.fingerprints:  # told only to a peer that proved the secret
             await self._refuse(s, "fingerprint")
             raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
+        if hello.get("mac") is True:
+            s.mac_key = wire.session_key(self._secret, fingerprint, nonce_c, nonce_s)
+        elif self._require_mac:
+            await self._refuse(s, "payload MAC required")
+            raise HandshakeError("client did not ask for the payload MAC this node requires")
         s.fingerprint = fingerprint
         nixl: dict[str, Any] | None = None
         if hello.get("nixl") is True and self._nixl is not None:
@@ -290,8 +298,13 @@ class TransferServer:
                 else:
                     pins.append(pin)
                     length = pin.header.length
-                    buffers.append(wire.encode({"t": "chunk", "id": rid, "i": i, "h": pin.header.pack()}, length))
-                    buffers.append(self.pool.slot_view(pin.slot, length))
+                    header = pin.header.pack()
+                    view = self.pool.slot_view(pin.slot, length)
+                    frame: wire.Message = {"t": "chunk", "id": rid, "i": i, "h": header}
+                    if s.mac_key is not None:
+                        frame["m"] = wire.chunk_mac(s.mac_key, rid, i, header, view)
+                    buffers.append(wire.encode(frame, length))
+                    buffers.append(view)
                     pending += length
                 if pending >= _SEND_BATCH_BYTES or len(buffers) >= _SEND_BATCH_BUFFERS:
                     await self._flush(s, buffers, pins)

@@ -57,12 +57,13 @@ class TransferStack:
         server = TransferServer(
             pool, fingerprints, secret, host=tc.listen_host, port=tc.port, timeout_s=tc.timeout_s,
             max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s, nixl=nixl,
-            prepare=prepare,
+            prepare=prepare, require_mac=tc.payload_mac,
         )
         transports: dict[str, Transport] = {}
         for name in tc.transports:
             if name == "tcp":
-                transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health)
+                transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health,
+                                                payload_mac=tc.payload_mac)
             elif name == "nixl" and nixl is not None:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health)
         return cls(config, server, transports, nixl, health)

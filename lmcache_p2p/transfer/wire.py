@@ -10,14 +10,21 @@ that breaks any rule is a :class:`ProtocolError` and closes that connection only
 
 Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerprint digest)::
 
-    C -> S  hello     {v, fp, nc, nixl}          S checks v, then fp (error frame + close)
+    C -> S  hello     {v, fp, nc, nixl, mac}     S checks v (error frame + close)
     S -> C  challenge {ns, proof = HMAC(K, "S" v fp nc ns)}
-    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns)}    S checks before serving anything
+    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns)}    S checks before serving anything, then fp
     S -> C  ready     {nixl: {name, md} | None}
+
+With ``mac`` (``transfer.payload_mac``), both sides derive a session key
+``HMAC(K, "M" v fp nc ns)`` and every chunk frame carries ``m``, a keyed BLAKE2b of its request id,
+index, header and payload: a relay on the path that passed the handshake still cannot change a
+chunk (xxh3 in the header is a checksum, not a MAC). A client that asked for it rejects any chunk
+without a valid ``m``, so stripping the flag from ``hello`` gains nothing; a server that requires
+it refuses clients that did not ask.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
-    get     {id, keys}      -> per key: chunk {id, i, h} + payload | miss {id, i, why}; then end {id}
+    get     {id, keys}      -> per key: chunk {id, i, h, m?} + payload | miss {id, i, why}; then end {id}
     pin     {id, keys}      -> pinned {id, lease, items: [[h, addr] | None]}   (NIXL reads these)
     release {lease}         -> (no answer) unpins a lease early; pins expire anyway
 """
@@ -91,6 +98,18 @@ def proof(secret: bytes, role: bytes, fingerprint: bytes, nonce_c: bytes, nonce_
     """HMAC-SHA256 binding the role, version, fingerprint and both nonces."""
     msg = b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + fingerprint + nonce_c + nonce_s
     return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+def session_key(secret: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+    """The per-session payload MAC key: both nonces make it fresh for every connection."""
+    return proof(secret, b"M", fingerprint, nonce_c, nonce_s)
+
+
+def chunk_mac(key: bytes, rid: int, index: int, header: bytes, payload: memoryview | bytes) -> bytes:
+    mac = hashlib.blake2b(struct.pack("<QI", rid, index), digest_size=16, key=key)
+    mac.update(header)
+    mac.update(payload)
+    return mac.digest()
 
 
 def proof_ok(expected: bytes, got: object) -> bool:
