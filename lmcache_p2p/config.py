@@ -96,6 +96,7 @@ class EtcdConfig:
     password: str | None = None
     timeout_s: float = 5.0
     start_wait_s: float = 2.0  # how long start-up waits for etcd before going on degraded
+    allow_plaintext_password: bool = False  # a password over plain HTTP is refused unless this is set
 
     def __post_init__(self) -> None:
         for ep in self.endpoints:
@@ -103,6 +104,10 @@ class EtcdConfig:
                    "etcd.endpoints", f"not host:port or URL: {ep!r}")
         _check(self.lease_ttl_s >= 2, "etcd.lease_ttl_s", "must be >= 2")
         _check((self.user is None) == (self.password is None), "etcd.password", "user and password go together")
+        tls = self.ca_cert is not None or any(ep.startswith("https://") for ep in self.endpoints)
+        _check(self.password is None or tls or self.allow_plaintext_password, "etcd.password",
+               "would go over plain HTTP: use https:// endpoints or etcd.ca_cert (or set "
+               "etcd.allow_plaintext_password on a network you trust)")
         _check((self.cert_cert is None) == (self.cert_key is None), "etcd.cert_key",
                "cert_cert and cert_key go together")
         _check(self.timeout_s > 0, "etcd.timeout_s", "must be > 0")

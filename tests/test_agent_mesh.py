@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 import time
 from pathlib import Path
 
-from agent_helpers import AgentProcess, agent_yaml, config, wait_until
+import msgpack
+import pytest
+from agent_helpers import SECRET, AgentProcess, agent_yaml, config, wait_until
 from prometheus_client import CollectorRegistry
 from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.agent_main import fingerprint_of
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.errors import HandshakeError
+from lmcache_p2p.index.client import EtcdClient, KeyValue
+from lmcache_p2p.index.schema import Schema, decode_node_record
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
 from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.transfer.base import PeerAddress
+from lmcache_p2p.transfer.client import ConnectionPool
+from lmcache_p2p.transfer.nixl_engine import nixl_available
 
 TOKENS = 1024 + 100  # 4 full chunks and a partial tail
 
@@ -172,3 +183,40 @@ def test_a_chunk_changed_in_memory_after_commit_never_reaches_the_engine(etcd, c
         assert c.metrics.registry.get_sample_value("lmcache_p2p_checksum_failures_total") == 1
     finally:
         c.stop()
+
+
+def test_etcd_readers_get_no_nixl_access_material(etcd, cluster_name, tmp_path):
+    """Everything an etcd reader sees holds no NIXL agent metadata (what a peer needs to READ or WRITE
+    a pool); an authenticated peer gets it in the handshake, a peer without the secret gets nothing."""
+    if not nixl_available():
+        pytest.skip("nixl not importable")
+    path = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints,
+                      transports=("tcp", "nixl"))
+    a = AgentProcess(path, seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    loop = LoopThread("nixl-md")
+    try:
+        async def everything() -> list[KeyValue]:
+            async with EtcdClient(EtcdConfig(endpoints=etcd.endpoints)) as client:
+                return (await client.get_prefix(Schema(cluster_name).root))[0]
+
+        kvs = asyncio.run(everything())
+        record = next(decode_node_record(kv.value) for kv in kvs if kv.key.endswith(b"/nodes/a"))
+        assert "nixl" in record.transports and "nixl_metadata" not in msgpack.unpackb(
+            next(kv.value for kv in kvs if kv.key.endswith(b"/nodes/a")))
+        host, port = record.addresses["tcp"].rsplit(":", 1)
+        peer, fp = PeerAddress(host, int(port), "a"), fingerprint_of(config(path).layout).digest
+
+        good = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, want_nixl=True)
+        conn = loop.run(good.get(peer, fp, 3.0), 10)
+        assert conn.nixl is not None
+        md = conn.nixl["md"]
+        assert len(md) > 64 and not any(md[i:i + 32] in kv.value for kv in kvs for i in range(0, len(md) - 32, 32))
+        loop.run(good.close(), 10)
+
+        bad = ConnectionPool(b"not-the-cluster-secret-0123456789abcdef", 3.0, 1 << 20, want_nixl=True)
+        with pytest.raises(HandshakeError):
+            loop.run(bad.get(peer, fp, 3.0), 10)
+        loop.run(bad.close(), 10)
+    finally:
+        loop.stop()
+        a.stop()

@@ -70,3 +70,11 @@ def test_secret_from_the_environment_is_checked_too():
     with pytest.raises(ConfigError, match="LMCACHE_P2P_SECRET"):
         cluster_secret(cfg, env={"LMCACHE_P2P_SECRET": "changeme"})
     assert cluster_secret(cfg, env={}) is None
+
+
+def test_a_password_over_plain_http_is_refused_unless_allowed():
+    base = {"etcd.endpoints": "http://etcd:2379", "etcd.user": "u", "etcd.password": "p"}
+    with pytest.raises(ConfigError, match="etcd.password"):
+        load_config(env={}, overrides=base)
+    assert load_config(env={}, overrides={**base, "etcd.allow_plaintext_password": "true"}).etcd.user == "u"
+    assert load_config(env={}, overrides={**base, "etcd.endpoints": "https://etcd:2379"}).etcd.user == "u"
