@@ -12,11 +12,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.keys import FingerprintDigest
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import PeerAddress
-from lmcache_p2p.transfer.client import TcpTransport
+from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 from lmcache_p2p.transfer.peer_process import OwnerProcess
 
 SECRET = "fuzz-secret-7f3a9c1e5b2d80461c9e4a7b"
@@ -85,8 +86,21 @@ def good_pull(o: OwnerProcess) -> None:
 def test_wrong_version_and_fingerprint_are_refused(owner: OwnerProcess) -> None:
     frames = exchange(owner.port, hello(version=wire.WIRE_VERSION + 1))
     assert frames == [({"t": "error", "why": "version"}, 0)]
+    # Before its proof a client learns nothing about the fingerprints served: just a challenge.
     frames = exchange(owner.port, hello(fp=b"x" * 16))
-    assert frames == [({"t": "error", "why": "fingerprint"}, 0)]
+    assert [msg["t"] for msg, _ in frames] == ["challenge"]
+    # After a valid proof it is told the fingerprint is not served here.
+    import asyncio
+
+    async def wrong_fingerprint() -> None:
+        pool = ConnectionPool(SECRET.encode(), 2.0, 1 << 20)
+        try:
+            await pool.get(PeerAddress("127.0.0.1", owner.port), FingerprintDigest(b"x" * 16), 3.0)
+        finally:
+            await pool.close()
+
+    with pytest.raises(HandshakeError, match="fingerprint"):
+        asyncio.run(wrong_fingerprint())
     good_pull(owner)
 
 
