@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -80,6 +81,8 @@ class CacheAgent:
         self._inflight: dict[NodeId, int] = {}
         self._inflight_lock = threading.Lock()
         self._served_seen = 0
+        self._error_peers: set[NodeId] = set()  # peer label values of peer_errors, pruned with the peers
+        self._prune: concurrent.futures.Future[None] | None = None
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -107,6 +110,7 @@ class CacheAgent:
             mine = [h.key for h in recovered if h.fingerprint == self.fp]  # others stay on disk, unannounced
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
+            self._prune = self.loop.submit(self._prune_peers_forever())
             self.metrics.info.info({"node_id": self.node_id, "version": __version__,
                                     "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
         except BaseException:
@@ -152,6 +156,9 @@ class CacheAgent:
 
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
+        if self._prune is not None:
+            self._prune.cancel()
+            self._prune = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
         self.tiers.close()  # the tier worker finishes the write-backs queued so far
@@ -369,7 +376,7 @@ class CacheAgent:
             # A transport should report failures in its result; whatever escapes is a miss, never the
             # caller's (the engine's) exception.
             log.warning("pull from %s failed: %s: %s", node, type(exc).__name__, exc)
-            self.metrics.peer_errors.labels(node).inc()
+            self._peer_error(node)
             return chunks
         finally:
             with self._inflight_lock:
@@ -378,6 +385,35 @@ class CacheAgent:
         for key in result.loaded:
             self._on_tier_change(key, "cpu")
         return [c for c in chunks if c.key not in result.loaded]
+
+    async def _prune_peers_forever(self) -> None:
+        """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)
+        is kept only for the nodes in the index: checked every lease TTL, so churn never grows it."""
+        while True:
+            await asyncio.sleep(max(1.0, float(self.config.etcd.lease_ttl_s)))
+            try:
+                self._prune_peers()
+            except Exception:  # supervised: a failed pass is logged and the next one runs
+                log.exception("pruning per-peer state failed")
+
+    def _prune_peers(self) -> None:
+        index, stack = self.index, self._stack
+        if index is None or stack is None:
+            return
+        nodes = index.nodes()
+        live = {a for r in nodes.values() if r.node_id != self.node_id and (a := self._peer_address(r)) is not None}
+        stack.forget_except(live)
+        with self._inflight_lock:
+            for node in [n for n, count in self._inflight.items() if count == 0 and n not in nodes]:
+                del self._inflight[node]
+        for node in [n for n in self._error_peers if n not in nodes]:
+            self._error_peers.discard(node)
+            with contextlib.suppress(KeyError):
+                self.metrics.peer_errors.remove(node)
+
+    def _peer_error(self, node: NodeId) -> None:
+        self._error_peers.add(node)
+        self.metrics.peer_errors.labels(node).inc()
 
     def _transport_for(self, record: NodeRecord | None) -> Transport | None:
         if record is None or self._stack is None:
@@ -408,7 +444,7 @@ class CacheAgent:
         corrupt = sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM)
         m.checksum_failures.inc(corrupt)
         if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
-            m.peer_errors.labels(node).inc()
+            self._peer_error(node)
 
     # -- store -------------------------------------------------------------------------------------------
     def store_chunks(self, keys: Sequence[ChunkKey], num_tokens: Sequence[int],

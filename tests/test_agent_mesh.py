@@ -22,7 +22,7 @@ from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.index.client import EtcdClient, KeyValue
 from lmcache_p2p.index.schema import Schema, decode_node_record
 from lmcache_p2p.metrics import AgentMetrics
-from lmcache_p2p.plan import LOCAL
+from lmcache_p2p.plan import LOCAL, HitPlan
 from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
 from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import ConnectionPool
@@ -38,8 +38,9 @@ def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: st
                       metrics=metrics).start()
 
 
-def load_and_check(agent: CacheAgent, seed: int) -> tuple[list[bool], object]:
-    tokens = synthetic_tokens(seed, TOKENS)
+def load_and_check(agent: CacheAgent, seed: int, num_tokens: int = TOKENS) -> tuple[list[bool], HitPlan]:
+    """Load the synthetic prompt ``seed`` through the agent; every chunk loaded must be byte-exact."""
+    tokens = synthetic_tokens(seed, num_tokens)
     plan = agent.lookup(tokens)
     bufs = [bytearray(agent.chunk_bytes) for _ in plan.chunks]
     loaded = agent.load(plan, [memoryview(b) for b in bufs])
@@ -219,4 +220,30 @@ def test_etcd_readers_get_no_nixl_access_material(etcd, cluster_name, tmp_path):
         loop.run(bad.close(), 10)
     finally:
         loop.stop()
+        a.stop()
+
+
+def test_per_peer_state_is_bounded_by_the_live_nodes(etcd, cluster_name, tmp_path):
+    """Connections, backoff state and peer metric labels of a node that left the mesh are dropped."""
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints),
+                     seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    try:
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        assert load_and_check(c, 1)[0] == [True] * 5
+        stack = c._stack  # noqa: SLF001 - the state under test
+        assert stack is not None and len(stack.transports["tcp"]._pool) == 1  # noqa: SLF001
+        for key in c.keys_for(synthetic_tokens(1, TOKENS))[0]:
+            c.tiers.remove(key)
+        plan = c.lookup(synthetic_tokens(1, TOKENS))
+        a.kill(signal.SIGKILL)
+        assert c.load(plan, [memoryview(bytearray(c.chunk_bytes)) for _ in plan.chunks]) == [False] * 5
+        errors = c.metrics.registry.get_sample_value
+        assert errors("lmcache_p2p_peer_errors_total", {"peer": "a"}) >= 1 and len(stack.health) == 1
+        # a's lease (3 s) expires, a leaves the index; the next pass (every TTL) forgets it
+        assert wait_until(lambda: "a" not in c.index.nodes(), 8)
+        assert wait_until(lambda: len(stack.transports["tcp"]._pool) == 0 and len(stack.health) == 0, 8)  # noqa: SLF001
+        assert errors("lmcache_p2p_peer_errors_total", {"peer": "a"}) is None
+    finally:
+        c.stop()
         a.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 from agent_helpers import AgentProcess, agent_yaml, wait_until
-from test_agent_mesh import requester
+from test_agent_mesh import load_and_check, requester
 from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
@@ -49,17 +49,9 @@ def read_registration(endpoints: tuple[str, ...], cluster: str, node: str) -> tu
 
 def pull_all(agent: CacheAgent, seed: int) -> list[bool]:
     """Drop the agent's own copies, then load the prompt: every chunk must come from a peer, byte-exact."""
-    tokens = synthetic_tokens(seed, TOKENS)
-    for key in agent.keys_for(tokens)[0]:
+    for key in agent.keys_for(synthetic_tokens(seed, TOKENS))[0]:
         agent.tiers.remove(key)
-    plan = agent.lookup(tokens)
-    bufs = [bytearray(agent.chunk_bytes) for _ in plan.chunks]
-    loaded = agent.load(plan, [memoryview(b) for b in bufs])
-    layout = agent.config.layout
-    for ok, chunk, buf in zip(loaded, plan.chunks, bufs, strict=True):
-        if ok:
-            expected = synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
-            assert buf[: len(expected)] == expected, "wrong bytes delivered"
+    loaded, plan = load_and_check(agent, seed, TOKENS)
     return loaded if len(plan.chunks) == TOKENS // 256 else [False]
 
 

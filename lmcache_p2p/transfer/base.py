@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from ..chunk import ChunkHeader
@@ -70,5 +70,8 @@ class Transport(Protocol):
         dst: CpuPool,
         timeout: float,
     ) -> PullResult: ...
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        """Drop every per-peer state (connections, remote registrations) of peers not in ``live``."""
 
     async def close(self) -> None: ...

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
 from ..errors import HandshakeError, PeerTimeout, TransferError
@@ -105,6 +105,16 @@ class ConnectionPool:
         nixl = ready.get("nixl")
         conn.nixl = nixl if isinstance(nixl, dict) else None
 
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        """Close and drop the connections (and their locks) to peers not in ``live``; closed ones too."""
+        for key in [k for k, c in self._conns.items() if k[0] not in live or c.closed]:
+            self._conns.pop(key).abort(TransferError("peer left the mesh"))
+        for key in [k for k, lock in self._locks.items() if k[0] not in live and not lock.locked()]:
+            del self._locks[key]
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
     async def close(self) -> None:
         for conn in self._conns.values():
             conn.abort(TransferError("pool closed"))
@@ -174,6 +184,9 @@ class TcpTransport:
                 if request.future not in done:
                     raise PeerTimeout(f"{peer}: pull of {len(keys)} chunks ran past {timeout:.1f}s")
                 raise exc
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        self._pool.forget_except(live)
 
     async def close(self) -> None:
         await self._pool.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from .base import PeerAddress
 
@@ -39,6 +39,13 @@ class PeerHealth:
 
     def reset(self) -> None:
         self._peers.clear()
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        for peer in [p for p in self._peers if p not in live]:
+            del self._peers[peer]
+
+    def __len__(self) -> int:
+        return len(self._peers)
 
     def record_success(self, peer: PeerAddress) -> None:
         self._peers.pop(peer, None)

@@ -18,7 +18,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..chunk import ChunkHeader, verify
 from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
@@ -48,6 +48,7 @@ class NixlTransport:
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True)
         self.health = health if health is not None else PeerHealth(2.0)
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
+        self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer
 
     async def pull(
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
@@ -66,6 +67,7 @@ class NixlTransport:
         if conn.nixl is None:
             raise TransferError(f"{peer} does not serve NIXL")
         remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
+        self._remote_of[peer] = remote
         # Every pin request goes out at once: the owner answers batch k+1 while batch k is read.
         batches = _pin_batches(keys, batch_size(self._pool.max_frame_bytes))
         requests = [conn.start_pin(batch) for batch in batches]
@@ -168,6 +170,13 @@ class NixlTransport:
             result.missed[header.key] = MissReason.INVALIDATED
             return
         result.loaded[header.key] = header
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        self._pool.forget_except(live)
+        if self.engine.reads_abandoned:
+            return  # an abandoned READ may still use a remote registration: forget them next time
+        for peer in [p for p in self._remote_of if p not in live]:
+            self.engine.forget_remote(self._remote_of.pop(peer))
 
     async def close(self) -> None:
         await self._pool.close()

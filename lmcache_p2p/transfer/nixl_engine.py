@@ -120,6 +120,11 @@ class NixlEngine:
         self._remotes[name] = metadata
         return name
 
+    @property
+    def reads_abandoned(self) -> int:
+        """READs abandoned at their deadline that NIXL has not reported over yet."""
+        return len(self._reapers)
+
     def forget_remote(self, name: str) -> None:
         if self._remotes.pop(name, None) is not None:
             with contextlib.suppress(Exception):

@@ -68,6 +68,12 @@ class TransferStack:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health)
         return cls(config, server, transports, nixl, health)
 
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        """Per-peer state (connections, NIXL registrations, backoff) only for the peers in ``live``."""
+        for transport in self.transports.values():
+            transport.forget_except(live)
+        self.health.forget_except(live)
+
     @property
     def preferred(self) -> Transport:
         return self.transports[self.config.transfer.transports[0]]
