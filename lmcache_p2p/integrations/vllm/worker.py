@@ -30,6 +30,7 @@ from ...plan import LOCAL
 from .metadata import ChunkTransfer, LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
+IDLE_STEP_WAIT_S = 0.005  # see get_finished
 
 
 class P2PWorker:
@@ -42,10 +43,12 @@ class P2PWorker:
         # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
         # results are handed over under the lock: a request's failed blocks before its id.
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load")
-        self._done_lock = threading.Lock()
+        self._done_lock = threading.Condition()
+        self._loads_running = 0
         self._load_errors: set[int] = set()
         self._loads_done: set[str] = set()
         self._step_started: float | None = None
+        self._idle_step = False
         self._step_tokens = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -65,6 +68,7 @@ class P2PWorker:
     # -- steps: the engine's prefill rate, for the planner ---------------------------------------------
     def step_started(self, meta: LMCacheP2PMetadata) -> None:
         self._step_started, self._step_tokens = time.perf_counter(), meta.num_scheduled_tokens
+        self._idle_step = meta.num_scheduled_tokens == 0 and not meta.loads and not meta.saves
 
     def step_finished(self) -> None:
         if self._step_started is not None and self.agent is not None:
@@ -79,6 +83,8 @@ class P2PWorker:
                 with self._done_lock:
                     self._load_errors.update(failed)
             else:
+                with self._done_lock:
+                    self._loads_running += 1
                 self._loader.submit(self._load_async, transfer)
 
     def _load_async(self, t: ChunkTransfer) -> None:
@@ -90,10 +96,17 @@ class P2PWorker:
         with self._done_lock:
             self._load_errors.update(failed)
             self._loads_done.add(t.req_id)
+            self._loads_running -= 1
+            self._done_lock.notify_all()
 
     def get_finished(self) -> set[str]:
         """Requests whose asynchronous load finished (loaded, or failed blocks already reported)."""
         with self._done_lock:
+            if self._idle_step and self._loads_running and not self._loads_done:
+                # vLLM steps without work while requests wait for their KV: a tight loop that, on a
+                # small CPU host, starves the very threads moving the bytes. Wait a little for a load
+                # to finish instead (never in a step with work to do).
+                self._done_lock.wait(IDLE_STEP_WAIT_S)
             done, self._loads_done = self._loads_done, set()
         return done
 
