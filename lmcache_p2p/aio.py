@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -36,6 +37,19 @@ async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
         await task
 
 
+def unpin_thread() -> None:
+    """Let the calling thread run on every CPU of the process's cgroup.
+
+    An engine pins its worker thread (and so every thread it starts) to the cores of its compute
+    threads, which spin between steps: the agent's loop and load threads, started from there, would
+    wait behind them. Our threads move bytes, not FLOPs; any core will do.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        allowed = os.sched_getaffinity(os.getpid())  # the process's (main thread's) mask
+        cpus = set(range(os.cpu_count() or 1))
+        os.sched_setaffinity(0, allowed | cpus)
+
+
 class LoopThread:
     def __init__(self, name: str = "lmcache-p2p-loop") -> None:
         self.loop = asyncio.new_event_loop()
@@ -45,6 +59,7 @@ class LoopThread:
         self._started.wait()
 
     def _main(self) -> None:
+        unpin_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()

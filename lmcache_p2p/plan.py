@@ -85,6 +85,7 @@ def make_plan(
 
 DEADLINE_FACTOR = 3.0  # a pull may take this many times its expected time before it is abandoned
 DEADLINE_SLACK_S = 0.005  # ... and at least this much more than expected (scheduling noise)
+FIRST_CONTACT_S = 1.0  # a pull from a peer never measured gets at least this (it connects and handshakes too)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -117,8 +118,10 @@ def fetch_budget(
         keep c0..ck for the largest k with expected <= recompute
 
     Without a prefill rate yet, every pull is kept. A pull from a peer never measured (``known``
-    false: its first pull also pays for the connection and handshake) gets the recompute time, or
-    ``max_s`` without a prefill rate, rather than a multiple of a guess.
+    false: its first pull also pays for the connection and handshake, and a guess is no basis for
+    a tight deadline) gets the recompute time but at least ``FIRST_CONTACT_S`` (``max_s`` without a
+    prefill rate): a hung peer costs at most that once, then it is backed off and measured peers
+    get deadlines from their estimates.
     """
     per_peer: dict[NodeId, int] = {}
     first_remote: int | None = None
@@ -141,7 +144,8 @@ def fetch_budget(
             keep += 1
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
     if not all(known(c.source) for c in plan.chunks[:keep] if c.source != LOCAL):
-        deadline = max_s
+        floor = max_s if kept_recompute is None else min(max_s, max(kept_recompute, FIRST_CONTACT_S))
+        return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), floor, kept_expected, kept_recompute)
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
     return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), deadline, kept_expected, kept_recompute)

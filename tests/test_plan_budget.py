@@ -7,7 +7,7 @@ import pytest
 from lmcache_p2p.estimates import PRIOR_LATENCY_S, PeerEstimates, PrefillRate
 from lmcache_p2p.index.schema import NodeId
 from lmcache_p2p.keys import ChunkKey
-from lmcache_p2p.plan import DEADLINE_SLACK_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
+from lmcache_p2p.plan import DEADLINE_SLACK_S, FIRST_CONTACT_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
 
 MiB = 1 << 20
 
@@ -58,7 +58,11 @@ def test_without_a_prefill_rate_every_pull_is_kept_and_the_deadline_is_bounded()
 def test_a_peer_never_measured_gets_the_recompute_time() -> None:
     b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
                      recompute_s=lambda t: t / 1000, max_s=5.0, known=lambda peer: False)
-    assert b.deadline_s == pytest.approx(0.256)  # not 3 x a guess: its first pull also connects
+    assert b.deadline_s == pytest.approx(FIRST_CONTACT_S)  # not 3 x a guess: its first pull also connects
+    b = fetch_budget(plan_of("new", "new", "new", "new", "new", "new"), chunk_bytes=lambda c: MiB,
+                     expected_s=lambda peer, nbytes: 0.002, recompute_s=lambda t: t / 1000, max_s=5.0,
+                     known=lambda peer: False)
+    assert b.deadline_s == pytest.approx(1.536)  # the recompute time when that is longer
     b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
                      recompute_s=lambda t: None, max_s=5.0, known=lambda peer: False)
     assert b.deadline_s == 5.0

@@ -23,6 +23,7 @@ import time
 import torch
 
 from ...agent import CacheAgent
+from ...aio import unpin_thread
 from ...config import AgentConfig, cluster_secret
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey, Fingerprint
@@ -42,7 +43,8 @@ class P2PWorker:
         self.agent: CacheAgent | None = None
         # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
         # results are handed over under the lock: a request's failed blocks before its id.
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load")
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load",
+                                                             initializer=unpin_thread)
         self._done_lock = threading.Condition()
         self._loads_running = 0
         self._load_errors: set[int] = set()
