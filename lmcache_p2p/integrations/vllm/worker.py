@@ -66,7 +66,6 @@ class P2PWorker:
         log.info("lmcache-p2p worker: %d layers, chunk %d bytes, agent %s", len(kv_caches), chunk_bytes,
                  self.agent.node_id)
 
-    # -- load --------------------------------------------------------------------------------------
     # -- steps: the engine's prefill rate, for the planner ---------------------------------------------
     def step_started(self, meta: LMCacheP2PMetadata) -> None:
         self._step_started, self._step_tokens = time.perf_counter(), meta.num_scheduled_tokens
