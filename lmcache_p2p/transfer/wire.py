@@ -16,7 +16,7 @@ Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerpr
     S -> C  ready     {nixl: {name, md} | None}
 
 With ``mac`` (``transfer.payload_mac``), both sides derive a session key
-``HMAC(K, "M" v fp nc ns)`` and every chunk frame carries ``m``, a keyed BLAKE2b of its request id,
+``HMAC(K, "M" v fp nc ns)`` and every chunk frame carries ``m``, a keyed BLAKE3 of its request id,
 index, header and payload: a relay on the path that passed the handshake still cannot change a
 chunk (xxh3 in the header is a checksum, not a MAC). A client that asked for it rejects any chunk
 without a valid ``m``, so stripping the flag from ``hello`` gains nothing; a server that requires
@@ -37,6 +37,7 @@ import os
 import struct
 from typing import Any
 
+import blake3
 import msgpack
 
 from ..errors import ProtocolError
@@ -106,10 +107,11 @@ def session_key(secret: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: byte
 
 
 def chunk_mac(key: bytes, rid: int, index: int, header: bytes, payload: memoryview | bytes) -> bytes:
-    mac = hashlib.blake2b(struct.pack("<QI", rid, index), digest_size=16, key=key)
+    """Keyed BLAKE3 (SIMD, several GB/s) over the request id, index, header and payload; 16 bytes."""
+    mac = blake3.blake3(struct.pack("<QI", rid, index), key=key)
     mac.update(header)
     mac.update(payload)
-    return mac.digest()
+    return mac.digest(16)
 
 
 def proof_ok(expected: bytes, got: object) -> bool:
