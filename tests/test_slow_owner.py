@@ -1,0 +1,112 @@
+"""A slow owner: the fetch-or-recompute budget pulls only when the pull beats recomputing.
+
+A real owner process advertises 127.0.0.2 while listening on 127.0.0.1; a throttling relay on
+127.0.0.2 (same port) is the slow link every requester goes through. The requester is a real agent;
+there is no engine here, so the test plays the engine's part and tells the agent its prefill rate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from agent_helpers import AgentProcess, agent_yaml, wait_until
+from test_agent_mesh import TOKENS, requester
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+
+pytestmark = pytest.mark.slow
+RATE_BPS = 4 << 20  # the slow link: 4 MiB/s
+
+
+class ThrottlingRelay:
+    """Forwards ``host:port`` -> ``127.0.0.1:port``, owner-to-requester at ``rate`` bytes per second."""
+
+    def __init__(self, host: str, port: int, rate: int) -> None:
+        self._port, self._rate = port, rate
+        self._listener = socket.create_server((host, port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._port))
+            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, self._rate), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src: socket.socket, dst: socket.socket, rate: int | None) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(16384):
+                dst.sendall(data)
+                if rate is not None:
+                    time.sleep(len(data) / rate)
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
+    """What the worker does for an asynchronous load: budget, then pull. ``(planned, loaded)``."""
+    tokens = synthetic_tokens(seed, TOKENS)
+    for key in agent.keys_for(tokens)[0]:
+        agent.tiers.remove(key)
+    budget = agent.budget(agent.lookup(tokens))
+    pins = agent.load_pinned(budget.plan, budget.deadline_s) if budget.plan.chunks else []
+    layout = agent.config.layout
+    for chunk, pin in zip(budget.plan.chunks, pins, strict=True):
+        if pin is not None:
+            view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
+            assert bytes(view) == synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
+            agent.unpin_chunk(pin)
+    return len(budget.plan.chunks), sum(p is not None for p in pins)
+
+
+def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd, cluster_name, tmp_path: Path):
+    path = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints)
+    data = yaml.safe_load(path.read_text())
+    data["transfer"]["advertise_host"] = "127.0.0.2"
+    path.write_text(yaml.safe_dump(data))
+    a = AgentProcess(path, seeds=(1, 2, 3), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    relay = None
+    try:
+        assert wait_until(lambda: "a" in c.index.nodes(), 10)
+        host, port = c.index.nodes()["a"].addresses["tcp"].rsplit(":", 1)
+        assert host == "127.0.0.2"
+        relay = ThrottlingRelay(host, int(port), RATE_BPS)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        chunk_bytes = 5 * c.chunk_bytes  # the prompt's 5 chunks (the tail is smaller): ~2.5 MiB, ~0.6 s here
+
+        # A slow engine (100 tokens/s: ~11 s to recompute): the slow pull still wins, and is made.
+        c.prefill.observe(1000, 10.0)
+        assert pull(c, 1) == (5, 5)
+        assert c.peer_estimates.expected_s("a", chunk_bytes) > 0.2  # it learned how slow the link is
+
+        # A fast engine (1M tokens/s: ~1 ms): pulling would be slower than computing; nothing is asked.
+        asked = c.metrics.registry.get_sample_value("lmcache_p2p_pull_chunks_total",
+                                                    {"transport": "tcp", "outcome": "loaded"})
+        for _ in range(20):
+            c.prefill.observe(1_000_000, 1.0)
+        assert pull(c, 2) == (0, 0)
+        assert c.metrics.registry.get_sample_value("lmcache_p2p_pull_chunks_total",
+                                                   {"transport": "tcp", "outcome": "loaded"}) == asked
+
+        # Back to a slow engine: pulled again.
+        for _ in range(20):
+            c.prefill.observe(1000, 10.0)
+        assert pull(c, 3) == (5, 5)
+    finally:
+        if relay is not None:
+            relay.close()
+        c.stop()
+        a.stop()
