@@ -144,7 +144,9 @@ class P2PScheduler:
                                                  len(state.prompt)))
                 self._remember_saved(state.keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
-            full = done // self._chunk
+            # With asynchronous scheduling the newest sampled token may still be a placeholder: save
+            # only chunks whose every token is known (a later step saves the rest).
+            full = min(done, len(state.request.all_token_ids)) // self._chunk
             if full > state.full_chunks_saved:
                 meta.saves.append(self._generated(state, full))
         return meta
