@@ -15,6 +15,7 @@ off, engine B with it on; a third engine without any connector gives the referen
 from __future__ import annotations
 
 import importlib.util
+import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"
 CHUNK = 256
 ANSWER = 300  # tokens generated per turn
+# The answer's last chunks fill in the last decode steps; they reach every mirror within milliseconds,
+# but on a loaded 2-core machine that can exceed the instant in which the test sends the next turn.
+# A person takes seconds to type one: the test pauses a second.
+USER_PAUSE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +71,11 @@ def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd
                           prefix_caching=True).wait_ready()
         turn1 = a.generate([first], max_tokens=ANSWER)[0]
         assert turn1["tokens"] == ref1 and turn1["num_cached_tokens"] == 0
+        time.sleep(USER_PAUSE_S)
         turn2 = b.generate([second], max_tokens=ANSWER)[0]
         assert turn2["tokens"] == ref2
         assert turn2["num_cached_tokens"] >= full_chunks_of_history(first, ANSWER)  # the answer came too
+        time.sleep(USER_PAUSE_S)
         turn3 = a.generate([third], max_tokens=ANSWER)[0]
         assert turn3["tokens"] == ref3
         assert turn3["num_cached_tokens"] >= full_chunks_of_history(second, ANSWER)
