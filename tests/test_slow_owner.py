@@ -7,15 +7,13 @@ there is no engine here, so the test plays the engine's part and tells the agent
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from agent_helpers import AgentProcess, agent_yaml, wait_until
+from relay import Relay
 from test_agent_mesh import TOKENS, requester
 
 from lmcache_p2p.agent import CacheAgent
@@ -25,34 +23,15 @@ pytestmark = pytest.mark.slow
 RATE_BPS = 4 << 20  # the slow link: 4 MiB/s
 
 
-class ThrottlingRelay:
+class ThrottlingRelay(Relay):
     """Forwards ``host:port`` -> ``127.0.0.1:port``, owner-to-requester at ``rate`` bytes per second."""
 
     def __init__(self, host: str, port: int, rate: int) -> None:
-        self._port, self._rate = port, rate
-        self._listener = socket.create_server((host, port))
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._rate = rate
+        super().__init__(port, host, port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self._port))
-            threading.Thread(target=self._pipe, args=(client, server, None), daemon=True).start()
-            threading.Thread(target=self._pipe, args=(server, client, self._rate), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket, rate: int | None) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(16384):
-                dst.sendall(data)
-                if rate is not None:
-                    time.sleep(len(data) / rate)
-
-    def close(self) -> None:
-        self._listener.close()
+    def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
+        self.pipe(owner, requester, self._rate)
 
 
 def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:

@@ -9,7 +9,6 @@ import os
 import resource
 import signal
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from agent_helpers import stop_process
+from relay import Relay
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import ChunkHeader, checksum
@@ -268,32 +268,16 @@ def test_idle_unauthenticated_flood_and_descriptor_exhaustion_do_not_lock_peers_
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-class TamperingRelay:
+class TamperingRelay(Relay):
     """A relay on the network path: it passes the handshake through untouched (it holds no secret),
     then flips a byte in every chunk payload and rewrites the chunk header's xxh3 to match."""
 
     def __init__(self, target_port: int) -> None:
-        self._target = target_port
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
         self.tampered = 0
-        threading.Thread(target=self._accept, daemon=True).start()
+        super().__init__(target_port)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            server = socket.create_connection(("127.0.0.1", self._target))
-            threading.Thread(target=self._pipe, args=(client, server), daemon=True).start()
-            threading.Thread(target=self._frames, args=(server, client), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while data := src.recv(65536):
-                dst.sendall(data)
+    def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
+        self._frames(owner, requester)
 
     def _frames(self, src: socket.socket, dst: socket.socket) -> None:
         def exact(n: int) -> bytes:
@@ -316,10 +300,6 @@ class TamperingRelay:
                     msg["h"] = dataclasses.replace(h, checksum=checksum(payload)).pack()
                     self.tampered += 1
                 dst.sendall(wire.encode(msg, payload_len) + bytes(payload))
-
-    def close(self) -> None:
-        self._listener.close()
-
 
 def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
     """Without the MAC, a relay that fixes the xxh3 header injects bytes (the attack is real);

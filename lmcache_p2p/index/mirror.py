@@ -16,6 +16,7 @@ slot and its 16-byte key.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -191,9 +192,13 @@ class Mirror:
 
     def _apply_blocks(self, events: Sequence[WatchEvent]) -> None:
         for ev in events:
-            entry = self._block(ev.key, b"\x01" if ev.deleted else ev.value)
+            if ev.deleted:
+                with contextlib.suppress(MalformedRecord):  # a malformed key was never admitted
+                    self._set_owner(*decode_block_key(self._plen, ev.key), None)
+                continue
+            entry = self._block(ev.key, ev.value)
             if entry is not None:
-                self._set_owner(entry[0], entry[1], None if ev.deleted else entry[2])
+                self._set_owner(*entry)
         self.events_total += len(events)
         self._notify()
 
