@@ -162,15 +162,18 @@ def test_tenant_invalidation_spares_other_tenants(etcd, cluster_name, tmp_path):
 
 
 def test_chunk_ttl_expires_chunks_in_every_tier(etcd, cluster_name, tmp_path):
-    agents = [start(tmp_path, "x", cluster_name, etcd.endpoints, tiers={"chunk_ttl_s": 2}),
-              start(tmp_path, "y", cluster_name, etcd.endpoints, seeds=(2,))]  # no TTL: keeps its chunks
+    # x is checked as soon as it is ready, before y starts: on a loaded machine a second agent's start
+    # can take longer than a short TTL (CI once saw x's chunks expire before the first look).
+    agents = [start(tmp_path, "x", cluster_name, etcd.endpoints, tiers={"chunk_ttl_s": 6})]
     try:
-        x, y = (p.wait_ready() for p in agents)
+        x = agents[0].wait_ready()
         t_ready = time.monotonic()
         assert held(x)["chunks"] == 5 and held(x)["disk"] == 3 and len(files(tmp_path, "x")) == 3
-        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "x") == 0, 6)
-        assert time.monotonic() - t_ready > 1.0  # not before their time
-        assert wait_until(lambda: held(x)["chunks"] == 0, 2)
+        agents.append(start(tmp_path, "y", cluster_name, etcd.endpoints, seeds=(2,)))  # no TTL: keeps its chunks
+        y = agents[1].wait_ready()
+        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "x") == 0, 15)
+        assert time.monotonic() - t_ready > 2.0  # not before their time
+        assert wait_until(lambda: held(x)["chunks"] == 0, 3)
         assert held(x)["used"] == 0 and held(x)["ttl"] == 5 and files(tmp_path, "x") == []
         assert count(block_entries(etcd, cluster_name), "y") == 5 and held(y)["chunks"] == 5
     finally:
