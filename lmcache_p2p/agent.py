@@ -141,6 +141,7 @@ class CacheAgent:
             metrics_url=metrics_url,
             models={self.fp.hex(): self.fingerprint.model_id},
             tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
+            tls=self.config.transfer.tls,
         )
 
     def _publish_record(self) -> None:
@@ -259,8 +260,9 @@ class CacheAgent:
                          usable=usable, inflight=inflight, num_tokens=num_tokens)
 
     def _usable(self, record: NodeRecord | None) -> bool:
-        """A peer we can pull from now: same wire version, a common transport, not backed off."""
-        if record is None or record.wire_version != WIRE_VERSION or self._transport_for(record) is None:
+        """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
+        if (record is None or record.wire_version != WIRE_VERSION or record.tls != self.config.transfer.tls
+                or self._transport_for(record) is None):
             return False
         peer = self._peer_address(record)
         return peer is not None and self._stack is not None and self._stack.health.available(peer)

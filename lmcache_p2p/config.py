@@ -125,6 +125,9 @@ class TransferConfig:
     max_frame_bytes: int = 1 << 20
     backoff_s: float = 2.0
     payload_mac: bool = False  # a per-session keyed MAC over every TCP chunk (see transfer/wire.py)
+    tls_ca_cert: str | None = None  # all three: mutual TLS under the cluster CA (see transfer/tls.py)
+    tls_cert: str | None = None
+    tls_key: str | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.transports) > 0, "transfer.transports", "must name at least one transport")
@@ -136,6 +139,15 @@ class TransferConfig:
         _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
         if self.secret is not None:
             check_secret(self.secret, "transfer.secret")
+        tls = (self.tls_ca_cert, self.tls_cert, self.tls_key)
+        for name, value in zip(("tls_ca_cert", "tls_cert", "tls_key"), tls, strict=True):
+            _check(all(v is None for v in tls) or value is not None, f"transfer.{name}",
+                   "TLS needs all three of tls_ca_cert, tls_cert and tls_key")
+            _check(value is None or os.path.isfile(value), f"transfer.{name}", f"no such file: {value!r}")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert is not None
 
 
 MIN_SECRET_BYTES = 32

@@ -16,6 +16,7 @@ from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.agent_main import fingerprint_of
+from lmcache_p2p.certs import make_certs
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import HandshakeError
@@ -31,8 +32,10 @@ from lmcache_p2p.transfer.nixl_engine import nixl_available
 TOKENS = 1024 + 100  # 4 full chunks and a partial tail
 
 
-def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str = "c") -> CacheAgent:
-    cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints))
+def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str = "c",
+              transfer: dict[str, str] | None = None) -> CacheAgent:
+    cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints,
+                            transfer=transfer))
     metrics = AgentMetrics(CollectorRegistry())
     return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=metrics).start()
@@ -247,3 +250,30 @@ def test_per_peer_state_is_bounded_by_the_live_nodes(etcd, cluster_name, tmp_pat
     finally:
         c.stop()
         a.stop()
+
+
+def test_a_tls_mesh_pulls_over_tls_and_skips_plain_peers(etcd, cluster_name, tmp_path):
+    made = make_certs(tmp_path / "pki", ["a", "c"])
+
+    def tls(name: str) -> dict[str, str]:
+        return {"tls_ca_cert": str(tmp_path / "pki" / "ca.crt"), "tls_cert": str(made[name][0]),
+                "tls_key": str(made[name][1])}
+
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints,
+                                transfer=tls("a")), seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    b = AgentProcess(agent_yaml(tmp_path / "b.yaml", node="b", cluster=cluster_name, endpoints=etcd.endpoints),
+                     seeds=(2,), tokens=TOKENS, log=tmp_path / "b.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints, transfer=tls("c"))
+    try:
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        assert wait_until(lambda: "b" in c.index.nodes(), 10) and c.index.nodes()["b"].tls is False
+        assert c.index.nodes()["a"].tls is True
+        loaded, plan = load_and_check(c, 1)
+        assert loaded == [True] * 5 and {ch.source for ch in plan.chunks} == {"a"}
+        # b holds prompt 2 but speaks plain TCP: never offered to a TLS node, so no wasted connects
+        assert c.index.owners(c.fp, c.keys_for(synthetic_tokens(2, TOKENS))[0])[0] != {}
+        assert c.lookup(synthetic_tokens(2, TOKENS)).chunks == ()
+    finally:
+        c.stop()
+        a.stop()
+        b.stop()

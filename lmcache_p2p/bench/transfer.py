@@ -6,6 +6,8 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 - ``tcp``: :class:`TcpTransport` pulls (handshake done, protocol, verify, commit)
 - ``tcp_mac``: the same with ``transfer.payload_mac`` (a keyed BLAKE3 per chunk, computed by the
   owner and checked by the requester): ``tcp_mac_vs_tcp`` is its cost
+- ``tcp_tls``: the same over mutual TLS 1.3 (``transfer.tls_*``, a second owner process holding the
+  same chunks, certificates from a throw-away CA): ``tcp_tls_vs_tcp`` is its cost
 - ``raw_socket``: the same bytes from the same owner process over one plain socket,
   blocking ``recv_into`` into a preallocated buffer (no protocol, no checks)
 - ``nixl``: :class:`NixlTransport` pulls (pin round trip, one READ, verify, commit, release)
@@ -23,6 +25,7 @@ import json
 import os
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -30,7 +33,8 @@ from typing import Any
 
 import psutil
 
-from ..config import parse_size
+from ..certs import make_certs
+from ..config import TransferConfig, parse_size
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import PeerAddress, Transport
@@ -38,6 +42,7 @@ from ..transfer.client import TcpTransport
 from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available
 from ..transfer.peer_process import OwnerProcess
+from ..transfer.tls import client_context
 
 SECRET = "bench-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"bench-fingerprnt")
@@ -124,6 +129,7 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
         out["tcp_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp_mac, peer, keys, dst, size))
         out["tcp_mac_vs_tcp"] = out["tcp_mac_gbps"] / out["tcp_gbps"]
         await tcp_mac.close()
+        out.update(await _tls_gbps(n, size, repeat, keys, dst, out["tcp_gbps"]))
         if use_nixl:
             engine = NixlEngine(f"bench-{os.getpid()}", dst)
             nixl = NixlTransport(engine, SECRET.encode(), 10.0)
@@ -135,6 +141,21 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
             await nixl.close()
             await engine.close()
     return out
+
+
+async def _tls_gbps(n: int, size: int, repeat: int, keys: list[ChunkKey], dst: CpuPool,
+                    tcp_gbps: float) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as pki:
+        made = make_certs(pki, ["owner", "requester"], days=1)
+        ca = f"{pki}/ca.crt"
+        tc = TransferConfig(tls_ca_cert=ca, tls_cert=str(made["requester"][0]), tls_key=str(made["requester"][1]))
+        tls_owner = (ca, str(made["owner"][0]), str(made["owner"][1]))
+        with OwnerProcess(SECRET, FP, n, size, timeout_s=5.0, tls=tls_owner) as owner:
+            tcp_tls = TcpTransport(SECRET.encode(), 10.0, tls=client_context(tc))
+            peer = PeerAddress("127.0.0.1", owner.port, "tls-owner")
+            gbps = await _median(repeat, lambda: _pull_gbps(tcp_tls, peer, keys, dst, size))
+            await tcp_tls.close()
+    return {"tcp_tls_gbps": gbps, "tcp_tls_vs_tcp": gbps / tcp_gbps}
 
 
 async def _latency(repeat: int, use_nixl: bool) -> dict[str, Any]:
@@ -189,12 +210,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _table(summary: dict[str, Any]) -> str:
-    lines = [f"{'workload':<16}{'tcp':>8}{'raw sock':>10}{'ratio':>7}{'nixl':>8}{'raw nixl':>10}{'ratio':>7}  GB/s"]
+    lines = [f"{'workload':<16}{'tcp':>8}{'raw sock':>10}{'ratio':>7}{'nixl':>8}{'raw nixl':>10}{'ratio':>7}"
+             f"{'tcp+mac':>9}{'ratio':>7}{'tcp+tls':>9}{'ratio':>7}  GB/s"]
     for w in summary["workloads"]:
         name = f"{w['chunks']} x {w['chunk_bytes'] >> 10} KiB"
         nixl = (f"{w['nixl_gbps']:>8.2f}{w['raw_nixl_gbps']:>10.2f}{w['nixl_vs_raw']:>7.2f}" if "nixl_gbps" in w
                 else f"{'-':>8}{'-':>10}{'-':>7}")
-        lines.append(f"{name:<16}{w['tcp_gbps']:>8.2f}{w['raw_socket_gbps']:>10.2f}{w['tcp_vs_raw']:>7.2f}{nixl}")
+        lines.append(f"{name:<16}{w['tcp_gbps']:>8.2f}{w['raw_socket_gbps']:>10.2f}{w['tcp_vs_raw']:>7.2f}{nixl}"
+                     f"{w['tcp_mac_gbps']:>9.2f}{w['tcp_mac_vs_tcp']:>7.2f}{w['tcp_tls_gbps']:>9.2f}"
+                     f"{w['tcp_tls_vs_tcp']:>7.2f}")
     lines.append(f"single 2 MiB pull over tcp: p50 {summary['pull_p50_ms']:.2f} ms, "
                  f"p99 {summary['pull_p99_ms']:.2f} ms")
     if "nixl_pull_p50_ms" in summary:

@@ -140,7 +140,7 @@ def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...], defaul
         raise MalformedRecord("node record", f"{name}: missing")
     if value is default:
         return value
-    if not isinstance(value, kind) or isinstance(value, bool):  # bool is an int, never a valid field here
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):  # a bool is an int
         raise MalformedRecord("node record", f"{name}: expected {kind}, got {type(value).__name__}")
     return value
 
@@ -182,6 +182,7 @@ class NodeRecord:
     metrics_url: str | None = None
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
     tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
+    tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
 
     def pack(self) -> bytes:
         return msgpack.packb(
@@ -224,7 +225,7 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         fingerprints=fingerprints, capacities=dict(capacities),
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
-        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"))
+        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False))
 
 
 # ---- invalidations ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from .base import MissReason, PeerAddress, PullResult
 from .connection import Connection
 from .health import PeerHealth
 from .netio import set_keepalive
+from .tls import peer_binding
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +32,11 @@ def batch_size(max_frame_bytes: int) -> int:
 
 class ConnectionPool:
     def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False,
-                 payload_mac: bool = False) -> None:
+                 payload_mac: bool = False, tls: ssl.SSLContext | None = None) -> None:
         if not secret:
             raise ValueError("secret must not be empty")
         self._secret = secret
+        self._tls = tls  # mutual TLS under the cluster CA (client context), see tls.py
         self._payload_mac = payload_mac
         self._timeout = timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -64,11 +67,14 @@ class ConnectionPool:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: Connection(str(peer), self.max_frame_bytes), peer.host, peer.port),
+                loop.create_connection(lambda: Connection(str(peer), self.max_frame_bytes), peer.host, peer.port,
+                                       ssl=self._tls, ssl_handshake_timeout=timeout if self._tls else None),
                 timeout,
             )
         except TimeoutError as exc:
             raise PeerTimeout(f"{peer}: connect timed out") from exc
+        except ssl.SSLError as exc:
+            raise HandshakeError(f"{peer}: TLS handshake failed: {exc.reason or exc}") from exc
         except OSError as exc:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
         set_keepalive(conn.transport_socket())
@@ -83,6 +89,7 @@ class ConnectionPool:
         return conn
 
     async def _handshake(self, conn: Connection, fp: FingerprintDigest, timeout: float) -> None:
+        binding = peer_binding(conn.ssl_object()) if self._tls is not None else b""
         nonce_c = wire.nonce()
         conn.send({"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c, "nixl": self._want_nixl,
                    "mac": self._payload_mac})
@@ -91,12 +98,13 @@ class ConnectionPool:
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
         nonce_s = wire.field(challenge, "ns", bytes)
         if challenge["t"] != "challenge" or not wire.proof_ok(
-            wire.proof(self._secret, b"S", fp, nonce_c, nonce_s), challenge.get("proof")
+            wire.proof(self._secret, b"S", fp, nonce_c, nonce_s, binding), challenge.get("proof")
         ):
-            raise HandshakeError(f"{conn.peer} failed to prove the cluster secret")
-        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s)})
+            raise HandshakeError(f"{conn.peer} failed to prove the cluster secret"
+                                 + (" over this TLS channel" if binding else ""))
+        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s, binding)})
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
-            conn.mac_key = wire.session_key(self._secret, fp, nonce_c, nonce_s)
+            conn.mac_key = wire.session_key(self._secret, fp, nonce_c, nonce_s, binding)
         ready = await conn.control(timeout)
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
@@ -152,8 +160,9 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 health: PeerHealth | None = None, payload_mac: bool = False) -> None:
-        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac)
+                 health: PeerHealth | None = None, payload_mac: bool = False, tls: ssl.SSLContext | None = None,
+                 ) -> None:
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls)
         self.health = health if health is not None else PeerHealth(2.0)
 
     async def pull(

@@ -20,6 +20,7 @@ import hmac
 import itertools
 import logging
 import socket
+import ssl
 from collections.abc import Sequence
 
 from ..chunk import ChunkHeader, verify
@@ -294,6 +295,9 @@ class Connection(asyncio.BufferedProtocol):
 
     def transport_socket(self) -> socket.socket | None:
         return self._transport.get_extra_info("socket") if self._transport is not None else None
+
+    def ssl_object(self) -> ssl.SSLObject | None:
+        return self._transport.get_extra_info("ssl_object") if self._transport is not None else None
 
     def abandon(self, request: _Request) -> None:
         """Stop caring about ``request``: its remaining frames are read and dropped."""

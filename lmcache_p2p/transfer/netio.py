@@ -67,6 +67,19 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket, deadli
         raise PeerTimeout("peer stopped reading")
 
 
+class PlainChannel:
+    """The owner's side of one plain TCP connection (see :class:`~.tls.TlsChannel` for TLS)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def recv_exact(self, buf: memoryview, timeout: float) -> None:
+        await recv_exact(self.sock, buf, timeout)
+
+    async def send_all(self, buffers: Sequence[bytes | memoryview], timeout: float) -> None:
+        await send_all(self.sock, buffers, timeout)
+
+
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
 
 

@@ -18,6 +18,7 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import ssl
 from collections.abc import Collection, Sequence
 
 from ..chunk import ChunkHeader, verify
@@ -43,9 +44,10 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, engine: NixlEngine, secret: bytes, timeout_s: float = 5.0,
-                 max_frame_bytes: int = 1 << 20, health: PeerHealth | None = None) -> None:
+                 max_frame_bytes: int = 1 << 20, health: PeerHealth | None = None,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.engine = engine
-        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True)
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True, tls=tls)
         self.health = health if health is not None else PeerHealth(2.0)
         self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
         self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer

@@ -59,7 +59,8 @@ def _serve(args: argparse.Namespace) -> int:
         node_id=f"owner-{os.getpid()}",
         tiers=TierConfig(pin_timeout_s=args.pin_timeout),
         transfer=TransferConfig(transports=tuple(args.transports.split(",")), timeout_s=args.timeout,
-                                payload_mac=args.payload_mac),
+                                payload_mac=args.payload_mac, tls_ca_cert=args.tls_ca, tls_cert=args.tls_cert,
+                                tls_key=args.tls_key),
     )
     gc.collect()
     gc.freeze()  # keep full collections off the serving path (torch's objects are long-lived)
@@ -119,7 +120,8 @@ class OwnerProcess:
     def __init__(self, secret: str, fingerprint: FingerprintDigest, chunks: int, chunk_bytes: int, *,
                  seed: int = 0, transports: str = "tcp", pin_timeout_s: float = 30.0, timeout_s: float = 5.0,
                  spare_slots: int = 4, slot_bytes: int | None = None, start_timeout_s: float = 60.0,
-                 payload_mac: bool = False) -> None:
+                 payload_mac: bool = False, tls: tuple[str, str, str] | None = None) -> None:
+        """``tls``: (CA, certificate, key) files: the owner serves only mutual TLS under that CA."""
         env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
         argv = [sys.executable, "-m", "lmcache_p2p.transfer.peer_process", "--secret", secret,
                 "--fingerprint", fingerprint.hex(), "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes),
@@ -127,6 +129,8 @@ class OwnerProcess:
                 "--pin-timeout", str(pin_timeout_s), "--timeout", str(timeout_s), "--spare", str(spare_slots)]
         if payload_mac:
             argv.append("--payload-mac")
+        if tls is not None:
+            argv += ["--tls-ca", tls[0], "--tls-cert", tls[1], "--tls-key", tls[2]]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         self.fingerprint, self.seed, self.chunk_bytes = fingerprint, seed, chunk_bytes
         self.info = self._read(start_timeout_s)
@@ -184,6 +188,9 @@ class OwnerProcess:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lmcache_p2p.transfer.peer_process")
     p.add_argument("--payload-mac", action="store_true")
+    p.add_argument("--tls-ca")
+    p.add_argument("--tls-cert")
+    p.add_argument("--tls-key")
     p.add_argument("--secret", required=True)
     p.add_argument("--fingerprint", required=True)
     p.add_argument("--chunks", type=int, default=8)

@@ -3,7 +3,9 @@
 One task per connection, on raw non-blocking sockets: requests are read with
 ``sock_recv_into`` and every chunk leaves as ``sendmsg([frame, slot view])`` straight out of
 the pinned slot (no payload copy; asyncio 3.11 transports would copy what the kernel does not
-take at once). Requests of one connection are served in order; connections are independent.
+take at once). With TLS (``transfer.tls_*``) the same socket carries a :class:`~.tls.TlsChannel`
+and each slot is encrypted from its pinned view. Requests of one connection are served in order;
+connections are independent.
 A connection that fails the handshake or sends a malformed, oversized or truncated frame is
 logged and closed; nothing else is affected and no payload was sent on it.
 """
@@ -16,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -24,8 +27,9 @@ from ..errors import HandshakeError, ProtocolError, TierError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
-from .netio import recv_exact, send_all, set_keepalive
+from .netio import PlainChannel, set_keepalive
 from .nixl_engine import NixlEngine
+from .tls import TlsChannel
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,7 @@ class _Session:
     sock: socket.socket
     peer: str
     source: str = ""
+    chan: PlainChannel | TlsChannel | None = None  # set once the connection is accepted (TLS: handshaken)
     fingerprint: FingerprintDigest = FingerprintDigest(b"")
     authenticated: bool = False
     mac_key: bytes | None = None
@@ -79,6 +84,7 @@ class TransferServer:
         nixl: NixlEngine | None = None,
         prepare: Callable[[ChunkKey], bool] | None = None,
         require_mac: bool = False,
+        tls: tuple[ssl.SSLContext, bytes] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty: every connection is authenticated")
@@ -92,6 +98,7 @@ class TransferServer:
         self._nixl = nixl
         self._prepare = prepare  # makes a chunk held in a slower tier servable from the pool
         self._require_mac = require_mac
+        self._tls = tls  # (server context, channel binding: SHA-256 of our certificate)
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -197,23 +204,34 @@ class TransferServer:
 
     # -- framing ---------------------------------------------------------------------------------
     async def _recv(self, s: _Session, first_byte_timeout: float) -> wire.Message:
+        assert s.chan is not None
         prefix = bytearray(wire.PREFIX_SIZE)
-        await recv_exact(s.sock, memoryview(prefix)[:1], first_byte_timeout)
-        await recv_exact(s.sock, memoryview(prefix)[1:], self._timeout)
+        await s.chan.recv_exact(memoryview(prefix)[:1], first_byte_timeout)
+        await s.chan.recv_exact(memoryview(prefix)[1:], self._timeout)
         header_len, payload_len = wire.decode_prefix(prefix, self._max_frame)
         if payload_len:
             raise ProtocolError(f"peer sent a {payload_len}-byte payload; requests carry none")
         body = bytearray(header_len)
-        await recv_exact(s.sock, memoryview(body), self._timeout)
+        await s.chan.recv_exact(memoryview(body), self._timeout)
         return wire.decode(body)
 
-    async def _send(self, s: _Session, msg: wire.Message, payload: memoryview | None = None) -> None:
-        frame = wire.encode(msg, 0 if payload is None else len(payload))
-        await send_all(s.sock, [frame] if payload is None else [frame, payload], self._timeout)
+    async def _send(self, s: _Session, msg: wire.Message) -> None:
+        assert s.chan is not None
+        await s.chan.send_all([wire.encode(msg)], self._timeout)
 
     # -- handshake -------------------------------------------------------------------------------
     async def _handshake(self, s: _Session) -> None:
         step = min(self._timeout, HANDSHAKE_STEP_S)
+        binding = b""
+        if self._tls is None:
+            s.chan = PlainChannel(s.sock)
+        else:
+            chan = TlsChannel(s.sock, self._tls[0])
+            try:
+                await chan.handshake(step)
+            except ssl.SSLError as exc:  # no cluster certificate, not TLS at all, ...
+                raise HandshakeError(f"TLS handshake failed: {exc.reason or exc}") from exc
+            s.chan, binding = chan, self._tls[1]
         hello = await self._recv(s, step)
         if hello["t"] != "hello":
             raise ProtocolError(f"expected hello, got {hello['t']!r}")
@@ -225,17 +243,17 @@ class TransferServer:
         if len(nonce_c) != wire.NONCE_BYTES:
             raise ProtocolError("bad client nonce")
         nonce_s = wire.nonce()
-        proof = wire.proof(self._secret, b"S", fingerprint, nonce_c, nonce_s)
+        proof = wire.proof(self._secret, b"S", fingerprint, nonce_c, nonce_s, binding)
         await self._send(s, {"t": "challenge", "ns": nonce_s, "proof": proof})
         auth = await self._recv(s, step)
-        expected = wire.proof(self._secret, b"C", fingerprint, nonce_c, nonce_s)
+        expected = wire.proof(self._secret, b"C", fingerprint, nonce_c, nonce_s, binding)
         if auth["t"] != "auth" or not wire.proof_ok(expected, auth.get("proof")):
             raise HandshakeError("client failed to prove the cluster secret")
         if fingerprint not in self.fingerprints:  # told only to a peer that proved the secret
             await self._refuse(s, "fingerprint")
             raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
         if hello.get("mac") is True:
-            s.mac_key = wire.session_key(self._secret, fingerprint, nonce_c, nonce_s)
+            s.mac_key = wire.session_key(self._secret, fingerprint, nonce_c, nonce_s, binding)
         elif self._require_mac:
             await self._refuse(s, "payload MAC required")
             raise HandshakeError("client did not ask for the payload MAC this node requires")
@@ -315,7 +333,8 @@ class TransferServer:
             self._unpin_all(pins)
 
     async def _flush(self, s: _Session, buffers: list[bytes | memoryview], pins: list[Pin]) -> None:
-        await send_all(s.sock, buffers, self._timeout)
+        assert s.chan is not None
+        await s.chan.send_all(buffers, self._timeout)
         self.stats.chunks_sent += len(pins)
         self.stats.bytes_sent += sum(p.header.length for p in pins)
         self._unpin_all(pins)

@@ -19,7 +19,7 @@ from ..config import AgentConfig, cluster_secret
 from ..errors import ConfigError, ProtocolError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from . import wire
+from . import tls, wire
 from .base import PeerAddress, Transport
 from .client import TcpTransport
 from .health import PeerHealth
@@ -54,18 +54,23 @@ class TransferStack:
         nixl = None
         if "nixl" in tc.transports:
             nixl = NixlEngine(f"{config.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}", pool)
+        server_tls = client_tls = None
+        if tc.tls:
+            assert tc.tls_cert is not None
+            server_tls, client_tls = (tls.server_context(tc), tls.own_binding(tc.tls_cert)), tls.client_context(tc)
         server = TransferServer(
             pool, fingerprints, secret, host=tc.listen_host, port=tc.port, timeout_s=tc.timeout_s,
             max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s, nixl=nixl,
-            prepare=prepare, require_mac=tc.payload_mac,
+            prepare=prepare, require_mac=tc.payload_mac, tls=server_tls,
         )
         transports: dict[str, Transport] = {}
         for name in tc.transports:
             if name == "tcp":
                 transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                payload_mac=tc.payload_mac)
+                                                payload_mac=tc.payload_mac, tls=client_tls)
             elif name == "nixl" and nixl is not None:
-                transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health)
+                transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health,
+                                                 tls=client_tls)
         return cls(config, server, transports, nixl, health)
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:

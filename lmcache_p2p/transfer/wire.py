@@ -15,6 +15,9 @@ Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerpr
     C -> S  auth      {proof = HMAC(K, "C" v fp nc ns)}    S checks before serving anything, then fp
     S -> C  ready     {nixl: {name, md} | None}
 
+With TLS (``transfer.tls_*``) all of this runs inside mutual TLS and both proofs also cover
+SHA-256 of the owner's certificate (channel binding, see ``tls.py``).
+
 With ``mac`` (``transfer.payload_mac``), both sides derive a session key
 ``HMAC(K, "M" v fp nc ns)`` and every chunk frame carries ``m``, a keyed BLAKE3 of its request id,
 index, header and payload: a relay on the path that passed the handshake still cannot change a
@@ -42,7 +45,7 @@ import msgpack
 
 from ..errors import ProtocolError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: proofs carry a channel binding (TLS)
 PREFIX = struct.Struct("<II")
 PREFIX_SIZE = PREFIX.size
 NONCE_BYTES = 32
@@ -95,15 +98,18 @@ def nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
-    """HMAC-SHA256 binding the role, version, fingerprint and both nonces."""
-    msg = b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + fingerprint + nonce_c + nonce_s
+def proof(secret: bytes, role: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes,
+          binding: bytes = b"") -> bytes:
+    """HMAC-SHA256 binding the role, version, fingerprint, both nonces and, with TLS, the channel
+    (SHA-256 of the owner's certificate, see ``tls.py``; empty without TLS)."""
+    msg = (b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + fingerprint + nonce_c + nonce_s
+           + struct.pack("<B", len(binding)) + binding)
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def session_key(secret: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes) -> bytes:
+def session_key(secret: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes, binding: bytes = b"") -> bytes:
     """The per-session payload MAC key: both nonces make it fresh for every connection."""
-    return proof(secret, b"M", fingerprint, nonce_c, nonce_s)
+    return proof(secret, b"M", fingerprint, nonce_c, nonce_s, binding)
 
 
 def chunk_mac(key: bytes, rid: int, index: int, header: bytes, payload: memoryview | bytes) -> bytes:

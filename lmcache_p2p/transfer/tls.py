@@ -1,0 +1,140 @@
+"""TLS for the TCP transport (``transfer.tls_ca_cert``, ``tls_cert``, ``tls_key``): opt-in, all or none.
+
+Every node holds a certificate and key issued by the cluster's CA (``scripts/make-certs.sh``).
+Connections are mutual TLS 1.3 under that CA: an owner refuses a client without a cluster
+certificate before reading a byte of the HMAC handshake, and a requester refuses an owner
+without one. Host names are not checked (peers are addressed by the IPs in their node records);
+instead the handshake is *bound* to the TLS channel: both HMAC proofs cover SHA-256 of the
+owner's certificate (RFC 5929 "tls-server-end-point"). A relay holding some other cluster
+certificate that terminates TLS on both sides presents its own certificate to the requester, so
+neither proof verifies: holding a certificate is not enough, the cluster secret is still needed,
+and what crosses the wire is encrypted and integrity-protected by TLS.
+
+Requesters use asyncio's TLS transport. The owner serves on raw non-blocking sockets (zero-copy
+``sendmsg`` of pinned slots when TLS is off); with TLS, :class:`TlsChannel` drives an
+``ssl.SSLObject`` over memory BIOs on the same socket: each slot is encrypted straight from its
+pinned view into the outgoing BIO.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import socket
+import ssl
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..config import TransferConfig
+from ..errors import ConfigError, PeerTimeout
+from .netio import send_all
+
+_READ_BYTES = 1 << 18
+
+
+def _context(tc: TransferConfig, purpose: ssl.Purpose) -> ssl.SSLContext:
+    assert tc.tls_ca_cert is not None and tc.tls_cert is not None and tc.tls_key is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if purpose is ssl.Purpose.CLIENT_AUTH else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.check_hostname = False  # the handshake is bound to the owner's certificate instead (see above)
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    try:
+        ctx.load_verify_locations(cafile=tc.tls_ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("transfer.tls_ca_cert", f"cannot load {tc.tls_ca_cert}: {exc}") from exc
+    try:
+        ctx.load_cert_chain(tc.tls_cert, tc.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError("transfer.tls_cert", f"cannot load {tc.tls_cert} with key {tc.tls_key}: {exc}") from exc
+    return ctx
+
+
+def server_context(tc: TransferConfig) -> ssl.SSLContext:
+    return _context(tc, ssl.Purpose.CLIENT_AUTH)
+
+
+def client_context(tc: TransferConfig) -> ssl.SSLContext:
+    return _context(tc, ssl.Purpose.SERVER_AUTH)
+
+
+def cert_binding(der: bytes) -> bytes:
+    """The channel binding both HMAC proofs cover: SHA-256 of the owner's certificate (DER)."""
+    return hashlib.sha256(der).digest()
+
+
+def own_binding(cert_path: str) -> bytes:
+    """:func:`cert_binding` of the first certificate in a PEM file (this owner's own)."""
+    pem = Path(cert_path).read_text()
+    end = pem.find("-----END CERTIFICATE-----")
+    if end < 0:
+        raise ConfigError("transfer.tls_cert", f"{cert_path} holds no PEM certificate")
+    return cert_binding(ssl.PEM_cert_to_DER_cert(pem[: end + len("-----END CERTIFICATE-----")]))
+
+
+def peer_binding(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bytes:
+    """:func:`cert_binding` of the certificate the owner presented on this connection."""
+    der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
+    if not der:
+        raise ssl.SSLError("the owner presented no certificate")
+    return cert_binding(der)
+
+
+class TlsChannel:
+    """Server-side TLS over a non-blocking socket: exact reads and ordered sends with deadlines."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext) -> None:
+        self.sock = sock
+        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+        self._ssl = ctx.wrap_bio(self._in, self._out, server_side=True)
+        self._buf = bytearray(_READ_BYTES)
+
+    async def handshake(self, timeout: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                self._ssl.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self._flush(deadline)
+                await self._fill(deadline)
+        await self._flush(deadline)
+
+    async def recv_exact(self, buf: memoryview, timeout: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        pos = 0
+        while pos < len(buf):
+            try:
+                n: int = self._ssl.read(len(buf) - pos, buf[pos:])  # type: ignore[assignment]  # into buf
+            except ssl.SSLWantReadError:
+                await self._flush(deadline)  # TLS 1.3 may owe the peer records (tickets, key updates)
+                await self._fill(deadline)
+                continue
+            except ssl.SSLZeroReturnError as exc:
+                raise ConnectionResetError("peer closed the TLS session") from exc
+            if n == 0:
+                raise ConnectionResetError("peer closed the connection")
+            pos += n
+
+    async def send_all(self, buffers: Sequence[bytes | memoryview], timeout: float) -> None:
+        deadline = asyncio.get_running_loop().time() + timeout
+        for b in buffers:
+            self._ssl.write(b)  # encrypts into the outgoing BIO (the one copy TLS needs)
+        await self._flush(deadline)
+
+    async def _fill(self, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise PeerTimeout("TLS: no data in time")
+        try:
+            n = await asyncio.wait_for(loop.sock_recv_into(self.sock, self._buf), remaining)
+        except TimeoutError as exc:
+            raise PeerTimeout("TLS: no data in time") from exc
+        if n == 0:
+            raise ConnectionResetError("peer closed the connection")
+        self._in.write(memoryview(self._buf)[:n])
+
+    async def _flush(self, deadline: float) -> None:
+        if self._out.pending:
+            remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+            await send_all(self.sock, [self._out.read()], remaining)

@@ -1,0 +1,195 @@
+"""TLS on the TCP transport, between real processes: mutual TLS under the cluster CA, the HMAC
+handshake bound to the owner's certificate, and what a relay on the path can and cannot do."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from relay import Relay
+
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.certs import make_certs
+from lmcache_p2p.config import TransferConfig
+from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest
+from lmcache_p2p.tiers.cpu_pool import CpuPool
+from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
+from lmcache_p2p.transfer.client import TcpTransport
+from lmcache_p2p.transfer.peer_process import OwnerProcess, demo_chunk
+from lmcache_p2p.transfer.tls import client_context, server_context
+
+SECRET = "tls-test-secret-7f3a9c1e5b2d80461c9e4a7b0c"
+FP = FingerprintDigest(b"tls-fingerprint!")
+SIZE = 256 << 10
+N = 8
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("pki")
+    make_certs(d, ["owner", "requester", "mallory"])  # mallory: a valid cluster certificate, no secret
+    make_certs(d / "other", ["stranger"])  # another CA altogether
+    return d
+
+
+def tls_config(pki: Path, name: str, ca: Path | None = None) -> TransferConfig:
+    return TransferConfig(tls_ca_cert=str(ca or pki / "ca.crt"), tls_cert=str(pki / f"{name}.crt"),
+                          tls_key=str(pki / f"{name}.key"))
+
+
+@pytest.fixture(scope="module")
+def owner(pki: Path) -> Iterator[OwnerProcess]:
+    o = OwnerProcess(SECRET, FP, N, SIZE, seed=7,
+                     tls=(str(pki / "ca.crt"), str(pki / "owner.crt"), str(pki / "owner.key")))
+    yield o
+    o.close()
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread("tls-test")
+    yield lt
+    lt.stop()
+
+
+def pull(loop: LoopThread, client: TcpTransport, port: int, keys: list[ChunkKey], pool: CpuPool) -> PullResult:
+    try:
+        return loop.run(client.pull(PeerAddress("127.0.0.1", port, "owner"), FP, keys, pool, 5.0), 15)
+    finally:
+        loop.run(client.close(), 10)
+
+
+def test_tls_pulls_are_byte_exact(owner: OwnerProcess, pki: Path, loop: LoopThread) -> None:
+    pool = CpuPool(SIZE * (N + 2), SIZE)
+    keys = [owner.key(i) for i in range(N)]
+    result = pull(loop, TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester"))),
+                  owner.port, keys, pool)
+    assert len(result.loaded) == N and not result.missed
+    for i, key in enumerate(keys):
+        out = np.empty(SIZE, np.uint8)
+        assert pool.read_into(key, out.data) is not None
+        np.testing.assert_array_equal(out, demo_chunk(owner.seed, i, SIZE, FP)[1])
+
+
+def test_tls_owner_refuses_plain_tcp_strangers_and_wrong_secrets(owner: OwnerProcess, pki: Path,
+                                                                   loop: LoopThread) -> None:
+    keys = [owner.key(i) for i in range(2)]
+    before = owner.command({"cmd": "stats"})["rejected"]
+    clients = [
+        TcpTransport(SECRET.encode(), 3.0),  # no TLS at all
+        # trusts the cluster CA, but its own certificate comes from another CA
+        TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki / "other", "stranger", pki / "ca.crt"))),
+        # a cluster certificate, not the secret: the owner's proof fails at the requester, which hangs up
+        TcpTransport(b"x" * 40, 3.0, tls=client_context(tls_config(pki, "requester"))),
+    ]
+    for client in clients:
+        pool = CpuPool(SIZE * 4, SIZE)
+        result = pull(loop, client, owner.port, keys, pool)
+        assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+        assert len(pool) == 0
+    assert owner.command({"cmd": "stats"})["rejected"] - before == 2  # refused before the HMAC handshake
+
+
+def test_requester_refuses_an_owner_without_a_cluster_certificate(pki: Path, loop: LoopThread) -> None:
+    other = pki / "other"
+    stranger = OwnerProcess(SECRET, FP, 2, SIZE,
+                            tls=(str(other / "ca.crt"), str(other / "stranger.crt"), str(other / "stranger.key")))
+    try:
+        pool = CpuPool(SIZE * 4, SIZE)
+        client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester")))
+        result = pull(loop, client, stranger.port, [stranger.key(0)], pool)
+        assert not result.loaded and len(pool) == 0
+    finally:
+        stranger.close()
+
+
+class TerminatingRelay(Relay):
+    """A man in the middle holding a *valid* cluster certificate (no cluster secret): it terminates
+    TLS towards the requester and opens its own TLS session to the owner, relaying the plaintext."""
+
+    def __init__(self, target_port: int, pki: Path) -> None:
+        cfg = tls_config(pki, "mallory")
+        self._server_ctx, self._client_ctx = server_context(cfg), client_context(cfg)
+        self.relayed = 0
+        super().__init__(target_port)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                raw, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._session, args=(raw,), daemon=True).start()
+
+    def _session(self, raw: socket.socket) -> None:
+        with contextlib.suppress(OSError), contextlib.ExitStack() as open_sockets:
+            open_sockets.enter_context(raw)
+            client = open_sockets.enter_context(self._server_ctx.wrap_socket(raw, server_side=True))
+            plain = open_sockets.enter_context(socket.create_connection(("127.0.0.1", self._target)))
+            server = open_sockets.enter_context(self._client_ctx.wrap_socket(plain))
+            self.relayed += 1
+            upstream = threading.Thread(target=self.pipe, args=(client, server), daemon=True)
+            upstream.start()
+            self.pipe(server, client)
+            server.close()
+            client.close()
+            upstream.join(5)
+
+
+def test_a_relay_with_a_cluster_certificate_cannot_pass_the_bound_handshake(owner: OwnerProcess, pki: Path,
+                                                                            loop: LoopThread) -> None:
+    relay = TerminatingRelay(owner.port, pki)
+    try:
+        pool = CpuPool(SIZE * 4, SIZE)
+        client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester")))
+        result = pull(loop, client, relay.port, [owner.key(0), owner.key(1)], pool)
+        assert relay.relayed == 1  # both TLS sessions were up: only the channel binding stopped it
+        assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+        assert len(pool) == 0
+    finally:
+        relay.close()
+
+
+class FlippingRelay(Relay):
+    """Flips one bit of the owner's stream 64 KiB in: inside a chunk payload, after the handshake."""
+
+    def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
+        seen = 0
+        with contextlib.suppress(OSError):
+            while data := owner.recv(16384):
+                if seen <= 65536 < seen + len(data):
+                    data = bytearray(data)
+                    data[65536 - seen] ^= 0x10
+                seen += len(data)
+                requester.sendall(data)
+
+
+def test_bytes_changed_on_the_path_never_land(owner: OwnerProcess, pki: Path, loop: LoopThread) -> None:
+    relay = FlippingRelay(owner.port)
+    try:
+        pool = CpuPool(SIZE * (N + 2), SIZE)
+        keys = [owner.key(i) for i in range(N)]
+        client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester")))
+        result = pull(loop, client, relay.port, keys, pool)
+        assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+        assert len(pool) == 0  # TLS broke the connection at the changed record: nothing committed
+    finally:
+        relay.close()
+
+
+def test_tls_config_is_all_or_nothing_and_names_the_field(pki: Path) -> None:
+    with pytest.raises(ConfigError, match="transfer.tls_key"):
+        TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "owner.crt"))
+    with pytest.raises(ConfigError, match="transfer.tls_cert"):
+        TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "missing.crt"),
+                       tls_key=str(pki / "owner.key"))
+    with pytest.raises(ConfigError, match="transfer.tls_cert"):  # a key that is not the certificate's
+        server_context(TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "owner.crt"),
+                                      tls_key=str(pki / "mallory.key")))
+    assert not TransferConfig().tls and tls_config(pki, "owner").tls
