@@ -1,7 +1,13 @@
-"""The etcd connection: one gRPC channel over every endpoint, TLS and user/password from
+"""The etcd connection: gRPC channels to the endpoints, TLS and user/password from
 :class:`~lmcache_p2p.config.EtcdConfig`, and the boundary where gRPC and etcd3aio errors become
 :class:`~lmcache_p2p.errors.IndexError_` (:class:`~lmcache_p2p.errors.LeaseLost` for a lease that
 is gone). Everything above this module sees only lmcache-p2p exceptions.
+
+Plain HTTP: one channel balancing round-robin over every member. TLS: one channel *per endpoint*,
+each verifying that member's own host name (or IP) against its certificate (one balanced channel
+can check only one name); calls go to the current endpoint and a transient failure moves to the
+next, so a dead or partitioned member costs one failed call. A member refusing connections is
+skipped within the same call.
 
 Runs on one asyncio loop (the agent's :class:`~lmcache_p2p.aio.LoopThread`); not thread-safe.
 """
@@ -10,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 import grpc
@@ -41,6 +49,7 @@ from ..config import EtcdConfig
 from ..errors import IndexError_, LeaseLost, WatchCompacted
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 WATCH_PROGRESS_S = 5.0  # a quiet watch asks etcd how far it has seen this often
 _DELETE = 1  # mvccpb.Event.EventType
@@ -120,23 +129,31 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(cause, (EtcdConnectionError, EtcdTransientError, TimeoutError, OSError))
 
 
-def channel_target(endpoints: Sequence[str]) -> tuple[str, str | None]:
-    """gRPC target for the endpoints and the TLS server name to verify (None for IPs).
+def _split(endpoint: str) -> tuple[str, int | None]:
+    url = urlsplit(endpoint if "//" in endpoint else "//" + endpoint)
+    return url.hostname or "127.0.0.1", url.port
+
+
+def endpoint_target(endpoint: str) -> str:
+    """The gRPC target of one endpoint; over TLS its host is the name the certificate must carry."""
+    host, port = _split(endpoint)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def channel_target(endpoints: Sequence[str]) -> str:
+    """One plain-HTTP gRPC target for all endpoints.
 
     One endpoint goes through gRPC's DNS resolver (a headless service name may resolve to every
     member). Several are resolved here to addresses and balanced round-robin.
     """
-    hosts = [urlsplit(ep if "//" in ep else "//" + ep) for ep in endpoints]
-    first = hosts[0].hostname or "127.0.0.1"
-    server_name = None if _is_ip(first) else first
+    hosts = [_split(ep) for ep in endpoints]
     if len(hosts) == 1:
-        return f"dns:///{first}:{hosts[0].port}", server_name
+        return f"dns:///{endpoint_target(endpoints[0])}"
     addrs = []
-    for h in hosts:
-        host = h.hostname or "127.0.0.1"
-        ip = host if _is_ip(host) else socket.getaddrinfo(host, h.port, socket.AF_INET)[0][4][0]
-        addrs.append(f"{ip}:{h.port}")
-    return "ipv4:" + ",".join(addrs), server_name
+    for host, port in hosts:
+        ip = host if _is_ip(host) else socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0]
+        addrs.append(f"{ip}:{port}")
+    return "ipv4:" + ",".join(addrs)
 
 
 def _is_ip(host: str) -> bool:
@@ -147,25 +164,31 @@ def _is_ip(host: str) -> bool:
         return False
 
 
+@dataclass(slots=True)
+class _Endpoint:
+    name: str
+    channel: grpc.aio.Channel
+    kv: KVService
+    lease: LeaseService
+    maintenance: MaintenanceService
+
+
 class EtcdClient:
-    """An async etcd client on one channel. ``await connect()`` before use, ``await close()`` after."""
+    """An async etcd client. ``await connect()`` before use, ``await close()`` after."""
 
     def __init__(self, config: EtcdConfig) -> None:
         if not config.endpoints:
             raise IndexError_("etcd.endpoints is empty: configure etcd or start a private one")
         self.config = config
         self.timeout = config.timeout_s
-        self._channel: grpc.aio.Channel | None = None
-        self._kv: KVService | None = None
-        self._lease: LeaseService | None = None
-        self._maintenance: MaintenanceService | None = None
+        self._endpoints: list[_Endpoint] = []
+        self._current = 0
         self._token: str | None = None
         self._refresh_task: asyncio.Task[None] | None = None
 
     async def connect(self, *, lazy: bool = False) -> None:
         """Open the channel. With ``lazy`` nothing waits on etcd: authentication (if configured)
         is retried in the background until etcd answers (agents start while etcd is down)."""
-        target, server_name = channel_target(self.config.endpoints)
         options: list[tuple[str, str | int]] = [
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
@@ -177,20 +200,24 @@ class EtcdClient:
             ("grpc.max_reconnect_backoff_ms", 1_000),
         ]
         tls = self.config.ca_cert is not None or any(ep.startswith("https://") for ep in self.config.endpoints)
+        channels: list[tuple[str, grpc.aio.Channel]] = []
         if tls:
             creds = grpc.ssl_channel_credentials(
                 root_certificates=_read(self.config.ca_cert),
                 private_key=_read(self.config.cert_key),
                 certificate_chain=_read(self.config.cert_cert),
             )
-            if server_name is not None:
-                options.append(("grpc.ssl_target_name_override", server_name))
-            self._channel = grpc.aio.secure_channel(target, creds, options=options)
+            for endpoint in self.config.endpoints:  # the target's host is the name verified
+                target = endpoint_target(endpoint)
+                channels.append((target, grpc.aio.secure_channel(target, creds, options=options)))
         else:
-            self._channel = grpc.aio.insecure_channel(target, options=options)
-        self._kv = KVService(self._channel, max_attempts=3)
-        self._lease = LeaseService(self._channel, max_attempts=3)
-        self._maintenance = MaintenanceService(self._channel, max_attempts=3)
+            target = channel_target(self.config.endpoints)
+            channels.append((target, grpc.aio.insecure_channel(target, options=options)))
+        # Per-endpoint channels: etcd3aio's own retries would stay on one member, failing over is ours.
+        n = 1 if tls else 3
+        self._endpoints = [_Endpoint(name, ch, KVService(ch, max_attempts=n), LeaseService(ch, max_attempts=n),
+                                     MaintenanceService(ch, max_attempts=n)) for name, ch in channels]
+        self._current = 0
         if self.config.user is not None and self.config.password is not None:
             if not lazy:
                 await self._authenticate()
@@ -198,13 +225,13 @@ class EtcdClient:
                                                      name="etcd-token-refresh")
 
     async def _authenticate(self) -> None:
-        assert self._channel is not None and self.config.user is not None and self.config.password is not None
-        with translate("Auth.Authenticate"):
-            resp = await AuthService(self._channel).authenticate(
-                self.config.user, self.config.password, timeout=self.timeout)
+        assert self.config.user is not None and self.config.password is not None
+        user, password = self.config.user, self.config.password
+        resp = await self._unary("Auth.Authenticate",
+                                 lambda ep: AuthService(ep.channel).authenticate(user, password, timeout=self.timeout))
         self._token = resp.token
-        for svc in (self._kv, self._lease, self._maintenance):
-            if svc is not None:
+        for ep in self._endpoints:
+            for svc in (ep.kv, ep.lease, ep.maintenance):
                 svc.set_token(self._token)
 
     async def _refresh_token(self, authenticated: bool) -> None:
@@ -223,9 +250,9 @@ class EtcdClient:
 
     async def close(self) -> None:
         await cancel_and_wait(self._refresh_task)
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = None
+        for ep in self._endpoints:
+            await ep.channel.close()
+        self._endpoints = []
 
     async def __aenter__(self) -> EtcdClient:
         await self.connect()
@@ -236,22 +263,46 @@ class EtcdClient:
 
     # ---- accessors -------------------------------------------------------------------------
     @property
-    def kv(self) -> KVService:
-        if self._kv is None:
+    def endpoint(self) -> _Endpoint:
+        """The endpoint calls go to now."""
+        if not self._endpoints:
             raise IndexError_("etcd client is not connected")
-        return self._kv
+        return self._endpoints[self._current % len(self._endpoints)]
 
     @property
     def lease(self) -> LeaseService:
-        if self._lease is None:
-            raise IndexError_("etcd client is not connected")
-        return self._lease
+        return self.endpoint.lease
 
-    @property
-    def channel(self) -> grpc.aio.Channel:
-        if self._channel is None:
-            raise IndexError_("etcd client is not connected")
-        return self._channel
+    def _failed(self, ep: _Endpoint, exc: IndexError_, always: bool = False) -> None:
+        """After a transient failure on ``ep``, calls go to the next endpoint (if ``ep`` is current)."""
+        if len(self._endpoints) > 1 and (always or is_transient(exc)) and self.endpoint is ep:
+            self._current = (self._current + 1) % len(self._endpoints)
+            log.info("etcd %s failed (%s); next: %s", ep.name, exc, self.endpoint.name)
+
+    @contextlib.contextmanager
+    def _on(self, ep: _Endpoint, operation: str) -> Iterator[None]:
+        """:func:`translate`, moving on to the next endpoint after a transient failure."""
+        try:
+            with translate(operation):
+                yield
+        except IndexError_ as exc:
+            self._failed(ep, exc)
+            raise
+
+    async def _unary(self, operation: str, call: Callable[[_Endpoint], Awaitable[_T]]) -> _T:
+        """``call`` on the current endpoint; an endpoint that refuses (UNAVAILABLE, fast) is skipped
+        within this call, one that times out is left for the next call."""
+        for attempt in range(len(self._endpoints) or 1):
+            ep = self.endpoint
+            try:
+                with self._on(ep, operation):
+                    return await call(ep)
+            except IndexError_ as exc:
+                cause = exc.__cause__
+                refused = isinstance(cause, grpc.aio.AioRpcError) and cause.code() == grpc.StatusCode.UNAVAILABLE
+                if not refused or attempt == len(self._endpoints) - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _metadata(self, require_leader: bool = False) -> tuple[tuple[str, str], ...] | None:
         """Call metadata for raw streams: the auth token and, for watches, etcd's has-leader guard."""
@@ -265,8 +316,7 @@ class EtcdClient:
     # ---- operations ------------------------------------------------------------------------
     async def get(self, key: bytes) -> tuple[KeyValue | None, int]:
         """The key (or None) and the store revision of the read."""
-        with translate("KV.Range"):
-            resp = await self.kv.get(key, timeout=self.timeout)
+        resp = await self._unary("KV.Range", lambda ep: ep.kv.get(key, timeout=self.timeout))
         kvs = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
         return (kvs[0] if kvs else None), resp.header.revision
 
@@ -282,8 +332,7 @@ class EtcdClient:
 
     async def _pages(self, start: bytes, end: bytes, revision: int) -> AsyncIterator[tuple[list[KeyValue], int]]:
         while True:
-            with translate("KV.Range"):
-                resp = await self.kv.get(start, end, revision=revision, limit=RANGE_PAGE, timeout=self.timeout * 4)
+            resp = await self._unary("KV.Range", functools.partial(self._page, start=start, end=end, revision=revision))
             revision = revision or resp.header.revision
             page = [KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in resp.kvs]
             yield page, revision
@@ -291,51 +340,47 @@ class EtcdClient:
                 return
             start = page[-1].key + b"\x00"
 
+    def _page(self, ep: _Endpoint, start: bytes, end: bytes, revision: int) -> Awaitable[_rpc.RangeResponse]:
+        return ep.kv.get(start, end, revision=revision, limit=RANGE_PAGE, timeout=self.timeout * 4)
+
     async def count_prefix(self, prefix: bytes) -> int:
-        with translate("KV.Range"):
-            resp = await self.kv.get(prefix, prefix_range_end(prefix), count_only=True, timeout=self.timeout)
+        resp = await self._unary("KV.Range", lambda ep: ep.kv.get(prefix, prefix_range_end(prefix), count_only=True,
+                                                                   timeout=self.timeout))
         return int(resp.count)
 
     async def txn(self, compare: Sequence[object], success: Sequence[object], failure: Sequence[object] = ()
                   ) -> tuple[bool, int]:
         """Run a txn; ``(succeeded, revision)``."""
-        with translate("KV.Txn"):
-            resp = await self.kv.txn(compare, success, failure, timeout=self.timeout)  # type: ignore[arg-type]
+        resp = await self._unary("KV.Txn", lambda ep: ep.kv.txn(compare, success, failure,  # type: ignore[arg-type]
+                                                                timeout=self.timeout))
         return bool(resp.succeeded), int(resp.header.revision)
 
     async def put(self, key: bytes, value: bytes, lease: int = 0) -> int:
-        with translate("KV.Put"):
-            resp = await self.kv.put(key, value, lease=lease, timeout=self.timeout)
+        resp = await self._unary("KV.Put", lambda ep: ep.kv.put(key, value, lease=lease, timeout=self.timeout))
         return int(resp.header.revision)
 
     async def delete_prefix(self, prefix: bytes) -> int:
-        with translate("KV.DeleteRange"):
-            resp = await self.kv.delete(prefix, prefix_range_end(prefix), timeout=self.timeout)
+        resp = await self._unary("KV.DeleteRange", lambda ep: ep.kv.delete(prefix, prefix_range_end(prefix),
+                                                                           timeout=self.timeout))
         return int(resp.deleted)
 
     async def grant(self, ttl: int) -> tuple[int, int]:
         """A new lease: ``(lease_id, granted_ttl)``."""
-        with translate("Lease.Grant"):
-            resp = await self.lease.grant(ttl, timeout=self.timeout)
+        resp = await self._unary("Lease.Grant", lambda ep: ep.lease.grant(ttl, timeout=self.timeout))
         if resp.error:
             raise IndexError_(f"Lease.Grant: {resp.error}")
         return int(resp.ID), int(resp.TTL)
 
     async def revoke(self, lease_id: int) -> None:
-        with translate("Lease.Revoke"):
-            await self.lease.revoke(lease_id, timeout=self.timeout)
+        await self._unary("Lease.Revoke", lambda ep: ep.lease.revoke(lease_id, timeout=self.timeout))
 
     async def status(self) -> tuple[int, int, int]:
         """``(db_size, db_size_in_use, revision)`` of the member that answers."""
-        if self._maintenance is None:
-            raise IndexError_("etcd client is not connected")
-        with translate("Maintenance.Status"):
-            resp = await self._maintenance.status(timeout=self.timeout)
+        resp = await self._unary("Maintenance.Status", lambda ep: ep.maintenance.status(timeout=self.timeout))
         return int(resp.dbSize), int(resp.dbSizeInUse), int(resp.header.revision)
 
     async def compact(self, revision: int) -> None:
-        with translate("KV.Compact"):
-            await self.kv.compact(revision, physical=True, timeout=self.timeout)
+        await self._unary("KV.Compact", lambda ep: ep.kv.compact(revision, physical=True, timeout=self.timeout))
 
     # ---- streams -----------------------------------------------------------------------------
     async def keep_alive(self, lease_id: int, on_refresh: Callable[[float, int], None]) -> None:
@@ -345,12 +390,13 @@ class EtcdClient:
         :class:`IndexError_` for anything else (stream closed, timeout, member down).
         ``on_refresh(sent_at, ttl)`` hears every confirmed refresh (``sent_at`` is monotonic).
         """
-        call = LeaseStub(self.channel).LeaseKeepAlive(metadata=self._metadata())
+        ep = self.endpoint
+        call = LeaseStub(ep.channel).LeaseKeepAlive(metadata=self._metadata())
         try:
             while True:
                 sent_at = time.monotonic()
                 # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-                with translate("Lease.KeepAlive"):
+                with self._on(ep, "Lease.KeepAlive"):
                     async with asyncio.timeout(self.timeout):
                         await call.write(LeaseKeepAliveRequest(ID=lease_id))
                         resp = await call.read()
@@ -373,20 +419,28 @@ class EtcdClient:
         ``progress_every_s``, so the revision of a quiet prefix advances too and a silent stream
         is noticed; the stream asks for ``hasleader``, so a member cut off from the quorum ends it.
         """
-        call = WatchStub(self.channel).Watch(metadata=self._metadata(require_leader=True))
+        ep = self.endpoint
+        call = WatchStub(ep.channel).Watch(metadata=self._metadata(require_leader=True))
         ticker: asyncio.Task[None] | None = None
         try:
             create = WatchCreateRequest(key=prefix, range_end=prefix_range_end(prefix),
                                         start_revision=start_revision, progress_notify=True)
-            with translate("Watch"):
+            with self._on(ep, "Watch"):
                 async with asyncio.timeout(self.timeout):
                     await call.write(WatchRequest(create_request=create))
             ticker = asyncio.create_task(self._ask_progress(call, progress_every_s), name="etcd-watch-progress")
             while True:
-                with translate("Watch"):
+                with self._on(ep, "Watch"):
                     async with asyncio.timeout(progress_every_s * 3 + self.timeout):
                         resp = await call.read()
-                yield _watch_batch(resp, start_revision)
+                try:
+                    batch = _watch_batch(resp, start_revision)
+                except WatchCompacted:
+                    raise
+                except IndexError_ as exc:  # closed or cancelled by this member: try another
+                    self._failed(ep, exc, always=True)
+                    raise
+                yield batch
         finally:
             await cancel_and_wait(ticker)
             call.cancel()

@@ -4,6 +4,12 @@
 a temporary data dir; :class:`EtcdCluster` runs three members that form one cluster, with
 ``kill_member`` / ``restart_member`` for failure tests. Both are context managers; ``stop()`` kills
 the processes and removes the data dirs. ``lmcache-p2p etcd`` runs one in the foreground.
+
+With ``tls_dir`` the members serve clients over TLS and require client certificates from a CA
+made there (:func:`~lmcache_p2p.certs.make_certs`): member ``i`` listens on ``127.0.0.<i+1>``, and
+its certificate names only its own endpoint (``localhost`` for member 0, the IP for the others), so
+a client must check every endpoint's own name; ``client_tls`` gives the client's CA, certificate and
+key. Peer traffic stays on plain loopback HTTP.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -48,9 +55,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _healthy(client_url: str) -> bool:
+def _healthy(client_url: str, ctx: ssl.SSLContext | None = None) -> bool:
     try:
-        with urllib.request.urlopen(client_url + "/health", timeout=1.0) as resp:
+        with urllib.request.urlopen(client_url + "/health", timeout=1.0, context=ctx) as resp:
             return b'"health":"true"' in resp.read()
     except (urllib.error.URLError, OSError, TimeoutError):
         return False
@@ -59,27 +66,35 @@ def _healthy(client_url: str) -> bool:
 class _Member:
     """One etcd process. Ports and data dir survive kill/restart so the member can rejoin."""
 
-    def __init__(self, name: str, data_dir: Path, unsafe_no_fsync: bool) -> None:
+    def __init__(self, name: str, data_dir: Path, unsafe_no_fsync: bool,
+                 tls: tuple[str, str, str, str] | None = None) -> None:
         self.name = name
         self.data_dir = data_dir
         self.client_port = free_port()
         self.peer_port = free_port()
         self.unsafe_no_fsync = unsafe_no_fsync
+        self.tls = tls  # (listen IP, host name in the URL, certificate, key)
         self.proc: subprocess.Popen[bytes] | None = None
         self._log_file: Path = data_dir.parent / f"{name}.log"
 
     @property
     def client_url(self) -> str:
+        if self.tls is not None:
+            return f"https://{self.tls[1]}:{self.client_port}"
         return f"http://127.0.0.1:{self.client_port}"
+
+    @property
+    def _listen_url(self) -> str:
+        return f"https://{self.tls[0]}:{self.client_port}" if self.tls is not None else self.client_url
 
     @property
     def peer_url(self) -> str:
         return f"http://127.0.0.1:{self.peer_port}"
 
-    def start(self, initial_cluster: str, state: str) -> None:
+    def start(self, initial_cluster: str, state: str, ca: str | None = None) -> None:
         args = [
             etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
-            "--listen-client-urls", self.client_url, "--advertise-client-urls", self.client_url,
+            "--listen-client-urls", self._listen_url, "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", initial_cluster, "--initial-cluster-state", state,
             "--initial-cluster-token", f"lmcache-p2p-{os.getpid()}",
@@ -88,6 +103,9 @@ class _Member:
         ]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
+        if self.tls is not None:
+            args += ["--cert-file", self.tls[2], "--key-file", self.tls[3], "--client-cert-auth",
+                     "--trusted-ca-file", str(ca)]
         with open(self._log_file, "ab") as out:
             self.proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         log.debug("started etcd %s pid=%d at %s", self.name, self.proc.pid, self.client_url)
@@ -112,14 +130,34 @@ class _Member:
 class EtcdCluster:
     """``size`` etcd members on loopback forming one cluster (``size=1``: a single server)."""
 
-    def __init__(self, size: int = 3, *, unsafe_no_fsync: bool = False, base_dir: str | None = None) -> None:
+    def __init__(self, size: int = 3, *, unsafe_no_fsync: bool = False, base_dir: str | None = None,
+                 tls_dir: str | Path | None = None) -> None:
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self._tmp = Path(tempfile.mkdtemp(prefix="lmcache-p2p-etcd-", dir=base_dir))
+        self.client_tls: tuple[str, str, str] | None = None  # (CA, client certificate, key)
+        member_tls: list[tuple[str, str, str, str] | None] = [None] * size
+        self._ctx: ssl.SSLContext | None = None
+        if tls_dir is not None:
+            from ..certs import make_certs
+
+            hosts = [(f"127.0.0.{i + 1}", "localhost" if i == 0 else f"127.0.0.{i + 1}") for i in range(size)]
+            made = make_certs(tls_dir, [f"etcd-m{i}={'DNS' if i == 0 else 'IP'}:{host}"
+                                        for i, (_, host) in enumerate(hosts)] + ["etcd-client"])
+            member_tls = [(ip, host, str(made[f"etcd-m{i}"][0]), str(made[f"etcd-m{i}"][1]))
+                          for i, (ip, host) in enumerate(hosts)]
+            self.client_tls = (str(Path(tls_dir) / "ca.crt"), str(made["etcd-client"][0]),
+                               str(made["etcd-client"][1]))
+            self._ctx = ssl.create_default_context(cafile=self.client_tls[0])
+            self._ctx.load_cert_chain(self.client_tls[1], self.client_tls[2])
         self.members = [
-            _Member(f"m{i}", self._tmp / f"m{i}", unsafe_no_fsync) for i in range(size)
+            _Member(f"m{i}", self._tmp / f"m{i}", unsafe_no_fsync, member_tls[i]) for i in range(size)
         ]
         self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+
+    @property
+    def _ca(self) -> str | None:
+        return self.client_tls[0] if self.client_tls is not None else None
 
     @property
     def endpoints(self) -> tuple[str, ...]:
@@ -132,7 +170,7 @@ class EtcdCluster:
 
     def start(self, timeout: float = HEALTH_TIMEOUT_S) -> EtcdCluster:
         for m in self.members:
-            m.start(self._initial, "new")
+            m.start(self._initial, "new", self._ca)
         try:
             self.wait_healthy(timeout)
         except Exception:
@@ -144,7 +182,7 @@ class EtcdCluster:
         """Wait until every running member reports healthy (it has a leader)."""
         deadline = time.monotonic() + timeout
         for m in self.members:
-            while m.alive() and not _healthy(m.client_url):
+            while m.alive() and not _healthy(m.client_url, self._ctx):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"etcd member {m.name} not healthy in {timeout:.0f}s:\n{m.log_tail()}")
                 time.sleep(0.05)
@@ -159,7 +197,7 @@ class EtcdCluster:
         m = self.members[index]
         if m.alive():
             return
-        m.start(self._initial, "existing")
+        m.start(self._initial, "existing", self._ca)
         self.wait_healthy(timeout)
 
     def leader_index(self, timeout: float = HEALTH_TIMEOUT_S) -> int:
@@ -167,7 +205,7 @@ class EtcdCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for i, m in enumerate(self.members):
-                status = _member_status(m.client_url) if m.alive() else None
+                status = _member_status(m.client_url, self._ctx) if m.alive() else None
                 if status is not None and status[0] == status[1]:
                     return i
             time.sleep(0.05)
@@ -185,13 +223,13 @@ class EtcdCluster:
         self.stop()
 
 
-def _member_status(client_url: str) -> tuple[str, str] | None:
+def _member_status(client_url: str, ctx: ssl.SSLContext | None = None) -> tuple[str, str] | None:
     """``(member_id, leader_id)`` from ``/v3/maintenance/status``, or None if unreachable."""
     import json
 
     req = urllib.request.Request(client_url + "/v3/maintenance/status", data=b"{}", method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=1.0) as resp:
+        with urllib.request.urlopen(req, timeout=1.0, context=ctx) as resp:
             body = json.loads(resp.read())
         return str(body["header"]["member_id"]), str(body["leader"])
     except (urllib.error.URLError, OSError, TimeoutError, KeyError, ValueError):
