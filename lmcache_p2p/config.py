@@ -142,8 +142,7 @@ class TransferConfig:
         tls = (self.tls_ca_cert, self.tls_cert, self.tls_key)
         for name, value in zip(("tls_ca_cert", "tls_cert", "tls_key"), tls, strict=True):
             _check(all(v is None for v in tls) or value is not None, f"transfer.{name}",
-                   "TLS needs all three of tls_ca_cert, tls_cert and tls_key")
-            _check(value is None or os.path.isfile(value), f"transfer.{name}", f"no such file: {value!r}")
+                   "TLS needs all three of tls_ca_cert, tls_cert and tls_key")  # files: read at start
 
     @property
     def tls(self) -> bool:

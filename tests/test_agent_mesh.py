@@ -16,8 +16,8 @@ from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.agent_main import fingerprint_of
-from lmcache_p2p.certs import make_certs
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.index.client import EtcdClient, KeyValue

@@ -19,9 +19,11 @@ import copy
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,8 +189,11 @@ def test_schema_validation_rejects_bad_manifests():
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kustomize_build_renders_valid_resources(tmp_path):
     k8s = tmp_path / "k8s"
-    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt"))
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt", "pki"))
     subprocess.run([str(k8s / "generate-secret.sh")], check=True, timeout=30, capture_output=True)
+    subprocess.run([str(k8s / "generate-certs.sh")], check=True, timeout=60, capture_output=True,
+                   env={**os.environ, "PYTHON": sys.executable})
+    assert subprocess.run([str(k8s / "generate-certs.sh")], timeout=30, capture_output=True).returncode != 0
     key = (k8s / "cluster-secret.txt").read_text()
     assert len(key) == 64 and int(key, 16) and (k8s / "cluster-secret.txt").stat().st_mode & 0o077 == 0
     assert subprocess.run([str(k8s / "generate-secret.sh")], timeout=30, capture_output=True).returncode != 0
@@ -204,6 +209,7 @@ def test_kustomize_build_renders_valid_resources(tmp_path):
             assert d["metadata"]["namespace"] == kust["namespace"], d["metadata"]["name"]
         if d["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(d, KUBE_VERSIONS[-1], strict=True)
+    assert tls_problems(rendered, config_of(rendered, tmp_path), k8s / "pki") == []
     dash = one(rendered, "ConfigMap", "lmcache-p2p-grafana-dashboard")
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dash["data"]["grafana-dashboard.json"]) == load_dashboard()
@@ -491,13 +497,13 @@ def etcd_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
     args, env = c["args"], env_of(c)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     host = f"$(POD_NAME).{peer['metadata']['name']}.$(POD_NAMESPACE).svc"
-    members = {f"{name}-{i}": f"http://{name}-{i}.{peer['metadata']['name']}.$(POD_NAMESPACE).svc:{ports['peer']}"
+    members = {f"{name}-{i}": f"https://{name}-{i}.{peer['metadata']['name']}.$(POD_NAMESPACE).svc:{ports['peer']}"
                for i in range(n)}
     initial = dict(m.split("=", 1) for m in (flag(args, "--initial-cluster") or "").split(","))
-    expect = {"--name": "$(POD_NAME)", "--initial-advertise-peer-urls": f"http://{host}:{ports['peer']}",
-              "--advertise-client-urls": f"http://{host}:{ports['client']}",
-              "--listen-client-urls": f"http://0.0.0.0:{ports['client']}",
-              "--listen-peer-urls": f"http://0.0.0.0:{ports['peer']}"}
+    expect = {"--name": "$(POD_NAME)", "--initial-advertise-peer-urls": f"https://{host}:{ports['peer']}",
+              "--advertise-client-urls": f"https://{host}:{ports['client']}",
+              "--listen-client-urls": f"https://0.0.0.0:{ports['client']}",
+              "--listen-peer-urls": f"https://0.0.0.0:{ports['peer']}"}
     problems += [f"{k} = {flag(args, k)!r}, expected {v!r}" for k, v in expect.items() if flag(args, k) != v]
     if initial != members or n != 3:
         problems.append(f"--initial-cluster {initial} does not list the {n} members {members}")
@@ -524,6 +530,67 @@ def etcd_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
 def test_etcd_cluster_and_endpoints_agree(tmp_path):
     docs = DOCS
     assert etcd_problems(docs, config_of(docs, tmp_path)) == []
+
+
+ETCD_TLS_FLAGS = ("--cert-file", "--key-file", "--trusted-ca-file", "--peer-cert-file", "--peer-key-file",
+                  "--peer-trusted-ca-file")
+
+
+def secret_file(workload: Doc, container: Doc, path: str) -> tuple[str, str] | None:
+    """``(secret name, key)`` when ``path`` is a key of a Secret volume mounted in ``container``."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    for m in container.get("volumeMounts", []):
+        base = m["mountPath"].rstrip("/")
+        secret = volumes.get(m["name"], {}).get("secret")
+        if secret is not None and path.startswith(base + "/"):
+            return secret["secretName"], path[len(base) + 1:]
+    return None
+
+
+def tls_problems(docs: list[Doc], cfg: AgentConfig, pki: Path | None = None) -> list[str]:
+    """etcd speaks TLS with client-certificate auth; agents use https endpoints and certificate files
+    that are keys of Secrets mounted in every agent container; with ``pki`` (generated), the
+    certificates chain to the CA and etcd's names cover the agents' endpoints and its peers."""
+    problems = []
+    sts = one(docs, "StatefulSet", "lmcache-etcd")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    args, have = c["args"], secret_keys(docs)
+    for f in ETCD_TLS_FLAGS:
+        where = secret_file(sts, c, flag(args, f) or "")
+        if where is None or where[1] not in have.get(where[0], set()):
+            problems.append(f"etcd {f}={flag(args, f)!r} is not a key of a mounted Secret")
+    problems += [f"etcd runs without {f}" for f in ("--client-cert-auth", "--peer-client-cert-auth") if f not in args]
+    if not all(ep.startswith("https://") for ep in cfg.etcd.endpoints):
+        problems.append(f"agents reach etcd over plain HTTP: {cfg.etcd.endpoints}")
+    files = {"etcd.ca_cert": cfg.etcd.ca_cert, "etcd.cert_cert": cfg.etcd.cert_cert, "etcd.cert_key": cfg.etcd.cert_key,
+             "transfer.tls_ca_cert": cfg.transfer.tls_ca_cert, "transfer.tls_cert": cfg.transfer.tls_cert,
+             "transfer.tls_key": cfg.transfer.tls_key}
+    for w, ac in agent_containers(docs):
+        for field, path in files.items():
+            where = secret_file(w, ac, path or "")
+            if where is None or where[1] not in have.get(where[0], set()):
+                problems.append(f"{w['metadata']['name']}: {field}={path!r} is not a key of a mounted Secret")
+    if pki is not None:
+        ca = pki / "ca.crt"
+        for name in ("etcd-server", "etcd-client", "transfer"):
+            r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(pki / f"{name}.crt")],
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                problems.append(f"{name}.crt does not chain to ca.crt: {r.stdout}{r.stderr}")
+        out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
+                              str(pki / "etcd-server.crt")], capture_output=True, text=True).stdout
+        names = set(re.findall(r"DNS:([^,\s]+)", out))
+        kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+        peer = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}.{kust['namespace']}.svc"
+        wanted = [re.sub(r"^https://([^:/]+).*", r"\1", ep) for ep in cfg.etcd.endpoints] + [peer]
+        for host in wanted:
+            if not any(n == host or (n.startswith("*.") and host.split(".", 1)[-1] == n[2:]) for n in names):
+                problems.append(f"etcd's certificate does not name {host} (SANs: {sorted(names)})")
+    return problems
+
+
+def test_etcd_and_agents_use_tls_with_mounted_certificates(tmp_path):
+    assert tls_problems(DOCS, config_of(DOCS, tmp_path)) == []
 
 
 # --------------------------------------------------------------------------- Grafana dashboard
@@ -634,6 +701,14 @@ def test_checks_catch_mismatches(tmp_path):
     assert etcd_problems(bad, cfg)
     bad = broken(lambda b: one(b, "Service", "lmcache-etcd")["spec"]["ports"][0].update(port=2479))
     assert etcd_problems(bad, cfg)
+    bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"]["template"]["spec"]["containers"][0][
+        "args"].remove("--client-cert-auth"))
+    assert tls_problems(bad, cfg) == ["etcd runs without --client-cert-auth"]
+    bad = broken(lambda b: agent_containers(b)[0][1].update(volumeMounts=[
+        m for m in agent_containers(b)[0][1]["volumeMounts"] if m["name"] != "tls"]))
+    assert len(tls_problems(bad, cfg)) == 6  # every certificate file of that container
+    bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"]["template"]["spec"]["volumes"].clear())
+    assert len(tls_problems(bad, cfg)) == len(ETCD_TLS_FLAGS)
     dash = load_dashboard()
     dash["panels"][1]["targets"][0]["expr"] = "sum by (tier_name) (rate(lmcache_p2p_hits_total[5m]))"
     assert len(dashboard_problems(dash)) == 2

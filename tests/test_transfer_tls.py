@@ -187,8 +187,11 @@ def test_tls_config_is_all_or_nothing_and_names_the_field(pki: Path) -> None:
     with pytest.raises(ConfigError, match="transfer.tls_key"):
         TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "owner.crt"))
     with pytest.raises(ConfigError, match="transfer.tls_cert"):
-        TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "missing.crt"),
-                       tls_key=str(pki / "owner.key"))
+        server_context(TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "missing.crt"),
+                                      tls_key=str(pki / "owner.key")))
+    with pytest.raises(ConfigError, match="transfer.tls_ca_cert"):
+        client_context(TransferConfig(tls_ca_cert=str(pki / "missing.crt"), tls_cert=str(pki / "owner.crt"),
+                                      tls_key=str(pki / "owner.key")))
     with pytest.raises(ConfigError, match="transfer.tls_cert"):  # a key that is not the certificate's
         server_context(TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "owner.crt"),
                                       tls_key=str(pki / "mallory.key")))
