@@ -327,3 +327,72 @@ def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
             loop.stop()
             relay.close()
             o.kill()
+
+
+class PinRewritingRelay(TamperingRelay):
+    """On the control path of NIXL pulls: rewrites the checksum in ``pinned`` headers to match bytes
+    an attacker changed on the fabric (here: changed in the owner's slot, where the READ fetches them)."""
+
+    def __init__(self, target_port: int, forged: dict[bytes, int]) -> None:
+        self.forged = forged  # chunk key -> checksum of the changed bytes
+        super().__init__(target_port)
+
+    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
+        def exact(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                piece = src.recv(n - len(buf))
+                if not piece:
+                    raise OSError("closed")
+                buf += piece
+            return bytes(buf)
+
+        with contextlib.suppress(OSError):
+            while True:
+                header_len, payload_len = wire.PREFIX.unpack(exact(wire.PREFIX_SIZE))
+                msg = wire.decode(exact(header_len))
+                payload = exact(payload_len)
+                if msg["t"] == "pinned":
+                    for item in msg["items"]:
+                        h = ChunkHeader.unpack(item[0]) if item else None
+                        if h is not None and bytes(h.key) in self.forged:
+                            item[0] = dataclasses.replace(h, checksum=self.forged[bytes(h.key)]).pack()
+                            self.tampered += 1
+                dst.sendall(wire.encode(msg, payload_len) + payload)
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="nixl not importable")
+def test_nixl_bytes_changed_on_the_fabric_are_caught_by_the_session_mac(requester: Requester) -> None:
+    """Bytes changed where the READ fetches them, with the pinned header's checksum forged to match:
+    without the MAC they land (the attack is real); with it every such chunk is rejected and counted."""
+    for mac in (False, True):
+        o = owner(32, payload_mac=mac)
+        keys = [o.key(i) for i in range(4)]
+        forged = {}
+        for i in (1, 2):
+            _, payload = demo_chunk(o.seed, i, SIZE, FP)
+            changed = bytearray(payload.tobytes())
+            changed[len(changed) // 2] ^= 0xFF  # what the owner's "corrupt" command does
+            forged[bytes(keys[i])] = checksum(changed)
+            assert o.command({"cmd": "corrupt", "key": keys[i].hex()})["ok"]
+        relay = PinRewritingRelay(o.port, forged)
+        assert requester.engine is not None
+        client = NixlTransport(requester.engine, SECRET.encode(), 3.0, payload_mac=mac)
+        try:
+            result = requester.loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, "relayed"), FP, keys,
+                                                    requester.pool, 5.0), 10)
+            assert relay.tampered == 2
+            assert set(result.loaded) == {keys[0], keys[3]} if mac else len(result.loaded) == 4
+            if mac:
+                assert result.missed == {keys[1]: MissReason.MAC, keys[2]: MissReason.MAC}
+                assert_exact(requester.pool, o, 0)
+                assert_exact(requester.pool, o, 3)
+            else:
+                out = np.empty(SIZE, np.uint8)
+                assert requester.pool.read_into(keys[1], out.data) is not None
+                assert not np.array_equal(out, demo_chunk(o.seed, 1, SIZE, FP)[1])
+        finally:
+            requester.loop.run(client.close(), 10)
+            requester.clear()
+            relay.close()
+            o.kill()

@@ -12,6 +12,9 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
   blocking ``recv_into`` into a preallocated buffer (no protocol, no checks)
 - ``nixl``: :class:`NixlTransport` pulls (pin round trip, one READ, verify, commit, release)
 - ``raw_nixl``: one NIXL READ of the same slots (no protocol, no checks)
+- ``nixl_mac``: NIXL pulls with ``transfer.payload_mac`` (the owner MACs each pinned slot, the
+  requester checks the MAC over what it READ), against an owner process that requires it:
+  ``nixl_mac_vs_nixl`` is its cost
 
 Ratios are medians of ``--repeat`` runs. The last line of ``--json`` output is one JSON object.
 """
@@ -139,6 +142,12 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
             out["nixl_vs_raw"] = out["nixl_gbps"] / out["raw_nixl_gbps"]
             out["nixl_requester_idle_cpu_pct"] = _cpu_pct(os.getpid(), 2.0)
             await nixl.close()
+            with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0, payload_mac=True) as mac_owner:
+                nixl_mac = NixlTransport(engine, SECRET.encode(), 10.0, payload_mac=True)
+                mac_peer = PeerAddress("127.0.0.1", mac_owner.port, "mac-owner")
+                out["nixl_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(nixl_mac, mac_peer, keys, dst, size))
+                out["nixl_mac_vs_nixl"] = out["nixl_mac_gbps"] / out["nixl_gbps"]
+                await nixl_mac.close()
             await engine.close()
     return out
 
@@ -219,6 +228,10 @@ def _table(summary: dict[str, Any]) -> str:
         lines.append(f"{name:<16}{w['tcp_gbps']:>8.2f}{w['raw_socket_gbps']:>10.2f}{w['tcp_vs_raw']:>7.2f}{nixl}"
                      f"{w['tcp_mac_gbps']:>9.2f}{w['tcp_mac_vs_tcp']:>7.2f}{w['tcp_tls_gbps']:>9.2f}"
                      f"{w['tcp_tls_vs_tcp']:>7.2f}")
+    for w in summary["workloads"]:
+        if "nixl_mac_gbps" in w:
+            lines.append(f"nixl with payload MAC, {w['chunks']} x {w['chunk_bytes'] >> 10} KiB: "
+                         f"{w['nixl_mac_gbps']:.2f} GB/s, nixl_mac_vs_nixl {w['nixl_mac_vs_nixl']:.2f}")
     lines.append(f"single 2 MiB pull over tcp: p50 {summary['pull_p50_ms']:.2f} ms, "
                  f"p99 {summary['pull_p99_ms']:.2f} ms")
     if "nixl_pull_p50_ms" in summary:

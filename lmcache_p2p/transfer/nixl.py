@@ -2,13 +2,20 @@
 
     requester                                  owner
     pin {id, keys}            ─── TCP ──▶      pin each key (deadline), answer
-                              ◀── TCP ───      pinned {lease, items: [header, slot address] | None}
+                              ◀── TCP ───      pinned {lease, items: [header, slot address, mac?] | None}
     reserve local slots, one prepared READ of every present chunk (NIXL/UCX, no owner CPU)
-    verify each checksum, commit or release
+    verify each checksum (and MAC), commit or release
     release {lease}           ─── TCP ──▶      unpin (pins expire anyway)
 
 Handshake and control frames share the authenticated TCP connection of the TCP transport
-(``hello`` asks for the owner's NIXL agent metadata, loaded once per peer).
+(``hello`` asks for the owner's NIXL agent metadata, loaded once per peer). With
+``transfer.payload_mac`` the owner computes each pinned chunk's session MAC (keyed BLAKE3 of the
+pin request id, index, header and the slot's bytes, as the TCP transport does) and sends it in the
+pinned answer; the requester checks it over the bytes its READ brought in, so nothing on the
+fabric's path can change a chunk unnoticed. It costs the owner one BLAKE3 pass per chunk served.
+
+Verification overlaps the READ: each landed group (~16 MiB) is checked on a verifier thread while
+the next one is read; the last group, which nothing overlaps, is split across both verifier threads.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import logging
 import ssl
@@ -45,11 +53,12 @@ class NixlTransport:
 
     def __init__(self, engine: NixlEngine, secret: bytes, timeout_s: float = 5.0,
                  max_frame_bytes: int = 1 << 20, health: PeerHealth | None = None,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, payload_mac: bool = False) -> None:
         self.engine = engine
-        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True, tls=tls)
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True, tls=tls,
+                                    payload_mac=payload_mac)
         self.health = health if health is not None else PeerHealth(2.0)
-        self._verifier = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl-verify")
+        self._verifier = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="nixl-verify")
         self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer
 
     async def pull(
@@ -92,25 +101,31 @@ class NixlTransport:
                           deadline: float) -> asyncio.Task[None]:
         """READ one pinned batch; returns the task that verifies and commits it (off the loop)."""
         loop = asyncio.get_running_loop()
-        lease = wire.field(answer, "lease", int)
+        lease, rid = wire.field(answer, "lease", int), wire.field(answer, "id", int)
         staged: list[tuple[ChunkHeader, Reservation, int]] = []
-        checks: list[asyncio.Future[list[bool]]] = []
+        macs: list[_Mac | None] = []
+        checks: list[asyncio.Future[list[MissReason | None]]] = []
 
         def check(group: range) -> None:
-            views = [(staged[i][0], staged[i][1].view) for i in group]
-            checks.append(loop.run_in_executor(self._verifier, _verify_all, views))
+            # The last group overlaps nothing: both verifier threads share it.
+            half = len(group) // 2
+            parts = [group] if group.stop < len(staged) or half == 0 else [group[:half], group[half:]]
+            for part in parts:
+                items = [(staged[i][0], staged[i][1].view, macs[i]) for i in part]
+                checks.append(loop.run_in_executor(self._verifier, _verify_all, items))
 
         try:
-            for key, item in zip(keys, self._items(answer, len(keys)), strict=True):
+            for i, (key, item) in enumerate(zip(keys, self._items(answer, len(keys)), strict=True)):
                 if item is None:
                     result.missed[key] = MissReason.ABSENT
                     continue
-                header, address = self._check(item, key, fp)
+                header, address, mac = self._check(item, key, fp, conn.mac_key is not None)
                 if header.length > dst.slot_bytes:
                     result.missed[key] = MissReason.CAPACITY
                     continue
                 try:
                     staged.append((header, dst.reserve(), address))
+                    macs.append(None if conn.mac_key is None else _Mac(conn.mac_key, rid, i, header.pack(), mac))
                 except TierError:
                     result.missed[key] = MissReason.CAPACITY
             await self.engine.read(
@@ -136,10 +151,11 @@ class NixlTransport:
         return loop.create_task(self._finish(staged, checks, dst, result))
 
     async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]],
-                      checks: list[asyncio.Future[list[bool]]], dst: CpuPool, result: PullResult) -> None:
-        verdicts = [ok for group in await asyncio.gather(*checks) for ok in group]
-        for (header, reservation, _), ok in zip(staged, verdicts, strict=True):
-            self._deliver(header, reservation, ok, dst, result)
+                      checks: list[asyncio.Future[list[MissReason | None]]], dst: CpuPool,
+                      result: PullResult) -> None:
+        verdicts = [why for part in await asyncio.gather(*checks) for why in part]  # parts are in order
+        for (header, reservation, _), why in zip(staged, verdicts, strict=True):
+            self._deliver(header, reservation, why, dst, result)
 
     @staticmethod
     def _items(answer: wire.Message, n: int) -> list[object]:
@@ -149,24 +165,26 @@ class NixlTransport:
         return items
 
     @staticmethod
-    def _check(item: object, key: ChunkKey, fp: FingerprintDigest) -> tuple[ChunkHeader, int]:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], bytes)
+    def _check(item: object, key: ChunkKey, fp: FingerprintDigest, want_mac: bool) -> tuple[ChunkHeader, int, object]:
+        if not (isinstance(item, list) and len(item) in (2, 3) and isinstance(item[0], bytes)
                 and isinstance(item[1], int) and not isinstance(item[1], bool)):
-            raise ProtocolError("pinned item must be [header, address]")
+            raise ProtocolError("pinned item must be [header, address] or [header, address, mac]")
         try:
             header = ChunkHeader.unpack(item[0])
         except ChunkError as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
         if header.key != key or header.fingerprint != fp:
             raise ProtocolError("pinned header does not match the requested key/fingerprint")
-        return header, item[1]
+        return header, item[1], item[2] if len(item) == 3 and want_mac else None
 
     @staticmethod
-    def _deliver(header: ChunkHeader, reservation: Reservation, ok: bool, dst: CpuPool, result: PullResult) -> None:
-        if not ok:
+    def _deliver(header: ChunkHeader, reservation: Reservation, why: MissReason | None, dst: CpuPool,
+                 result: PullResult) -> None:
+        if why is not None:
             dst.release(reservation)
-            result.missed[header.key] = MissReason.CHECKSUM
-            log.warning("%s: chunk %s failed its checksum; not committed", result.peer, header.key.hex())
+            result.missed[header.key] = why
+            log.warning("%s: chunk %s failed its %s; not committed", result.peer, header.key.hex(),
+                        "session MAC" if why is MissReason.MAC else "checksum")
             return
         if not dst.commit(reservation, header):
             result.missed[header.key] = MissReason.INVALIDATED
@@ -192,15 +210,31 @@ def _pin_batches(keys: Sequence[ChunkKey], limit: int) -> list[Sequence[ChunkKey
     return [keys[:first], *(keys[i : i + step] for i in range(first, len(keys), step))]
 
 
-def _verify_all(items: list[tuple[ChunkHeader, memoryview]]) -> list[bool]:
-    """Runs on the verifier thread, overlapping the next READ group."""
-    verdicts = []
-    for header, view in items:
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Mac:
+    """What a chunk's session MAC covers, and the MAC the owner claimed (None: it sent none)."""
+
+    key: bytes
+    rid: int
+    index: int
+    header: bytes
+    claimed: object
+
+
+def _verify_all(items: list[tuple[ChunkHeader, memoryview, _Mac | None]]) -> list[MissReason | None]:
+    """Runs on a verifier thread (xxhash and BLAKE3 release the GIL); None for a chunk that is intact."""
+    verdicts: list[MissReason | None] = []
+    for header, view, mac in items:
+        payload = view[: header.length]
+        if mac is not None and not wire.proof_ok(wire.chunk_mac(mac.key, mac.rid, mac.index, mac.header, payload),
+                                                 mac.claimed):
+            verdicts.append(MissReason.MAC)
+            continue
         try:
-            verify(header, view[: header.length])
-            verdicts.append(True)
+            verify(header, payload)
+            verdicts.append(None)
         except ChunkError:
-            verdicts.append(False)
+            verdicts.append(MissReason.CHECKSUM)
     return verdicts
 
 

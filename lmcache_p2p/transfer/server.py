@@ -347,11 +347,17 @@ class TransferServer:
         self._expire_leases(s)
         pins: list[Pin] = []
         items: list[list[Any] | None] = []
-        for key in keys:
+        for i, key in enumerate(keys):
             pin = await self._pin(s, key)
-            items.append(None if pin is None else [pin.header.pack(), self.pool.slot_address(pin.slot)])
-            if pin is not None:
-                pins.append(pin)
+            if pin is None:
+                items.append(None)
+                continue
+            pins.append(pin)
+            header = pin.header.pack()
+            item: list[Any] = [header, self.pool.slot_address(pin.slot)]
+            if s.mac_key is not None:  # the requester checks it over the bytes its READ brings in
+                item.append(wire.chunk_mac(s.mac_key, rid, i, header, self.pool.slot_view(pin.slot, pin.header.length)))
+            items.append(item)
         lease = next(self._leases)
         s.leases[lease] = (time.monotonic() + self._pin_timeout, pins)
         self._nixl.keep_progress(min(self._pin_timeout, 2 * self._timeout))

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import uuid
 from collections.abc import Callable, Collection, Mapping
@@ -26,6 +27,8 @@ from .health import PeerHealth
 from .nixl import NixlTransport
 from .nixl_engine import NixlEngine
 from .server import TransferServer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +56,10 @@ class TransferStack:
         health = PeerHealth(tc.backoff_s, max(tc.backoff_s, 30.0))
         nixl = None
         if "nixl" in tc.transports:
+            if not tc.tls and tc.listen_host not in ("127.0.0.1", "::1", "localhost"):
+                log.warning("NIXL without transfer.tls_*: the NIXL access material of this node's pool crosses "
+                            "the network in the clear after the handshake; on a network you do not trust, "
+                            "set transfer.tls_ca_cert, tls_cert and tls_key")
             nixl = NixlEngine(f"{config.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}", pool)
         server_tls = client_tls = None
         if tc.tls:
@@ -70,7 +77,7 @@ class TransferStack:
                                                 payload_mac=tc.payload_mac, tls=client_tls)
             elif name == "nixl" and nixl is not None:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                 tls=client_tls)
+                                                 tls=client_tls, payload_mac=tc.payload_mac)
         return cls(config, server, transports, nixl, health)
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:
