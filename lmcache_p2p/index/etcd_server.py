@@ -28,6 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,11 @@ class _Member:
     """One etcd process. Ports and data dir survive kill/restart so the member can rejoin."""
 
     def __init__(self, name: str, data_dir: Path, unsafe_no_fsync: bool,
-                 tls: tuple[str, str, str, str] | None = None) -> None:
+                 tls: tuple[str, str, str, str] | None = None, ip: str = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
         self.name = name
+        self.ip = ip  # where it listens (a network namespace's address with ``prefix``)
+        self.prefix = list(prefix)  # argv prefix, e.g. ``ip netns exec NS``
         self.data_dir = data_dir
         self.client_port = free_port()
         self.peer_port = free_port()
@@ -81,7 +85,7 @@ class _Member:
     def client_url(self) -> str:
         if self.tls is not None:
             return f"https://{self.tls[1]}:{self.client_port}"
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.ip}:{self.client_port}"
 
     @property
     def _listen_url(self) -> str:
@@ -89,11 +93,11 @@ class _Member:
 
     @property
     def peer_url(self) -> str:
-        return f"http://127.0.0.1:{self.peer_port}"
+        return f"http://{self.ip}:{self.peer_port}"
 
     def start(self, initial_cluster: str, state: str, ca: str | None = None) -> None:
         args = [
-            etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
+            *self.prefix, etcd_binary(), "--name", self.name, "--data-dir", str(self.data_dir),
             "--listen-client-urls", self._listen_url, "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", initial_cluster, "--initial-cluster-state", state,
@@ -131,7 +135,10 @@ class EtcdCluster:
     """``size`` etcd members on loopback forming one cluster (``size=1``: a single server)."""
 
     def __init__(self, size: int = 3, *, unsafe_no_fsync: bool = False, base_dir: str | None = None,
-                 tls_dir: str | Path | None = None) -> None:
+                 tls_dir: str | Path | None = None,
+                 placement: Sequence[tuple[str, Sequence[str]]] | None = None) -> None:
+        """``placement``: per member, the address it listens on and an argv prefix that runs it
+        there (a network namespace: :meth:`~lmcache_p2p.netlab.NetLab.etcd`)."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self._tmp = Path(tempfile.mkdtemp(prefix="lmcache-p2p-etcd-", dir=base_dir))
@@ -150,8 +157,11 @@ class EtcdCluster:
                                str(made["etcd-client"][1]))
             self._ctx = ssl.create_default_context(cafile=self.client_tls[0])
             self._ctx.load_cert_chain(self.client_tls[1], self.client_tls[2])
+        where = list(placement) if placement is not None else [("127.0.0.1", ())] * size
+        if len(where) != size:
+            raise ValueError(f"placement names {len(where)} hosts for {size} members")
         self.members = [
-            _Member(f"m{i}", self._tmp / f"m{i}", unsafe_no_fsync, member_tls[i]) for i in range(size)
+            _Member(f"m{i}", self._tmp / f"m{i}", unsafe_no_fsync, member_tls[i], *where[i]) for i in range(size)
         ]
         self._initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
 
