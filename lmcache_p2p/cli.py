@@ -11,6 +11,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "index"): ("lmcache_p2p.bench.index:main", "etcd block index: publish rate, lookup cost, bytes"),
     ("bench", "transfer"): ("lmcache_p2p.bench.transfer:main", "peer pulls over TCP/NIXL vs raw baselines"),
     ("bench", "mesh"): ("lmcache_p2p.bench.mesh:main", "lookup + load of a 128-chunk prompt: peer and local hits"),
+    ("bench", "chaos"): ("lmcache_p2p.bench.chaos:main", "4 vLLM nodes (netns) under load and faults"),
     ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
     ("config",): ("lmcache_p2p.coordinator.cli:main", "cluster config in etcd: get | set | watch"),
     ("agent",): ("lmcache_p2p.agent_main:main", "run a standalone cache agent"),

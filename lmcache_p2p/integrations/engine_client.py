@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +22,14 @@ class EngineProcess:
     def __init__(self, model: str | Path, agent_config: str | Path | None = None, *, name: str = "engine",
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
-                 python: str = sys.executable, prefix_caching: bool = False) -> None:
+                 python: str = sys.executable, prefix_caching: bool = False,
+                 prefix: Sequence[str] = ()) -> None:
         # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
         # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
         if agent_config is not None and kv_transfer_json is not None:
             raise ValueError("agent_config and kv_transfer_json are exclusive")
-        cmd = [python, "-m", "lmcache_p2p.integrations.engine_proc", "--model", str(model),
+        # ``prefix``: e.g. ``ip netns exec NS`` (it execs, so the pid is the engine's own)
+        cmd = [*prefix, python, "-m", "lmcache_p2p.integrations.engine_proc", "--model", str(model),
                "--dtype", dtype]
         if agent_config is not None:
             cmd += ["--agent-config", str(agent_config)]
@@ -97,6 +100,15 @@ class EngineProcess:
 
     def ttft(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         return self.request("ttft", prompts)
+
+    def serve(self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0) -> dict[str, Any]:
+        """One greedy request: ``tokens``, ``ttft_s`` (measured in the engine) and ``num_cached_tokens``."""
+        return self.request("serve", [prompt], timeout=timeout, max_tokens=max_tokens)[0]
+
+    def signal_all(self, sig: int) -> None:
+        """Signal the engine and every process it started (EngineCore, workers: its session)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
 
     @property
     def pid(self) -> int:

@@ -6,6 +6,7 @@ Reads JSON requests, one per line, on stdin::
 
     {"op": "generate", "prompts": [[1, 2, ...], ...], "max_tokens": 16}
     {"op": "ttft", "prompts": [[...], ...]}          # one request per prompt, max_tokens=1, timed
+    {"op": "serve", "prompts": [[...], ...], "max_tokens": 8}   # greedy tokens and the real TTFT of each
     {"op": "quit"}
 
 and answers each with one line ``@@lmcache-p2p {...}`` on stdout (vLLM logs go to stderr/stdout
@@ -56,36 +57,68 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
 
 
 def _serve(llm: Any) -> None:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     for line in sys.stdin:
         req = json.loads(line)
         if req["op"] == "quit":
             break
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
-        if req["op"] == "generate":
-            # One prompt at a time: batch composition changes floating-point results, and greedy
-            # comparisons between engines must only differ in where the KV came from.
-            params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True)
-            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
-            _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
-                                 "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
-        elif req["op"] == "ttft":
-            params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            results = []
-            for p in prompts:
-                t0 = time.perf_counter()
-                out = llm.generate([p], params, use_tqdm=False)[0]
-                results.append({"ttft_s": time.perf_counter() - t0,
-                                "num_cached_tokens": int(out.num_cached_tokens or 0),
-                                "tokens": list(out.outputs[0].token_ids)})
-            _reply({"results": results})
-        elif req["op"] == "concurrent":
-            _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)))
-                                for p in req["prompts"]]})
-        else:
-            _reply({"error": f"unknown op {req['op']!r}"})
+        try:
+            _handle(llm, req)
+        except Exception as exc:  # a bad request is answered, not fatal to the engine
+            _reply({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _handle(llm: Any, req: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    if req["op"] == "generate":
+        # One prompt at a time: batch composition changes floating-point results, and greedy
+        # comparisons between engines must only differ in where the KV came from.
+        params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True)
+        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
+                             "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
+    elif req["op"] == "ttft":
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        results = []
+        for p in prompts:
+            t0 = time.perf_counter()
+            out = llm.generate([p], params, use_tqdm=False)[0]
+            results.append({"ttft_s": time.perf_counter() - t0,
+                            "num_cached_tokens": int(out.num_cached_tokens or 0),
+                            "tokens": list(out.outputs[0].token_ids)})
+        _reply({"results": results})
+    elif req["op"] == "serve":
+        _reply({"results": [_serve_one(llm, p, int(req.get("max_tokens", 8))) for p in req["prompts"]]})
+    elif req["op"] == "concurrent":
+        _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)))
+                            for p in req["prompts"]]})
+    else:
+        _reply({"error": f"unknown op {req['op']!r}"})
+
+
+def _serve_one(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """One request through the engine's step loop: its tokens (greedy), TTFT and cached tokens."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    rid = f"serve-{time.monotonic_ns()}"
+    t0 = time.perf_counter()
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    ttft, out = None, None
+    while out is None:
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            if ttft is None and o.outputs and o.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+            if o.finished:
+                out = o
+    return {"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+            "num_cached_tokens": int(out.num_cached_tokens or 0)}
 
 
 def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int) -> dict[str, Any]:
