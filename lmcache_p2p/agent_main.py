@@ -18,7 +18,7 @@ import sys
 import threading
 
 from .agent import CacheAgent
-from .config import cluster_secret, load_config
+from .config import LayoutConfig, cluster_secret, load_config
 from .errors import LMCacheP2PError
 from .keys import Fingerprint
 from .synthetic import synthetic_payload, synthetic_tokens
@@ -26,13 +26,8 @@ from .synthetic import synthetic_payload, synthetic_tokens
 log = logging.getLogger(__name__)
 
 
-def fingerprint_of(layout: object) -> Fingerprint:
-    from .config import LayoutConfig
-
-    assert isinstance(layout, LayoutConfig)
-    return Fingerprint(model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
-                       num_kv_heads=layout.num_kv_heads, head_size=layout.head_size,
-                       block_size=layout.block_size, kv_layout=layout.kv_layout, tenant_salt=layout.tenant_salt)
+def fingerprint_of(layout: LayoutConfig) -> Fingerprint:
+    return Fingerprint.of(layout)
 
 
 def preload(agent: CacheAgent, seed: int, num_tokens: int) -> int:

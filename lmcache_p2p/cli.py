@@ -20,6 +20,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("lookup",): ("lmcache_p2p.lookup_cli:main", "which chunks of a prompt are held where"),
     ("demo",): ("lmcache_p2p.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
     ("bench", "kernels"): ("lmcache_p2p.kernels.bench:main", "paged-KV gather/scatter vs memcpy"),
+    ("identity",): ("lmcache_p2p.identity:main", "a model's identity (layout.model_id) from its files"),
     ("certs",): ("lmcache_p2p.certs:main", "a cluster CA and TLS certificates (transfer, etcd)"),
     ("etcd",): ("lmcache_p2p.index.etcd_server:main", "run a private etcd (the embedded default)"),
 }

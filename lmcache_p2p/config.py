@@ -220,6 +220,22 @@ class AgentConfig:
                f"must be a multiple of layout.block_size ({self.layout.block_size})")
 
 
+def rank_config(config: AgentConfig, rank: int, tp_size: int) -> AgentConfig:
+    """Each tensor-parallel rank runs its own agent: node id ``<node>-r<rank>``, its own disk
+    subdirectory, transfer and metrics ports offset by the rank (when fixed), and an equal share of
+    the configured tier capacities (they are the engine's). TP 1 keeps the config as it is."""
+    if tp_size <= 1:
+        return config
+    tiers = dataclasses.replace(
+        config.tiers, cpu_capacity=config.tiers.cpu_capacity // tp_size,
+        disk_capacity=config.tiers.disk_capacity // tp_size,
+        disk_path=str(Path(config.tiers.disk_path) / f"r{rank}") if config.tiers.disk_path else None)
+    transfer = dataclasses.replace(config.transfer, port=config.transfer.port + rank if config.transfer.port else 0)
+    return dataclasses.replace(
+        config, node_id=f"{config.node_id}-r{rank}", tiers=tiers, transfer=transfer,
+        metrics_port=config.metrics_port + rank if config.metrics_port else config.metrics_port)
+
+
 def load_config(
     path: str | Path | None = None,
     *,

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
 import msgpack
 import numpy as np
 import xxhash
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import LayoutConfig
 
 ChunkKey = NewType("ChunkKey", bytes)
 """16-byte xxh3_128 digest identifying one chunk of KV bytes."""
@@ -65,6 +68,14 @@ class Fingerprint:
         """Canonical msgpack: a fixed-order array, format version first."""
         fields = [KEY_FORMAT_VERSION] + [getattr(self, f.name) for f in dataclasses.fields(self)]
         return msgpack.packb(fields, use_bin_type=True)
+
+    @classmethod
+    def of(cls, layout: LayoutConfig, tp_size: int = 1, tp_rank: int = 0) -> Fingerprint:
+        """The one way to build a fingerprint: from a layout (the engine's, see
+        ``integrations/vllm/layout.py``, or a standalone agent's config) and the engine's sharding."""
+        return cls(model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
+                   num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, block_size=layout.block_size,
+                   kv_layout=layout.kv_layout, tp_size=tp_size, tp_rank=tp_rank, tenant_salt=layout.tenant_salt)
 
     @property
     def digest(self) -> FingerprintDigest:

@@ -25,9 +25,7 @@ def main(cfg_path: str, tokens_path: str, model_id: str, dtype: str) -> None:
     overrides = {"layout.model_id": model_id, "layout.kv_dtype": dtype}
     config = load_config(cfg_path, env={}, overrides=overrides)
     lay = config.layout
-    fp = Fingerprint(model_id=lay.model_id, kv_dtype=lay.kv_dtype, num_layers=lay.num_layers,
-                     num_kv_heads=lay.num_kv_heads, head_size=lay.head_size, block_size=lay.block_size,
-                     kv_layout=lay.kv_layout)
+    fp = Fingerprint.of(lay)
     agent = CacheAgent(config, fp, lay.chunk_bytes(config.chunk_size), metrics=AgentMetrics(CollectorRegistry()))
     agent.start()
     tokens = json.loads(open(tokens_path).read())

@@ -37,6 +37,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from lmcache_p2p.cli import COMMANDS
 from lmcache_p2p.config import ENV_PREFIX, AgentConfig, cluster_secret, load_config
+from lmcache_p2p.identity import model_identity
 from lmcache_p2p.metrics import AgentMetrics
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
@@ -473,7 +474,9 @@ def test_vllm_kv_transfer_config_names_the_connector(tmp_path):
     assert args[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]
     block = int(flag(args, "--block-size") or 0)
     assert block == cfg.layout.block_size and cfg.chunk_size % block == 0
-    assert flag(args, "--model") == cfg.layout.model_id, "cache-only agents would serve another fingerprint"
+    # the identity the connector computes for the served model, as the cache-only agents must declare it
+    served = model_identity(flag(args, "--model") or "", flag(args, "--revision"))
+    assert served == cfg.layout.model_id, f"cache-only agents would serve {cfg.layout.model_id!r}, engines {served!r}"
     tp = int(flag(args, "--tensor-parallel-size") or 1)
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
 

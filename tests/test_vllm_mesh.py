@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.aio import LoopThread  # noqa: E402
 from lmcache_p2p.config import load_config  # noqa: E402
+from lmcache_p2p.identity import model_identity
 from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
 from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
@@ -73,7 +75,10 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
         assert [r["tokens"] for r in on_a] == [r["tokens"] for r in reference[:3] + reference[4:]]
         assert all(r["num_cached_tokens"] == 0 for r in on_a)  # nothing cached anywhere yet
 
-        b = EngineProcess(tiny_model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE).wait_ready()
+        # B serves a copy of the model under another path: the same weights are the same model
+        copy = tmp_path / "elsewhere" / "model-copy"
+        shutil.copytree(tiny_model, copy)
+        b = EngineProcess(copy, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE).wait_ready()
         on_b = b.generate(docs + [shared])
         assert [r["tokens"] for r in on_b] == [r["tokens"] for r in reference[:4]]
         assert [r["num_cached_tokens"] for r in on_b] == [1499, 1499, 1499, 768]
@@ -89,8 +94,8 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
         tokens_file.write_text(json.dumps(doc4))
         cfg_d = write_agent_config(tmp_path / "d.yaml", node="corrupt-d", cluster=cluster_name,
                                    endpoints=etcd.endpoints)
-        d = subprocess.Popen([sys.executable, str(CORRUPT_PEER), str(cfg_d), str(tokens_file), f"{tiny_model}@",
-                              DTYPE], stdout=subprocess.PIPE, text=True)
+        d = subprocess.Popen([sys.executable, str(CORRUPT_PEER), str(cfg_d), str(tokens_file),
+                              model_identity(tiny_model), DTYPE], stdout=subprocess.PIPE, text=True)
         assert d.stdout is not None and d.stdout.readline().startswith("READY")
 
         # A dies with its lease still alive: B's scheduler still sees A's chunks of `late` and

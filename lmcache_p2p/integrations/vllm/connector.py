@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...config import rank_config
 from .layout import connector_config, engine_fingerprint
 from .metadata import LMCacheP2PMetadata
 from .scheduler import P2PScheduler
@@ -56,9 +57,11 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         if config.chunk_size % block_size:
             raise ValueError(f"chunk_size ({config.chunk_size}) must be a multiple of the engine block size "
                              f"({block_size})")
-        rank = vllm_config.parallel_config.rank if role == KVConnectorRole.WORKER else 0
-        fingerprint = engine_fingerprint(vllm_config, config, tp_rank=rank % max(
-            vllm_config.parallel_config.tensor_parallel_size, 1))
+        tp_size = max(vllm_config.parallel_config.tensor_parallel_size, 1)
+        rank = vllm_config.parallel_config.rank % tp_size if role == KVConnectorRole.WORKER else 0
+        fingerprint = engine_fingerprint(vllm_config, config, tp_rank=rank)
+        if role == KVConnectorRole.WORKER:
+            config = rank_config(config, rank, tp_size)  # one agent per rank: own node id, disk dir, ports
         self._scheduler: P2PScheduler | None = None
         self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:

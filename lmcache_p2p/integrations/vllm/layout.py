@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import AgentConfig, LayoutConfig, load_config
+from ...identity import model_identity
 from ...keys import Fingerprint
 
 
@@ -36,7 +37,7 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
     parallel = vllm_config.parallel_config
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
     return LayoutConfig(
-        model_id=f"{model.model}@{model.revision or ''}",
+        model_id=model_identity(model.model, model.revision),  # what the model is, not where
         kv_dtype=_dtype_name(vllm_config),
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_num_kv_heads(parallel),
@@ -48,10 +49,5 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
 
 
 def engine_fingerprint(vllm_config: Any, config: AgentConfig, tp_rank: int = 0) -> Fingerprint:
-    layout = config.layout
-    return Fingerprint(
-        model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
-        num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, block_size=layout.block_size,
-        kv_layout=layout.kv_layout, tp_size=vllm_config.parallel_config.tensor_parallel_size, tp_rank=tp_rank,
-        tenant_salt=layout.tenant_salt,
-    )
+    return Fingerprint.of(config.layout, vllm_config.parallel_config.tensor_parallel_size, tp_rank)
+

@@ -1,0 +1,88 @@
+"""What a model *is*, for deciding who may share KV bytes: from its contents, not its location.
+
+    model_identity("/models/llama-3-8b")        -> "sha:1f0c9a...-w:77b1e2..."   (a local directory)
+    model_identity("meta-llama/Llama-3-8B", "a1b2c3")  -> "hf:meta-llama/Llama-3-8B@a1b2c3"
+
+A local model directory is identified by
+
+- ``cfg``: a digest of its ``config.json`` as canonical JSON (sorted keys), without the fields that
+  only say where it was loaded from (``_name_or_path``) or by which library version;
+- ``w``: a digest of its weight files by content: for every ``*.safetensors`` / ``*.bin`` /
+  ``*.pt`` file (sorted by name), its name, size and bytes: all of them for files up to 256 MiB,
+  else 64 blocks of 1 MiB at fixed offsets spread over the file (64 MiB read per file, whatever its
+  size: a 140 GB model costs ~2 GB of reads, mostly from the page cache the engine just filled).
+  A fine-tune differs in nearly every block; a change confined to unsampled bytes of a large file
+  would go unnoticed, so give such models distinct revisions. The same weights under another path,
+  or a copy, give the same digest.
+
+So the same weights under two paths share chunks, and a model whose ``config.json`` differs in one
+field, or whose weights differ, never does. A name that is not a local directory is a hub id: its
+identity is the name and the revision (``main`` when none is pinned: pin revisions in production).
+``lmcache-p2p identity MODEL`` prints the identity, for cache-only agents' ``layout.model_id``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import xxhash
+
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")
+_PATH_FIELDS = ("_name_or_path", "transformers_version", "_commit_hash")
+_FULL_BYTES = 256 << 20
+_SAMPLES, _SAMPLE_BYTES = 64, 1 << 20
+
+
+def model_identity(model: str | os.PathLike[str], revision: str | None = None) -> str:
+    path = Path(model)
+    if (path / "config.json").is_file():
+        stamp = tuple((p.name, st.st_size, st.st_mtime_ns) for p in sorted(path.iterdir())
+                      if p.name == "config.json" or p.name.endswith(_WEIGHT_SUFFIXES) for st in [p.stat()])
+        return _local_identity(str(path.resolve()), stamp)
+    return f"hf:{model}@{revision or 'main'}"
+
+
+@functools.lru_cache(maxsize=16)
+def _local_identity(path: str, _stamp: tuple[tuple[str, int, int], ...]) -> str:  # per version of the files
+    root = Path(path)
+    config = json.loads((root / "config.json").read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{root / 'config.json'}: not a JSON object")
+    canonical = json.dumps({k: v for k, v in config.items() if k not in _PATH_FIELDS}, sort_keys=True,
+                           separators=(",", ":"))
+    cfg = hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    weights = xxhash.xxh3_128()
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(_WEIGHT_SUFFIXES))
+    for f in files:
+        size = f.stat().st_size
+        weights.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as fh:
+            if size <= _FULL_BYTES:
+                while block := fh.read(8 << 20):
+                    weights.update(block)
+                continue
+            for i in range(_SAMPLES):
+                fh.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
+                weights.update(fh.read(_SAMPLE_BYTES))
+    return f"sha:{cfg}-w:{weights.hexdigest()[:16] if files else 'none'}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="lmcache-p2p identity", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n".join(__doc__.splitlines()[2:]))
+    p.add_argument("model", help="a local model directory, or a hub name")
+    p.add_argument("--revision", help="the hub revision the engines serve")
+    args = p.parse_args(argv)
+    try:
+        print(model_identity(args.model, args.revision))
+    except (OSError, ValueError) as exc:
+        print(f"lmcache-p2p identity: {exc}", file=sys.stderr)
+        return 2
+    return 0
