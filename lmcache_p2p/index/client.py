@@ -193,11 +193,14 @@ class EtcdClient:
             ("grpc.lb_policy_name", "round_robin"),
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
             ("grpc.max_send_message_length", 2 << 20),
-            ("grpc.keepalive_time_ms", 5_000),
+            ("grpc.keepalive_time_ms", 6_000),  # etcd refuses pings under 5 s apart (too_many_pings)
             ("grpc.keepalive_timeout_ms", 3_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 1_000),
+            # A connection attempt is given up after 1 s (default 20 s) and retried with a fresh SYN: a
+            # member whose link comes back is reconnected within ~1 s, not after the kernel's SYN backoff.
+            ("grpc.min_reconnect_backoff_ms", 1_000),
         ]
         tls = self.config.ca_cert is not None or any(ep.startswith("https://") for ep in self.config.endpoints)
         channels: list[tuple[str, grpc.aio.Channel]] = []
