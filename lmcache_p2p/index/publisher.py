@@ -22,6 +22,7 @@ and retried, never the end of publishing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -61,6 +62,7 @@ class Publisher:
         self._pending_since: float | None = time.monotonic()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = asyncio.Event()
+        self._new_session = asyncio.Event()  # cuts a failure backoff short: a new lease is worth trying at once
         self._idle = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.written_total = 0
@@ -152,6 +154,8 @@ class Publisher:
             self._dirty.update(self._state)
             self._record_dirty = True
             self._wake_if(True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._new_session.set)
 
     republish_all = set_session
 
@@ -161,6 +165,7 @@ class Publisher:
             await self._wake.wait()
             self._wake.clear()
             await asyncio.sleep(self._coalesce_s)
+            self._new_session.clear()  # a lease taken from now on cuts the backoff below short
             try:
                 ok = await self._drain()
             except Exception:
@@ -173,8 +178,10 @@ class Publisher:
                 backoff = 0.05
                 self._idle.set()
             else:
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(backoff):
+                        await self._new_session.wait()
+                backoff = 0.05 if self._new_session.is_set() else min(backoff * 2, 2.0)
                 self._wake.set()
 
     async def _drain(self) -> bool:
