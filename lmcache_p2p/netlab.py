@@ -29,7 +29,6 @@ import random
 import shutil
 import signal
 import subprocess
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -235,13 +234,4 @@ def leftovers() -> list[str]:
     return [n for n in names if n.startswith("lp") and "h" in n] + [
         line.split(":")[1].strip().split("@")[0] for line in links.splitlines()
         if line.split(":")[1].strip().startswith(("lpb", "lpo"))]
-
-
-def wait_for(predicate: Any, timeout: float, every: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return bool(predicate())
 

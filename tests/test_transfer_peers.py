@@ -277,13 +277,10 @@ class TamperingRelay(Relay):
         super().__init__(target_port)
 
     def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
-        self._frames(owner, requester)
-
-    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
         def exact(n: int) -> bytes:
             buf = bytearray()
             while len(buf) < n:
-                piece = src.recv(n - len(buf))
+                piece = owner.recv(n - len(buf))
                 if not piece:
                     raise OSError("closed")
                 buf += piece
@@ -294,12 +291,17 @@ class TamperingRelay(Relay):
                 header_len, payload_len = wire.PREFIX.unpack(exact(wire.PREFIX_SIZE))
                 msg = wire.decode(exact(header_len))
                 payload = bytearray(exact(payload_len))
-                if msg["t"] == "chunk" and payload:
-                    payload[0] ^= 0x01
-                    h = ChunkHeader.unpack(msg["h"])
-                    msg["h"] = dataclasses.replace(h, checksum=checksum(payload)).pack()
-                    self.tampered += 1
-                dst.sendall(wire.encode(msg, payload_len) + bytes(payload))
+                self.rewrite(msg, payload)
+                requester.sendall(wire.encode(msg, payload_len) + bytes(payload))
+
+    def rewrite(self, msg: wire.Message, payload: bytearray) -> None:
+        """Change one frame in place (its payload length stays)."""
+        if msg["t"] == "chunk" and payload:
+            payload[0] ^= 0x01
+            h = ChunkHeader.unpack(msg["h"])
+            msg["h"] = dataclasses.replace(h, checksum=checksum(payload)).pack()
+            self.tampered += 1
+
 
 def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
     """Without the MAC, a relay that fixes the xxh3 header injects bytes (the attack is real);
@@ -337,28 +339,13 @@ class PinRewritingRelay(TamperingRelay):
         self.forged = forged  # chunk key -> checksum of the changed bytes
         super().__init__(target_port)
 
-    def _frames(self, src: socket.socket, dst: socket.socket) -> None:
-        def exact(n: int) -> bytes:
-            buf = bytearray()
-            while len(buf) < n:
-                piece = src.recv(n - len(buf))
-                if not piece:
-                    raise OSError("closed")
-                buf += piece
-            return bytes(buf)
-
-        with contextlib.suppress(OSError):
-            while True:
-                header_len, payload_len = wire.PREFIX.unpack(exact(wire.PREFIX_SIZE))
-                msg = wire.decode(exact(header_len))
-                payload = exact(payload_len)
-                if msg["t"] == "pinned":
-                    for item in msg["items"]:
-                        h = ChunkHeader.unpack(item[0]) if item else None
-                        if h is not None and bytes(h.key) in self.forged:
-                            item[0] = dataclasses.replace(h, checksum=self.forged[bytes(h.key)]).pack()
-                            self.tampered += 1
-                dst.sendall(wire.encode(msg, payload_len) + payload)
+    def rewrite(self, msg: wire.Message, payload: bytearray) -> None:
+        if msg["t"] == "pinned":
+            for item in msg["items"]:
+                h = ChunkHeader.unpack(item[0]) if item else None
+                if h is not None and bytes(h.key) in self.forged:
+                    item[0] = dataclasses.replace(h, checksum=self.forged[bytes(h.key)]).pack()
+                    self.tampered += 1
 
 
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl not importable")
