@@ -28,27 +28,30 @@ _SOURCE = r"""
 #include <cstring>
 #include <vector>
 
-// Copy whole blocks between L layer tensors and one contiguous payload (layout.py's order).
+// Copy whole blocks between L layer tensors and one contiguous payload (layout.py's order: head,
+// layer, block, outer; each run is `heads` pieces of `piece` bytes).
 static void copy_blocks(const std::vector<at::Tensor>& layers, const at::Tensor& ids, const at::Tensor& buf,
                         int64_t block_stride, int64_t outer, int64_t outer_stride, int64_t run_bytes,
-                        bool to_buf, int64_t grain) {
+                        int64_t heads, bool to_buf, int64_t grain) {
   const int64_t n = ids.numel();
   const int64_t L = static_cast<int64_t>(layers.size());
   std::vector<char*> base(L);
   for (int64_t l = 0; l < L; ++l) base[l] = static_cast<char*>(layers[l].data_ptr());
   const int64_t* id = ids.data_ptr<int64_t>();
   char* payload = static_cast<char*>(buf.data_ptr());
-  const int64_t block_bytes = outer * run_bytes;
+  const int64_t piece = run_bytes / heads;
+  const int64_t head_bytes = L * n * outer * piece;  // one head's segment of the payload
   pybind11::gil_scoped_release nogil;
   at::parallel_for(0, L * n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t l = t / n, i = t % n;
       char* blk = base[l] + id[i] * block_stride;
-      char* dst = payload + t * block_bytes;
       for (int64_t o = 0; o < outer; ++o) {
         char* kv = blk + o * outer_stride;
-        char* p = dst + o * run_bytes;
-        if (to_buf) std::memcpy(p, kv, run_bytes); else std::memcpy(kv, p, run_bytes);
+        char* p = payload + (t * outer + o) * piece;
+        for (int64_t h = 0; h < heads; ++h, kv += piece, p += head_bytes) {
+          if (to_buf) std::memcpy(p, kv, piece); else std::memcpy(kv, p, piece);
+        }
       }
     }
   });
@@ -75,6 +78,7 @@ class _Module(Protocol):
         outer: int,
         outer_stride: int,
         run_bytes: int,
+        heads: int,
         to_buf: bool,
         grain: int,
     ) -> None: ...
@@ -107,5 +111,6 @@ def copy_blocks(
 ) -> None:
     grain = max(1, _TASK_BYTES // geom.block_bytes)
     module.copy_blocks(
-        list(layers), block_ids, buf, geom.block_stride, geom.outer, geom.outer_stride, geom.run_bytes, to_buf, grain
+        list(layers), block_ids, buf, geom.block_stride, geom.outer, geom.outer_stride, geom.run_bytes, geom.heads,
+        to_buf, grain,
     )

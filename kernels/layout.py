@@ -8,10 +8,17 @@ view, and one engine block is ``outer`` runs of ``run_bytes`` bytes::
     vLLM CPU   (num_blocks, kv_heads, block_size, 2*head)   block_dim=0  outer=1
     CUDA flash (2, num_blocks, block_size, kv_heads, head)  block_dim=1  outer=2 (K run, V run)
 
-The chunk payload is layer-major, then block order, then outer order::
+With ``heads`` > 1 the KV heads are the first dimension after ``block_dim`` (vLLM CPU's
+block-interior layout; HND layouts on CUDA), so each run is ``heads`` equal *pieces*, one per
+head. The chunk payload is head-major, then layer, then block, then outer order::
 
-    | layer 0: b0[o0 o1..] b1[..] ... | layer 1: b0 b1 ... | ... | layer L-1: ... |
-      <-------- n * block_bytes ------>
+    | head 0: layer 0: b0[o0 o1..] b1[..] .. | layer 1: .. | .. | head 1: layer 0: .. | .. |
+      <-------------------- L * n * outer * piece_bytes ---------> (one head's segment)
+
+so the heads ``[a, b)`` of a chunk are one contiguous byte range: a tensor-parallel rank that
+holds some of the heads stores, and pulls, exactly its range, and ranges from several owners
+concatenate. With ``heads`` = 1 (a layout whose heads are not outermost in a block) it is
+simply layer-major, then block, then outer order.
 
 All layers must share shape, strides, dtype and device (vLLM allocates them alike).
 """
@@ -38,10 +45,16 @@ class PagedGeometry:
     elem_size: int
     dtype: torch.dtype
     device: torch.device
+    heads: int = 1  # KV heads split out of each run (head-major payload)
 
     @property
     def block_bytes(self) -> int:
         return self.outer * self.run_bytes
+
+    @property
+    def piece_bytes(self) -> int:
+        """Bytes of one head in one run."""
+        return self.run_bytes // self.heads
 
     def payload_nbytes(self, num_blocks: int) -> int:
         return self.num_layers * num_blocks * self.block_bytes
@@ -56,8 +69,11 @@ class PagedGeometry:
         )
 
 
-def describe(layers: Sequence[torch.Tensor], block_dim: int = 0) -> PagedGeometry:
-    """Check ``layers`` and return their geometry; raise ``ValueError`` naming what is wrong."""
+def describe(layers: Sequence[torch.Tensor], block_dim: int = 0, heads: int = 1) -> PagedGeometry:
+    """Check ``layers`` and return their geometry; raise ``ValueError`` naming what is wrong.
+
+    ``heads`` > 1 splits each run by KV head: the dimension right after ``block_dim`` must be
+    the heads and have that size."""
     if len(layers) == 0:
         raise ValueError("layers: need at least one KV tensor")
     first = layers[0]
@@ -71,6 +87,11 @@ def describe(layers: Sequence[torch.Tensor], block_dim: int = 0) -> PagedGeometr
     shape, strides = first.shape, first.stride()
     run_elems = _contiguous_run(shape, strides, block_dim)
     outer, outer_stride = _collapse_outer(shape, strides, block_dim)
+    if heads < 1:
+        raise ValueError(f"heads must be >= 1, got {heads}")
+    if heads > 1 and (first.dim() <= block_dim + 1 or shape[block_dim + 1] != heads):
+        raise ValueError(f"heads={heads}: the dim after block_dim={block_dim} must be the KV heads "
+                         f"(shape {tuple(shape)})")
     return PagedGeometry(
         num_layers=len(layers),
         num_blocks=shape[block_dim],
@@ -81,6 +102,7 @@ def describe(layers: Sequence[torch.Tensor], block_dim: int = 0) -> PagedGeometr
         elem_size=elem,
         dtype=first.dtype,
         device=first.device,
+        heads=heads,
     )
 
 

@@ -38,8 +38,9 @@ class PagedKV:
     layer checks and the backend choice (which may build the C++ extension) happen here.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor], *, block_dim: int = 0, backend: Backend = "auto") -> None:
-        self.geometry = describe(layers, block_dim)
+    def __init__(self, layers: Sequence[torch.Tensor], *, block_dim: int = 0, heads: int = 1,
+                 backend: Backend = "auto") -> None:
+        self.geometry = describe(layers, block_dim, heads)
         self.layers = tuple(layers)
         self.block_dim = block_dim
         self.backend = resolve_backend(self.geometry.device, backend)
@@ -48,7 +49,7 @@ class PagedKV:
         return self.geometry.payload_nbytes(num_blocks)
 
     def gather(self, block_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """Copy blocks ``block_ids`` of every layer, layer-major, into the uint8 tensor ``out``."""
+        """Copy blocks ``block_ids`` of every layer, in payload order, into the uint8 tensor ``out``."""
         n = check_block_ids(block_ids, self.geometry, unique=False)
         check_buffer("out", out, self.geometry, n)
         if n:
@@ -73,10 +74,11 @@ def gather(
     out: torch.Tensor,
     *,
     block_dim: int = 0,
+    heads: int = 1,
     backend: Backend = "auto",
 ) -> None:
     """One-shot :meth:`PagedKV.gather` (validates ``layers`` on every call)."""
-    PagedKV(layers, block_dim=block_dim, backend=backend).gather(block_ids, out)
+    PagedKV(layers, block_dim=block_dim, heads=heads, backend=backend).gather(block_ids, out)
 
 
 def scatter(
@@ -85,10 +87,11 @@ def scatter(
     block_ids: torch.Tensor,
     *,
     block_dim: int = 0,
+    heads: int = 1,
     backend: Backend = "auto",
 ) -> None:
     """One-shot :meth:`PagedKV.scatter` (validates ``layers`` on every call)."""
-    PagedKV(layers, block_dim=block_dim, backend=backend).scatter(buf, block_ids)
+    PagedKV(layers, block_dim=block_dim, heads=heads, backend=backend).scatter(buf, block_ids)
 
 
 def resolve_backend(device: torch.device, backend: Backend = "auto") -> Backend:
@@ -130,14 +133,23 @@ def _run(
 
 
 def _payload_views(buf: torch.Tensor, geom: PagedGeometry, n: int) -> torch.Tensor:
-    return buf.view(geom.num_layers, n, geom.outer, geom.run_bytes)
+    """The payload as ``(layer, block, outer, head, piece)`` (strided: heads are outermost in memory)."""
+    heads = buf.view(geom.heads, geom.num_layers, n, geom.outer, geom.piece_bytes)
+    return heads.permute(1, 2, 3, 0, 4)
+
+
+def _pieces(layer: torch.Tensor, geom: PagedGeometry) -> torch.Tensor:
+    return geom.byte_view(layer).view(geom.num_blocks, geom.outer, geom.heads, geom.piece_bytes)
 
 
 def _torch_gather(layers: Sequence[torch.Tensor], ids: torch.Tensor, out: torch.Tensor, geom: PagedGeometry) -> None:
     dst = _payload_views(out, geom, ids.numel())
     ids = ids.to(geom.device)
     for i, layer in enumerate(layers):
-        torch.index_select(geom.byte_view(layer), 0, ids, out=dst[i])
+        if geom.heads == 1:
+            torch.index_select(_pieces(layer, geom), 0, ids, out=dst[i])
+        else:
+            dst[i].copy_(torch.index_select(_pieces(layer, geom), 0, ids))
 
 
 def _torch_scatter(buf: torch.Tensor, layers: Sequence[torch.Tensor], ids: torch.Tensor, geom: PagedGeometry) -> None:
@@ -145,29 +157,38 @@ def _torch_scatter(buf: torch.Tensor, layers: Sequence[torch.Tensor], ids: torch
     if geom.device.type == "cpu":  # numpy fancy assignment is ~3x faster than index_copy_ here
         idx = ids.numpy()
         for i, layer in enumerate(layers):
-            geom.byte_view(layer).numpy()[idx] = src[i].numpy()
+            _pieces(layer, geom).numpy()[idx] = src[i].numpy()
         return
     ids = ids.to(geom.device)
     for i, layer in enumerate(layers):
-        geom.byte_view(layer).index_copy_(0, ids, src[i])
+        _pieces(layer, geom).index_copy_(0, ids, src[i].contiguous())
 
 
-def gather_reference(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, *, block_dim: int = 0) -> torch.Tensor:
+def gather_reference(layers: Sequence[torch.Tensor], block_ids: torch.Tensor, *, block_dim: int = 0,
+                     heads: int = 1) -> torch.Tensor:
     """Plain-torch definition of the payload (allocates; for tests and checks only)."""
     parts = []
-    for layer in layers:
-        blocks = layer.movedim(block_dim, 0)[block_ids.to(layer.device)]  # (n, *outer dims, *run dims)
-        parts.append(blocks.contiguous().view(torch.uint8).reshape(-1))
+    for h in range(heads):
+        for layer in layers:
+            blocks = layer.movedim(block_dim, 0)[block_ids.to(layer.device)]  # (n, *outer dims, *run dims)
+            if heads > 1:
+                blocks = blocks.narrow(block_dim + 1, h, 1)  # the head dim follows the outer dims
+            parts.append(blocks.contiguous().view(torch.uint8).reshape(-1))
     return torch.cat(parts)
 
 
 def scatter_reference(
-    buf: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: torch.Tensor, *, block_dim: int = 0
+    buf: torch.Tensor, layers: Sequence[torch.Tensor], block_ids: torch.Tensor, *, block_dim: int = 0,
+    heads: int = 1,
 ) -> None:
     """Plain-torch inverse of :func:`gather_reference` (for tests only)."""
-    per_layer = buf.numel() // len(layers)
-    for i, layer in enumerate(layers):
-        moved = layer.movedim(block_dim, 0)
-        shape = (block_ids.numel(), *moved.shape[1:])
-        chunk = buf[i * per_layer : (i + 1) * per_layer].view(layer.dtype).view(shape)
-        moved[block_ids.to(layer.device)] = chunk
+    per_part = buf.numel() // (len(layers) * heads)
+    for h in range(heads):
+        for i, layer in enumerate(layers):
+            moved = layer.movedim(block_dim, 0)
+            if heads > 1:
+                moved = moved.narrow(block_dim + 1, h, 1)
+            shape = (block_ids.numel(), *moved.shape[1:])
+            part = h * len(layers) + i
+            src = buf[part * per_part : (part + 1) * per_part]
+            moved[block_ids.to(layer.device)] = src.view(layer.dtype).view(shape)

@@ -1,10 +1,10 @@
 """Triton kernel for paged-KV gather/scatter on CUDA, all layers in one launch.
 
-Program ``(t, c)`` copies tile ``c`` of run ``t``, where ``t`` walks the payload order of
-``layout.py`` (layer, block, outer). Layer base addresses come from a small int64 table, so
-one launch serves every layer. Copies move the widest word (8/4/2/1 bytes) that divides
-every size, stride and base address. Runs on CPU tensors under ``TRITON_INTERPRET=1``
-(~1000x slower: correctness tests only). Arguments are validated by ``paged.py``.
+Program ``(t, c)`` copies tile ``c`` of piece ``t``, where ``t`` walks the payload order of
+``layout.py`` (head, layer, block, outer; a piece is one head's part of a run). Layer base
+addresses come from a small int64 table, so one launch serves every layer. Copies move the
+widest word (8/4/2/1 bytes) that divides every size, stride and base address. Runs on CPU
+tensors under ``TRITON_INTERPRET=1`` (~1000x slower: correctness tests only). Arguments are validated by ``paged.py``.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ _TILE_BYTES = 4096
 def _copy_blocks_kernel(
     layer_table,  # int64[L]: base address of every layer
     ids,  # int64[n]
-    payload,  # word*[L * n * outer * run]
+    payload,  # word*[heads * L * n * outer * run]
     n,
+    num_layers,
     block_stride,  # in words
     outer_stride,  # in words
     outer: tl.constexpr,
-    run: tl.constexpr,  # words per run
+    run: tl.constexpr,  # words per piece
     tile: tl.constexpr,
     word: tl.constexpr,
     to_buf: tl.constexpr,
@@ -41,9 +42,10 @@ def _copy_blocks_kernel(
     mask = offs < run
     o = t % outer
     i = (t // outer) % n
-    layer = t // (outer * n)
+    layer = (t // (outer * n)) % num_layers
+    head = t // (outer * n * num_layers)
     base = tl.load(layer_table + layer).to(tl.pointer_type(word))
-    kv = base + tl.load(ids + i) * block_stride + o * outer_stride + offs
+    kv = base + tl.load(ids + i) * block_stride + o * outer_stride + head * run + offs
     buf = payload + t * run + offs
     if to_buf:
         tl.store(buf, tl.load(kv, mask=mask), mask=mask)
@@ -54,7 +56,7 @@ def _copy_blocks_kernel(
 def word_bytes(geom: PagedGeometry, addresses: Sequence[int]) -> int:
     """Widest word size dividing every run, stride and address involved."""
     for w in (8, 4, 2):
-        sizes = (geom.run_bytes, geom.block_stride, geom.outer_stride, *addresses)
+        sizes = (geom.piece_bytes, geom.block_stride, geom.outer_stride, *addresses)
         if all(s % w == 0 for s in sizes):
             return w
     return 1
@@ -67,14 +69,15 @@ def copy_blocks(
     w = word_bytes(geom, [*bases, buf.data_ptr()])
     table = torch.tensor(bases, dtype=torch.int64).to(geom.device, non_blocking=True)
     ids = block_ids.to(geom.device, non_blocking=True)
-    run = geom.run_bytes // w
+    run = geom.piece_bytes // w
     tile = min(max(_TILE_BYTES // w, 16), triton.next_power_of_2(run))
-    grid = (geom.num_layers * ids.numel() * geom.outer, triton.cdiv(run, tile))
+    grid = (geom.heads * geom.num_layers * ids.numel() * geom.outer, triton.cdiv(run, tile))
     _copy_blocks_kernel[grid](
         table,
         ids,
         buf.view(_WORD_DTYPES[w]),
         ids.numel(),
+        geom.num_layers,
         geom.block_stride // w,
         geom.outer_stride // w,
         outer=geom.outer,

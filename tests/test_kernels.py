@@ -64,6 +64,48 @@ def test_cuda_style_layout_round_trip(backend: str) -> None:
         torch.testing.assert_close(got[:, block_ids], orig[:, block_ids], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("heads", [2, 4])
+def test_head_split_round_trip(backend: str, heads: int) -> None:
+    layers = _layers(3, (10, heads, 16, 32), torch.bfloat16)  # (blocks, kv_heads, block_size, 2*head)
+    kv = PagedKV(layers, heads=heads, backend=backend)  # type: ignore[arg-type]
+    block_ids = _ids(7, 2, 9)
+    out = torch.empty(kv.payload_nbytes(3), dtype=torch.uint8)
+    kv.gather(block_ids, out)
+    torch.testing.assert_close(out, gather_reference(layers, block_ids, heads=heads), rtol=0, atol=0)
+    fresh = [torch.zeros_like(t) for t in layers]
+    PagedKV(fresh, heads=heads, backend=backend).scatter(out, block_ids)  # type: ignore[arg-type]
+    for got, orig in zip(fresh, layers, strict=True):
+        torch.testing.assert_close(got[block_ids], orig[block_ids], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_a_ranks_payload_is_its_head_range_of_the_full_payload(backend: str, tp: int) -> None:
+    """vLLM shards KV heads over TP ranks: rank r holds heads [r*H/tp, (r+1)*H/tp). Head-major
+    payloads make each rank's payload exactly one contiguous slice of the TP=1 payload."""
+    heads = 4
+    full = _layers(2, (8, heads, 16, 32), torch.float16)
+    ids = _ids(5, 1)
+    whole = torch.empty(paged.payload_nbytes(full, 2), dtype=torch.uint8)
+    paged.gather(full, ids, whole, heads=heads, backend=backend)  # type: ignore[arg-type]
+    per = heads // tp
+    seg = whole.numel() // tp
+    for rank in range(tp):
+        shard = [t[:, rank * per:(rank + 1) * per].contiguous() for t in full]  # as vLLM allocates a rank's
+        kv = PagedKV(shard, heads=per, backend=backend)  # type: ignore[arg-type]
+        out = torch.empty(kv.payload_nbytes(2), dtype=torch.uint8)
+        kv.gather(ids, out)
+        torch.testing.assert_close(out, whole[rank * seg:(rank + 1) * seg], rtol=0, atol=0)
+        back = [torch.zeros_like(t) for t in shard]  # and a rank loads its slice of a TP=1 chunk
+        PagedKV(back, heads=per, backend=backend).scatter(whole[rank * seg:(rank + 1) * seg].clone(), ids)  # type: ignore[arg-type]
+        for got, want in zip(back, shard, strict=True):
+            torch.testing.assert_close(got[ids], want[ids], rtol=0, atol=0)
+
+
+def test_heads_must_follow_the_block_dim() -> None:
+    with pytest.raises(ValueError, match="must be the KV heads"):
+        describe([torch.empty(4, 3, 8, 8)], heads=2)
+
+
 def test_payload_is_layer_major_whole_blocks() -> None:
     layers = [torch.full((4, 1, 2, 2), float(i), dtype=torch.float16) for i in range(3)]
     for i, t in enumerate(layers):
@@ -177,20 +219,21 @@ def test_triton_kernel_matches_reference_under_interpreter() -> None:
 import torch
 from lmcache_p2p.kernels import paged
 from lmcache_p2p.kernels.paged import PagedKV, gather_reference, scatter_reference
-cases = [((10, 2, 16, 8), 0, torch.bfloat16, [3, 7, 1]), ((2, 5, 4, 2, 8), 1, torch.float16, [4, 0, 2]),
-         ((6, 3, 5), 0, torch.float16, [5]), ((9, 3, 3), 0, torch.uint8, [8, 1])]
-for shape, block_dim, dtype, ids in cases:
+cases = [((10, 2, 16, 8), 0, 1, torch.bfloat16, [3, 7, 1]), ((2, 5, 4, 2, 8), 1, 1, torch.float16, [4, 0, 2]),
+         ((6, 3, 5), 0, 1, torch.float16, [5]), ((9, 3, 3), 0, 1, torch.uint8, [8, 1]),
+         ((10, 2, 16, 8), 0, 2, torch.bfloat16, [3, 7, 1]), ((2, 5, 3, 4, 8), 1, 3, torch.float16, [4, 0])]
+for shape, block_dim, heads, dtype, ids in cases:
     gen = torch.Generator().manual_seed(0)
     layers = [torch.randint(0, 200, shape, generator=gen).to(dtype) for _ in range(3)]
     ids = torch.tensor(ids, dtype=torch.int64)
-    kv = PagedKV(layers, block_dim=block_dim, backend="triton")
+    kv = PagedKV(layers, block_dim=block_dim, heads=heads, backend="triton")
     out = torch.empty(kv.payload_nbytes(ids.numel()), dtype=torch.uint8)
     kv.gather(ids, out)
-    torch.testing.assert_close(out, gather_reference(layers, ids, block_dim=block_dim), rtol=0, atol=0)
+    torch.testing.assert_close(out, gather_reference(layers, ids, block_dim=block_dim, heads=heads), rtol=0, atol=0)
     got = [torch.zeros_like(t) for t in layers]
     want = [torch.zeros_like(t) for t in layers]
-    PagedKV(got, block_dim=block_dim, backend="triton").scatter(out, ids)
-    scatter_reference(out, want, ids, block_dim=block_dim)
+    PagedKV(got, block_dim=block_dim, heads=heads, backend="triton").scatter(out, ids)
+    scatter_reference(out, want, ids, block_dim=block_dim, heads=heads)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 print("ok")
