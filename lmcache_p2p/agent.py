@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -33,11 +34,11 @@ from .estimates import PeerEstimates, PrefillRate
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
 from .invalidation import MeshInvalidation
-from .keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
+from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
+from .plan import LOCAL, FetchBudget, HitPlan, Piece, PlannedChunk, fetch_budget, make_plan
 from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
-from .transfer.base import MissReason, PeerAddress, PullResult, Transport
+from .transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
 from .transfer.stack import TransferStack
 
 log = logging.getLogger(__name__)
@@ -55,10 +56,13 @@ class CacheAgent:
         metrics: AgentMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
         secret: bytes | None = None,
+        heads: HeadRange | None = None,
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.fp = fingerprint.digest
+        # The KV heads of every chunk this agent stores and loads (a TP rank's; default all of them)
+        self.heads: HeadRange = heads if heads is not None else (0, fingerprint.num_kv_heads)
         self.node_id = NodeId(config.node_id)
         self.chunk_bytes = chunk_bytes
         self._clock = clock
@@ -107,7 +111,7 @@ class CacheAgent:
             self.invalidation.start(self.loop, client)
             recovered = self.tiers.recover()
             self.tiers.set_listener(self._on_tier_change)
-            mine = [h.key for h in recovered if h.fingerprint == self.fp]  # others stay on disk, unannounced
+            mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
             self._prune = self.loop.submit(self._prune_peers_forever())
@@ -142,6 +146,7 @@ class CacheAgent:
             models={self.fp.hex(): self.fingerprint.model_id},
             tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
             tls=self.config.transfer.tls,
+            heads={self.fp.hex(): list(self.heads)},
         )
 
     def _publish_record(self) -> None:
@@ -204,8 +209,18 @@ class CacheAgent:
             index.remove_many(self.fp, [key])
             return
         header = self.tiers.header(key)  # lock-free dict probes: safe under the tiers' locks
-        if header is not None and header.fingerprint == self.fp:  # only what this agent serves is announced
+        if header is not None and self._mine(header):  # only what this agent serves is announced
             index.add_many(self.fp, [key], TIER_CODES[tier])
+
+    def _mine(self, header: ChunkHeader) -> bool:
+        """A chunk of this agent's fingerprint and heads (not a piece on its way to assembly, nor a
+        chunk another rank layout left on disk)."""
+        return header.fingerprint == self.fp and header.heads == self.heads
+
+    def holds(self, key: ChunkKey) -> bool:
+        """This agent holds the chunk, in some tier, with the heads its engine needs."""
+        header = self.tiers.header(key)
+        return header is not None and header.heads == self.heads
 
     def _admit(self, header: ChunkHeader) -> bool:
         """The store's admission gate: nothing a standing invalidation covers gets in."""
@@ -246,6 +261,12 @@ class CacheAgent:
                 return [{} for _ in ks]
             return [{n: t for n, t in found.items() if n != self.node_id} for found in index.owners(self.fp, ks)]
 
+        fp_hex, all_heads = self.fp.hex(), self.fingerprint.num_kv_heads
+
+        def heads_of(node: NodeId) -> HeadRange:
+            record = nodes.get(node)
+            return record.heads_of(fp_hex, all_heads) if record is not None else (0, all_heads)
+
         verdicts: dict[NodeId, bool] = {}
 
         def usable(node: NodeId) -> bool:
@@ -256,8 +277,8 @@ class CacheAgent:
 
         with self._inflight_lock:
             inflight = dict(self._inflight)
-        return make_plan(keys, spans, local=lambda k: self.tiers.where(k) is not None, owners=owners,
-                         usable=usable, inflight=inflight, num_tokens=num_tokens)
+        return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
+                         num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
 
     def _usable(self, record: NodeRecord | None) -> bool:
         """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
@@ -272,12 +293,12 @@ class CacheAgent:
         """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified)."""
         if len(dsts) != len(plan.chunks):
             raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
-        remote = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
+        remote = [c for c in plan.chunks if c.source != LOCAL and not self.holds(c.key)]
         if remote:
             self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
         loaded = []
         for chunk, dst in zip(plan.chunks, dsts, strict=True):
-            header = self.tiers.read_into(chunk.key, dst)
+            header = self.tiers.read_into(chunk.key, dst) if self.holds(chunk.key) else None
             ok = header is not None
             loaded.append(ok)
             if ok:
@@ -301,7 +322,7 @@ class CacheAgent:
         nothing is pulled and nothing read from disk: only what the CPU pool holds now is pinned
         (a disk chunk is promoted in the background, for the next request).
         """
-        remote_chunks = [c for c in plan.chunks if c.source != LOCAL and not self.tiers.where(c.key)]
+        remote_chunks = [c for c in plan.chunks if c.source != LOCAL and not self.holds(c.key)]
         if remote and remote_chunks:
             self._pull(remote_chunks, timeout if timeout is not None else self.config.transfer.timeout_s)
         pins: list[Pin | None] = []
@@ -311,6 +332,9 @@ class CacheAgent:
                 self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
             elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
                 pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
+            if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
+                self.tiers.cpu.unpin(pin)
+                pin = None
             if pin is not None and not (self._admit(pin.header) and self._intact(pin)):
                 self.tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
                 self.tiers.remove(chunk.key)
@@ -345,48 +369,87 @@ class CacheAgent:
             self.loop.run(self._pull_all(chunks, timeout), timeout + 1.0)
         except LMCacheP2PError as exc:
             log.warning("pull of %d chunks failed: %s", len(chunks), exc)
+        for chunk in chunks:
+            if chunk.pieces:
+                self._assemble(chunk)
 
     async def _pull_all(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        groups: dict[NodeId, list[PlannedChunk]] = {}
+        groups: dict[NodeId, list[_Part]] = {}
         for c in chunks:
-            groups.setdefault(c.source, []).append(c)
+            for piece in c.parts():
+                groups.setdefault(piece.source, []).append(_Part(c, piece))
         results = await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in groups.items()))
-        retry: dict[NodeId, list[PlannedChunk]] = {}
+        retry: dict[NodeId, list[_Part]] = {}
         for missed in results:
-            for c in missed:
-                alt = next(iter(c.alternatives), None)
+            for part in missed:
+                alt = next(iter(part.piece.alternatives), None)
                 if alt is not None:
-                    retry.setdefault(alt, []).append(c)
+                    retry.setdefault(alt, []).append(part)
         if retry and time.monotonic() < deadline:
             await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in retry.items()))
 
-    async def _pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
-        """Pull ``chunks`` from ``node`` into the local pool; returns those that missed."""
+    def _assemble(self, chunk: PlannedChunk) -> None:
+        """Concatenate a chunk's pieces (head ranges pulled from several peers, each verified on arrival)
+        into one slot under the chunk's key; the pieces go either way."""
+        cpu = self.tiers.cpu
+        keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
+        pins = [cpu.pin(k, self.config.tiers.pin_timeout_s) for k in keys]
+        try:
+            got = [p for p in pins if p is not None]
+            if len(got) < len(pins):
+                return
+            per_head = {p.header.length // (p.header.heads[1] - p.header.heads[0]) for p in got}
+            total = sum(p.header.length for p in got)
+            if len(per_head) != 1 or len({p.header.num_tokens for p in got}) != 1 or total > cpu.slot_bytes:
+                log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
+                return
+            reservation = cpu.reserve()
+            offset = 0
+            for piece in got:
+                n = piece.header.length
+                reservation.view[offset : offset + n] = cpu.slot_view(piece.slot, n)
+                offset += n
+            header = make_header(chunk.key, self.fp, reservation.view[:total], got[0].header.num_tokens,
+                                 min(p.header.epoch for p in got), heads=chunk.heads)
+            if self.tiers.commit_reserved(reservation, header):
+                self.metrics.assembled_chunks.inc()
+        except TierError as exc:
+            log.warning("no slot to assemble chunk %s: %s", chunk.key.hex()[:16], exc)
+        finally:
+            for pin in pins:
+                if pin is not None:
+                    cpu.unpin(pin)
+            for key in keys:
+                cpu.remove(key)
+
+    async def _pull_from(self, node: NodeId, parts: list[_Part], deadline: float) -> list[_Part]:
+        """Pull ``parts`` from ``node`` into the local pool; returns those that missed."""
         record = self.index.nodes().get(node) if self.index is not None else None
         transport = self._transport_for(record)
         peer = self._peer_address(record) if record is not None else None
         if transport is None or peer is None:
-            return chunks
+            return parts
         with self._inflight_lock:
-            self._inflight[node] = self._inflight.get(node, 0) + len(chunks)
+            self._inflight[node] = self._inflight.get(node, 0) + len(parts)
         t0 = time.perf_counter()
         try:
-            result = await transport.pull(peer, self.fp, [c.key for c in chunks], self.tiers.cpu,
+            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.tiers.cpu,
                                           max(deadline - time.monotonic(), 0.01))
         except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
             # A transport should report failures in its result; whatever escapes is a miss, never the
             # caller's (the engine's) exception.
             log.warning("pull from %s failed: %s: %s", node, type(exc).__name__, exc)
             self._peer_error(node)
-            return chunks
+            return parts
         finally:
             with self._inflight_lock:
-                self._inflight[node] -= len(chunks)
+                self._inflight[node] -= len(parts)
         self._account(transport.name, node, result, time.perf_counter() - t0)
-        for key in result.loaded:
-            self._on_tier_change(key, "cpu")
-        return [c for c in chunks if c.key not in result.loaded]
+        for part in parts:
+            if part.chunk.key in result.loaded and not part.chunk.pieces:
+                self._on_tier_change(part.chunk.key, "cpu")
+        return [p for p in parts if p.chunk.key not in result.loaded]
 
     async def _prune_peers_forever(self) -> None:
         """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)
@@ -477,7 +540,8 @@ class CacheAgent:
 
     def _commit_now(self, reservation: Reservation, key: ChunkKey, num_tokens: int, length: int) -> None:
         try:
-            header = make_header(key, self.fp, reservation.view[:length], num_tokens, self.invalidation.epoch)
+            header = make_header(key, self.fp, reservation.view[:length], num_tokens, self.invalidation.epoch,
+                                 heads=self.heads)
         except BaseException:
             self.tiers.cpu.release(reservation)
             raise
@@ -487,10 +551,10 @@ class CacheAgent:
     def _store_now(self, keys: list[ChunkKey], num_tokens: list[int], chunks: list[memoryview]) -> int:
         stored = 0
         for key, ntok, payload in zip(keys, num_tokens, chunks, strict=True):
-            if self.tiers.where(key) is not None:
+            if self.holds(key):
                 continue
             try:
-                if self.tiers.put(key, self.fp, payload, ntok, self.invalidation.epoch) is None:
+                if self.tiers.put(key, self.fp, payload, ntok, self.invalidation.epoch, self.heads) is None:
                     continue  # covered by a standing invalidation
             except TierError as exc:
                 log.warning("store of %s skipped: %s", key.hex(), exc)
@@ -527,3 +591,17 @@ class CacheAgent:
                         gauge.set(value)
                     elif name == "lease_losses":
                         m.set_lease_losses(int(value))
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Part:
+    """One pull: a planned chunk's whole range from its source, or one piece of it."""
+
+    chunk: PlannedChunk
+    piece: Piece
+
+    @property
+    def want(self) -> Want:
+        if not self.chunk.pieces:
+            return Want(self.chunk.key, self.chunk.heads)
+        return Want(self.chunk.key, self.piece.heads, piece_key(self.chunk.key, self.piece.heads))

@@ -3,18 +3,21 @@
     offset size  field
     0      4     magic b"LMP2"
     4      2     format version (u16)
-    6      2     reserved (0)
+    6      2     first KV head held (u16)
     8      16    chunk key
     24     16    fingerprint digest
     40     4     payload length in bytes (u32)
-    44     4     number of tokens in the chunk (u32; < chunk_size for a prompt's tail)
+    44     2     number of tokens in the chunk (u16; < chunk_size for a prompt's tail)
+    46     2     end of the KV heads held (u16, exclusive)
     48     8     epoch (u64): the etcd revision up to which the computing node had applied
                  invalidations; a standing invalidation at revision R covers chunks with epoch < R
     56     8     xxh3_64 of the payload (u64)
 
-All integers little-endian. The payload is, for every layer in order, the bytes of the
-engine blocks that hold the chunk's tokens. ``verify`` is the only way bytes leave a reader:
-it raises instead of returning anything that does not match its header.
+All integers little-endian. The payload is the bytes of the engine blocks that hold the
+chunk's tokens, head-major (``kernels/layout.py``): heads ``[h0, h1)`` are ``h1 - h0`` equal
+segments, so :func:`slice_heads` can cut any sub-range out of a payload without knowing more.
+``verify`` is the only way bytes leave a reader: it raises instead of returning anything that
+does not match its header.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import struct
 import xxhash
 
 from .errors import ChecksumMismatch, MalformedChunk
-from .keys import ChunkKey, FingerprintDigest
+from .keys import ChunkKey, FingerprintDigest, HeadRange
 
 MAGIC = b"LMP2"
-CHUNK_FORMAT_VERSION = 2  # 2: u32 length and the epoch
-_HEADER = struct.Struct("<4sHH16s16sIIQQ")
+CHUNK_FORMAT_VERSION = 3  # 2: u32 length and the epoch; 3: the head range
+_HEADER = struct.Struct("<4sHH16s16sIHHQQ")
 MAX_PAYLOAD = (1 << 32) - 1
+MAX_HEADS = (1 << 16) - 1
+MAX_TOKENS = (1 << 16) - 1  # tokens of one chunk (chunk_size is checked against it)
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 
@@ -47,31 +52,52 @@ class ChunkHeader:
     num_tokens: int
     checksum: int
     epoch: int = 0
+    heads: HeadRange = (0, 1)
     version: int = CHUNK_FORMAT_VERSION
 
     def pack(self) -> bytes:
         return _HEADER.pack(
-            MAGIC, self.version, 0, self.key, self.fingerprint, self.length, self.num_tokens, self.epoch,
-            self.checksum)
+            MAGIC, self.version, self.heads[0], self.key, self.fingerprint, self.length, self.num_tokens,
+            self.heads[1], self.epoch, self.checksum)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ChunkHeader:
         if len(data) < HEADER_SIZE:
             raise MalformedChunk(f"header needs {HEADER_SIZE} bytes, got {len(data)}")
-        magic, version, _, key, fp, length, ntok, epoch, csum = _HEADER.unpack_from(data)
+        magic, version, h0, key, fp, length, ntok, h1, epoch, csum = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise MalformedChunk(f"bad magic {magic!r}")
         if version != CHUNK_FORMAT_VERSION:
             raise MalformedChunk(f"unsupported chunk format version {version}")
-        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, epoch, version)
+        if not h0 < h1 or length % (h1 - h0):
+            raise MalformedChunk(f"head range [{h0}, {h1}) does not split a {length}-byte payload")
+        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, epoch, (h0, h1), version)
 
 
 def make_header(
-    key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview | bytes, num_tokens: int, epoch: int = 0
+    key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview | bytes, num_tokens: int, epoch: int = 0,
+    heads: HeadRange = (0, 1),
 ) -> ChunkHeader:
     if len(payload) > MAX_PAYLOAD:
         raise MalformedChunk(f"payload of {len(payload)} bytes exceeds the format's {MAX_PAYLOAD}")
-    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload), epoch)
+    if not 0 <= heads[0] < heads[1] <= MAX_HEADS or len(payload) % (heads[1] - heads[0]):
+        raise MalformedChunk(f"head range {heads} does not split a {len(payload)}-byte payload")
+    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload), epoch, heads)
+
+
+def slice_heads(header: ChunkHeader, view: memoryview, heads: HeadRange) -> tuple[ChunkHeader, memoryview]:
+    """The sub-range ``heads`` of a verified chunk: its header (own length and checksum) and bytes.
+
+    The caller must have verified ``view`` against ``header`` just before: the new checksum is
+    computed over these bytes, so it vouches for them only as far as that check did."""
+    h0, h1 = header.heads
+    if not h0 <= heads[0] < heads[1] <= h1:
+        raise MalformedChunk(f"heads {heads} are not within the chunk's [{h0}, {h1})")
+    if heads == header.heads:
+        return header, view
+    per = header.length // (h1 - h0)
+    part = view[(heads[0] - h0) * per : (heads[1] - h0) * per]
+    return dataclasses.replace(header, length=len(part), checksum=checksum(part), heads=heads), part
 
 
 def verify(header: ChunkHeader, payload: memoryview | bytes | bytearray) -> memoryview:

@@ -214,7 +214,8 @@ class AgentConfig:
                "must be 1-128 chars of [A-Za-z0-9_.-]")
         _check(re.match(r"^[A-Za-z0-9_.\-]{1,64}$", self.cluster) is not None, "cluster",
                "must be 1-64 chars of [A-Za-z0-9_.-]")
-        _check(self.chunk_size > 0 and self.chunk_size % 16 == 0, "chunk_size", "must be a positive multiple of 16")
+        _check(0 < self.chunk_size <= 65520 and self.chunk_size % 16 == 0, "chunk_size",
+               "must be a positive multiple of 16, at most 65520")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
         _check(self.chunk_size % self.layout.block_size == 0, "chunk_size",
                f"must be a multiple of layout.block_size ({self.layout.block_size})")

@@ -33,14 +33,40 @@ ChunkKey = NewType("ChunkKey", bytes)
 FingerprintDigest = NewType("FingerprintDigest", bytes)
 """16-byte xxh3_128 digest of a canonical fingerprint."""
 
-KEY_FORMAT_VERSION = 1
+KEY_FORMAT_VERSION = 2  # 2: head-major payloads; TP size and rank left out where heads are sliceable
+
+HeadRange = tuple[int, int]
+"""KV heads ``[first, end)`` of a chunk that a payload holds (chunk payloads are head-major)."""
+
+HEAD_MAJOR_LAYOUTS = frozenset({"vllm-cpu"})
+"""KV layouts whose heads lead each block's bytes (see ``kernels/layout.py``): their chunks are
+stored head-major, so any TP layout can use any other's. Elsewhere each TP rank's bytes are its own."""
+
+
+def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadRange:
+    """The KV heads a tensor-parallel rank holds, as vLLM shards them: ``H / tp`` each, or one
+    head replicated over ``tp / H`` ranks when there are more ranks than heads."""
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
+    if tp_size <= num_kv_heads:
+        if num_kv_heads % tp_size:
+            raise ValueError(f"{num_kv_heads} KV heads do not split over {tp_size} ranks")
+        per = num_kv_heads // tp_size
+        return tp_rank * per, (tp_rank + 1) * per
+    if tp_size % num_kv_heads:
+        raise ValueError(f"{tp_size} ranks do not share {num_kv_heads} KV heads evenly")
+    head = tp_rank // (tp_size // num_kv_heads)
+    return head, head + 1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Fingerprint:
     """Everything that makes KV bytes of one node usable by another.
 
-    Two nodes share chunks only when their fingerprints are byte-identical.
+    Two nodes share chunks only when their fingerprints are byte-identical. ``num_kv_heads`` is
+    the model's (every rank's heads together); which of them a node holds is in its node record
+    and every chunk header. ``tp_size``/``tp_rank`` are 1/0 for head-major layouts (the bytes do
+    not depend on the sharding) and the engine's own otherwise.
     """
 
     model_id: str
@@ -72,7 +98,10 @@ class Fingerprint:
     @classmethod
     def of(cls, layout: LayoutConfig, tp_size: int = 1, tp_rank: int = 0) -> Fingerprint:
         """The one way to build a fingerprint: from a layout (the engine's, see
-        ``integrations/vllm/layout.py``, or a standalone agent's config) and the engine's sharding."""
+        ``integrations/vllm/layout.py``, or a standalone agent's config) and the engine's sharding,
+        which counts only where the layout's heads can't be sliced."""
+        if layout.kv_layout in HEAD_MAJOR_LAYOUTS:
+            tp_size, tp_rank = 1, 0
         return cls(model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
                    num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, block_size=layout.block_size,
                    kv_layout=layout.kv_layout, tp_size=tp_size, tp_rank=tp_rank, tenant_salt=layout.tenant_salt)
@@ -84,6 +113,13 @@ class Fingerprint:
     @property
     def short(self) -> str:
         return self.digest.hex()[:12]
+
+
+def piece_key(key: ChunkKey, heads: HeadRange) -> ChunkKey:
+    """The local pool key of heads ``heads`` of chunk ``key`` while the chunk is assembled from
+    pieces (never announced, never served)."""
+    return ChunkKey(xxhash.xxh3_128_digest(b"piece" + bytes(key) + heads[0].to_bytes(2, "little")
+                                           + heads[1].to_bytes(2, "little")))
 
 
 def tokens_to_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -36,6 +36,9 @@ class AgentMetrics:
         self.load_failures = Counter("load_failures", "Chunks planned as hits that could not be loaded",
                                      ["reason"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
+        self.assembled_chunks = Counter("assembled_chunks", "Chunks assembled from head ranges pulled from several "
+                                        "peers (the ranks of a tensor-parallel engine)", namespace=ns,
+                                        registry=registry)
         self.pull_bytes = Counter("pull_bytes", "Bytes pulled from peers", ["transport"], namespace=ns,
                                   registry=registry)
         self.pull_chunks = Counter("pull_chunks", "Chunks requested from peers, by outcome",

@@ -7,6 +7,15 @@ A plan covers the longest run of *leading* chunks that are available, because a 
 only usable when every earlier token's KV is present. A prompt's partial tail chunk can only be
 the last chunk of a plan. Owner choice per chunk: the local store first, then the peer with the
 fewest pulls in flight (counting those this plan already gives it), faster tier first.
+
+Chunks are head-major (``chunk.py``), and a node holds the KV heads its engine has (all of them,
+or a tensor-parallel rank's range). A chunk is available when this node's heads ``need`` are
+covered: by one peer holding them all (it sends just that range), else by pieces from several
+peers (the ranks of a TP engine, each sending its part)::
+
+    need [0, 4):   peer A holds [0, 4)             -> one pull of [0, 4) from A
+    need [2, 4):   peer A holds [0, 4)             -> one pull of [2, 4) from A (a byte range)
+    need [0, 4):   B-r0 holds [0, 2), B-r1 [2, 4)  -> pieces [0, 2) from B-r0 and [2, 4) from B-r1
 """
 
 from __future__ import annotations
@@ -15,10 +24,19 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 from .index.schema import NodeId
-from .keys import ChunkKey
+from .keys import ChunkKey, HeadRange
 
 LOCAL = NodeId("")
 """The source of a chunk held by the local store."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Piece:
+    """Heads ``heads`` of a chunk, pulled from ``source`` (else from one of ``alternatives``)."""
+
+    source: NodeId
+    heads: HeadRange
+    alternatives: tuple[NodeId, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -27,8 +45,14 @@ class PlannedChunk:
     key: ChunkKey
     start: int
     end: int
-    source: NodeId  # LOCAL or the chosen peer
+    source: NodeId  # LOCAL or the chosen peer (the first piece's, when assembled from pieces)
     alternatives: tuple[NodeId, ...] = ()  # other peers holding it, tried if the source fails
+    heads: HeadRange = (0, 1)  # the heads this node needs (and pulls from ``source``)
+    pieces: tuple[Piece, ...] = ()  # set when no one peer holds all of ``heads``
+
+    def parts(self) -> tuple[Piece, ...]:
+        """What to pull: the pieces, or the whole range from the source."""
+        return self.pieces or (Piece(self.source, self.heads, self.alternatives),)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -60,27 +84,55 @@ def make_plan(
     usable: Callable[[NodeId], bool],
     inflight: Mapping[NodeId, int],
     num_tokens: int,
+    need: HeadRange = (0, 1),
+    heads_of: Callable[[NodeId], HeadRange] | None = None,
 ) -> HitPlan:
     """Plan the longest run of available leading chunks.
 
     ``owners(keys)`` gives, per key, the peers holding it with their tier byte (lower is
-    faster); ``usable(peer)`` is False for peers backed off after errors or unknown.
+    faster); ``usable(peer)`` is False for peers backed off after errors or unknown;
+    ``heads_of(peer)`` the KV heads it holds (default: all of ``need``).
     """
     remote = owners(keys)
     load = dict(inflight)
     chunks: list[PlannedChunk] = []
     for i, (key, (start, end)) in enumerate(zip(keys, spans, strict=True)):
         if local(key):
-            chunks.append(PlannedChunk(i, key, start, end, LOCAL))
+            chunks.append(PlannedChunk(i, key, start, end, LOCAL, heads=need))
             continue
-        candidates = [(load.get(n, 0), tier, n) for n, tier in remote[i].items() if usable(n)]
-        if not candidates:
+        held = {n: (heads_of(n) if heads_of is not None else need, tier)
+                for n, tier in remote[i].items() if usable(n)}
+        whole = sorted((load.get(n, 0), tier, n) for n, (h, tier) in held.items()
+                       if h[0] <= need[0] and need[1] <= h[1])
+        if whole:
+            best = whole[0][2]
+            load[best] = load.get(best, 0) + 1
+            chunks.append(PlannedChunk(i, key, start, end, best, tuple(c[2] for c in whole[1:]), heads=need))
+            continue
+        pieces = _cover(need, held, load)
+        if pieces is None:
             break
-        candidates.sort()
-        best = candidates[0][2]
-        load[best] = load.get(best, 0) + 1
-        chunks.append(PlannedChunk(i, key, start, end, best, tuple(c[2] for c in candidates[1:])))
+        chunks.append(PlannedChunk(i, key, start, end, pieces[0].source, heads=need, pieces=pieces))
     return HitPlan(num_tokens, tuple(chunks))
+
+
+def _cover(need: HeadRange, held: Mapping[NodeId, tuple[HeadRange, int]],
+           load: dict[NodeId, int]) -> tuple[Piece, ...] | None:
+    """``need`` from pieces of several peers' ranges (greedy: at each head, the peer reaching
+    furthest, then the least loaded); None when some head is held by no usable peer."""
+    pieces: list[Piece] = []
+    pos = need[0]
+    while pos < need[1]:
+        at = [(-min(h[1], need[1]), load.get(n, 0), tier, n) for n, (h, tier) in held.items() if h[0] <= pos < h[1]]
+        if not at:
+            return None
+        at.sort()
+        end, best = -at[0][0], at[0][3]
+        same = tuple(c[3] for c in at[1:] if -c[0] == end)  # others holding this very piece
+        load[best] = load.get(best, 0) + 1
+        pieces.append(Piece(best, (pos, end), same))
+        pos = end
+    return tuple(pieces)
 
 
 DEADLINE_FACTOR = 3.0  # a pull may take this many times its expected time before it is abandoned
@@ -133,7 +185,10 @@ def fetch_budget(
             continue
         if first_remote is None:
             first_remote = chunk.start
-        per_peer[chunk.source] = per_peer.get(chunk.source, 0) + chunk_bytes(chunk)
+        width = chunk.heads[1] - chunk.heads[0]
+        for part in chunk.parts():  # pieces in parallel from their peers, each a share of the bytes
+            share = chunk_bytes(chunk) * (part.heads[1] - part.heads[0]) // width
+            per_peer[part.source] = per_peer.get(part.source, 0) + share
         expected = max(expected_s(peer, nbytes) for peer, nbytes in per_peer.items())
         recompute = recompute_s(chunk.end - first_remote)
         if recompute is None or expected <= recompute:
@@ -143,7 +198,7 @@ def fetch_budget(
         while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
             keep += 1
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
-    if not all(known(c.source) for c in plan.chunks[:keep] if c.source != LOCAL):
+    if not all(known(p.source) for c in plan.chunks[:keep] if c.source != LOCAL for p in c.parts()):
         floor = max_s if kept_recompute is None else min(max_s, max(kept_recompute, FIRST_CONTACT_S))
         return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), floor, kept_expected, kept_recompute)
     if kept_recompute is not None:

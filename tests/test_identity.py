@@ -58,7 +58,10 @@ def test_one_fingerprint_constructor_for_agents_and_engines() -> None:
     layout = LayoutConfig(model_id="hf:org/model@main")
     fp = Fingerprint.of(layout)
     assert (fp.model_id, fp.num_layers, fp.kv_layout, fp.tp_size) == ("hf:org/model@main", 4, "vllm-cpu", 1)
-    assert Fingerprint.of(layout, 2, 1).digest != fp.digest  # sharding still changes the bytes
+    # vLLM CPU chunks are head-major: every TP layout shares them (each rank holds a head range)
+    assert Fingerprint.of(layout, 2, 1).digest == fp.digest
+    cuda = LayoutConfig(model_id="hf:org/model@main", kv_layout="vllm-cuda")  # heads not outermost in a block
+    assert Fingerprint.of(cuda, 2, 1).digest != Fingerprint.of(cuda).digest
 
 
 def test_large_weight_files_are_sampled_and_a_fine_tune_still_differs(model: Path, tmp_path: Path,

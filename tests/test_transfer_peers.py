@@ -23,7 +23,7 @@ from lmcache_p2p.chunk import ChunkHeader, checksum
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
-from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport
+from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
 from lmcache_p2p.transfer.client import TcpTransport
 from lmcache_p2p.transfer.nixl import NixlTransport
 from lmcache_p2p.transfer.nixl_engine import NixlEngine, nixl_available
@@ -235,7 +235,7 @@ def test_unreleased_nixl_pins_expire(requester: Requester, owners: Any) -> None:
 
     async def pin_without_release() -> None:
         conn = await client._pool.get(peer_of(a), FP, 3.0)
-        request = conn.start_pin([a.key(i) for i in range(4)])
+        request = conn.start_pin([Want(a.key(i)) for i in range(4)])
         await asyncio.wait_for(request.future, 3.0)
 
     requester.loop.run(pin_without_release(), 10)

@@ -16,7 +16,7 @@ from ..config import AgentConfig
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .mirror import Mirror
-from .schema import NodeId, NodeRecord, Rejects, Schema
+from .schema import NodeId, NodeRecord, Rejects, Schema, covers
 
 
 class IndexReader:
@@ -28,6 +28,8 @@ class IndexReader:
         self.client = EtcdClient(config.etcd)
         self.schema = Schema(config.cluster)
         self.mirror = Mirror(self.client, self.schema, fp, rejects=rejects)
+        self._fp_hex = fp.hex()
+        self._all_heads = (0, config.layout.num_kv_heads)
 
     @classmethod
     def open(cls, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest,
@@ -55,12 +57,20 @@ class IndexReader:
         return self.mirror.connected
 
     def longest_prefix(self, keys: Sequence[ChunkKey], also_held: Container[ChunkKey] = ()) -> int:
-        """How many leading keys are held by some node, or are in ``also_held``."""
-        if not also_held:
+        """How many leading keys are held, every KV head of them (by one node, or by nodes that hold
+        parts: the ranks of a tensor-parallel engine), or are in ``also_held``."""
+        partial = {n: h for n, r in self.mirror.nodes().items()
+                   if (h := r.heads_of(self._fp_hex, self._all_heads[1])) != self._all_heads}
+        if not also_held and not partial:
             return self.mirror.longest_prefix(keys)
         mirror = self.mirror
         for i, key in enumerate(keys):
-            if key not in mirror and key not in also_held:
+            if key in also_held:
+                continue
+            owners = mirror.owners(key)
+            if not owners:
+                return i
+            if all(n in partial for n in owners) and not covers([partial[n] for n in owners], self._all_heads):
                 return i
         return len(keys)
 

@@ -27,6 +27,7 @@ import math
 import re
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any, NewType
 
 import msgpack
@@ -183,6 +184,13 @@ class NodeRecord:
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
     tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
     tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
+    heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1) held
+    # (a tensor-parallel rank's KV heads; absent: every head of the fingerprint)
+
+    def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
+        """The KV heads this node holds of every chunk of a fingerprint."""
+        held = self.heads.get(fp_hex)
+        return (held[0], held[1]) if held is not None else (0, num_kv_heads)
 
     def pack(self) -> bytes:
         return msgpack.packb(
@@ -225,7 +233,30 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         fingerprints=fingerprints, capacities=dict(capacities),
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
-        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False))
+        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
+        heads=_heads(raw))
+
+
+def _heads(raw: dict[str, Any]) -> dict[str, list[int]]:
+    heads = _field(raw, "heads", dict, {})
+    for fp, held in heads.items():
+        if not (isinstance(fp, str) and isinstance(held, list) and len(held) == 2
+                and all(isinstance(h, int) and not isinstance(h, bool) for h in held)
+                and 0 <= held[0] < held[1] <= 0xFFFF):
+            raise MalformedRecord("node record", "heads: expected fingerprint hex -> [first, end) KV heads")
+    return {fp: list(held) for fp, held in heads.items()}
+
+
+def covers(ranges: Iterable[tuple[int, int]], want: tuple[int, int]) -> bool:
+    """Whether the union of half-open ``ranges`` contains ``want``."""
+    pos = want[0]
+    for lo, hi in sorted(ranges):
+        if lo > pos:
+            break
+        pos = max(pos, hi)
+        if pos >= want[1]:
+            return True
+    return pos >= want[1]
 
 
 # ---- invalidations ----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from ..chunk import ChunkHeader, make_header
 from ..config import TierConfig
 from ..errors import TierError
-from ..keys import ChunkKey, FingerprintDigest
+from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from .cpu_pool import CpuPool, Reservation
 from .disk import DiskTier
 from .eviction import make_policy
@@ -134,9 +134,9 @@ class TieredStore:
 
     # -- API --------------------------------------------------------------------------------------
     def put(self, key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview, num_tokens: int,
-            epoch: int = 0) -> ChunkHeader | None:
+            epoch: int = 0, heads: HeadRange = (0, 1)) -> ChunkHeader | None:
         """Checksum and store; None when the admission hook refused the chunk."""
-        header = make_header(key, fingerprint, payload, num_tokens, epoch)
+        header = make_header(key, fingerprint, payload, num_tokens, epoch, heads)
         return header if self.put_verified(header, payload) else None
 
     def put_verified(self, header: ChunkHeader, payload: memoryview) -> bool:

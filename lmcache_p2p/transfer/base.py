@@ -13,8 +13,23 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from ..chunk import ChunkHeader
-from ..keys import ChunkKey, FingerprintDigest
+from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from ..tiers.cpu_pool import CpuPool
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Want:
+    """One chunk to pull: ``heads`` a range of its KV heads (the owner sends just those bytes;
+    None: whatever it holds); ``store_as`` the pool key the bytes are committed under (a piece of
+    a chunk assembled from several owners; None: ``key``)."""
+
+    key: ChunkKey
+    heads: HeadRange | None = None
+    store_as: ChunkKey | None = None
+
+
+def wants_of(keys: Sequence[ChunkKey | Want]) -> list[Want]:
+    return [k if isinstance(k, Want) else Want(k) for k in keys]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,9 +61,9 @@ class PullResult:
     loaded: dict[ChunkKey, ChunkHeader] = dataclasses.field(default_factory=dict)
     missed: dict[ChunkKey, MissReason] = dataclasses.field(default_factory=dict)
 
-    def miss_rest(self, keys: Sequence[ChunkKey], reason: MissReason) -> None:
+    def miss_rest(self, keys: Sequence[ChunkKey | Want], reason: MissReason) -> None:
         """Mark every key that is neither loaded nor missed yet as missed with ``reason``."""
-        for key in keys:
+        for key in (w.key for w in wants_of(keys)):
             if key not in self.loaded and key not in self.missed:
                 self.missed[key] = reason
 
@@ -66,7 +81,7 @@ class Transport(Protocol):
         self,
         peer: PeerAddress,
         fingerprint: FingerprintDigest,
-        keys: Sequence[ChunkKey],
+        keys: Sequence[ChunkKey | Want],
         dst: CpuPool,
         timeout: float,
     ) -> PullResult: ...

@@ -16,7 +16,7 @@ from ..errors import HandshakeError, PeerTimeout, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
-from .base import MissReason, PeerAddress, PullResult
+from .base import MissReason, PeerAddress, PullResult, Want, wants_of
 from .connection import Connection
 from .health import PeerHealth
 from .netio import set_keepalive
@@ -130,7 +130,7 @@ class ConnectionPool:
 
 
 async def guarded_pull(
-    health: PeerHealth, peer: PeerAddress, keys: Sequence[ChunkKey],
+    health: PeerHealth, peer: PeerAddress, keys: Sequence[Want],
     run: Callable[[PullResult], Coroutine[Any, Any, None]],
 ) -> PullResult:
     """Run ``run(result)`` unless there is nothing to do or the peer is backed off; map its failures
@@ -166,13 +166,14 @@ class TcpTransport:
         self.health = health if health is not None else PeerHealth(2.0)
 
     async def pull(
-        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
         timeout: float,
     ) -> PullResult:
-        return await guarded_pull(self.health, peer, keys,
-                                  lambda result: self._pull(peer, fingerprint, keys, dst, result, timeout))
+        wants = wants_of(keys)
+        return await guarded_pull(self.health, peer, wants,
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
 
-    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout

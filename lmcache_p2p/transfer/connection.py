@@ -16,6 +16,7 @@ the protocol closes the connection and fails every request on it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import itertools
 import logging
@@ -28,7 +29,7 @@ from ..errors import ChunkError, ProtocolError, TierError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
-from .base import MissReason, PullResult
+from .base import MissReason, PullResult, Want
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,17 @@ class _Request:
 class _GetRequest(_Request):
     """Streams chunks of one ``get`` into ``dst``; the result fills in as frames arrive."""
 
-    def __init__(self, rid: int, keys: Sequence[ChunkKey], fp: FingerprintDigest, dst: CpuPool,
+    def __init__(self, rid: int, wants: Sequence[Want], fp: FingerprintDigest, dst: CpuPool,
                  result: PullResult) -> None:
         super().__init__(rid)
-        self.keys, self.fp, self.dst, self.result = keys, fp, dst, result
-        self.current: tuple[ChunkHeader, Reservation] | None = None
+        self.wants, self.fp, self.dst, self.result = wants, fp, dst, result
+        self.current: tuple[ChunkHeader, Reservation, ChunkKey | None] | None = None
         self.mac_key: bytes | None = None  # set: every chunk must carry a valid session MAC
         self._mac: tuple[int, bytes, object] | None = None  # (index, header bytes, claimed MAC) of current
 
     def on_chunk(self, msg: wire.Message, payload_len: int) -> memoryview | None:
         i = wire.field(msg, "i", int)
-        if not 0 <= i < len(self.keys):
+        if not 0 <= i < len(self.wants):
             raise ProtocolError(f"chunk index {i} out of range")
         raw_header = wire.field(msg, "h", bytes)
         self._mac = (i, raw_header, msg.get("m"))
@@ -69,7 +70,7 @@ class _GetRequest(_Request):
             header = ChunkHeader.unpack(raw_header)
         except ChunkError as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
-        if header.key != self.keys[i] or header.fingerprint != self.fp or header.length != payload_len:
+        if not answers(self.wants[i], header, self.fp) or header.length != payload_len:
             raise ProtocolError("chunk header does not match the request or the payload length")
         if payload_len > self.dst.slot_bytes:
             self.result.missed[header.key] = MissReason.CAPACITY
@@ -79,12 +80,12 @@ class _GetRequest(_Request):
         except TierError:
             self.result.missed[header.key] = MissReason.CAPACITY
             return None
-        self.current = (header, reservation)
+        self.current = (header, reservation, self.wants[i].store_as)
         return reservation.view[:payload_len]
 
     def on_payload(self) -> None:
         assert self.current is not None
-        header, reservation = self.current
+        header, reservation, store_as = self.current
         self.current = None
         if self.mac_key is not None and not self._mac_ok(reservation.view[: header.length]):
             self.dst.release(reservation)
@@ -99,7 +100,7 @@ class _GetRequest(_Request):
             self.result.missed[header.key] = MissReason.CHECKSUM
             log.warning("%s: %s", self.result.peer, exc)
             return
-        if not self.dst.commit(reservation, header):
+        if not self.dst.commit(reservation, header if store_as is None else dataclasses.replace(header, key=store_as)):
             self.result.missed[header.key] = MissReason.INVALIDATED
             return
         self.result.loaded[header.key] = header
@@ -112,9 +113,9 @@ class _GetRequest(_Request):
 
     def on_miss(self, msg: wire.Message) -> None:
         i = wire.field(msg, "i", int)
-        if not 0 <= i < len(self.keys):
+        if not 0 <= i < len(self.wants):
             raise ProtocolError(f"miss index {i} out of range")
-        self.result.missed[self.keys[i]] = MissReason.ABSENT
+        self.result.missed[self.wants[i].key] = MissReason.ABSENT
 
     def drop_current(self) -> None:
         if self.current is not None:
@@ -279,18 +280,18 @@ class Connection(asyncio.BufferedProtocol):
             raise item
         return item
 
-    def start_get(self, keys: Sequence[ChunkKey], fp: FingerprintDigest, dst: CpuPool,
+    def start_get(self, wants: Sequence[Want], fp: FingerprintDigest, dst: CpuPool,
                   result: PullResult) -> _GetRequest:
-        request = _GetRequest(next(self._ids), keys, fp, dst, result)
+        request = _GetRequest(next(self._ids), wants, fp, dst, result)
         request.mac_key = self.mac_key
         self._pending[request.rid] = request
-        self.send({"t": "get", "id": request.rid, "keys": list(keys)})
+        self.send(_request("get", request.rid, wants))
         return request
 
-    def start_pin(self, keys: Sequence[ChunkKey]) -> _Request:
+    def start_pin(self, wants: Sequence[Want]) -> _Request:
         request = _Request(next(self._ids))
         self._pending[request.rid] = request
-        self.send({"t": "pin", "id": request.rid, "keys": list(keys)})
+        self.send(_request("pin", request.rid, wants))
         return request
 
     def transport_socket(self) -> socket.socket | None:
@@ -323,3 +324,15 @@ class Connection(asyncio.BufferedProtocol):
             request.fail(exc)
         self._pending.clear()
         self._control.put_nowait(exc)
+
+
+def _request(kind: str, rid: int, wants: Sequence[Want]) -> wire.Message:
+    msg: wire.Message = {"t": kind, "id": rid, "keys": [w.key for w in wants]}
+    if any(w.heads is not None for w in wants):
+        msg["heads"] = [None if w.heads is None else list(w.heads) for w in wants]
+    return msg
+
+
+def answers(want: Want, header: ChunkHeader, fp: FingerprintDigest) -> bool:
+    """``header`` is what was asked: the key, the fingerprint and (when asked for) the head range."""
+    return header.key == want.key and header.fingerprint == fp and want.heads in (None, header.heads)

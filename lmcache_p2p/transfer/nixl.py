@@ -34,9 +34,9 @@ from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, Transfer
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
-from .base import MissReason, PeerAddress, PullResult
+from .base import MissReason, PeerAddress, PullResult, Want, wants_of
 from .client import ConnectionPool, batch_size, guarded_pull
-from .connection import Connection
+from .connection import Connection, answers
 from .health import PeerHealth
 from .nixl_engine import NixlEngine, ReadOverrun
 
@@ -62,15 +62,16 @@ class NixlTransport:
         self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer
 
     async def pull(
-        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
         timeout: float,
     ) -> PullResult:
         if dst is not self.engine.pool:
             raise ValueError("NIXL pulls land only in the pool registered with the engine")
-        return await guarded_pull(self.health, peer, keys,
-                                  lambda result: self._pull(peer, fingerprint, keys, dst, result, timeout))
+        wants = wants_of(keys)
+        return await guarded_pull(self.health, peer, wants,
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
 
-    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[ChunkKey], dst: CpuPool,
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, timeout: float) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -96,13 +97,14 @@ class NixlTransport:
                     conn.abandon(request)  # its pins, if granted, expire on the owner
             await asyncio.gather(*finishing)
 
-    async def _read_batch(self, conn: Connection, remote: str, fp: FingerprintDigest, keys: Sequence[ChunkKey],
+    async def _read_batch(self, conn: Connection, remote: str, fp: FingerprintDigest, keys: Sequence[Want],
                           answer: wire.Message, dst: CpuPool, result: PullResult,
                           deadline: float) -> asyncio.Task[None]:
         """READ one pinned batch; returns the task that verifies and commits it (off the loop)."""
         loop = asyncio.get_running_loop()
         lease, rid = wire.field(answer, "lease", int), wire.field(answer, "id", int)
         staged: list[tuple[ChunkHeader, Reservation, int]] = []
+        store_as: list[ChunkKey | None] = []
         macs: list[_Mac | None] = []
         checks: list[asyncio.Future[list[MissReason | None]]] = []
 
@@ -115,19 +117,20 @@ class NixlTransport:
                 checks.append(loop.run_in_executor(self._verifier, _verify_all, items))
 
         try:
-            for i, (key, item) in enumerate(zip(keys, self._items(answer, len(keys)), strict=True)):
+            for i, (want, item) in enumerate(zip(keys, self._items(answer, len(keys)), strict=True)):
                 if item is None:
-                    result.missed[key] = MissReason.ABSENT
+                    result.missed[want.key] = MissReason.ABSENT
                     continue
-                header, address, mac = self._check(item, key, fp, conn.mac_key is not None)
+                header, address, mac = self._check(item, want, fp, conn.mac_key is not None)
                 if header.length > dst.slot_bytes:
-                    result.missed[key] = MissReason.CAPACITY
+                    result.missed[want.key] = MissReason.CAPACITY
                     continue
                 try:
                     staged.append((header, dst.reserve(), address))
+                    store_as.append(want.store_as)
                     macs.append(None if conn.mac_key is None else _Mac(conn.mac_key, rid, i, header.pack(), mac))
                 except TierError:
-                    result.missed[key] = MissReason.CAPACITY
+                    result.missed[want.key] = MissReason.CAPACITY
             await self.engine.read(
                 remote,
                 [dst.slot_address(r.slot) for _, r, _ in staged],
@@ -148,14 +151,14 @@ class NixlTransport:
         finally:
             with contextlib.suppress(TransferError):
                 conn.send({"t": "release", "lease": lease})
-        return loop.create_task(self._finish(staged, checks, dst, result))
+        return loop.create_task(self._finish(staged, store_as, checks, dst, result))
 
-    async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]],
+    async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]], store_as: list[ChunkKey | None],
                       checks: list[asyncio.Future[list[MissReason | None]]], dst: CpuPool,
                       result: PullResult) -> None:
         verdicts = [why for part in await asyncio.gather(*checks) for why in part]  # parts are in order
-        for (header, reservation, _), why in zip(staged, verdicts, strict=True):
-            self._deliver(header, reservation, why, dst, result)
+        for (header, reservation, _), as_key, why in zip(staged, store_as, verdicts, strict=True):
+            self._deliver(header, reservation, why, dst, result, as_key)
 
     @staticmethod
     def _items(answer: wire.Message, n: int) -> list[object]:
@@ -165,7 +168,7 @@ class NixlTransport:
         return items
 
     @staticmethod
-    def _check(item: object, key: ChunkKey, fp: FingerprintDigest, want_mac: bool) -> tuple[ChunkHeader, int, object]:
+    def _check(item: object, want: Want, fp: FingerprintDigest, want_mac: bool) -> tuple[ChunkHeader, int, object]:
         if not (isinstance(item, list) and len(item) in (2, 3) and isinstance(item[0], bytes)
                 and isinstance(item[1], int) and not isinstance(item[1], bool)):
             raise ProtocolError("pinned item must be [header, address] or [header, address, mac]")
@@ -173,20 +176,20 @@ class NixlTransport:
             header = ChunkHeader.unpack(item[0])
         except ChunkError as exc:
             raise ProtocolError(f"bad chunk header: {exc}") from exc
-        if header.key != key or header.fingerprint != fp:
-            raise ProtocolError("pinned header does not match the requested key/fingerprint")
+        if not answers(want, header, fp):
+            raise ProtocolError("pinned header does not match the requested key, fingerprint or heads")
         return header, item[1], item[2] if len(item) == 3 and want_mac else None
 
     @staticmethod
     def _deliver(header: ChunkHeader, reservation: Reservation, why: MissReason | None, dst: CpuPool,
-                 result: PullResult) -> None:
+                 result: PullResult, store_as: ChunkKey | None = None) -> None:
         if why is not None:
             dst.release(reservation)
             result.missed[header.key] = why
             log.warning("%s: chunk %s failed its %s; not committed", result.peer, header.key.hex(),
                         "session MAC" if why is MissReason.MAC else "checksum")
             return
-        if not dst.commit(reservation, header):
+        if not dst.commit(reservation, header if store_as is None else dataclasses.replace(header, key=store_as)):
             result.missed[header.key] = MissReason.INVALIDATED
             return
         result.loaded[header.key] = header
@@ -203,7 +206,7 @@ class NixlTransport:
         self._verifier.shutdown(wait=True)
 
 
-def _pin_batches(keys: Sequence[ChunkKey], limit: int) -> list[Sequence[ChunkKey]]:
+def _pin_batches(keys: Sequence[Want], limit: int) -> list[Sequence[Want]]:
     """``keys`` split for pinning: ``FIRST_PIN_BATCH`` first, then ``PIN_BATCH`` (each <= ``limit``)."""
     first = min(FIRST_PIN_BATCH, limit)
     step = min(PIN_BATCH, limit)

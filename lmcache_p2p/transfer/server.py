@@ -23,8 +23,9 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
-from ..errors import HandshakeError, ProtocolError, TierError, TransferError
-from ..keys import ChunkKey, FingerprintDigest
+from ..chunk import ChunkHeader, slice_heads, verify
+from ..errors import ChunkError, HandshakeError, ProtocolError, TierError, TransferError
+from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
 from .netio import PlainChannel, set_keepalive
@@ -271,10 +272,11 @@ class TransferServer:
     # -- requests --------------------------------------------------------------------------------
     async def _dispatch(self, s: _Session, msg: wire.Message) -> None:
         kind = msg["t"]
-        if kind == "get":
-            await self._serve_get(s, wire.field(msg, "id", int), wire.key_list(msg))
-        elif kind == "pin":
-            await self._serve_pin(s, wire.field(msg, "id", int), wire.key_list(msg))
+        if kind in ("get", "pin"):
+            keys = wire.key_list(msg)
+            heads = wire.head_ranges(msg, len(keys))
+            serve = self._serve_get if kind == "get" else self._serve_pin
+            await serve(s, wire.field(msg, "id", int), keys, heads)
         elif kind == "release":
             lease = s.leases.pop(wire.field(msg, "lease", int), None)
             if lease is not None:
@@ -282,16 +284,40 @@ class TransferServer:
         else:
             raise ProtocolError(f"unknown request {kind!r}")
 
-    async def _pin(self, s: _Session, key: bytes) -> Pin | None:
+    async def _pin(self, s: _Session, key: bytes, heads: HeadRange | None) -> tuple[Pin, ChunkHeader, int] | None:
+        """Pin a chunk; returns the pin, the header to send and the offset of its bytes in the slot."""
         pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
         if pin is None and self._prepare is not None and await self._prepared(ChunkKey(key)):
             pin = self.pool.pin(ChunkKey(key), self._pin_timeout)
         if pin is not None and pin.header.fingerprint != s.fingerprint:
             self.pool.unpin(pin)
-            return None
+            pin = None
         if pin is None:
             self.stats.misses += 1
-        return pin
+            return None
+        if heads is None or heads == pin.header.heads:
+            return pin, pin.header, 0
+        sliced = self._slice(pin, heads)
+        if sliced is None:
+            self.pool.unpin(pin)
+            self.stats.misses += 1
+            return None
+        return pin, *sliced
+
+    def _slice(self, pin: Pin, heads: HeadRange) -> tuple[ChunkHeader, int] | None:
+        """A head range of a pinned chunk. The whole chunk is checked first: the range gets a checksum
+        of its own, which must not vouch for bytes that changed in memory since they were stored."""
+        h0, h1 = pin.header.heads
+        if not h0 <= heads[0] < heads[1] <= h1:
+            return None  # not held here (a node holds one range per fingerprint)
+        view = self.pool.slot_view(pin.slot, pin.header.length)
+        try:
+            verify(pin.header, view)
+        except ChunkError as exc:
+            log.error("chunk %s changed in memory; not served: %s", pin.key.hex()[:16], exc)
+            return None
+        header, _ = slice_heads(pin.header, view, heads)
+        return header, (heads[0] - h0) * (pin.header.length // (h1 - h0))
 
     async def _prepared(self, key: ChunkKey) -> bool:
         """Bring a chunk held in a slower tier into the pool, off the loop (disk I/O); a pool with
@@ -303,21 +329,22 @@ class TransferServer:
             log.info("cannot bring %s into the pool: %s", key.hex()[:16], exc)
             return False
 
-    async def _serve_get(self, s: _Session, rid: int, keys: list[bytes]) -> None:
+    async def _serve_get(self, s: _Session, rid: int, keys: list[bytes], heads: list[HeadRange | None]) -> None:
         """Stream the chunks, several per ``sendmsg`` (frames and pinned slot views, no copies)."""
         pins: list[Pin] = []
         buffers: list[bytes | memoryview] = []
         pending = 0
         try:
             for i, key in enumerate(keys):
-                pin = await self._pin(s, key)
-                if pin is None:
+                pinned = await self._pin(s, key, heads[i])
+                if pinned is None:
                     buffers.append(wire.encode({"t": "miss", "id": rid, "i": i, "why": "absent"}))
                 else:
+                    pin, sent, offset = pinned
                     pins.append(pin)
-                    length = pin.header.length
-                    header = pin.header.pack()
-                    view = self.pool.slot_view(pin.slot, length)
+                    length = sent.length
+                    header = sent.pack()
+                    view = self.pool.slot_view(pin.slot, offset + length)[offset:]
                     frame: wire.Message = {"t": "chunk", "id": rid, "i": i, "h": header}
                     if s.mac_key is not None:
                         frame["m"] = wire.chunk_mac(s.mac_key, rid, i, header, view)
@@ -336,27 +363,29 @@ class TransferServer:
         assert s.chan is not None
         await s.chan.send_all(buffers, self._timeout)
         self.stats.chunks_sent += len(pins)
-        self.stats.bytes_sent += sum(p.header.length for p in pins)
+        self.stats.bytes_sent += sum(len(b) for b in buffers if isinstance(b, memoryview))
         self._unpin_all(pins)
         buffers.clear()
         pins.clear()
 
-    async def _serve_pin(self, s: _Session, rid: int, keys: list[bytes]) -> None:
+    async def _serve_pin(self, s: _Session, rid: int, keys: list[bytes], heads: list[HeadRange | None]) -> None:
         if self._nixl is None:
             raise ProtocolError("pin request but NIXL is not served here")
         self._expire_leases(s)
         pins: list[Pin] = []
         items: list[list[Any] | None] = []
         for i, key in enumerate(keys):
-            pin = await self._pin(s, key)
-            if pin is None:
+            pinned = await self._pin(s, key, heads[i])
+            if pinned is None:
                 items.append(None)
                 continue
+            pin, sent, offset = pinned
             pins.append(pin)
-            header = pin.header.pack()
-            item: list[Any] = [header, self.pool.slot_address(pin.slot)]
+            header = sent.pack()
+            item: list[Any] = [header, self.pool.slot_address(pin.slot) + offset]
             if s.mac_key is not None:  # the requester checks it over the bytes its READ brings in
-                item.append(wire.chunk_mac(s.mac_key, rid, i, header, self.pool.slot_view(pin.slot, pin.header.length)))
+                view = self.pool.slot_view(pin.slot, offset + sent.length)[offset:]
+                item.append(wire.chunk_mac(s.mac_key, rid, i, header, view))
             items.append(item)
         lease = next(self._leases)
         s.leases[lease] = (time.monotonic() + self._pin_timeout, pins)

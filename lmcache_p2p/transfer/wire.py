@@ -27,8 +27,12 @@ it refuses clients that did not ask.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
-    get     {id, keys}      -> per key: chunk {id, i, h, m?} + payload | miss {id, i, why}; then end {id}
-    pin     {id, keys}      -> pinned {id, lease, items: [[h, addr] | None]}   (NIXL reads these)
+    get     {id, keys, heads?} -> per key: chunk {id, i, h, m?} + payload | miss {id, i, why}; then end {id}
+    pin     {id, keys, heads?} -> pinned {id, lease, items: [[h, addr] | None]}   (NIXL reads these)
+
+``heads`` (optional, one entry per key): ``[first, end)`` KV heads wanted, or nil for all the owner
+holds. Payloads are head-major, so the owner answers with that byte range of its chunk and a header
+of its own (that range's length and checksum, computed after checking the whole stored chunk).
     release {lease}         -> (no answer) unpins a lease early; pins expire anyway
 """
 
@@ -92,6 +96,25 @@ def key_list(msg: Message) -> list[bytes]:
         if not isinstance(key, bytes) or len(key) != 16:
             raise ProtocolError("keys must be 16-byte binaries")
     return keys
+
+
+def head_ranges(msg: Message, n: int) -> list[tuple[int, int] | None]:
+    """The optional per-key ``heads`` of a get or pin request."""
+    heads = msg.get("heads")
+    if heads is None:
+        return [None] * n
+    if not isinstance(heads, list) or len(heads) != n:
+        raise ProtocolError("heads must be a list with one entry per key")
+    out: list[tuple[int, int] | None] = []
+    for h in heads:
+        if h is None:
+            out.append(None)
+        elif (isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in h)
+              and 0 <= h[0] < h[1] <= 0xFFFF):
+            out.append((h[0], h[1]))
+        else:
+            raise ProtocolError("heads entries must be [first, end) with 0 <= first < end < 65536, or nil")
+    return out
 
 
 def nonce() -> bytes:

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from ...config import rank_config
+from ...keys import head_range
 from .layout import connector_config, engine_fingerprint
 from .metadata import LMCacheP2PMetadata
 from .scheduler import P2PScheduler
@@ -60,6 +61,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         tp_size = max(vllm_config.parallel_config.tensor_parallel_size, 1)
         rank = vllm_config.parallel_config.rank % tp_size if role == KVConnectorRole.WORKER else 0
         fingerprint = engine_fingerprint(vllm_config, config, tp_rank=rank)
+        heads = head_range(config.layout.num_kv_heads, tp_size, rank)  # this rank's KV heads
         if role == KVConnectorRole.WORKER:
             config = rank_config(config, rank, tp_size)  # one agent per rank: own node id, disk dir, ports
         self._scheduler: P2PScheduler | None = None
@@ -67,7 +69,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = P2PScheduler(config, fingerprint, block_size)
         else:
-            self._worker = P2PWorker(config, fingerprint, block_size)
+            self._worker = P2PWorker(config, fingerprint, block_size, heads)
 
     # -- scheduler side ------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:

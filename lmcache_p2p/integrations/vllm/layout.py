@@ -40,7 +40,7 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
         model_id=model_identity(model.model, model.revision),  # what the model is, not where
         kv_dtype=_dtype_name(vllm_config),
         num_layers=model.get_num_layers(parallel),
-        num_kv_heads=model.get_num_kv_heads(parallel),
+        num_kv_heads=model.get_total_num_kv_heads(),  # every rank's: which a rank holds is in its records
         head_size=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
         kv_layout="vllm-cpu" if device == "cpu" else f"vllm-{device}",

@@ -26,7 +26,7 @@ from ...agent import CacheAgent
 from ...aio import unpin_thread
 from ...config import AgentConfig, cluster_secret
 from ...kernels.paged import PagedKV
-from ...keys import ChunkKey, Fingerprint
+from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
 from ...plan import LOCAL
 from .metadata import ChunkTransfer, LMCacheP2PMetadata
 
@@ -35,9 +35,11 @@ IDLE_STEP_WAIT_S = 0.005  # see get_finished
 
 
 class P2PWorker:
-    def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int) -> None:
+    def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int,
+                 heads: HeadRange | None = None) -> None:
         self._config = config
         self._fingerprint = fingerprint
+        self._heads = heads if heads is not None else (0, fingerprint.num_kv_heads)
         self._blocks_per_chunk = config.chunk_size // block_size
         self._kv: PagedKV | None = None
         self.agent: CacheAgent | None = None
@@ -54,10 +56,12 @@ class P2PWorker:
         self._step_tokens = 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._kv = PagedKV(list(kv_caches.values()))
+        # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
+        split = self._heads[1] - self._heads[0] if self._config.layout.kv_layout in HEAD_MAJOR_LAYOUTS else 1
+        self._kv = PagedKV(list(kv_caches.values()), heads=split)
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
         self.agent = CacheAgent(self._config, self._fingerprint, chunk_bytes,
-                                secret=cluster_secret(self._config)).start()
+                                secret=cluster_secret(self._config), heads=self._heads).start()
         # Everything alive now (model, KV cache, engine state) is long-lived: keep it out of the
         # collector, whose full passes over it stalled the agent's loop for 20-80 ms (measured).
         # LMCACHE_P2P_GC_FREEZE=0 turns this off.
@@ -168,11 +172,11 @@ class P2PWorker:
         nbytes = self._kv.payload_nbytes(len(blocks))
         payload = staging[:nbytes]
         if skip:
-            # Payload is layer-major; drop the first ``skip`` blocks of every layer (they belong to
-            # vLLM's own prefix cache and may be shared with other requests).
-            layers = self._num_layers()
-            per_layer = payload.view(layers, len(blocks), self._kv.payload_nbytes(1) // layers)
-            payload = per_layer[:, skip:, :].contiguous().view(-1)
+            # Payload is head-major, then layer-major; drop the first ``skip`` blocks of every head and
+            # layer (they belong to vLLM's own prefix cache and may be shared with other requests).
+            heads, layers = self._kv.geometry.heads, self._num_layers()
+            parts = payload.view(heads, layers, len(blocks), self._kv.payload_nbytes(1) // (layers * heads))
+            payload = parts[:, :, skip:, :].contiguous().view(-1)
             blocks = blocks[skip:]
         if blocks:
             self._kv.scatter(payload, torch.tensor(blocks, dtype=torch.int64))
@@ -195,10 +199,10 @@ class P2PWorker:
         agent, kv = self.agent, self._kv
         assert agent is not None and kv is not None
         if not t.generated:
-            computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if agent.tiers.where(ChunkKey(k)) is None]
+            computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if not agent.holds(ChunkKey(k))]
             agent.metrics.miss_tokens.inc(sum(computed))  # prompt tokens the engine computed: nothing held them
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
-            if agent.tiers.where(ChunkKey(key)) is not None or not blocks:
+            if agent.holds(ChunkKey(key)) or not blocks:
                 continue
             nbytes = kv.payload_nbytes(len(blocks))
             try:
