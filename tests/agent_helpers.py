@@ -22,7 +22,8 @@ SECRET = "mesh-test-secret-7f3a9c1e5b2d80461c9e4a7b"
 
 def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,
                disk: Path | None = None, cpu: str = "64MiB", transports: tuple[str, ...] = ("tcp",),
-               timeout_s: float = 3.0, transfer: dict[str, Any] | None = None) -> Path:
+               timeout_s: float = 3.0, transfer: dict[str, Any] | None = None,
+               layout: dict[str, Any] | None = None) -> Path:
     tiers: dict[str, Any] = {"cpu_capacity": cpu}
     if disk is not None:
         tiers.update(disk_path=str(disk), disk_capacity="256MiB")
@@ -31,6 +32,7 @@ def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...
         "etcd": {"endpoints": list(endpoints), "lease_ttl_s": ttl, "timeout_s": 3.0},
         "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": timeout_s,
                      "backoff_s": 0.2, **(transfer or {})},
+        **({"layout": layout} if layout else {}),
     }))
     return path
 
@@ -68,11 +70,15 @@ def config(path: Path) -> AgentConfig:
 
 
 class AgentProcess:
-    def __init__(self, cfg: Path, seeds: tuple[int, ...] = (), tokens: int = 0, log: Path | None = None) -> None:
+    def __init__(self, cfg: Path, seeds: tuple[int, ...] = (), tokens: int = 0, log: Path | None = None,
+                 argv: list[str] | None = None) -> None:
+        """``lmcache-p2p agent`` with ``cfg``, or the script ``argv`` (same ready line and signals)."""
         cmd = [sys.executable, "-m", "lmcache_p2p", "agent", "--config", str(cfg), "--log-level", "INFO"]
         for seed in seeds:
             cmd += ["--preload-seed", str(seed)]
         cmd += ["--preload-tokens", str(tokens)]
+        if argv is not None:
+            cmd = [sys.executable, *argv]
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()
         env = {k: v for k, v in os.environ.items() if not k.startswith("LMCACHE_P2P_")}
         env["UCX_NET_DEVICES"] = "lo"
