@@ -146,7 +146,7 @@ class CacheAgent:
             models={self.fp.hex(): self.fingerprint.model_id},
             tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
             tls=self.config.transfer.tls,
-            heads={self.fp.hex(): list(self.heads)},
+            heads={self.fp.hex(): [*self.heads, self.fingerprint.num_kv_heads]},
         )
 
     def _publish_record(self) -> None:

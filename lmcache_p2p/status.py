@@ -4,6 +4,8 @@ Flags what operators trip over; the exit code is 0 when healthy, 1 when anything
 2 when etcd cannot be reached at all (usable by scripts and probes):
 
     fingerprint-mismatch   nodes serving the same model under different fingerprints (keys never match)
+    incomplete-engine      the ranks of a tensor-parallel engine up do not hold every KV head (its
+                           chunks are no hit anywhere until the missing rank is back)
     unresponsive           lease alive, but the agent's metrics endpoint does not answer (hung?)
     version-skew           nodes on different software or wire-protocol versions
     etcd-member-down       an etcd endpoint in the list does not answer
@@ -16,6 +18,7 @@ import asyncio
 import dataclasses
 import http.client
 import json
+import re
 import sys
 import time
 import urllib.parse
@@ -26,9 +29,10 @@ from typing import Any
 from .config import AgentConfig, EtcdConfig, load_config
 from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, translate
-from .index.schema import NodeRecord, Schema, decode_node_key, decode_node_record
+from .index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
 
 SCRAPE_TIMEOUT_S = 2.0
+_RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
 
 
 @dataclasses.dataclass(slots=True)
@@ -47,6 +51,8 @@ class NodeStatus:
     hit_rate: float | None = None
     degraded: bool | None = None  # outside the mesh by its own account (no live lease / mirror not synced)
     index_rejected: float = 0.0  # malformed etcd records it skipped
+    engine: str = ""  # the engine a TP rank's agent belongs to (node id less "-r<rank>"); itself otherwise
+    heads: str = ""  # KV heads held, "first-end/total" ("" when all)
 
 
 MAX_SCRAPE_BYTES = 4 << 20
@@ -133,7 +139,9 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
                 lease_ttl_left_s=await _ttl_left(client, kv.lease),
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
-                wire_version=record.wire_version), record))
+                wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id),
+                heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
+        nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
     finally:
         await client.close()
     members = await asyncio.gather(*(_member_up(config.etcd, ep) for ep in config.etcd.endpoints))
@@ -179,6 +187,16 @@ def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeReco
             flags.append(f"fingerprint-mismatch: model {model!r}{f' (tenant {tenant!r})' if tenant else ''} is "
                          f"served under {len(fps)} fingerprints ({', '.join(sorted(f[:12] for f in fps))}): "
                          "their chunks never match")
+    engines: dict[tuple[str, str], list[list[int]]] = defaultdict(list)  # (engine, fingerprint) -> heads held
+    for node, record in zip(nodes, records, strict=True):
+        for fp, held in record.heads.items():
+            engines[(node.engine, fp)].append(held)
+    for (engine, fp), ranges in sorted(engines.items()):
+        total = ranges[0][2]
+        if not covers([(h[0], h[1]) for h in ranges], (0, total)):
+            have = ", ".join(f"{h[0]}-{h[1]}" for h in sorted(ranges))
+            flags.append(f"incomplete-engine: {engine} ({fp[:12]}) holds KV heads {have} of {total}: a rank is "
+                         "down or missing, and its chunks are no hit until it is back")
     for node in nodes:
         if node.degraded:
             flags.append(f"degraded: {node.node_id} reports it is outside the mesh (lease not confirmed or index "
@@ -202,13 +220,14 @@ def _gib(x: float) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    head = ["NODE", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB", "DISK GiB", "HIT%",
-            "VERSION"]
+    head = ["ENGINE", "NODE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
+            "DISK GiB", "HIT%", "VERSION"]
     rows = [head]
     for n in report["nodes"]:
         used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
         rows.append([
-            n["node_id"], n["address"], ",".join(n["transports"]), ",".join(n["fingerprints"]),
+            n["engine"], n["node_id"], n["heads"] or "all", n["address"], ",".join(n["transports"]),
+            ",".join(n["fingerprints"]),
             "-" if n["lease_ttl_left_s"] is None else f"{n['lease_ttl_left_s']:.0f}s", str(n["chunks_registered"]),
             f"{_gib(used.get('cpu', 0))}/{_gib(cap.get('cpu', 0))}" if "cpu" in cap else "?",
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",

@@ -8,6 +8,7 @@ owning engine computed. (vLLM on CPU in this repository runs TP 1 only: see the 
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from agent_helpers import AgentProcess, agent_yaml, config, wait_until
 from prometheus_client import CollectorRegistry
 from tp_kv import NUM_BLOCKS, TOKENS, block_ids, chunk_blocks, full_cache
 
+from lmcache_p2p import status
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.config import rank_config
@@ -114,7 +116,8 @@ def test_engines_sharded_differently_share_chunks(etcd, cluster_name, tmp_path, 
 
 def test_a_chunk_is_a_hit_only_when_every_head_is_held(etcd, cluster_name, tmp_path):
     """One rank of a TP=2 engine up: the scheduler's view and a TP=1 engine see no hit (half the heads
-    of a chunk are useless); the other rank joins: a full hit, assembled from both."""
+    of a chunk are useless), and ``status`` flags the engine; the other rank joins: a full hit,
+    assembled from both, and ``status`` lists the two ranks under their engine."""
     procs = owners(tmp_path, cluster_name, etcd.endpoints, 2, 11, ("tcp",), ranks=range(1))
     agent = loader(tmp_path, cluster_name, etcd.endpoints, 1, 0, ("tcp",))
     loop = LoopThread("reader")
@@ -123,11 +126,21 @@ def test_a_chunk_is_a_hit_only_when_every_head_is_held(etcd, cluster_name, tmp_p
     try:
         assert wait_until(lambda: len(reader.mirror.owners(keys[0])) == 1, 10)
         assert reader.longest_prefix(keys) == 0
+        flags = asyncio.run(status.collect(agent.config))["flags"]
+        assert any(f.startswith("incomplete-engine: owner-tp2 ") and "0-2 of 4" in f for f in flags), flags
         assert agent.lookup(synthetic_tokens(11, TOKENS)).chunks == ()
         procs += owners(tmp_path, cluster_name, etcd.endpoints, 2, 11, ("tcp",), ranks=range(1, 2))
         assert wait_until(lambda: reader.longest_prefix(keys) == len(keys), 10)
         sources = load_and_check(agent, 11, 5)
         assert all(len(parts) == 2 for parts in sources)
+        report = asyncio.run(status.collect(agent.config))
+        ranks = {n["node_id"]: (n["engine"], n["heads"]) for n in report["nodes"]}
+        assert ranks["owner-tp2-r0"] == ("owner-tp2", "0-2/4") and ranks["owner-tp2-r1"] == ("owner-tp2", "2-4/4")
+        assert ranks["loader-tp1"] == ("loader-tp1", "")
+        assert not [f for f in report["flags"] if f.startswith("incomplete-engine")], report["flags"]
+        procs.pop().stop()  # rank 1 leaves: its engine is flagged
+        assert wait_until(lambda: any(f.startswith("incomplete-engine: owner-tp2 ")
+                                      for f in asyncio.run(status.collect(agent.config))["flags"]), 10)
     finally:
         reader.close()
         loop.stop()

@@ -184,8 +184,8 @@ class NodeRecord:
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
     tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
     tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
-    heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1) held
-    # (a tensor-parallel rank's KV heads; absent: every head of the fingerprint)
+    heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1, total]:
+    # KV heads [h0, h1) of the model's total held (a tensor-parallel rank's; absent: every head)
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
@@ -240,10 +240,10 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
 def _heads(raw: dict[str, Any]) -> dict[str, list[int]]:
     heads = _field(raw, "heads", dict, {})
     for fp, held in heads.items():
-        if not (isinstance(fp, str) and isinstance(held, list) and len(held) == 2
+        if not (isinstance(fp, str) and isinstance(held, list) and len(held) == 3
                 and all(isinstance(h, int) and not isinstance(h, bool) for h in held)
-                and 0 <= held[0] < held[1] <= 0xFFFF):
-            raise MalformedRecord("node record", "heads: expected fingerprint hex -> [first, end) KV heads")
+                and 0 <= held[0] < held[1] <= held[2] <= 0xFFFF):
+            raise MalformedRecord("node record", "heads: expected fingerprint hex -> [first, end, total] KV heads")
     return {fp: list(held) for fp, held in heads.items()}
 
 

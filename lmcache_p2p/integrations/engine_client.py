@@ -23,7 +23,7 @@ class EngineProcess:
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
                  python: str = sys.executable, prefix_caching: bool = False,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), tensor_parallel_size: int = 1) -> None:
         # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
         # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
         if agent_config is not None and kv_transfer_json is not None:
@@ -37,11 +37,13 @@ class EngineProcess:
             cmd += ["--kv-transfer-json", json.dumps(kv_transfer_json)]
         if prefix_caching:
             cmd.append("--prefix-caching")
+        if tensor_parallel_size > 1:
+            cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
         self.name = name
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log or subprocess.DEVNULL, text=True,
-                                      env={**os.environ, **engine_env(), **(env or {})},
+                                      env={**os.environ, **engine_env(tensor_parallel_size), **(env or {})},
                                       start_new_session=True)
         self._replies: deque[dict[str, Any]] = deque()
         self._cv = threading.Condition()

@@ -29,10 +29,18 @@ from typing import Any
 MARKER = "@@lmcache-p2p "
 
 
-def engine_env() -> dict[str, str]:
-    """Environment for comparable CPU runs (facts: reserve one core whether or not a connector is set)."""
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false"}
+def engine_env(tensor_parallel_size: int = 1) -> dict[str, str]:
+    """Environment for comparable CPU runs (facts: reserve one core whether or not a connector is set).
+
+    With TP > 1, vLLM-CPU binds each rank's OpenMP threads to cores of its own; on a host with one
+    NUMA node it must be told which: rank r gets core ``r mod cores`` (and no core is reserved)."""
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if tensor_parallel_size > 1:
+        cores = os.cpu_count() or 1
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tensor_parallel_size))
+    return env
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -41,7 +49,8 @@ def _reply(obj: dict[str, Any]) -> None:
 
 
 def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
-           kv_transfer_json: dict[str, Any] | None = None, prefix_caching: bool = False) -> Any:
+           kv_transfer_json: dict[str, Any] | None = None, prefix_caching: bool = False,
+           tensor_parallel_size: int = 1) -> Any:
     from vllm import LLM
 
     kv_transfer = kv_transfer_json
@@ -53,7 +62,8 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
     # dtype: argparse limits the choices to what vLLM accepts.
     return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,  # type: ignore[arg-type]
                enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
-               disable_log_stats=False, seed=0)
+               disable_log_stats=False, seed=0, tensor_parallel_size=tensor_parallel_size,
+               distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
 
 
 def _serve(llm: Any) -> None:
@@ -180,15 +190,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--prefix-caching", action="store_true", help="turn vLLM's own prefix cache on")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args(argv)
     if args.agent_config is not None and args.kv_transfer_json is not None:
         parser.error("--agent-config and --kv-transfer-json are exclusive")
     kv_transfer_json = json.loads(args.kv_transfer_json) if args.kv_transfer_json is not None else None
-    for k, v in engine_env().items():
+    for k, v in engine_env(args.tensor_parallel_size).items():
         os.environ.setdefault(k, v)
     t0 = time.perf_counter()
     llm = _build(args.model, args.agent_config, args.kv_cache_bytes, args.dtype, kv_transfer_json,
-                 args.prefix_caching)
+                 args.prefix_caching, args.tensor_parallel_size)
     _reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
     _serve(llm)
     del llm
