@@ -481,6 +481,36 @@ def test_vllm_kv_transfer_config_names_the_connector(tmp_path):
     assert int(c["resources"]["limits"]["nvidia.com/gpu"]) == tp
 
 
+def rank_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
+    """A TP=N engine runs N agents on ports transfer.port + r and metrics_port + r (``rank_config``):
+    each rank's ports are on the container, and every rank's metrics are scraped."""
+    problems = []
+    scraped = {(svc["metadata"]["name"], ep["port"]) for sm in of_kind(docs, "ServiceMonitor")
+               for svc in of_kind(docs, "Service")
+               if selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"].get("labels", {}))
+               for ep in sm["spec"]["endpoints"]}
+    for w, c in agent_containers(docs):
+        tp = int(flag(c.get("command", []) + c.get("args", []), "--tensor-parallel-size") or 1)
+        for rank in range(1, tp):
+            for name, base in (("transfer", cfg.transfer.port), ("metrics", cfg.metrics_port)):
+                got = container_port(w, f"{name}-r{rank}")
+                if got != base + rank:
+                    problems.append(f"{w['metadata']['name']}: port {name}-r{rank} = {got}, rank {rank} uses "
+                                    f"{base + rank}")
+            if not any(container_port(w, sp.get("targetPort", sp["port"])) == cfg.metrics_port + rank
+                       for svc in of_kind(docs, "Service") if w in pods_selected(docs, svc["spec"]["selector"])
+                       for sp in svc["spec"]["ports"] if (svc["metadata"]["name"], sp.get("name")) in scraped):
+                problems.append(f"{w['metadata']['name']}: rank {rank}'s metrics are scraped by no ServiceMonitor")
+    return problems
+
+
+def test_tensor_parallel_pods_expose_and_scrape_every_rank(tmp_path):
+    docs = DOCS
+    c = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+    assert int(flag(c["args"], "--tensor-parallel-size") or 1) > 1, "the manifests deploy TP > 1"
+    assert rank_problems(docs, config_of(docs, tmp_path)) == []
+
+
 def test_standalone_agent_runs_the_agent_command():
     c = one(DOCS, "Deployment", "lmcache-cache-agent")["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][0] == "lmcache-p2p" and ("agent",) in COMMANDS
@@ -712,6 +742,15 @@ def test_checks_catch_mismatches(tmp_path):
     assert len(tls_problems(bad, cfg)) == 6  # every certificate file of that container
     bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"]["template"]["spec"]["volumes"].clear())
     assert len(tls_problems(bad, cfg)) == len(ETCD_TLS_FLAGS)
+    vllm = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]["name"]
+
+    def drop_rank_port(b: list[Doc]) -> None:
+        c = one(b, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+        c["ports"] = [p for p in c["ports"] if p["name"] != "metrics-r1"]
+
+    assert vllm and len(rank_problems(broken(drop_rank_port), cfg)) == 2  # the port, and its scrape
+    bad = broken(lambda b: one(b, "ServiceMonitor", "lmcache-agent-ranks")["spec"]["endpoints"].clear())
+    assert rank_problems(bad, cfg) == ["lmcache-vllm: rank 1's metrics are scraped by no ServiceMonitor"]
     dash = load_dashboard()
     dash["panels"][1]["targets"][0]["expr"] = "sum by (tier_name) (rate(lmcache_p2p_hits_total[5m]))"
     assert len(dashboard_problems(dash)) == 2

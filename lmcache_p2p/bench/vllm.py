@@ -66,7 +66,7 @@ def agent_config(path: Path, node: str, endpoints: tuple[str, ...], transport: s
     return path
 
 
-def _median_ms(results: list[dict[str, Any]]) -> float:
+def median_ms(results: list[dict[str, Any]]) -> float:
     return round(1000 * statistics.median(r["ttft_s"] for r in results), 2)
 
 
@@ -92,14 +92,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             engines.append(cold)
             cold.wait_ready()
             cold.ttft([warm[0]])
-            out["ttft_cold_ms"] = _median_ms(cold.ttft(prompts))
+            out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
             cold.stop()
             a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
             engines.append(a)
             a.wait_ready()
             a.ttft([warm[1]])
             miss = a.ttft(prompts)
-            out["ttft_miss_ms"] = _median_ms(miss)
+            out["ttft_miss_ms"] = median_ms(miss)
             a.ttft(hung_docs)  # A holds these too
             b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
             engines.append(b)
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["engine_start_s"] = round(b.startup_s or 0.0, 1)
             b.ttft([warm[2]])
             hit = b.ttft(prompts)
-            out["ttft_peer_hit_ms"] = _median_ms(hit)
+            out["ttft_peer_hit_ms"] = median_ms(hit)
             out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
             out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
             out.update(_stalls(a, b, fresh[0], hung_docs, stream))
