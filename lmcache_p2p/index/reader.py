@@ -29,7 +29,6 @@ class IndexReader:
         self.schema = Schema(config.cluster)
         self.mirror = Mirror(self.client, self.schema, fp, rejects=rejects)
         self._fp_hex = fp.hex()
-        self._all_heads = (0, config.layout.num_kv_heads)
 
     @classmethod
     def open(cls, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest,
@@ -59,8 +58,8 @@ class IndexReader:
     def longest_prefix(self, keys: Sequence[ChunkKey], also_held: Container[ChunkKey] = ()) -> int:
         """How many leading keys are held, every KV head of them (by one node, or by nodes that hold
         parts: the ranks of a tensor-parallel engine), or are in ``also_held``."""
-        partial = {n: h for n, r in self.mirror.nodes().items()
-                   if (h := r.heads_of(self._fp_hex, self._all_heads[1])) != self._all_heads}
+        partial = {n: h for n, r in self.mirror.nodes().items()  # nodes holding some heads: [h0, h1, total]
+                   if (h := r.heads.get(self._fp_hex)) is not None and h[1] - h[0] < h[2]}
         if not also_held and not partial:
             return self.mirror.longest_prefix(keys)
         mirror = self.mirror
@@ -70,8 +69,10 @@ class IndexReader:
             owners = mirror.owners(key)
             if not owners:
                 return i
-            if all(n in partial for n in owners) and not covers([partial[n] for n in owners], self._all_heads):
-                return i
+            if all(n in partial for n in owners):
+                held = [partial[n] for n in owners]
+                if not covers([(h[0], h[1]) for h in held], (0, max(h[2] for h in held))):
+                    return i
         return len(keys)
 
     def owners(self, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:

@@ -45,6 +45,7 @@ PREAUTH_PER_SOURCE = 16
 PREAUTH_TOTAL = 128
 _SEND_BATCH_BYTES = 4 << 20  # chunks gathered into one sendmsg (their pins held until it returns)
 _SEND_BATCH_BUFFERS = 64
+_INLINE_CHECK_BYTES = 1 << 20  # a chunk checked before a head range is cut out of it: larger ones off the loop
 
 
 @dataclasses.dataclass(slots=True)
@@ -297,7 +298,8 @@ class TransferServer:
             return None
         if heads is None or heads == pin.header.heads:
             return pin, pin.header, 0
-        sliced = self._slice(pin, heads)
+        big = pin.header.length > _INLINE_CHECK_BYTES  # hashing it would hold up every other connection
+        sliced = await asyncio.to_thread(self._slice, pin, heads) if big else self._slice(pin, heads)
         if sliced is None:
             self.pool.unpin(pin)
             self.stats.misses += 1
