@@ -31,6 +31,7 @@ from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig
 from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
+from .handoff import Handoff
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
 from .invalidation import MeshInvalidation
@@ -57,12 +58,14 @@ class CacheAgent:
         clock: Callable[[], float] = time.monotonic,
         secret: bytes | None = None,
         heads: HeadRange | None = None,
+        role: str = "engine",
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
         self.fp = fingerprint.digest
         # The KV heads of every chunk this agent stores and loads (a TP rank's; default all of them)
         self.heads: HeadRange = heads if heads is not None else (0, fingerprint.num_kv_heads)
+        self.role = role  # "engine" (inside vLLM) or "cache" (a cache-only agent: hand-offs go there first)
         self.node_id = NodeId(config.node_id)
         self.chunk_bytes = chunk_bytes
         self._clock = clock
@@ -87,6 +90,11 @@ class CacheAgent:
         self._served_seen = 0
         self._error_peers: set[NodeId] = set()  # peer label values of peer_errors, pruned with the peers
         self._prune: concurrent.futures.Future[None] | None = None
+        self._handoff_task: concurrent.futures.Future[None] | None = None
+        self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
+        self.handoff = Handoff(self)
+        if config.handoff.evict_copies_first:
+            self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -97,11 +105,13 @@ class CacheAgent:
         try:
             self._stack = TransferStack.build(self.config, self.tiers.cpu, [self.fp], self._secret,
                                               prepare=self.tiers.ensure_in_cpu)
+            self._stack.server.on_offer = self.handoff.accept
+            self._stack.server.on_served = self.handoff.on_served
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
                                                      self.config.metrics_port)
-            record = self._record()
+            record = self.node_record()
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)
             else:  # returns within etcd.start_wait_s even when etcd is down (degraded until it answers)
@@ -115,6 +125,7 @@ class CacheAgent:
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
             self._prune = self.loop.submit(self._prune_peers_forever())
+            self._handoff_task = self.loop.submit(self.handoff.run_forever())
             self.metrics.info.info({"node_id": self.node_id, "version": __version__,
                                     "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
         except BaseException:
@@ -122,11 +133,11 @@ class CacheAgent:
             raise
         self._started = True
         log.info("agent %s started: %d chunks recovered from disk (%d of this fingerprint), serving %s%s",
-                 self.node_id, len(recovered), len(mine), self._record().addresses,
+                 self.node_id, len(recovered), len(mine), self.node_record().addresses,
                  "" if getattr(self.index, "online", True) else " (degraded: etcd not reachable yet)")
         return self
 
-    def _record(self) -> NodeRecord:
+    def node_record(self) -> NodeRecord:
         stack = self._stack
         metrics_url = None
         if self._metrics_server is not None:
@@ -147,11 +158,23 @@ class CacheAgent:
             tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
             tls=self.config.transfer.tls,
             heads={self.fp.hex(): [*self.heads, self.fingerprint.num_kv_heads]},
+            role=self.role,
+            free=self.handoff.free(),
         )
 
-    def _publish_record(self) -> None:
-        if self.index is not None:
-            self.index.set_record(self._record())
+    @property
+    def transfer_stack(self) -> TransferStack | None:
+        return self._stack
+
+    def background(self, task: asyncio.Task[object]) -> None:
+        """Keep a loop task referenced until it ends (and log what it raised)."""
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[object]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())
 
     def _advertise_host(self) -> str:
         return self.config.transfer.advertise_host or self.config.transfer.listen_host
@@ -162,9 +185,10 @@ class CacheAgent:
 
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
-        if self._prune is not None:
-            self._prune.cancel()
-            self._prune = None
+        for future in (self._prune, self._handoff_task):
+            if future is not None:
+                future.cancel()
+        self._prune = self._handoff_task = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
         self.tiers.close()  # the tier worker finishes the write-backs queued so far
@@ -207,6 +231,7 @@ class CacheAgent:
             return
         if tier is None:
             index.remove_many(self.fp, [key])
+            self.handoff.on_gone(key)
             return
         header = self.tiers.header(key)  # lock-free dict probes: safe under the tiers' locks
         if header is not None and self._mine(header):  # only what this agent serves is announced
@@ -272,7 +297,7 @@ class CacheAgent:
         def usable(node: NodeId) -> bool:
             verdict = verdicts.get(node)
             if verdict is None:
-                verdict = verdicts[node] = self._usable(nodes.get(node))
+                verdict = verdicts[node] = self.usable(nodes.get(node))
             return verdict
 
         with self._inflight_lock:
@@ -280,12 +305,12 @@ class CacheAgent:
         return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
                          num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
 
-    def _usable(self, record: NodeRecord | None) -> bool:
+    def usable(self, record: NodeRecord | None) -> bool:
         """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
         if (record is None or record.wire_version != WIRE_VERSION or record.tls != self.config.transfer.tls
                 or self._transport_for(record) is None):
             return False
-        peer = self._peer_address(record)
+        peer = self.peer_address(record)
         return peer is not None and self._stack is not None and self._stack.health.available(peer)
 
     # -- load -----------------------------------------------------------------------------------------
@@ -302,6 +327,7 @@ class CacheAgent:
             ok = header is not None
             loaded.append(ok)
             if ok:
+                self.handoff.on_hit(chunk.key)
                 self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
             else:
                 self.metrics.load_failures.labels("missing").inc()
@@ -341,6 +367,7 @@ class CacheAgent:
                 pin = None
             pins.append(pin)
             if pin is not None:
+                self.handoff.on_hit(chunk.key)
                 self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
             else:
                 self.metrics.load_failures.labels("missing").inc()
@@ -423,11 +450,16 @@ class CacheAgent:
             for key in keys:
                 cpu.remove(key)
 
+    async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
+        """Pull whole ``chunks`` (this node's heads) from ``node`` into the local pool; those that missed."""
+        missed = await self._pull_from(node, [_Part(c, c.parts()[0]) for c in chunks], deadline)
+        return [p.chunk for p in missed]
+
     async def _pull_from(self, node: NodeId, parts: list[_Part], deadline: float) -> list[_Part]:
         """Pull ``parts`` from ``node`` into the local pool; returns those that missed."""
         record = self.index.nodes().get(node) if self.index is not None else None
         transport = self._transport_for(record)
-        peer = self._peer_address(record) if record is not None else None
+        peer = self.peer_address(record) if record is not None else None
         if transport is None or peer is None:
             return parts
         with self._inflight_lock:
@@ -466,7 +498,7 @@ class CacheAgent:
         if index is None or stack is None:
             return
         nodes = index.nodes()
-        live = {a for r in nodes.values() if r.node_id != self.node_id and (a := self._peer_address(r)) is not None}
+        live = {a for r in nodes.values() if r.node_id != self.node_id and (a := self.peer_address(r)) is not None}
         stack.forget_except(live)
         with self._inflight_lock:
             for node in [n for n, count in self._inflight.items() if count == 0 and n not in nodes]:
@@ -489,7 +521,7 @@ class CacheAgent:
         return None
 
     @staticmethod
-    def _peer_address(record: NodeRecord) -> PeerAddress | None:
+    def peer_address(record: NodeRecord) -> PeerAddress | None:
         address = next(iter(record.addresses.values()), None)
         if address is None:
             return None

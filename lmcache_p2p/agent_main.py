@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     agent = CacheAgent(config, fingerprint_of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                       secret=cluster_secret(config))
+                       secret=cluster_secret(config), role="cache")
     try:
         agent.start()
     except LMCacheP2PError as exc:

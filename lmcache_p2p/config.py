@@ -86,6 +86,34 @@ class TierConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class HandoffConfig:
+    """The cluster's memory as one cache (``lmcache_p2p/handoff.py``).
+
+    A chunk no other node holds is offered to a peer with room before it would be dropped (a pool
+    with fewer than ``free_below`` of its slots free offers its coldest such chunks), at most
+    ``budget_bytes_per_s``; 0 turns hand-off off (chunks are dropped as they are evicted). Only
+    chunks hit at least ``min_hits`` times are offered (0: all). A chunk pulled from this node
+    ``replicate_after`` times while no other node held it gets a copy on another node (0: off).
+    With ``evict_copies_first`` a full pool evicts chunks another node also holds before sole copies.
+    Free capacity is published in the node record at most every ``capacity_interval_s``.
+    """
+
+    budget_bytes_per_s: int = 64 << 20
+    min_hits: int = 1
+    free_below: float = 0.1
+    replicate_after: int = 4
+    evict_copies_first: bool = True
+    capacity_interval_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        _check(self.budget_bytes_per_s >= 0, "handoff.budget_bytes_per_s", "must be >= 0")
+        _check(self.min_hits >= 0, "handoff.min_hits", "must be >= 0")
+        _check(0.0 <= self.free_below <= 1.0, "handoff.free_below", "must be in [0, 1]")
+        _check(self.replicate_after >= 0, "handoff.replicate_after", "must be >= 0")
+        _check(self.capacity_interval_s > 0, "handoff.capacity_interval_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EtcdConfig:
     endpoints: tuple[str, ...] = ()
     lease_ttl_s: int = 10
@@ -208,6 +236,7 @@ class AgentConfig:
     tiers: TierConfig = TierConfig()
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
+    handoff: HandoffConfig = HandoffConfig()
 
     def __post_init__(self) -> None:
         _check(re.match(r"^[A-Za-z0-9_.\-]{1,128}$", self.node_id) is not None, "node_id",
@@ -331,7 +360,7 @@ def _coerce(value: Any, hint: Any, field: str) -> Any:
                 return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], field)
-    if field.endswith(("capacity", "_bytes")) and hint is int:
+    if field.endswith(("capacity", "_bytes", "_bytes_per_s")) and hint is int:
         return parse_size(value, field)
     if typing.get_origin(hint) is tuple:
         items = value.split(",") if isinstance(value, str) else value

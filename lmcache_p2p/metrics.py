@@ -36,6 +36,12 @@ class AgentMetrics:
         self.load_failures = Counter("load_failures", "Chunks planned as hits that could not be loaded",
                                      ["reason"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
+        self.handoff_chunks = Counter(
+            "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "
+            "accepted, received from peers, and dropped (hit, held by no other node, evicted)", ["event"],
+            namespace=ns, registry=registry)
+        self.handoff_bytes = Counter("handoff_bytes", "Bytes of chunks handed off to peers (out) and from them (in)",
+                                     ["direction"], namespace=ns, registry=registry)
         self.assembled_chunks = Counter("assembled_chunks", "Chunks assembled from head ranges pulled from several "
                                         "peers (the ranks of a tensor-parallel engine)", namespace=ns,
                                         registry=registry)

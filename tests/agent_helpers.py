@@ -23,7 +23,7 @@ SECRET = "mesh-test-secret-7f3a9c1e5b2d80461c9e4a7b"
 def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,
                disk: Path | None = None, cpu: str = "64MiB", transports: tuple[str, ...] = ("tcp",),
                timeout_s: float = 3.0, transfer: dict[str, Any] | None = None,
-               layout: dict[str, Any] | None = None) -> Path:
+               layout: dict[str, Any] | None = None, handoff: dict[str, Any] | None = None) -> Path:
     tiers: dict[str, Any] = {"cpu_capacity": cpu}
     if disk is not None:
         tiers.update(disk_path=str(disk), disk_capacity="256MiB")
@@ -33,6 +33,7 @@ def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...
         "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": timeout_s,
                      "backoff_s": 0.2, **(transfer or {})},
         **({"layout": layout} if layout else {}),
+        **({"handoff": handoff} if handoff else {}),
     }))
     return path
 

@@ -33,9 +33,9 @@ TOKENS = 1024 + 100  # 4 full chunks and a partial tail
 
 
 def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str = "c",
-              transfer: dict[str, str] | None = None) -> CacheAgent:
+              transfer: dict[str, str] | None = None, handoff: dict[str, int] | None = None) -> CacheAgent:
     cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints,
-                            transfer=transfer))
+                            transfer=transfer, handoff=handoff))
     metrics = AgentMetrics(CollectorRegistry())
     return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=metrics).start()
@@ -117,15 +117,18 @@ def test_concurrent_requesters_against_two_owners(etcd, cluster_name, tmp_path):
     threads_n, rounds = 8, 12
     seeds_a = tuple(range(100, 100 + threads_n))
     seeds_b = tuple(range(200, 200 + threads_n))
+    no_replicas = {"replicate_after": 0}  # every round must pull from the owners (the requester drops its copies)
     owners = [
         AgentProcess(agent_yaml(tmp_path / "oa.yaml", node="oa", cluster=cluster_name, endpoints=etcd.endpoints,
-                                cpu="128MiB"), seeds=seeds_a, tokens=TOKENS, log=tmp_path / "oa.log"),
+                                cpu="128MiB", handoff=no_replicas), seeds=seeds_a, tokens=TOKENS,
+                     log=tmp_path / "oa.log"),
         AgentProcess(agent_yaml(tmp_path / "ob.yaml", node="ob", cluster=cluster_name, endpoints=etcd.endpoints,
-                                cpu="128MiB"), seeds=seeds_b, tokens=TOKENS, log=tmp_path / "ob.log"),
+                                cpu="128MiB", handoff=no_replicas), seeds=seeds_b, tokens=TOKENS,
+                     log=tmp_path / "ob.log"),
     ]
     for o in owners:
         o.wait_ready()
-    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    c = requester(tmp_path, cluster_name, etcd.endpoints, handoff=no_replicas)
     errors: list[BaseException] = []
     pulled = [0] * threads_n
 

@@ -186,6 +186,8 @@ class NodeRecord:
     tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
     heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1, total]:
     # KV heads [h0, h1) of the model's total held (a tensor-parallel rank's; absent: every head)
+    role: str = "engine"  # "engine" (embedded in vLLM) or "cache" (a cache-only agent: hand-offs go there first)
+    free: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> free bytes (refreshed, rate-bounded)
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
@@ -219,10 +221,7 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     fingerprints = _str_tuple(raw, "fingerprints")
     if not all(re.fullmatch("[0-9a-f]{32}", fp) for fp in fingerprints):
         raise MalformedRecord("node record", "fingerprints: expected 32 lower-case hex chars each")
-    capacities = _field(raw, "capacities", dict, {})
-    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-               for k, v in capacities.items()):
-        raise MalformedRecord("node record", "capacities: expected tier name -> bytes >= 0")
+    capacities = _sizes(raw, "capacities")
     wire_version = _field(raw, "wire_version", int, WIRE_VERSION)
     started_at = float(_field(raw, "started_at", (int, float), 0.0))
     if not math.isfinite(started_at):
@@ -230,11 +229,26 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     metrics_url = _field(raw, "metrics_url", (str, type(None)), None)
     return NodeRecord(
         node_id=NodeId(record_id), addresses=addresses, transports=_str_tuple(raw, "transports"),
-        fingerprints=fingerprints, capacities=dict(capacities),
+        fingerprints=fingerprints, capacities=capacities,
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
         models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
-        heads=_heads(raw))
+        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"))
+
+
+def _role(raw: dict[str, Any]) -> str:
+    role = _field(raw, "role", str, "engine")
+    if role not in ("engine", "cache"):
+        raise MalformedRecord("node record", f"role: expected 'engine' or 'cache', got {role[:20]!r}")
+    return role
+
+
+def _sizes(raw: dict[str, Any], name: str) -> dict[str, int]:
+    sizes = _field(raw, name, dict, {})
+    if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for k, v in sizes.items()):
+        raise MalformedRecord("node record", f"{name}: expected tier name -> bytes >= 0")
+    return dict(sizes)
 
 
 def _heads(raw: dict[str, Any]) -> dict[str, list[int]]:

@@ -23,6 +23,7 @@ class TierStats:
     corrupt_dropped: int = 0
     stray_removed: int = 0
     refused: int = 0  # chunks the admission hook refused (covered by an invalidation)
+    copies_evicted: int = 0  # victims chosen because another node holds them too (CpuPool.evict_first)
 
 
 EvictCallback = Callable[[ChunkHeader, memoryview | None], None]

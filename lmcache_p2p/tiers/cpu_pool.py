@@ -12,6 +12,10 @@ cannot hold a slot forever. A removed chunk that is still pinned keeps its slot 
 Every chunk enters through ``commit`` (``put`` included), which asks the ``admit`` hook first: a
 chunk it refuses (one a standing invalidation covers) is never stored, its slot goes back, and
 ``commit`` returns False. Pulls, engine stores and promotions all pass this one gate.
+
+With ``evict_first`` set (the agent: "another node holds this chunk too"), a full pool looks
+among its policy's ``EVICT_FIRST_SCAN`` coldest chunks for one that predicate accepts and evicts
+it before any other: copies go before the only copy in the cluster.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 import torch
@@ -30,6 +35,8 @@ from ..errors import CapacityError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
 from .eviction import LRU, EvictionPolicy
+
+EVICT_FIRST_SCAN = 32
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +86,7 @@ class CpuPool:
         self._policy: EvictionPolicy = policy if policy is not None else LRU()
         self._on_evict = on_evict
         self._admit = admit
+        self.evict_first: Callable[[ChunkKey], bool] | None = None  # called under the pool lock: dict probes only
         self._clock = clock
         self._entries: dict[ChunkKey, _Entry] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -119,6 +127,16 @@ class CpuPool:
     def keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._entries)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def coldest(self, n: int) -> list[ChunkKey]:
+        """About the next ``n`` chunks the policy would evict, unpinned ones only."""
+        with self._lock:
+            keys = cast("list[ChunkKey]", self._policy.coldest(n))
+            return [k for k in keys if k in self._entries and not self._is_pinned(self._entries[k])]
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -238,15 +256,30 @@ class CpuPool:
                 self._free.append(zombie.slot)
         self._zombies = alive
 
+    def _copy_victim(self) -> ChunkKey | None:
+        """A cold, unpinned chunk ``evict_first`` accepts (held elsewhere too), taken out of the policy."""
+        prefer = self.evict_first
+        if prefer is None:
+            return None
+        for key in cast("list[ChunkKey]", self._policy.coldest(EVICT_FIRST_SCAN)):
+            entry = self._entries.get(key)
+            if entry is not None and not self._is_pinned(entry) and prefer(key):
+                self._policy.remove(key)
+                self.stats.copies_evicted += 1
+                return key
+        return None
+
     def _take_slot(self) -> int:
         if not self._free:
             self._reap_zombies()
         if self._free:
             return self._free.pop()
-        victim = self._policy.evict(lambda k: not self._is_pinned(self._entries[k]))  # type: ignore[index]
+        victim = self._copy_victim()
+        if victim is None:
+            victim = cast("ChunkKey | None", self._policy.evict(lambda k: not self._is_pinned(self._entries[k])))  # type: ignore[index]
         if victim is None:
             raise CapacityError(f"all {self.num_slots} CPU slots are pinned or reserved")
-        entry = self._entries.pop(victim)  # type: ignore[call-overload]
+        entry = self._entries.pop(victim)
         self.stats.evictions += 1
         if self._on_evict is not None:  # under the pool lock: the callback must not do disk I/O
             self._on_evict(entry.header, self.slot_view(entry.slot, entry.header.length))

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from typing import cast
 
 from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..errors import ChunkError, TierError
@@ -57,6 +58,11 @@ class DiskTier:
     @property
     def used_bytes(self) -> int:
         return self._used
+
+    def coldest(self, n: int) -> list[ChunkKey]:
+        """About the next ``n`` chunks the policy would evict."""
+        with self._lock:
+            return [k for k in cast("list[ChunkKey]", self._policy.coldest(n)) if k in self._headers]
 
     def _file(self, key: ChunkKey) -> Path:
         return self.path / f"{key.hex()}{SUFFIX}"

@@ -2,7 +2,8 @@
 
 A tier tells its policy about inserts, accesses and removals, and asks ``evict(can_evict)``
 for the next victim. The policy forgets the victim it returns; ``can_evict`` lets the tier
-veto pinned keys, which stay in the policy.
+veto pinned keys, which stay in the policy. ``coldest(n)`` shows, without changing anything,
+about the first ``n`` keys the policy would evict (the hand-off looks there for chunks to save).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class EvictionPolicy(Protocol):
     def access(self, key: Key) -> None: ...
     def remove(self, key: Key) -> None: ...
     def evict(self, can_evict: Callable[[Key], bool]) -> Key | None: ...
+    def coldest(self, n: int) -> list[Key]: ...
     def __len__(self) -> int: ...
 
 
@@ -47,6 +49,9 @@ class LRU:
                 del self._order[key]
                 return key
         return None
+
+    def coldest(self, n: int) -> list[Key]:
+        return list(itertools.islice(self._order, n))
 
     def __len__(self) -> int:
         return len(self._order)
@@ -93,6 +98,10 @@ class LFU:
         for item in vetoed:
             heapq.heappush(self._heap, item)
         return victim
+
+    def coldest(self, n: int) -> list[Key]:
+        smallest = heapq.nsmallest(4 * n + 16, self._heap)  # some may be stale
+        return [k for f, s, k in smallest if self._freq.get(k) == (f, s)][:n]
 
     def __len__(self) -> int:
         return len(self._freq)
@@ -168,6 +177,10 @@ class S3FIFO:
                     self._ghost.popitem(last=False)
             return key
         return None
+
+    def coldest(self, n: int) -> list[Key]:
+        # small first (new keys never accessed again leave from there), then main
+        return list(itertools.islice(itertools.chain(self._small, self._main), n))
 
     def __len__(self) -> int:
         return len(self._where)

@@ -244,7 +244,7 @@ class Connection(asyncio.BufferedProtocol):
         kind = msg["t"]
         if payload_len and kind != "chunk":
             raise ProtocolError(f"{kind!r} frame with a payload")
-        if kind not in ("chunk", "miss", "end", "pinned"):
+        if kind not in ("chunk", "miss", "end", "pinned", "offered"):
             self._control.put_nowait(msg)
             return
         request = self._pending.get(wire.field(msg, "id", int))
@@ -292,6 +292,12 @@ class Connection(asyncio.BufferedProtocol):
         request = _Request(next(self._ids))
         self._pending[request.rid] = request
         self.send(_request("pin", request.rid, wants))
+        return request
+
+    def start_offer(self, node: str, keys: Sequence[ChunkKey]) -> _Request:
+        request = _Request(next(self._ids))
+        self._pending[request.rid] = request
+        self.send({"t": "offer", "id": request.rid, "node": node, "keys": list(keys)})
         return request
 
     def transport_socket(self) -> socket.socket | None:

@@ -87,6 +87,8 @@ class TransferServer:
         prepare: Callable[[ChunkKey], bool] | None = None,
         require_mac: bool = False,
         tls: tuple[ssl.SSLContext, bytes] | None = None,
+        on_offer: Callable[[str, list[ChunkKey]], list[bool]] | None = None,
+        on_served: Callable[[ChunkKey], None] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty: every connection is authenticated")
@@ -101,6 +103,8 @@ class TransferServer:
         self._prepare = prepare  # makes a chunk held in a slower tier servable from the pool
         self._require_mac = require_mac
         self._tls = tls  # (server context, channel binding: SHA-256 of our certificate)
+        self.on_offer = on_offer  # a peer offers chunks (hand-off, replica): which we take; on the loop, no I/O
+        self.on_served = on_served  # a chunk was pinned for a peer (counts pulls: hot-chunk replication)
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -278,6 +282,11 @@ class TransferServer:
             heads = wire.head_ranges(msg, len(keys))
             serve = self._serve_get if kind == "get" else self._serve_pin
             await serve(s, wire.field(msg, "id", int), keys, heads)
+        elif kind == "offer":
+            rid, node, keys = wire.field(msg, "id", int), wire.node_id(msg), wire.key_list(msg)
+            handler = self.on_offer
+            accept = handler(node, [ChunkKey(k) for k in keys]) if handler is not None else [False] * len(keys)
+            await self._send(s, {"t": "offered", "id": rid, "accept": accept})
         elif kind == "release":
             lease = s.leases.pop(wire.field(msg, "lease", int), None)
             if lease is not None:
@@ -296,6 +305,8 @@ class TransferServer:
         if pin is None:
             self.stats.misses += 1
             return None
+        if self.on_served is not None:
+            self.on_served(pin.key)
         if heads is None or heads == pin.header.heads:
             return pin, pin.header, 0
         big = pin.header.length > _INLINE_CHECK_BYTES  # hashing it would hold up every other connection

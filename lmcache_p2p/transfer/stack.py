@@ -9,20 +9,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from ..config import AgentConfig, cluster_secret
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, PeerTimeout, ProtocolError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import tls, wire
 from .base import PeerAddress, Transport
-from .client import TcpTransport
+from .client import ConnectionPool, TcpTransport
 from .health import PeerHealth
 from .nixl import NixlTransport
 from .nixl_engine import NixlEngine
@@ -38,6 +39,7 @@ class TransferStack:
     transports: dict[str, Transport]
     nixl: NixlEngine | None
     health: PeerHealth
+    control: ConnectionPool  # small requests of our own (offers), apart from the pulls' connections
 
     @classmethod
     def build(
@@ -78,12 +80,37 @@ class TransferStack:
             elif name == "nixl" and nixl is not None:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health,
                                                  tls=client_tls, payload_mac=tc.payload_mac)
-        return cls(config, server, transports, nixl, health)
+        control = ConnectionPool(secret, tc.timeout_s, tc.max_frame_bytes, payload_mac=tc.payload_mac, tls=client_tls)
+        return cls(config, server, transports, nixl, health, control)
+
+    async def offer(self, peer: PeerAddress, fp: FingerprintDigest, node_id: str, keys: Sequence[ChunkKey],
+                    timeout: float) -> list[bool]:
+        """Offer ``keys`` to ``peer`` (it pulls those it takes from ``node_id``, us); which it took.
+        A peer that fails or does not answer in time is backed off like a failed pull."""
+        if not self.health.available(peer):
+            return [False] * len(keys)
+        try:
+            conn = await self.control.get(peer, fp, timeout)
+            request = conn.start_offer(node_id, keys)
+            try:
+                answer = await asyncio.wait_for(request.future, timeout)
+            except TimeoutError as exc:
+                conn.abandon(request)
+                raise PeerTimeout(f"{peer}: no answer to an offer within {timeout:.1f}s") from exc
+            accept = wire.field(answer, "accept", list)
+            if len(accept) != len(keys) or not all(isinstance(a, bool) for a in accept):
+                raise ProtocolError(f"{peer}: offer answer does not match the {len(keys)} keys offered")
+        except TransferError as exc:
+            self.health.record_failure(peer, exc)
+            return [False] * len(keys)
+        self.health.record_success(peer)
+        return accept
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:
         """Per-peer state (connections, NIXL registrations, backoff) only for the peers in ``live``."""
         for transport in self.transports.values():
             transport.forget_except(live)
+        self.control.forget_except(live)
         self.health.forget_except(live)
 
     @property
@@ -103,6 +130,7 @@ class TransferStack:
                 "transports": list(self.transports)}
 
     async def close(self) -> None:
+        await self.control.close()
         for transport in self.transports.values():
             await transport.close()
         await self.server.close()

@@ -34,6 +34,9 @@ Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 holds. Payloads are head-major, so the owner answers with that byte range of its chunk and a header
 of its own (that range's length and checksum, computed after checking the whole stored chunk).
     release {lease}         -> (no answer) unpins a lease early; pins expire anyway
+    offer   {id, node, keys} -> offered {id, accept: [bool]}   the sender (node ``node``) would drop
+                               these chunks, or wants a copy elsewhere: the receiver takes those it
+                               has room for by pulling them from ``node`` (``handoff.py``)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import struct
 from typing import Any
 
@@ -115,6 +119,16 @@ def head_ranges(msg: Message, n: int) -> list[tuple[int, int] | None]:
         else:
             raise ProtocolError("heads entries must be [first, end) with 0 <= first < end < 65536, or nil")
     return out
+
+
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+
+
+def node_id(msg: Message) -> str:
+    node = field(msg, "node", str)
+    if not NODE_ID_RE.fullmatch(node):
+        raise ProtocolError("node must be a node id")
+    return node
 
 
 def nonce() -> bytes:

@@ -1,0 +1,237 @@
+"""The cluster's memory as one cache: eviction hand-off, hot-chunk replication, published free space.
+
+Every agent runs one :class:`Handoff` on its loop::
+
+    sender (every STEP_S)                               receiver (TransferServer "offer")
+    ---------------------                               --------------------------------
+    last tier nearly full (fewer than free_below of     take the keys it does not hold and has
+    its space free)? its coldest chunks that no other   room for (free CPU slots, free disk,
+    node holds, hit >= min_hits, not offered lately;    minus offers still arriving), answer at
+    plus chunks pulled from us >= replicate_after       once, then pull them from the sender
+    times that no other node holds                      over the normal path (authenticated,
+        |                                               verified, admission-gated) and publish
+        +-- offer --> a peer with room and our heads:
+                      cache-only agents first, then the most free space
+
+Once a peer holds a chunk, the sender's pool evicts it before any sole copy
+(``CpuPool.evict_first``): copies go first, the last copy in the cluster last. Offers cost the
+sender nothing on the engine's threads: the pool is only read (``coldest``), the peer pulls from
+the pinned slot like any other pull, and ``budget_bytes_per_s`` caps the bytes offered (0: off,
+sole copies are dropped as they are evicted, and counted). Free space goes into the node record at
+most every ``capacity_interval_s``, and only when it moved by a chunk or more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from .index.schema import NodeId, NodeRecord
+from .keys import ChunkKey
+from .plan import PlannedChunk
+
+if TYPE_CHECKING:
+    from .agent import CacheAgent
+
+log = logging.getLogger(__name__)
+
+STEP_S = 0.25
+CANDIDATES = 64  # coldest chunks looked at per step
+OFFER_BATCH = 32  # keys per offer
+REOFFER_S = 10.0  # a chunk offered (taken or not) is not offered again for this long
+ARRIVE_S = 10.0  # an accepted chunk's pull gets this long
+
+
+class Handoff:
+    def __init__(self, agent: CacheAgent) -> None:
+        self.agent = agent
+        self.config = agent.config.handoff
+        self.hits: dict[ChunkKey, int] = {}  # local loads and pulls served, per chunk held
+        self.served: dict[ChunkKey, int] = {}  # pulls served while no other node held the chunk
+        self._offered: dict[ChunkKey, float] = {}  # key -> when it was last offered
+        self._tokens = float(self.config.budget_bytes_per_s)
+        self._refilled = time.monotonic()
+        self._arriving = 0  # chunks accepted from peers, pull not finished
+        self._published_free: dict[str, int] | None = None
+        self._published_at = 0.0
+
+    # -- bookkeeping (any thread; plain dict updates) ---------------------------------------------------
+    def on_hit(self, key: ChunkKey) -> None:
+        self.hits[key] = self.hits.get(key, 0) + 1
+
+    def on_served(self, key: ChunkKey) -> None:
+        self.on_hit(key)
+        if self.config.replicate_after and not self.others_hold(key):
+            self.served[key] = self.served.get(key, 0) + 1
+
+    def on_gone(self, key: ChunkKey) -> None:
+        """No tier of ours holds ``key`` any more. A chunk worth keeping (hit ``min_hits`` times) that
+        no other node holds is lost to the cluster: counted as dropped."""
+        hits = self.hits.pop(key, None)
+        self.served.pop(key, None)
+        if hits is not None and hits >= self.config.min_hits and not self.others_hold(key):
+            self.agent.metrics.handoff_chunks.labels("dropped").inc()
+
+    def others_hold(self, key: ChunkKey) -> bool:
+        """Another node announces ``key`` (a dict probe of the mirror: safe under tier locks)."""
+        index = self.agent.index
+        if index is None:
+            return False
+        owners = index.owners(self.agent.fp, [key])[0]
+        return any(n != self.agent.node_id for n in owners)
+
+    # -- free space in the node record --------------------------------------------------------------------
+    def free(self) -> dict[str, int]:
+        tiers = self.agent.tiers
+        free = {"cpu": tiers.cpu.free_slots * tiers.cpu.slot_bytes}
+        if tiers.disk is not None:
+            free["disk"] = max(0, tiers.disk.capacity_bytes - tiers.disk.used_bytes)
+        return free
+
+    def refresh_capacity(self, now: float) -> None:
+        """Republish the record when free space moved by a chunk or more, at most every interval."""
+        if now - self._published_at < self.config.capacity_interval_s or self.agent.index is None:
+            return
+        free = self.free()
+        last = self._published_free
+        if last is not None and all(abs(free.get(t, 0) - last.get(t, 0)) < self.agent.chunk_bytes for t in free):
+            return
+        self._published_free, self._published_at = free, now
+        self.agent.index.set_record(self.agent.node_record())
+
+    # -- sender -------------------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        while True:
+            await asyncio.sleep(STEP_S)
+            try:
+                await self.step()
+            except Exception:  # supervised: a failed step is logged, the next one runs
+                log.exception("hand-off step failed")
+
+    async def step(self) -> None:
+        now = time.monotonic()
+        self.refresh_capacity(now)
+        budget = self.config.budget_bytes_per_s
+        if budget <= 0:
+            return
+        self._tokens = min(float(budget), self._tokens + budget * (now - self._refilled))
+        self._refilled = now
+        for key, when in list(self._offered.items()):
+            if now - when > REOFFER_S:
+                del self._offered[key]
+        replicas = self._replicas()
+        keys = replicas + [k for k in self._nearly_dropped() if k not in set(replicas)]
+        if keys:
+            await self._offer(keys, set(replicas), now)
+
+    def _nearly_dropped(self) -> list[ChunkKey]:
+        """The coldest sole copies of the last tier, when that tier is nearly full."""
+        tiers = self.agent.tiers
+        if tiers.disk is not None:
+            disk = tiers.disk
+            if disk.capacity_bytes - disk.used_bytes >= self.config.free_below * disk.capacity_bytes:
+                return []
+            cold = disk.coldest(CANDIDATES)
+        else:
+            cpu = tiers.cpu
+            if cpu.free_slots >= self.config.free_below * cpu.num_slots:
+                return []
+            cold = cpu.coldest(CANDIDATES)
+        return [k for k in cold if k not in self._offered and self.hits.get(k, 0) >= self.config.min_hits
+                and self.agent.holds(k) and not self.others_hold(k)]
+
+    def _replicas(self) -> list[ChunkKey]:
+        if not self.config.replicate_after:
+            return []
+        hot = [k for k, n in self.served.items() if n >= self.config.replicate_after and k not in self._offered]
+        for key in hot:
+            del self.served[key]
+        return [k for k in hot if self.agent.holds(k) and not self.others_hold(k)]
+
+    async def _offer(self, keys: list[ChunkKey], hot: set[ChunkKey], now: float) -> None:
+        agent = self.agent
+        stack = agent.transfer_stack
+        size = agent.chunk_bytes
+        targets = self._targets()
+        if stack is None or not targets:
+            return
+        while keys and targets and self._tokens >= size:
+            record, room = targets[0]
+            n = min(len(keys), OFFER_BATCH, room, int(self._tokens // size))
+            if n <= 0:
+                targets.pop(0)
+                continue
+            batch, keys = keys[:n], keys[n:]
+            peer = agent.peer_address(record)
+            if peer is None:
+                targets.pop(0)
+                continue
+            for key in batch:
+                self._offered[key] = now
+            agent.metrics.handoff_chunks.labels("offered").inc(len(batch))
+            accepted = await stack.offer(peer, agent.fp, agent.node_id, batch, agent.config.transfer.timeout_s)
+            taken = sum(accepted)
+            self._tokens -= taken * size
+            agent.metrics.handoff_chunks.labels("accepted").inc(taken)
+            agent.metrics.handoff_chunks.labels("replicas").inc(sum(1 for k, a in zip(batch, accepted, strict=True)
+                                                                  if a and k in hot))
+            agent.metrics.handoff_bytes.labels("out").inc(taken * size)
+            log.debug("offered %d chunks to %s: %d taken", len(batch), record.node_id, taken)
+            targets.pop(0)  # the next batch goes to the next peer: one slow peer does not get them all
+
+    def _targets(self) -> list[tuple[NodeRecord, int]]:
+        """Peers that can take our chunks, with room for how many: cache-only agents first, then the most
+        free; only peers that hold our heads, speak our wire and TLS setting, and are not backed off."""
+        agent = self.agent
+        index = agent.index
+        if index is None:
+            return []
+        fp_hex, total = agent.fp.hex(), agent.fingerprint.num_kv_heads
+        out: list[tuple[bool, int, NodeRecord]] = []
+        for node, record in index.nodes().items():
+            if node == agent.node_id or fp_hex not in record.fingerprints or not agent.usable(record):
+                continue
+            if record.heads_of(fp_hex, total) != agent.heads:
+                continue
+            free = sum(record.free.values())
+            if free >= agent.chunk_bytes:
+                out.append((record.role != "cache", -free, record))
+        out.sort(key=lambda t: (t[0], t[1]))
+        return [(r, -f // agent.chunk_bytes) for _, f, r in out]
+
+    # -- receiver ----------------------------------------------------------------------------------------
+    def accept(self, node: str, keys: list[ChunkKey]) -> list[bool]:
+        """On the loop (the transfer server): which offered chunks we take; their pulls start now."""
+        agent = self.agent
+        if agent.index is None or NodeId(node) == agent.node_id:
+            return [False] * len(keys)
+        free = self.free()
+        room = sum(free.values()) // agent.chunk_bytes - self._arriving
+        accepted: list[bool] = []
+        for key in keys:
+            take = room > 0 and not agent.holds(key)
+            room -= take
+            accepted.append(take)
+        taken = [k for k, a in zip(keys, accepted, strict=True) if a]
+        if taken:
+            self._arriving += len(taken)
+            task = asyncio.get_running_loop().create_task(self._receive(NodeId(node), taken))
+            agent.background(task)
+        return accepted
+
+    async def _receive(self, node: NodeId, keys: list[ChunkKey]) -> None:
+        agent = self.agent
+        try:
+            chunks = [PlannedChunk(i, k, 0, 0, node, heads=agent.heads) for i, k in enumerate(keys)]
+            missed = await agent.pull_from(node, chunks, time.monotonic() + ARRIVE_S)
+            got = len(keys) - len(missed)
+            agent.metrics.handoff_chunks.labels("received").inc(got)
+            agent.metrics.handoff_bytes.labels("in").inc(got * agent.chunk_bytes)
+            for key in keys:
+                if agent.holds(key):
+                    self.hits.setdefault(key, self.config.min_hits)  # it was hit where it came from
+        finally:
+            self._arriving -= len(keys)
+
