@@ -62,8 +62,10 @@ class Handoff:
         self.hits[key] = self.hits.get(key, 0) + 1
 
     def on_served(self, key: ChunkKey) -> None:
+        """A peer pulled ``key`` from us (whether another node holds it too is checked when the
+        count is reached: the puller's own copy, announced and dropped, may still be in flight)."""
         self.on_hit(key)
-        if self.config.replicate_after and not self.others_hold(key):
+        if self.config.replicate_after:
             self.served[key] = self.served.get(key, 0) + 1
 
     def on_gone(self, key: ChunkKey) -> None:
