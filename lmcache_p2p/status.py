@@ -52,6 +52,9 @@ class NodeStatus:
     degraded: bool | None = None  # outside the mesh by its own account (no live lease / mirror not synced)
     index_rejected: float = 0.0  # malformed etcd records it skipped
     engine: str = ""  # the engine a TP rank's agent belongs to (node id less "-r<rank>"); itself otherwise
+    role: str = "engine"  # "cache": a cache-only agent
+    free_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per tier, as last published
+    handoff: dict[str, float] = dataclasses.field(default_factory=dict)  # hand-off events (accepted, received, ...)
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
 
 
@@ -116,6 +119,9 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
     if "lmcache_p2p_degraded" in m:
         node.degraded = m["lmcache_p2p_degraded"] > 0
     node.index_rejected = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_index_rejected_total"))
+    for name, value in m.items():
+        if name.startswith("lmcache_p2p_handoff_chunks_total{"):
+            node.handoff[name.split('"')[1]] = value
 
 
 async def collect(config: AgentConfig) -> dict[str, Any]:
@@ -139,7 +145,8 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
                 lease_ttl_left_s=await _ttl_left(client, kv.lease),
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
-                wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id),
+                wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id), role=record.role,
+                free_bytes=dict(record.free),
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
     finally:
@@ -220,18 +227,19 @@ def _gib(x: float) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    head = ["ENGINE", "NODE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
-            "DISK GiB", "HIT%", "VERSION"]
+    head = ["ENGINE", "NODE", "ROLE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
+            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "VERSION"]
     rows = [head]
     for n in report["nodes"]:
         used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
         rows.append([
-            n["engine"], n["node_id"], n["heads"] or "all", n["address"], ",".join(n["transports"]),
+            n["engine"], n["node_id"], n["role"], n["heads"] or "all", n["address"], ",".join(n["transports"]),
             ",".join(n["fingerprints"]),
             "-" if n["lease_ttl_left_s"] is None else f"{n['lease_ttl_left_s']:.0f}s", str(n["chunks_registered"]),
             f"{_gib(used.get('cpu', 0))}/{_gib(cap.get('cpu', 0))}" if "cpu" in cap else "?",
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
             "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
+            "/".join(f"{n['handoff'].get(e, 0):.0f}" for e in ("accepted", "received", "dropped")),
             f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?")
             + (" DEGRADED" if n["degraded"] else ""),
         ])

@@ -7,6 +7,7 @@ chunks). Every chunk loaded is checked byte for byte (``load_and_check``).
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 from vllm_helpers import scrape
 
+from lmcache_p2p import status
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.agent_main import fingerprint_of, preload
 from lmcache_p2p.index.schema import NodeId
@@ -82,6 +84,9 @@ def test_a_full_pool_hands_its_sole_copies_to_a_cache_only_agent(etcd, cluster_n
         assert counter(s, "accepted") >= 5 and counter(s, "dropped") == 0
         received = scrape(s.index.nodes()["k"].metrics_url)
         assert received['lmcache_p2p_handoff_chunks_total{event="received"}'] >= 5
+        report = {n["node_id"]: n for n in asyncio.run(status.collect(s.config))["nodes"]}
+        assert report["k"]["role"] == "cache" and report["k"]["handoff"]["received"] >= 5
+        assert report["s"]["role"] == "engine" and report["s"]["free_bytes"].keys() == {"cpu"}
     finally:
         s.stop()
         e.stop()
