@@ -20,6 +20,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -38,12 +39,14 @@ from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, Piece, PlannedChunk, fetch_budget, make_plan
+from .score import http_app
 from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
 from .transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
 from .transfer.stack import TransferStack
 
 log = logging.getLogger(__name__)
 IndexFactory = Callable[[LoopThread, NodeRecord], BlockIndex]
+RECENT_DROPS = 4096  # chunks remembered as dropped, for ``lookup --explain``
 
 
 class CacheAgent:
@@ -93,6 +96,8 @@ class CacheAgent:
         self._handoff_task: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
         self.handoff = Handoff(self)
+        self._dropped: OrderedDict[ChunkKey, float] = OrderedDict()  # recently evicted or removed, newest last
+        self._dropped_lock = threading.Lock()
         if config.handoff.evict_copies_first:
             self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
@@ -107,10 +112,12 @@ class CacheAgent:
                                               prepare=self.tiers.ensure_in_cpu)
             self._stack.server.on_offer = self.handoff.accept
             self._stack.server.on_served = self.handoff.on_served
+            self._stack.server.on_recent = self.dropped_ago
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
-                                                     self.config.metrics_port)
+                                                     self.config.metrics_port,
+                                                     wrap=lambda metrics_app: http_app(metrics_app, self))
             record = self.node_record()
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)
@@ -160,7 +167,14 @@ class CacheAgent:
             heads={self.fp.hex(): [*self.heads, self.fingerprint.num_kv_heads]},
             role=self.role,
             free=self.handoff.free(),
+            layouts={self.fp.hex(): dataclasses.asdict(self.fingerprint)},
         )
+
+    def dropped_ago(self, keys: list[ChunkKey]) -> list[float | None]:
+        """Seconds since each chunk left this node's last tier (None: not among the last RECENT_DROPS)."""
+        now = time.monotonic()
+        with self._dropped_lock:
+            return [None if (t := self._dropped.get(k)) is None else round(now - t, 3) for k in keys]
 
     @property
     def transfer_stack(self) -> TransferStack | None:
@@ -232,7 +246,15 @@ class CacheAgent:
         if tier is None:
             index.remove_many(self.fp, [key])
             self.handoff.on_gone(key)
+            with self._dropped_lock:  # tier locks of two tiers may call in at once
+                self._dropped[key] = time.monotonic()
+                self._dropped.move_to_end(key)
+                while len(self._dropped) > RECENT_DROPS:
+                    self._dropped.popitem(last=False)
             return
+        if self._dropped:
+            with self._dropped_lock:
+                self._dropped.pop(key, None)
         header = self.tiers.header(key)  # lock-free dict probes: safe under the tiers' locks
         if header is not None and self._mine(header):  # only what this agent serves is announced
             index.add_many(self.fp, [key], TIER_CODES[tier])

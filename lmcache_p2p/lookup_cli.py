@@ -7,6 +7,11 @@ The first tool to reach for when the hit rate is low. Keys depend on the layout 
 default every fingerprint served in the cluster is tried (``--fingerprint PREFIX`` picks one),
 so a prompt held under another fingerprint (another dtype, block size, TP rank, tenant salt)
 shows up as such. Exit code 0 when at least one chunk is held somewhere, 1 when none is.
+
+``--explain`` says, for every chunk under each chosen fingerprint, why it is or is not available
+(held, owner-down, other-identity naming the differing field, invalidated, evicted, no-owner; see
+``explain.py``). Evictions are asked of the agents over the authenticated transfer connection:
+that needs the cluster secret (``LMCACHE_P2P_SECRET`` or ``--config``).
 """
 
 from __future__ import annotations
@@ -18,9 +23,12 @@ import sys
 from pathlib import Path
 
 from .aio import LoopThread
-from .config import load_config
+from .config import AgentConfig, load_config
 from .errors import LMCacheP2PError
+from .explain import explain, recent_evictions
+from .index.client import EtcdClient
 from .index.reader import IndexReader
+from .index.schema import NodeId, Schema, decode_invalidation
 from .keys import FingerprintDigest, chunk_keys, chunk_spans
 
 
@@ -48,6 +56,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cluster")
     parser.add_argument("--config", help="agent config to take etcd settings and chunk size from")
     parser.add_argument("--fingerprint", help="hex prefix of the fingerprint to look under (default: all)")
+    parser.add_argument("--explain", action="store_true", help="why each chunk is or is not available")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
@@ -77,14 +86,19 @@ def main(argv: list[str]) -> int:
         probe.close()
         served = sorted({fp for n in nodes.values() for fp in n.fingerprints})
         chosen = [fp for fp in served if fp.startswith(args.fingerprint or "")]
-        for fp_hex in chosen:
+        owners_under: dict[str, list[dict[NodeId, int]]] = {}
+        for fp_hex in served if args.explain else chosen:
             fp = FingerprintDigest(bytes.fromhex(fp_hex))
             reader = IndexReader.open(loop, config, fp)
             try:
-                keys = chunk_keys(fp, tokens, config.chunk_size)
-                owners = reader.owners(keys)
+                owners_under[fp_hex] = reader.owners(chunk_keys(fp, tokens, config.chunk_size))
             finally:
                 reader.close()
+        invalidations = loop.run(_standing_invalidations(config), config.etcd.timeout_s * 2) if args.explain else []
+        for fp_hex in chosen:
+            fp = FingerprintDigest(bytes.fromhex(fp_hex))
+            keys = chunk_keys(fp, tokens, config.chunk_size)
+            owners = owners_under[fp_hex]
             model = next((n.models.get(fp_hex, "?") for n in nodes.values() if fp_hex in n.models), "?")
             rows = [{"chunk": i, "tokens": f"{s}-{e}", "key": k.hex()[:16], "owners": sorted(o)}
                     for i, (k, (s, e), o) in enumerate(zip(keys, spans, owners, strict=True))]
@@ -93,6 +107,11 @@ def main(argv: list[str]) -> int:
             report["fingerprints"][fp_hex] = {  # type: ignore[index]
                 "model": model, "leading_chunks_held": prefix,
                 "hit_tokens": spans[prefix - 1][1] if prefix else 0, "chunks": rows}
+            if args.explain:
+                evicted = loop.run(recent_evictions(config, fp, nodes, keys), 30.0)
+                verdicts = explain(config, fp_hex, tokens, nodes, owners_under, invalidations, evicted)
+                for row, v in zip(rows, verdicts, strict=True):
+                    row.update(reason=v.reason, usable=v.usable, holders=v.holders, detail=v.detail)
     if args.json:
         print(json.dumps(report))
     else:
@@ -101,6 +120,28 @@ def main(argv: list[str]) -> int:
         for fp_hex, info in report["fingerprints"].items():  # type: ignore[attr-defined]
             print(f"\nfingerprint {fp_hex[:12]} ({info['model']}): leading hit {info['hit_tokens']} tokens")
             for row in info["chunks"]:
-                print(f"  chunk {row['chunk']:>4}  tokens {row['tokens']:<12} {row['key']}  "
-                      f"{', '.join(row['owners']) or '-'}")
+                where = ", ".join(row["owners"]) or "-"
+                if "reason" in row:
+                    where = f"{row['reason']:<15} " + (", ".join(f"{n} ({t})" for n, t in row["holders"].items())
+                                                       or json.dumps(row["detail"]))
+                print(f"  chunk {row['chunk']:>4}  tokens {row['tokens']:<12} {row['key']}  {where}")
     return 0 if held_any else 1
+
+
+async def _standing_invalidations(config: AgentConfig) -> list[tuple[str, str, str]]:
+    """(id, kind, value) of every standing invalidation record."""
+    schema = Schema(config.cluster)
+    client = EtcdClient(config.etcd)
+    await client.connect()
+    try:
+        kvs, _ = await client.get_prefix(schema.invalidations)
+    finally:
+        await client.close()
+    out = []
+    for kv in kvs:
+        try:
+            inv = decode_invalidation(kv.key, kv.value, kv.mod_revision, prefix_len=len(schema.invalidations))
+        except (ValueError, LMCacheP2PError):
+            continue  # malformed: agents skip it too
+        out.append((inv.id, inv.kind, inv.value))
+    return out

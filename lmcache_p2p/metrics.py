@@ -6,12 +6,14 @@ Library code never touches prometheus_client's global registry: the agent receiv
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from collections.abc import Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 
 from .index.schema import Rejects
@@ -132,13 +134,35 @@ class _LiveCounters:
         yield losses
 
 
-class MetricsServer:
-    """The /metrics HTTP endpoint; ``port=0`` picks a free port (see ``.port``)."""
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+        pass
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        self._server: WSGIServer
-        self._thread: threading.Thread
-        self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+
+class _Server(ThreadingWSGIServer):
+    address_family = socket.AF_INET
+
+
+class _Server6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+WsgiApp = Callable[..., Iterable[bytes]]
+
+
+class MetricsServer:
+    """The agent's HTTP endpoint: ``/metrics`` (Prometheus), and whatever ``wrap`` adds in front of it
+    (the score API). The standard library's threaded WSGI server; ``port=0`` picks a free port."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int,
+                 wrap: Callable[[WsgiApp], WsgiApp] | None = None) -> None:
+        app: WsgiApp = make_wsgi_app(registry)
+        if wrap is not None:
+            app = wrap(app)
+        self._server: WSGIServer = make_server(host, port, app, _Server6 if ":" in host else _Server,
+                                               handler_class=_Quiet)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="lmcache-p2p-http", daemon=True)
+        self._thread.start()
         self.port: int = self._server.server_port
 
     def stop(self) -> None:

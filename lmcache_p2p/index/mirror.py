@@ -65,6 +65,8 @@ class Mirror:
         self._nodes: dict[NodeId, NodeRecord] = {}
         self._intern: dict[tuple[tuple[NodeId, int], ...], Owners] = {}
         self._on_change = on_change
+        # Every owner change, (node, key, old tier, new tier; None: not held), on the loop: must not block.
+        self.on_block: Callable[[NodeId, ChunkKey, int | None, int | None], None] | None = None
         self.rejects = rejects if rejects is not None else Rejects()
         self._changed = threading.Condition()
         short = fp.hex()[:8]
@@ -172,7 +174,15 @@ class Mirror:
             entry = self._block(kv.key, kv.value)
             if entry is not None:
                 new_blocks.setdefault(entry[0], {})[entry[1]] = entry[2]
+        old_blocks = self._blocks
         self._blocks = {k: self._interned(tuple(sorted(v.items()))) for k, v in new_blocks.items()}
+        if self.on_block is not None:  # a resync: report what changed
+            for key in old_blocks.keys() | self._blocks.keys():
+                before = dict(old_blocks[key].tiers) if key in old_blocks else {}
+                after = new_blocks.get(key, {})
+                for node in before.keys() | after.keys():
+                    if before.get(node) != after.get(node):
+                        self._report(node, key, before.get(node), after.get(node))
         log.info("mirror %s: synced %d chunks at rev %d", self.fp.hex()[:8], len(self._blocks), revision)
         self._notify()
 
@@ -220,6 +230,8 @@ class Mirror:
     def _set_owner(self, key: ChunkKey, node: NodeId, tier: int | None) -> None:
         cur = self._blocks.get(key)
         tiers = dict(cur.tiers) if cur is not None else {}
+        if self.on_block is not None and tiers.get(node) != tier:
+            self._report(node, key, tiers.get(node), tier)
         if tier is None:
             tiers.pop(node, None)
         else:
@@ -228,6 +240,14 @@ class Mirror:
             self._blocks[key] = self._interned(tuple(sorted(tiers.items())))
         else:
             self._blocks.pop(key, None)
+
+    def _report(self, node: NodeId, key: ChunkKey, old: int | None, new: int | None) -> None:
+        hook = self.on_block
+        if hook is not None:
+            try:
+                hook(node, key, old, new)
+            except Exception:
+                log.exception("mirror on_block callback failed")
 
     def _interned(self, tiers: tuple[tuple[NodeId, int], ...]) -> Owners:
         o = self._intern.get(tiers)

@@ -188,6 +188,8 @@ class NodeRecord:
     # KV heads [h0, h1) of the model's total held (a tensor-parallel rank's; absent: every head)
     role: str = "engine"  # "engine" (embedded in vLLM) or "cache" (a cache-only agent: hand-offs go there first)
     free: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> free bytes (refreshed, rate-bounded)
+    layouts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> its fields
+    # (what ``lookup --explain`` names when two identities differ)
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
@@ -233,7 +235,16 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
         models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
-        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"))
+        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw))
+
+
+def _layouts(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    layouts = _field(raw, "layouts", dict, {})
+    for fp, fields in layouts.items():
+        if not (isinstance(fp, str) and isinstance(fields, dict) and len(fields) <= 32
+                and all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in fields.items())):
+            raise MalformedRecord("node record", "layouts: expected fingerprint hex -> {field: str | int}")
+    return {fp: dict(fields) for fp, fields in layouts.items()}
 
 
 def _role(raw: dict[str, Any]) -> str:

@@ -244,7 +244,7 @@ class Connection(asyncio.BufferedProtocol):
         kind = msg["t"]
         if payload_len and kind != "chunk":
             raise ProtocolError(f"{kind!r} frame with a payload")
-        if kind not in ("chunk", "miss", "end", "pinned", "offered"):
+        if kind not in ("chunk", "miss", "end", "pinned", "offered", "recent"):
             self._control.put_nowait(msg)
             return
         request = self._pending.get(wire.field(msg, "id", int))
@@ -298,6 +298,12 @@ class Connection(asyncio.BufferedProtocol):
         request = _Request(next(self._ids))
         self._pending[request.rid] = request
         self.send({"t": "offer", "id": request.rid, "node": node, "keys": list(keys)})
+        return request
+
+    def start_recent(self, keys: Sequence[ChunkKey]) -> _Request:
+        request = _Request(next(self._ids))
+        self._pending[request.rid] = request
+        self.send({"t": "recent", "id": request.rid, "keys": list(keys)})
         return request
 
     def transport_socket(self) -> socket.socket | None:

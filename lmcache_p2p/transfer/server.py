@@ -89,6 +89,7 @@ class TransferServer:
         tls: tuple[ssl.SSLContext, bytes] | None = None,
         on_offer: Callable[[str, list[ChunkKey]], list[bool]] | None = None,
         on_served: Callable[[ChunkKey], None] | None = None,
+        on_recent: Callable[[list[ChunkKey]], list[float | None]] | None = None,
     ) -> None:
         if not secret:
             raise ValueError("secret must not be empty: every connection is authenticated")
@@ -105,6 +106,7 @@ class TransferServer:
         self._tls = tls  # (server context, channel binding: SHA-256 of our certificate)
         self.on_offer = on_offer  # a peer offers chunks (hand-off, replica): which we take; on the loop, no I/O
         self.on_served = on_served  # a chunk was pinned for a peer (counts pulls: hot-chunk replication)
+        self.on_recent = on_recent  # seconds since each chunk was dropped here (None: not lately)
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
@@ -287,6 +289,11 @@ class TransferServer:
             handler = self.on_offer
             accept = handler(node, [ChunkKey(k) for k in keys]) if handler is not None else [False] * len(keys)
             await self._send(s, {"t": "offered", "id": rid, "accept": accept})
+        elif kind == "recent":
+            rid, keys = wire.field(msg, "id", int), wire.key_list(msg)
+            recent = self.on_recent
+            ago = recent([ChunkKey(k) for k in keys]) if recent is not None else [None] * len(keys)
+            await self._send(s, {"t": "recent", "id": rid, "ago": ago})
         elif kind == "release":
             lease = s.leases.pop(wire.field(msg, "lease", int), None)
             if lease is not None:

@@ -37,6 +37,8 @@ of its own (that range's length and checksum, computed after checking the whole 
     offer   {id, node, keys} -> offered {id, accept: [bool]}   the sender (node ``node``) would drop
                                these chunks, or wants a copy elsewhere: the receiver takes those it
                                has room for by pulling them from ``node`` (``handoff.py``)
+    recent  {id, keys}      -> recent {id, ago: [seconds | nil]}   which of these chunks this node
+                               dropped lately, how long ago (``lookup --explain``)
 """
 
 from __future__ import annotations

@@ -1,0 +1,197 @@
+"""Where a prompt's cache is: the score a router asks every agent for, ``POST /v1/score``.
+
+    POST /v1/score  {"tokens": [ids...], "model": "<model id>" (optional)}
+    200 {"fingerprint", "model", "tokens", "chunk_size",
+         "nodes": [{"node", "role", "matched_tokens", "local_tokens": {tier: n}, "peer_tokens",
+                    "sources": {peer: tokens}, "estimated_load_ms", "estimated_compute_ms",
+                    "estimated_ttft_ms"}, ...],              best first
+         "best": "<node id>" | null}
+    4xx {"error": "..."}  bad JSON, no or non-integer tokens, a model not served here, a body over
+                          MAX_BODY_BYTES; never a crash
+
+Every node serving this agent's fingerprint with all of its KV heads (an engine, not one TP rank)
+is scored from this agent's mirror of the index, the way that node's own planner would plan:
+leading chunks it holds itself (by tier), then chunks a usable peer holds (the least-loaded
+holder, as the planner picks), until the first chunk nobody holds. Estimates use this agent's
+measurements: its pull-time model per source peer (pulls from several peers overlap), a local
+read rate, and its engine's prefill rate for the tokens left to compute (unknown until it
+prefilled once: then only the load is estimated). The served HTTP is the agent's metrics port
+(``/metrics`` stays as it was); the HTTP itself is the standard library's WSGI server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from .index.schema import NodeId, TierCode
+from .keys import tokens_to_array
+
+if TYPE_CHECKING:
+    from .agent import CacheAgent
+
+MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
+LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
+_TIERS = {int(t): t.name.lower() for t in TierCode}
+
+
+class ScoreError(ValueError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def parse_request(body: bytes, agent: CacheAgent) -> list[int]:
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ScoreError(400, f"body is not JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ScoreError(400, "body must be a JSON object with 'tokens'")
+    tokens = data.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ScoreError(400, "'tokens' must be a non-empty list of token ids")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
+        raise ScoreError(400, "'tokens' must hold integers in [0, 2^31)")
+    model = data.get("model")
+    if model is not None and model != agent.fingerprint.model_id:
+        raise ScoreError(404, f"model {str(model)[:200]!r} is not served here (this agent serves "
+                              f"{agent.fingerprint.model_id!r})")
+    return tokens
+
+
+def score(agent: CacheAgent, tokens: list[int]) -> dict[str, Any]:
+    """The score of every engine of this fingerprint for ``tokens`` (see the module docstring)."""
+    arr = tokens_to_array(tokens)
+    keys, spans = agent.keys_for(arr)
+    index = agent.index
+    nodes = index.nodes() if index is not None else {}
+    owners = index.owners(agent.fp, keys) if index is not None else [{} for _ in keys]
+    fp_hex, total = agent.fp.hex(), agent.fingerprint.num_kv_heads
+    if agent.node_id not in nodes:  # our own record may not be in the mirror yet (etcd down)
+        nodes = {**nodes, agent.node_id: agent.node_record()}
+        owners = [{**o, agent.node_id: 0} if agent.holds(k) else o for o, k in zip(owners, keys, strict=True)]
+    usable: dict[NodeId, bool] = {}
+
+    def can_pull(node: NodeId) -> bool:
+        if node not in usable:
+            record = nodes.get(node)
+            usable[node] = record is not None and (node == agent.node_id or agent.usable(record))
+        return usable[node]
+
+    rows = []
+    for node, record in nodes.items():
+        if fp_hex not in record.fingerprints or record.heads_of(fp_hex, total) != (0, total):
+            continue
+        rows.append(_score_node(agent, node, record.role, keys, spans, owners, can_pull, len(arr)))
+    rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"], r["node"]))
+    return {"fingerprint": fp_hex, "model": agent.fingerprint.model_id, "tokens": len(arr),
+            "chunk_size": agent.config.chunk_size, "nodes": rows, "best": rows[0]["node"] if rows else None}
+
+
+def _score_node(agent: CacheAgent, node: NodeId, role: str, keys: list[Any], spans: list[tuple[int, int]],
+                owners: list[dict[NodeId, int]], can_pull: Callable[[NodeId], bool], num_tokens: int) -> dict[str, Any]:
+    local: dict[str, int] = {}
+    sources: dict[str, int] = {}
+    pulls: dict[NodeId, int] = {}  # chunks planned per peer (the planner's least-loaded choice)
+    matched = local_bytes = 0
+    for holders, (start, end) in zip(owners, spans, strict=True):
+        if node in holders:
+            tier = _TIERS.get(holders[node], "cpu")
+            local[tier] = local.get(tier, 0) + end - start
+            local_bytes += agent.chunk_bytes
+        else:
+            peers = sorted((pulls.get(p, 0), tier, p) for p, tier in holders.items() if p != node and can_pull(p))
+            if not peers:
+                break
+            peer = peers[0][2]
+            pulls[peer] = pulls.get(peer, 0) + 1
+            sources[peer] = sources.get(peer, 0) + end - start
+        matched = end
+    pull_s = max((agent.peer_estimates.expected_s(p, n * agent.chunk_bytes) for p, n in pulls.items()), default=0.0)
+    load_s = pull_s + local_bytes / (LOCAL_READ_GBPS * 1e9)
+    compute_s = agent.prefill.recompute_s(num_tokens - matched) if matched < num_tokens else 0.0
+    return {
+        "node": node, "role": role, "matched_tokens": matched, "local_tokens": local,
+        "peer_tokens": sum(sources.values()), "sources": sources,
+        "estimated_load_ms": round(1e3 * load_s, 3),
+        "estimated_compute_ms": None if compute_s is None else round(1e3 * compute_s, 3),
+        "estimated_ttft_ms": round(1e3 * (load_s + (compute_s or 0.0)), 3),
+    }
+
+
+def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: CacheAgent) -> Callable[..., Iterable[bytes]]:
+    """The agent's HTTP: ``/v1/score`` here, everything else to the Prometheus app."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/v1/score":
+            return metrics_app(environ, start_response)
+        try:
+            if environ.get("REQUEST_METHOD") != "POST":
+                raise ScoreError(405, "use POST with a JSON body")
+            try:
+                length = int(environ.get("CONTENT_LENGTH") or 0)
+            except ValueError as exc:
+                raise ScoreError(400, "bad Content-Length") from exc
+            if length <= 0:
+                raise ScoreError(400, "empty body: send {\"tokens\": [...]}")
+            if length > MAX_BODY_BYTES:
+                raise ScoreError(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
+            body = environ["wsgi.input"].read(length)
+            status, payload = 200, score(agent, parse_request(body, agent))
+        except ScoreError as exc:
+            status, payload = exc.status, {"error": str(exc)}
+        except Exception as exc:  # a scoring bug must not take the metrics server down
+            status, payload = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        data = json.dumps(payload).encode()
+        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+                  413: "Payload Too Large", 500: "Internal Server Error"}[status]
+        start_response(f"{status} {reason}", [("Content-Type", "application/json"),
+                                              ("Content-Length", str(len(data)))])
+        return [data]
+
+    return app
+
+
+def main(argv: list[str]) -> int:
+    """``lmcache-p2p score``: ask an agent's ``/v1/score`` where a prompt's cache is."""
+    import argparse
+    import sys
+    import urllib.error
+    import urllib.request
+
+    from .lookup_cli import read_tokens
+
+    parser = argparse.ArgumentParser(prog="lmcache-p2p score", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", required=True, help="an agent's HTTP endpoint, e.g. http://10.0.0.5:9470")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="file of token ids (JSON list or whitespace-separated)")
+    src.add_argument("--text", help="file of text, tokenized with --model's tokenizer")
+    parser.add_argument("--model", help="model directory (tokenizer) for --text")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    body = json.dumps({"tokens": read_tokens(args)}).encode()
+    request = urllib.request.Request(args.url.rstrip("/") + "/v1/score", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - an operator-given URL
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        print(f"lmcache-p2p score: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"lmcache-p2p score: {args.url}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(answer))
+        return 0
+    print(f"{answer['tokens']} tokens, fingerprint {answer['fingerprint'][:12]} ({answer['model']}); "
+          f"best: {answer['best']}")
+    for row in answer["nodes"]:
+        local = sum(row["local_tokens"].values())
+        print(f"  {row['node']:<24} matched {row['matched_tokens']:>7}  local {local:>7}  "
+              f"peer {row['peer_tokens']:>7}  est. load {row['estimated_load_ms']:.1f} ms  "
+              f"est. TTFT {row['estimated_ttft_ms']:.1f} ms")
+    return 0
