@@ -54,7 +54,7 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None
     medium: str | None
-    lora_name: str | None = None
+    lora_name: str | None  # required (no default) in vLLM's schema: always encoded
 
 
 class BlockRemoved(KVCacheEvent):
@@ -85,7 +85,7 @@ def batch_of(change: Change, chunk_size: int) -> KVEventBatch:
     if change.old is not None:
         events.append(BlockRemoved([bytes(change.key)], _MEDIUM.get(change.old)))
     if change.new is not None:
-        events.append(BlockStored([bytes(change.key)], None, [], chunk_size, None, _MEDIUM.get(change.new)))
+        events.append(BlockStored([bytes(change.key)], None, [], chunk_size, None, _MEDIUM.get(change.new), None))
     return KVEventBatch(time.time(), events)
 
 
