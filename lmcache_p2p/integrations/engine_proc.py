@@ -33,13 +33,17 @@ def engine_env(tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment for comparable CPU runs (facts: reserve one core whether or not a connector is set).
 
     With TP > 1, vLLM-CPU binds each rank's OpenMP threads to cores of its own; on a host with one
-    NUMA node it must be told which: rank r gets core ``r mod cores`` (and no core is reserved)."""
+    NUMA node it must be told which: rank r gets core ``r mod cores`` (and no core is reserved).
+    Its TP workers wait for the next step by spinning on a shared-memory queue in Python, for a second
+    after every step, holding the GIL the embedded agent needs to move bytes: pulls then took seconds
+    and ran into their deadlines (measured, bench tp). ``VLLM_USE_SPINLOOP_EXT=1`` spins in C instead."""
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_WORKER_MULTIPROC_METHOD": "spawn",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "TOKENIZERS_PARALLELISM": "false"}
     if tensor_parallel_size > 1:
         cores = os.cpu_count() or 1
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % cores) for r in range(tensor_parallel_size))
+        env["VLLM_USE_SPINLOOP_EXT"] = "1"
     return env
 
 
