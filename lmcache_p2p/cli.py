@@ -13,6 +13,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "mesh"): ("lmcache_p2p.bench.mesh:main", "lookup + load of a 128-chunk prompt: peer and local hits"),
     ("bench", "chaos"): ("lmcache_p2p.bench.chaos:main", "4 vLLM nodes (netns) under load and faults"),
     ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
+    ("bench", "route"): ("lmcache_p2p.bench.route:main", "TTFT with /v1/score routing vs round-robin, 3 vLLM engines"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
     ("config",): ("lmcache_p2p.coordinator.cli:main", "cluster config in etcd: get | set | watch"),
     ("agent",): ("lmcache_p2p.agent_main:main", "run a standalone cache agent"),
