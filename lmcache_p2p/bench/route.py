@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..index.etcd_server import EtcdServer
+from ..index.schema import NodeId, NodeRecord
 from ..integrations.engine_client import EngineProcess
 from ..integrations.tiny_model import create_tiny_model
 from .common import emit
@@ -33,7 +34,7 @@ from .vllm import MODEL_SIZES, agent_config, bench_prompts
 ENGINES = ("route-a", "route-b", "route-c")
 
 
-def _records(work: Path, endpoints: tuple[str, ...]) -> dict[str, Any]:
+def _records(work: Path, endpoints: tuple[str, ...]) -> dict[NodeId, NodeRecord]:
     from ..aio import LoopThread
     from ..config import load_config
     from ..index.reader import IndexReader
@@ -79,15 +80,18 @@ def _policy(name: str, prompts: list[list[int]], engines: dict[str, EngineProces
         sent.append(best)
     every = [t for t, _ in ttft]
     repeat = [t for t, again in ttft if again]
-    p99 = (lambda xs: float(np.percentile(xs, 99)) if xs else 0.0)
     return {
         f"{name}_ttft_mean_ms": round(1e3 * statistics.mean(every), 2),
-        f"{name}_ttft_p99_ms": round(1e3 * p99(every), 2),
+        f"{name}_ttft_p99_ms": round(1e3 * _p99(every), 2),
         f"{name}_repeat_ttft_mean_ms": round(1e3 * statistics.mean(repeat), 2) if repeat else None,
-        f"{name}_repeat_ttft_p99_ms": round(1e3 * p99(repeat), 2),
+        f"{name}_repeat_ttft_p99_ms": round(1e3 * _p99(repeat), 2),
         f"{name}_hit_tokens": int(sum(cached)),
         f"{name}_requests_per_engine": {e: sent.count(e) for e in ENGINES},
     }
+
+
+def _p99(xs: list[float]) -> float:
+    return float(np.percentile(xs, 99)) if xs else 0.0
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -102,7 +106,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 engines[name] = EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype)
             for i, engine in enumerate(engines.values()):
                 engine.wait_ready().ttft(bench_prompts(1, args.tokens, 90_000 + i))
-            score_url = _records(work, etcd.endpoints)[ENGINES[0]].metrics_url
+            score_url = _records(work, etcd.endpoints)[NodeId(ENGINES[0])].metrics_url or ""
             for seed, name in ((1000, "round_robin"), (2000, "score")):
                 out.update(_policy(name, workload(args.docs, args.repeats, args.tokens, seed), engines, score_url))
         finally:
