@@ -15,7 +15,9 @@ leading chunks it holds itself (by tier), then chunks a usable peer holds (the l
 holder, as the planner picks), until the first chunk nobody holds. Estimates use this agent's
 measurements: its pull-time model per source peer (pulls from several peers overlap), a local
 read rate, and its engine's prefill rate for the tokens left to compute (unknown until it
-prefilled once: then only the load is estimated). The served HTTP is the agent's metrics port
+prefilled once: then only the load is estimated). Ties (a prompt nobody holds) are broken by
+rendezvous hashing on the prompt's first chunk: new documents spread over the nodes, and each keeps
+going to the same one. The served HTTP is the agent's metrics port
 (``/metrics`` stays as it was); the HTTP itself is the standard library's WSGI server.
 """
 
@@ -24,6 +26,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
+
+import xxhash
 
 from .index.schema import NodeId, TierCode
 from .keys import tokens_to_array
@@ -85,7 +89,11 @@ def score(agent: CacheAgent, tokens: list[int]) -> dict[str, Any]:
         if fp_hex not in record.fingerprints or record.heads_of(fp_hex, total) != (0, total):
             continue
         rows.append(_score_node(agent, node, record.role, keys, spans, owners, can_pull, len(arr)))
-    rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"], r["node"]))
+    # Ties (a prompt nobody holds) go by rendezvous hashing on the prompt's first chunk: one document
+    # keeps going to one node while different documents spread over all of them.
+    first = bytes(keys[0]) if keys else b""
+    rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"],
+                             xxhash.xxh3_64_intdigest(first + r["node"].encode())))
     return {"fingerprint": fp_hex, "model": agent.fingerprint.model_id, "tokens": len(arr),
             "chunk_size": agent.config.chunk_size, "nodes": rows, "best": rows[0]["node"] if rows else None}
 

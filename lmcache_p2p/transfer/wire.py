@@ -55,7 +55,8 @@ import msgpack
 
 from ..errors import ProtocolError
 
-WIRE_VERSION = 3  # 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent
+# 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent
+WIRE_VERSION = 3
 PREFIX = struct.Struct("<II")
 PREFIX_SIZE = PREFIX.size
 NONCE_BYTES = 32
