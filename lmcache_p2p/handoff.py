@@ -56,6 +56,7 @@ class Handoff:
         self._arriving = 0  # chunks accepted from peers, pull not finished
         self._published_free: dict[str, int] | None = None
         self._published_at = 0.0
+        self.steps = 0  # sender steps run (observable: "N steps ran and offered nothing")
 
     # -- bookkeeping (any thread; plain dict updates) ---------------------------------------------------
     def on_hit(self, key: ChunkKey) -> None:
@@ -111,6 +112,7 @@ class Handoff:
                 await self.step()
             except Exception:  # supervised: a failed step is logged, the next one runs
                 log.exception("hand-off step failed")
+            self.steps += 1
 
     async def step(self) -> None:
         now = time.monotonic()
