@@ -19,7 +19,9 @@ from lmcache_p2p.config import EVICTION_POLICIES, parse_size
 from lmcache_p2p.errors import ConfigError
 
 CLUSTER_CONFIG_VERSION = 1
-AUTH_MODES = ("none", "hmac")
+# Fields of earlier versions that no agent ever read (auth_mode: every connection is authenticated with
+# the cluster secret; the others were never wired up): accepted in stored configs, ignored, not written.
+RETIRED_FIELDS = frozenset({"auth_mode", "publish_coalesce_ms", "max_chunks_per_node"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -28,11 +30,10 @@ class ClusterConfig:
     cpu_capacity: int = 1 << 30  # default CPU tier bytes for agents that set none
     disk_capacity: int = 10 << 30  # default disk tier bytes
     eviction: str = "lru"
-    auth_mode: str = "hmac"  # "hmac": peers prove the cluster secret in the handshake
     chunk_ttl_s: float | None = None  # drop chunks older than this (None: only capacity evicts)
     lease_ttl_s: int = 10
-    publish_coalesce_ms: float = 3.0
-    max_chunks_per_node: int | None = None
+    handoff_budget_bytes_per_s: int = 64 << 20  # hand-off of sole copies to peers (0: off)
+    replicate_after: int = 4  # pulls of a sole copy before it is copied elsewhere (0: off)
     version: int = CLUSTER_CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -40,12 +41,10 @@ class ClusterConfig:
         _check(self.cpu_capacity >= 0, "cpu_capacity", "must be >= 0")
         _check(self.disk_capacity >= 0, "disk_capacity", "must be >= 0")
         _check(self.eviction in EVICTION_POLICIES, "eviction", f"must be one of {EVICTION_POLICIES}")
-        _check(self.auth_mode in AUTH_MODES, "auth_mode", f"must be one of {AUTH_MODES}")
         _check(self.chunk_ttl_s is None or self.chunk_ttl_s > 0, "chunk_ttl_s", "must be > 0 or none")
         _check(2 <= self.lease_ttl_s <= 3600, "lease_ttl_s", "must be in [2, 3600]")
-        _check(0 <= self.publish_coalesce_ms <= 1000, "publish_coalesce_ms", "must be in [0, 1000]")
-        _check(self.max_chunks_per_node is None or self.max_chunks_per_node > 0, "max_chunks_per_node",
-               "must be > 0 or none")
+        _check(self.handoff_budget_bytes_per_s >= 0, "handoff_budget_bytes_per_s", "must be >= 0")
+        _check(self.replicate_after >= 0, "replicate_after", "must be >= 0")
         _check(self.version == CLUSTER_CONFIG_VERSION, "version", f"must be {CLUSTER_CONFIG_VERSION}")
 
     def to_dict(self) -> dict[str, Any]:
@@ -57,6 +56,7 @@ class ClusterConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ClusterConfig:
         known = {f.name for f in dataclasses.fields(cls)}
+        data = {k: v for k, v in data.items() if k not in RETIRED_FIELDS}
         for name in data:
             _check(name in known, str(name), f"unknown field (known: {', '.join(sorted(known))})")
         hints = typing.get_type_hints(cls)
@@ -73,6 +73,9 @@ class ClusterConfig:
 
     def with_updates(self, assignments: Mapping[str, str]) -> ClusterConfig:
         """A new config with ``field -> text value`` applied; validates the whole result."""
+        for name in assignments:
+            _check(name not in RETIRED_FIELDS, name, "retired: no agent ever read it (every connection is "
+                                                     "authenticated with the cluster secret)")
         merged = self.to_dict()
         merged.update(assignments)
         return ClusterConfig.from_dict(merged)
@@ -97,7 +100,7 @@ def _coerce(value: Any, hint: Any, field: str) -> Any:
     if isinstance(value, bool):
         raise ConfigError(field, f"expected {hint.__name__}, got {value!r}")
     try:
-        if hint is int and field.endswith("capacity"):
+        if hint is int and field.endswith(("capacity", "_bytes_per_s")):
             return parse_size(value, field)
         if hint is int:
             if isinstance(value, float) and not value.is_integer():

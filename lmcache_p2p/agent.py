@@ -26,10 +26,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from . import __version__
+from . import __version__, cluster_settings
 from .aio import LoopThread
 from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig
+from .coordinator.cluster_config import ClusterConfig
+from .coordinator.store import ConfigWatcher
 from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
@@ -98,6 +100,8 @@ class CacheAgent:
         self.handoff = Handoff(self)
         self._dropped: OrderedDict[ChunkKey, float] = OrderedDict()  # recently evicted or removed, newest last
         self._dropped_lock = threading.Lock()
+        self._config_watch: ConfigWatcher | None = None
+        self.config_revision = 0  # of the cluster config applied
         if config.handoff.evict_copies_first:
             self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
@@ -126,6 +130,10 @@ class CacheAgent:
             # Standing invalidations first, so nothing they cover is recovered or published.
             client = self.index.client if isinstance(self.index, EtcdBlockIndex) else None
             self.invalidation.start(self.loop, client)
+            if client is not None:  # the cluster config in etcd: live fields apply as they change
+                self._config_watch = ConfigWatcher(client, self.config.cluster, self._on_cluster_config,
+                                                   rejects=self.rejects)
+                self.loop.run(self._config_watch.start(0.0), self.config.etcd.timeout_s)
             recovered = self.tiers.recover()
             self.tiers.set_listener(self._on_tier_change)
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
@@ -168,7 +176,25 @@ class CacheAgent:
             role=self.role,
             free=self.handoff.free(),
             layouts={self.fp.hex(): dataclasses.asdict(self.fingerprint)},
+            config_revision=self.config_revision,
         )
+
+    def _on_cluster_config(self, cluster: ClusterConfig) -> None:
+        """On the loop: the cluster config changed; apply its live fields (``cluster_settings``)."""
+        watch = self._config_watch
+        assert watch is not None
+        new, pending = cluster_settings.apply(self.config, cluster, watch.stored, live_only=True)
+        if pending:
+            log.warning("cluster config (rev %d) changes %s: takes effect when this node restarts", watch.revision,
+                        ", ".join(pending))
+        old, self.config = self.config, new
+        if new.tiers.chunk_ttl_s != old.tiers.chunk_ttl_s:
+            self.background(asyncio.get_running_loop().create_task(self.invalidation.set_ttl(new.tiers.chunk_ttl_s)))
+        if new != old:
+            log.info("cluster config rev %d applied", watch.revision)
+        self.config_revision = watch.revision
+        if self.index is not None:
+            self.index.set_record(self.node_record())
 
     def dropped_ago(self, keys: list[ChunkKey]) -> list[float | None]:
         """Seconds since each chunk left this node's last tier (None: not among the last RECENT_DROPS)."""
@@ -203,6 +229,10 @@ class CacheAgent:
             if future is not None:
                 future.cancel()
         self._prune = self._handoff_task = None
+        if self._config_watch is not None and self.loop is not None:
+            with contextlib.suppress(LMCacheP2PError, RuntimeError):
+                self.loop.run(self._config_watch.stop(), self.config.etcd.timeout_s)
+            self._config_watch = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
         self.tiers.close()  # the tier worker finishes the write-backs queued so far

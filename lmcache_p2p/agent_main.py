@@ -18,6 +18,7 @@ import sys
 import threading
 
 from .agent import CacheAgent
+from .cluster_settings import read_at_start
 from .config import LayoutConfig, cluster_secret, load_config
 from .errors import LMCacheP2PError
 from .keys import Fingerprint
@@ -53,7 +54,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = dict(item.split("=", 1) for item in args.set)
-        config = load_config(args.config, overrides=overrides)
+        config, _ = read_at_start(load_config(args.config, overrides=overrides))  # + the cluster config in etcd
     except (ValueError, OSError) as exc:
         print(f"lmcache-p2p agent: invalid configuration: {exc}", file=sys.stderr)
         return 2

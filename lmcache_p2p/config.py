@@ -237,6 +237,9 @@ class AgentConfig:
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
     handoff: HandoffConfig = HandoffConfig()
+    # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
+    # cluster config in etcd never changes them (lmcache_p2p/cluster_settings.py).
+    set_by_node: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check(re.match(r"^[A-Za-z0-9_.\-]{1,128}$", self.node_id) is not None, "node_id",
@@ -279,7 +282,22 @@ def load_config(
     _merge(merged, _from_env(os.environ if env is None else env))
     for dotted, value in (overrides or {}).items():
         _merge(merged, _nest(dotted, value))
-    return _build(AgentConfig, merged, "")
+    merged.pop("set_by_node", None)  # not a setting
+    config = _build(AgentConfig, merged, "")
+    return dataclasses.replace(config, set_by_node=tuple(sorted(_dotted(merged))))
+
+
+_SECTIONS = ("layout", "tiers", "etcd", "transfer", "handoff")  # AgentConfig's dataclass fields
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and key in _SECTIONS:
+            out += _dotted(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
 
 
 def _read_file(path: Path) -> dict[str, Any]:

@@ -28,6 +28,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from .config import HandoffConfig
 from .index.schema import NodeId, NodeRecord
 from .keys import ChunkKey
 from .plan import PlannedChunk
@@ -47,16 +48,20 @@ ARRIVE_S = 10.0  # an accepted chunk's pull gets this long
 class Handoff:
     def __init__(self, agent: CacheAgent) -> None:
         self.agent = agent
-        self.config = agent.config.handoff
         self.hits: dict[ChunkKey, int] = {}  # local loads and pulls served, per chunk held
         self.served: dict[ChunkKey, int] = {}  # pulls served while no other node held the chunk
         self._offered: dict[ChunkKey, float] = {}  # key -> when it was last offered
-        self._tokens = float(self.config.budget_bytes_per_s)
+        self._tokens = float(agent.config.handoff.budget_bytes_per_s)
         self._refilled = time.monotonic()
         self._arriving = 0  # chunks accepted from peers, pull not finished
         self._published_free: dict[str, int] | None = None
         self._published_at = 0.0
         self.steps = 0  # sender steps run (observable: "N steps ran and offered nothing")
+
+    @property
+    def config(self) -> HandoffConfig:
+        """Read at every use: the cluster config may change it while running."""
+        return self.agent.config.handoff
 
     # -- bookkeeping (any thread; plain dict updates) ---------------------------------------------------
     def on_hit(self, key: ChunkKey) -> None:

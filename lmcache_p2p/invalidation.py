@@ -142,6 +142,14 @@ class MeshInvalidation:
             with contextlib.suppress(LMCacheP2PError, RuntimeError):
                 loop.run(self._stop(), self._timeout)
 
+    async def set_ttl(self, ttl_s: float | None) -> None:
+        """On the loop: change ``tiers.chunk_ttl_s`` while running (the cluster config); the sweep follows."""
+        self._ttl_s = ttl_s
+        for task in [t for t in self._tasks if t.get_name() == "chunk-ttl-sweeper"]:
+            task.cancel()
+        if ttl_s is not None:
+            self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
+
     async def _start(self, client: EtcdClient | None) -> bool:
         if self._ttl_s is not None:
             self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
@@ -238,10 +246,8 @@ class MeshInvalidation:
 
     # -- per-chunk TTL -----------------------------------------------------------------------------
     async def _sweep_forever(self) -> None:
-        assert self._ttl_s is not None
-        interval = min(self._ttl_s / 4, MAX_SWEEP_INTERVAL_S)
-        while True:
-            await asyncio.sleep(interval)
+        while self._ttl_s is not None:
+            await asyncio.sleep(min(self._ttl_s / 4, MAX_SWEEP_INTERVAL_S))
             try:
                 await asyncio.to_thread(self.sweep)
             except (LMCacheP2PError, OSError) as exc:

@@ -55,6 +55,7 @@ class NodeStatus:
     role: str = "engine"  # "cache": a cache-only agent
     free_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per tier, as last published
     handoff: dict[str, float] = dataclasses.field(default_factory=dict)  # hand-off events (accepted, received, ...)
+    config_revision: int = 0  # the cluster config revision the node runs
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
 
 
@@ -146,7 +147,7 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 lease_ttl_left_s=await _ttl_left(client, kv.lease),
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
                 wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id), role=record.role,
-                free_bytes=dict(record.free),
+                free_bytes=dict(record.free), config_revision=record.config_revision,
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
     finally:
@@ -228,7 +229,7 @@ def _gib(x: float) -> str:
 
 def render(report: dict[str, Any]) -> str:
     head = ["ENGINE", "NODE", "ROLE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
-            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "VERSION"]
+            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "CONFIG", "VERSION"]
     rows = [head]
     for n in report["nodes"]:
         used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
@@ -240,6 +241,7 @@ def render(report: dict[str, Any]) -> str:
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
             "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
             "/".join(f"{n['handoff'].get(e, 0):.0f}" for e in ("accepted", "received", "dropped")),
+            str(n["config_revision"]) if n["config_revision"] else "-",
             f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?")
             + (" DEGRADED" if n["degraded"] else ""),
         ])

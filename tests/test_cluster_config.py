@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+from pathlib import Path
 
+import msgpack
 import pytest
+import yaml
 
 from lmcache_p2p.aio import LoopThread
-from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.cluster_settings import read_at_start
+from lmcache_p2p.config import EtcdConfig, load_config
 from lmcache_p2p.coordinator.cli import main as config_cli
 from lmcache_p2p.coordinator.cluster_config import ClusterConfig, parse_assignments
 from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
@@ -20,7 +24,8 @@ from lmcache_p2p.index.etcd_server import EtcdServer
 
 @pytest.mark.parametrize(("assignment", "field"), [
     ("chunk_size=100", "chunk_size"), ("chunk_size=abc", "chunk_size"), ("eviction=random", "eviction"),
-    ("auth_mode=plain", "auth_mode"), ("lease_ttl_s=1", "lease_ttl_s"), ("cpu_capacity=-5", "cpu_capacity"),
+    ("auth_mode=none", "auth_mode"), ("replicate_after=-1", "replicate_after"), ("lease_ttl_s=1", "lease_ttl_s"),
+    ("cpu_capacity=-5", "cpu_capacity"),
     ("chunk_ttl_s=0", "chunk_ttl_s"), ("no_such_field=1", "no_such_field"), ("chunk_size", "chunk_size"),
 ])
 def test_invalid_values_name_the_field(assignment: str, field: str) -> None:
@@ -31,9 +36,13 @@ def test_invalid_values_name_the_field(assignment: str, field: str) -> None:
 
 def test_parsing_and_round_trip() -> None:
     cfg = ClusterConfig().with_updates({"chunk_size": "512", "cpu_capacity": "4GiB", "chunk_ttl_s": "none",
-                                        "eviction": "lfu", "publish_coalesce_ms": "1.5"})
+                                        "eviction": "lfu", "handoff_budget_bytes_per_s": "8MiB"})
     assert (cfg.chunk_size, cfg.cpu_capacity, cfg.chunk_ttl_s, cfg.eviction) == (512, 4 << 30, None, "lfu")
+    assert cfg.handoff_budget_bytes_per_s == 8 << 20
     assert ClusterConfig.unpack(cfg.pack()) == cfg
+    # a config stored by an earlier version, with fields no agent ever read: still readable
+    old = msgpack.packb({**cfg.to_dict(), "auth_mode": "hmac", "publish_coalesce_ms": 3.0}, use_bin_type=True)
+    assert ClusterConfig.unpack(old) == cfg
 
 
 @pytest.fixture
@@ -80,11 +89,11 @@ def test_concurrent_updates_both_land(loop: LoopThread, client: EtcdClient, clus
 
 def test_cli_get_set(etcd: EtcdServer, cluster_name: str, capsys: pytest.CaptureFixture[str]) -> None:
     base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
-    assert config_cli([*base, "set", "chunk_size=768", "auth_mode=none"]) == 0
+    assert config_cli([*base, "set", "chunk_size=768", "replicate_after=0"]) == 0
     capsys.readouterr()
     assert config_cli([*base, "get", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert got["chunk_size"] == 768 and got["auth_mode"] == "none"
+    assert got["chunk_size"] == 768 and got["replicate_after"] == 0
     assert config_cli([*base, "set", "eviction=fifo"]) == 2
     assert "eviction" in capsys.readouterr().err
     assert config_cli([*base, "watch", "--count", "1"]) == 0
@@ -96,3 +105,67 @@ def test_cli_without_etcd_starts_a_private_one(capsys: pytest.CaptureFixture[str
     out = capsys.readouterr()
     assert json.loads(out.out.strip()) == ClusterConfig().to_dict()
     assert "private etcd" in out.err
+
+
+# --------------------------------------------------------------------------- the cluster config in effect
+
+def _agent_config(tmp_path: Path, etcd: EtcdServer, cluster: str, name: str, **tiers: object) -> Path:
+    from agent_helpers import agent_yaml
+
+    path = agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=etcd.endpoints)
+    if tiers:
+        data = yaml.safe_load(path.read_text())
+        data["tiers"].update(tiers)
+        path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_the_cluster_config_applies_under_the_nodes_own_settings(loop: LoopThread, client: EtcdClient,
+                                                                 etcd: EtcdServer, cluster_name: str,
+                                                                 tmp_path: Path) -> None:
+    loop.run(ConfigStore(client, cluster_name).update({"chunk_ttl_s": "30", "eviction": "lfu",
+                                                       "replicate_after": "7"}), 5.0)
+    plain = load_config(_agent_config(tmp_path, etcd, cluster_name, "p"), env={})
+    own = load_config(_agent_config(tmp_path, etcd, cluster_name, "o", eviction="s3fifo"), env={})
+    assert "tiers.eviction" in own.set_by_node and "tiers.eviction" not in plain.set_by_node
+    got, revision = read_at_start(plain)
+    assert revision > 0
+    assert (got.tiers.chunk_ttl_s, got.tiers.eviction, got.handoff.replicate_after) == (30.0, "lfu", 7)
+    assert got.chunk_size == plain.chunk_size  # not in the stored record: the node's (default) value stays
+    got, _ = read_at_start(own)
+    assert (got.tiers.chunk_ttl_s, got.tiers.eviction) == (30.0, "s3fifo")  # the node's file wins
+    env = read_at_start(load_config(_agent_config(tmp_path, etcd, cluster_name, "e"),
+                                    env={"LMCACHE_P2P_TIERS_CHUNK_TTL_S": "9"}))[0]
+    assert env.tiers.chunk_ttl_s == 9.0  # and so does its environment
+
+
+def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_name: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from agent_helpers import wait_until
+    from prometheus_client import CollectorRegistry
+
+    from lmcache_p2p.agent import CacheAgent
+    from lmcache_p2p.agent_main import fingerprint_of, preload
+    from lmcache_p2p.metrics import AgentMetrics
+    from lmcache_p2p.status import collect
+
+    cfg = load_config(_agent_config(tmp_path, etcd, cluster_name, "a"), env={})
+    agent = CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+                       metrics=AgentMetrics(CollectorRegistry())).start()
+    base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
+    try:
+        assert preload(agent, 1, 1024) == 4
+        assert agent.config.tiers.chunk_ttl_s is None and agent.config.handoff.budget_bytes_per_s > 0
+        assert config_cli([*base, "set", "chunk_ttl_s=1", "handoff_budget_bytes_per_s=0", "chunk_size=512"]) == 0
+        assert wait_until(lambda: agent.config.tiers.chunk_ttl_s == 1.0, 10)
+        assert agent.config.handoff.budget_bytes_per_s == 0  # live fields applied...
+        assert agent.config.chunk_size == 256  # ...the chunk size waits for a restart (engines must agree)
+        assert wait_until(lambda: not agent.tiers.cpu.keys(), 10)  # the new TTL expired the chunks
+        revision = agent.config_revision
+        assert revision > 0
+        report = asyncio.run(collect(agent.config))
+        assert [n["config_revision"] for n in report["nodes"]] == [revision]
+        assert config_cli([*base, "set", "chunk_ttl_s=none"]) == 0
+        assert wait_until(lambda: agent.config.tiers.chunk_ttl_s is None and agent.config_revision > revision, 10)
+    finally:
+        agent.stop()

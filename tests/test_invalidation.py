@@ -173,7 +173,7 @@ def test_chunk_ttl_expires_chunks_in_every_tier(etcd, cluster_name, tmp_path):
         y = agents[1].wait_ready()
         assert wait_until(lambda: count(block_entries(etcd, cluster_name), "x") == 0, 15)
         assert time.monotonic() - t_ready > 2.0  # not before their time
-        assert wait_until(lambda: held(x)["chunks"] == 0, 3)
+        assert wait_until(lambda: held(x)["chunks"] == 0, 10)
         assert held(x)["used"] == 0 and held(x)["ttl"] == 5 and files(tmp_path, "x") == []
         assert count(block_entries(etcd, cluster_name), "y") == 5 and held(y)["chunks"] == 5
     finally:

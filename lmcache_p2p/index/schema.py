@@ -189,6 +189,7 @@ class NodeRecord:
     role: str = "engine"  # "engine" (embedded in vLLM) or "cache" (a cache-only agent: hand-offs go there first)
     free: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> free bytes (refreshed, rate-bounded)
     layouts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> its fields
+    config_revision: int = 0  # etcd revision of the cluster config this node runs (0: none stored / not read)
     # (what ``lookup --explain`` names when two identities differ)
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
@@ -235,7 +236,8 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
         models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
-        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw))
+        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw),
+        config_revision=_field(raw, "config_revision", int, 0))
 
 
 def _layouts(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:

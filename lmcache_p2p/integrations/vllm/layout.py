@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...cluster_settings import read_at_start
 from ...config import AgentConfig, LayoutConfig, load_config
 from ...identity import model_identity
 from ...keys import Fingerprint
@@ -22,7 +23,9 @@ def connector_config(vllm_config: Any) -> AgentConfig:
     layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""))
     for name in LayoutConfig.__dataclass_fields__:
         overrides[f"layout.{name}"] = getattr(layout, name)
-    return load_config(extra.get("config"), overrides=overrides)
+    # Both connector sides read the same stored cluster config (e.g. chunk_size) at start.
+    config, _ = read_at_start(load_config(extra.get("config"), overrides=overrides))
+    return config
 
 
 def _dtype_name(vllm_config: Any) -> str:

@@ -1,0 +1,111 @@
+"""The cluster config in effect: what ``lmcache-p2p config set`` changes in every agent.
+
+Precedence, lowest to highest::
+
+    defaults  <  cluster config in etcd  <  node config file  <  environment  <  explicit overrides
+
+A field the node's file, environment or overrides set (``AgentConfig.set_by_node``) is the node's
+own and the cluster config never changes it. Agents and connectors read the stored cluster config
+once at start (:func:`read_at_start`, bounded by ``etcd.start_wait_s``: with etcd down they start on
+their own config), then follow it (``CacheAgent``): the fields marked ``live`` below take effect at
+once; the others are logged as needing a restart, and take effect at the next start. Every node
+publishes the config revision it runs (``config_revision`` in its record; ``lmcache-p2p status``).
+
+    cluster config field          agent config field             live
+    chunk_size                    chunk_size                     restart (every engine must agree)
+    cpu_capacity                  tiers.cpu_capacity             restart (the pool is allocated once)
+    disk_capacity                 tiers.disk_capacity            restart
+    eviction                      tiers.eviction                 restart
+    lease_ttl_s                   etcd.lease_ttl_s               restart (the lease is granted with it)
+    chunk_ttl_s                   tiers.chunk_ttl_s              live
+    handoff_budget_bytes_per_s    handoff.budget_bytes_per_s     live
+    replicate_after               handoff.replicate_after        live
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from .aio import LoopThread
+from .config import AgentConfig
+from .errors import ConfigError, LMCacheP2PError
+
+log = logging.getLogger(__name__)
+
+# cluster config field -> (agent config dotted field, applied while running)
+FIELDS: dict[str, tuple[str, bool]] = {
+    "chunk_size": ("chunk_size", False),
+    "cpu_capacity": ("tiers.cpu_capacity", False),
+    "disk_capacity": ("tiers.disk_capacity", False),
+    "eviction": ("tiers.eviction", False),
+    "lease_ttl_s": ("etcd.lease_ttl_s", False),
+    "chunk_ttl_s": ("tiers.chunk_ttl_s", True),
+    "handoff_budget_bytes_per_s": ("handoff.budget_bytes_per_s", True),
+    "replicate_after": ("handoff.replicate_after", True),
+}
+
+
+def _get(config: AgentConfig, dotted: str) -> Any:
+    obj: Any = config
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _replace(config: AgentConfig, dotted: str, value: Any) -> AgentConfig:
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return dataclasses.replace(config, **{head: value})
+    section = getattr(config, head)
+    return dataclasses.replace(config, **{head: dataclasses.replace(section, **{rest: value})})
+
+
+def apply(config: AgentConfig, cluster: Any, stored: set[str], *, live_only: bool = False) -> tuple[AgentConfig,
+                                                                                                     list[str]]:
+    """``config`` with the cluster config's ``stored`` fields applied (those the node did not set itself;
+    with ``live_only``, only the fields that apply while running). Returns it and the dotted agent
+    fields that differ but need a restart (``live_only``) — for the log."""
+    pending: list[str] = []
+    for field, (dotted, live) in FIELDS.items():
+        if field not in stored or dotted in config.set_by_node:
+            continue
+        value = getattr(cluster, field)
+        if _get(config, dotted) == value:
+            continue
+        if live_only and not live:
+            pending.append(dotted)
+            continue
+        try:
+            config = _replace(config, dotted, value)
+        except ConfigError as exc:  # valid for the cluster, not for this node (e.g. chunk vs block size)
+            log.warning("cluster config %s=%r not applied here: %s", field, value, exc)
+    return config, pending
+
+
+def read_at_start(config: AgentConfig) -> tuple[AgentConfig, int]:
+    """``config`` with the stored cluster config applied, and the config's revision (0: none stored,
+    or etcd did not answer within ``etcd.start_wait_s``: the node starts on its own config)."""
+    if not config.etcd.endpoints:
+        return config, 0
+    from .coordinator.store import ConfigStore
+    from .index.client import EtcdClient
+
+    async def read() -> tuple[Any, set[str], int]:
+        client = EtcdClient(config.etcd)
+        try:
+            await client.connect(lazy=True)
+            store = ConfigStore(client, config.cluster)
+            return await store.read_stored()
+        finally:
+            await client.close()
+
+    try:
+        with LoopThread("lmcache-p2p-cluster-config") as loop:
+            cluster, stored, revision = loop.run(read(), config.etcd.start_wait_s + config.etcd.timeout_s)
+    except (LMCacheP2PError, OSError, TimeoutError) as exc:
+        log.warning("cluster config not read (%s): starting on this node's own config", exc)
+        return config, 0
+    applied, _ = apply(config, cluster, stored)
+    return applied, revision
