@@ -1,27 +1,26 @@
 """``lmcache-p2p config get | set KEY=VALUE ... | watch``: the cluster config in etcd.
 
-``--etcd URL[,URL...]`` (or ``LMCACHE_P2P_ETCD_ENDPOINTS``) names the cluster's etcd. Without
-one, the command starts a private etcd on loopback with a temporary data dir (the embedded
-default) and stops it on exit: ``get`` then shows the defaults and ``set`` validates and shows
-the result but nothing outlives the command, so for get/set it is only a demo. ``watch`` prints
-the private etcd's endpoint on stderr, so ``config set --etcd <it>`` from another shell changes
-what it shows.
+``--etcd URL[,URL...]`` (or ``LMCACHE_P2P_ETCD_ENDPOINTS``, or ``--config``: TLS and auth too, as
+for an agent, see ``tool_config.py``) names the cluster's etcd. Without one, the command starts a
+private etcd on loopback with a temporary data dir (the embedded default) and stops it on exit:
+``get`` then shows the defaults and ``set`` validates and shows the result but nothing outlives the
+command, so for get/set it is only a demo. ``watch`` prints the private etcd's endpoint on stderr,
+so ``config set --etcd <it>`` from another shell changes what it shows. What the fields do in
+running agents, and which need a restart: ``lmcache_p2p/cluster_settings.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import dataclasses
 import json
-import os
 import sys
-from collections.abc import Iterator
 
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import ConfigError, IndexError_
 from lmcache_p2p.index.client import EtcdClient
-from lmcache_p2p.index.etcd_server import EtcdServer
+from lmcache_p2p.tool_config import add_etcd_arguments, etcd_endpoints, tool_config
 
 from .cluster_config import ClusterConfig, parse_assignments
 from .store import ConfigStore, ConfigWatcher
@@ -29,10 +28,8 @@ from .store import ConfigStore, ConfigWatcher
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lmcache-p2p config", description="cluster config in etcd")
-    p.add_argument("--etcd", default=os.environ.get("LMCACHE_P2P_ETCD_ENDPOINTS"),
-                   help="etcd endpoints, comma-separated (default: start a private etcd)")
-    p.add_argument("--cluster", default=os.environ.get("LMCACHE_P2P_CLUSTER", "default"))
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per etcd request")
+    add_etcd_arguments(p, default_help="config/env, else start a private etcd")
+    p.add_argument("--timeout", type=float, help="seconds per etcd request (default: etcd.timeout_s)")
     sub = p.add_subparsers(dest="command", required=True)
     get = sub.add_parser("get", help="print the config")
     get.add_argument("--json", action="store_true")
@@ -44,22 +41,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-@contextlib.contextmanager
-def _endpoints(arg: str | None) -> Iterator[tuple[str, ...]]:
-    if arg:
-        yield tuple(e.strip() for e in arg.split(",") if e.strip())
-        return
-    with EtcdServer() as server:
-        print(f"# no --etcd: started a private etcd at {server.endpoint}", file=sys.stderr, flush=True)
-        yield server.endpoints
-
-
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
+    config = tool_config(args, "lmcache-p2p config", require_endpoints=False)  # TLS and auth as agents have them
+    if args.timeout is not None:
+        config = dataclasses.replace(config, etcd=dataclasses.replace(config.etcd, timeout_s=args.timeout))
+    args.cluster = config.cluster
     try:
-        with _endpoints(args.etcd) as endpoints:
-            config = EtcdConfig(endpoints=endpoints, timeout_s=args.timeout)
-            return asyncio.run(_run(args, config))
+        with etcd_endpoints(config, "lmcache-p2p config", private_ok=True) as config:
+            return asyncio.run(_run(args, config.etcd))
     except ConfigError as exc:
         print(f"error: invalid cluster config: {exc}", file=sys.stderr)
         return 2

@@ -33,11 +33,12 @@ import time
 import msgspec
 
 from .aio import LoopThread
-from .config import AgentConfig, load_config
+from .config import AgentConfig
 from .errors import LMCacheP2PError
 from .index.reader import IndexReader
 from .index.schema import NodeId, TierCode
 from .keys import ChunkKey, FingerprintDigest
+from .tool_config import add_etcd_arguments, tool_config
 
 log = logging.getLogger(__name__)
 _MEDIUM = {int(t): t.name.lower() for t in TierCode}
@@ -147,18 +148,11 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p events", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bind", default="tcp://*:5557", help="ZMQ PUB endpoint")
-    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
-    parser.add_argument("--cluster")
-    parser.add_argument("--config", help="agent config to take etcd settings and chunk size from")
+    add_etcd_arguments(parser)
     parser.add_argument("--fingerprint", help="hex fingerprint to follow (default: the one fingerprint served)")
     args = parser.parse_args(argv)
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
-    try:
-        config = load_config(args.config, overrides=overrides)
-    except (ValueError, OSError) as exc:
-        print(f"lmcache-p2p events: {exc}", file=sys.stderr)
-        return 2
+    config = tool_config(args, "lmcache-p2p events")
     try:
         fp = FingerprintDigest(bytes.fromhex(args.fingerprint)) if args.fingerprint else _only_fingerprint(config)
     except (ValueError, LMCacheP2PError) as exc:

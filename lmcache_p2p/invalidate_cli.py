@@ -21,11 +21,12 @@ import asyncio
 import sys
 import time
 
-from .config import AgentConfig, load_config
+from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, KeyValue
 from .index.schema import Schema, decode_node_record
 from .invalidation import Invalidation, issue
+from .tool_config import add_etcd_arguments, tool_config
 
 POLL_S = 0.2
 
@@ -85,9 +86,7 @@ async def _wait(client: EtcdClient, schema: Schema, inv: Invalidation, keys: set
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p invalidate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
-    parser.add_argument("--cluster", help="cluster name (default: config/env)")
-    parser.add_argument("--config", help="agent config file to take etcd settings from")
+    add_etcd_arguments(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")
     what.add_argument("--tenant", metavar="SALT", help="tenant salt")
@@ -100,17 +99,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     kind, value = next((k, v) for k, v in (("fingerprint", args.fingerprint), ("tenant", args.tenant),
                                            ("node", args.node)) if v is not None)
-    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
     try:
-        config = load_config(args.config, overrides=overrides)
         Invalidation("check", kind, value.lower() if kind == "fingerprint" else value, 0.0)
-    except (ValueError, OSError) as exc:
+    except ValueError as exc:
         print(f"lmcache-p2p invalidate: {exc}", file=sys.stderr)
         return 2
-    if not config.etcd.endpoints:
-        print("lmcache-p2p invalidate: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)",
-              file=sys.stderr)
-        return 2
+    config = tool_config(args, "lmcache-p2p invalidate")
     try:
         return asyncio.run(_run(config, kind, value, args.wait, args.ttl))
     except LMCacheP2PError as exc:

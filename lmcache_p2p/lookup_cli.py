@@ -17,19 +17,19 @@ that needs the cluster secret (``LMCACHE_P2P_SECRET`` or ``--config``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from .aio import LoopThread
-from .config import AgentConfig, load_config
+from .config import AgentConfig
 from .errors import LMCacheP2PError
 from .explain import explain, recent_evictions
 from .index.client import EtcdClient
 from .index.reader import IndexReader
 from .index.schema import NodeId, Schema, decode_invalidation
 from .keys import FingerprintDigest, chunk_keys, chunk_spans
+from .tool_config import add_etcd_arguments, tool_config
 
 
 def read_tokens(args: argparse.Namespace) -> list[int]:
@@ -52,21 +52,12 @@ def main(argv: list[str]) -> int:
     src.add_argument("--tokens", help="file of token ids")
     src.add_argument("--text", help="file of text, tokenized with --model's tokenizer")
     parser.add_argument("--model", help="model directory (tokenizer) for --text")
-    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
-    parser.add_argument("--cluster")
-    parser.add_argument("--config", help="agent config to take etcd settings and chunk size from")
+    add_etcd_arguments(parser)
     parser.add_argument("--fingerprint", help="hex prefix of the fingerprint to look under (default: all)")
     parser.add_argument("--explain", action="store_true", help="why each chunk is or is not available")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
-    config = load_config(args.config, overrides=overrides)
-    # A tool exists to read etcd: give it the full timeout, not an agent's short start-up wait.
-    config = dataclasses.replace(config, etcd=dataclasses.replace(
-        config.etcd, start_wait_s=max(config.etcd.start_wait_s, config.etcd.timeout_s)))
-    if not config.etcd.endpoints:
-        print("lmcache-p2p lookup: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)", file=sys.stderr)
-        return 2
+    config = tool_config(args, "lmcache-p2p lookup")
     tokens = read_tokens(args)
     spans = chunk_spans(len(tokens), config.chunk_size)
     report: dict[str, object] = {"tokens": len(tokens), "chunk_size": config.chunk_size, "fingerprints": {}}

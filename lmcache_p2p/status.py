@@ -26,10 +26,11 @@ import urllib.request
 from collections import Counter, defaultdict
 from typing import Any
 
-from .config import AgentConfig, EtcdConfig, load_config
+from .config import AgentConfig, EtcdConfig
 from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, translate
 from .index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
+from .tool_config import add_etcd_arguments, tool_config
 
 SCRAPE_TIMEOUT_S = 2.0
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
@@ -256,21 +257,11 @@ def render(report: dict[str, Any]) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p status", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--etcd", help="comma-separated etcd endpoints (default: config/env)")
-    parser.add_argument("--cluster", help="cluster name (default: config/env)")
-    parser.add_argument("--config", help="agent config file to take etcd settings from")
+    add_etcd_arguments(parser)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS")
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("etcd.endpoints", args.etcd), ("cluster", args.cluster)) if v}
-    try:
-        config = load_config(args.config, overrides=overrides)
-    except (ValueError, OSError) as exc:
-        print(f"lmcache-p2p status: {exc}", file=sys.stderr)
-        return 2
-    if not config.etcd.endpoints:
-        print("lmcache-p2p status: no etcd endpoints (use --etcd or LMCACHE_P2P_ETCD_ENDPOINTS)", file=sys.stderr)
-        return 2
+    config = tool_config(args, "lmcache-p2p status")
     while True:
         try:
             report = asyncio.run(collect(config))
