@@ -83,9 +83,9 @@ def test_pull_from_peer_then_owner_dies(etcd, cluster_name, tmp_path):
         assert time.monotonic() - t0 < c.config.transfer.timeout_s + 2
         # After A's lease (3 s) expires, its node and chunks leave every mirror; nobody offers them.
         assert wait_until(lambda: "a" not in c.index.nodes(), 3 + 5)
-        time.sleep(0.5)  # past A's backoff too, so the empty plan is the index's doing
-        assert c.lookup(synthetic_tokens(1, TOKENS)).chunks == ()
+        # the index's doing, not A's backoff: no owner is left for any chunk
         assert c.index.owners(c.fp, c.keys_for(synthetic_tokens(1, TOKENS))[0]) == [{}] * 5
+        assert c.lookup(synthetic_tokens(1, TOKENS)).chunks == ()
         assert "b" in c.index.nodes()
     finally:
         c.stop()

@@ -31,8 +31,9 @@ from typing import Any
 from ...aio import LoopThread
 from ...config import AgentConfig
 from ...index.reader import IndexReader
-from ...keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans
-from .metadata import ChunkTransfer, LMCacheP2PMetadata
+from ...keys import ChunkKey, Fingerprint, chunk_keys
+from ..blocks import ChunkTransfer, chunk_transfer
+from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
@@ -107,15 +108,7 @@ class P2PScheduler:
 
     def _transfer(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
                   start: int, end: int) -> ChunkTransfer:
-        """Chunks covering tokens [start, end); block ids are the request's whole block list."""
-        spans = chunk_spans(len(prompt), self._chunk)
-        first, last = start // self._chunk, -(-end // self._chunk)
-        per = self._chunk // self._block
-        chunk_blocks = [block_ids[i * per: i * per + -(-(spans[i][1] - spans[i][0]) // self._block)]
-                        for i in range(first, last)]
-        return ChunkTransfer(req_id, [bytes(k) for k in keys[first:last]],
-                             [spans[i][1] - spans[i][0] for i in range(first, last)], chunk_blocks,
-                             skip_blocks=(start - first * self._chunk) // self._block)
+        return chunk_transfer(req_id, len(prompt), keys, block_ids, start, end, self._chunk, self._block)
 
     def build_connector_meta(self, out: Any) -> LMCacheP2PMetadata:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))

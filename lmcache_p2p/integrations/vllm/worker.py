@@ -28,7 +28,8 @@ from ...config import AgentConfig, cluster_secret
 from ...kernels.paged import PagedKV
 from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
 from ...plan import LOCAL
-from .metadata import ChunkTransfer, LMCacheP2PMetadata
+from ..blocks import ChunkTransfer, blocks_from
+from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
 IDLE_STEP_WAIT_S = 0.005  # see get_finished
@@ -97,7 +98,7 @@ class P2PWorker:
             failed = self._load(t, remote=True)
         except Exception:  # a cache problem must never become a serving problem: recompute it all
             log.exception("request %s: asynchronous load failed; recomputing", t.req_id)
-            failed = _blocks_from(t, 0)
+            failed = blocks_from(t, 0)
         with self._done_lock:
             self._load_errors.update(failed)
             self._loads_done.add(t.req_id)
@@ -152,7 +153,7 @@ class P2PWorker:
                               i, pin.header.length, len(blocks), self._kv.payload_nbytes(len(blocks)))
                     pin = None
                 if pin is None:
-                    failed = _blocks_from(t, i)
+                    failed = blocks_from(t, i)
                     log.info("request %s: chunk %d of %d not loaded, %d blocks recomputed", t.req_id, i,
                              len(keys), len(failed))
                     break
@@ -219,10 +220,3 @@ class P2PWorker:
         if self.agent is not None:
             self.agent.stop()
             self.agent = None
-
-
-def _blocks_from(t: ChunkTransfer, chunk: int) -> set[int]:
-    """The blocks of chunk ``chunk`` and every later one, less those vLLM's own prefix cache filled."""
-    blocks = [b for i, later in enumerate(t.block_ids[chunk:], chunk)
-              for b in (later[t.skip_blocks:] if i == 0 else later)]
-    return set(blocks)
