@@ -101,10 +101,11 @@ def read_at_start(config: AgentConfig) -> tuple[AgentConfig, int]:
         finally:
             await client.close()
 
+    wait = max(config.etcd.start_wait_s, 0.5)  # never holds a start up longer than the agent's own wait
     try:
         with LoopThread("lmcache-p2p-cluster-config") as loop:
-            cluster, stored, revision = loop.run(read(), config.etcd.start_wait_s + config.etcd.timeout_s)
-    except (LMCacheP2PError, OSError, TimeoutError) as exc:
+            cluster, stored, revision = loop.run(read(), wait)
+    except (LMCacheP2PError, OSError, TimeoutError, ConfigError) as exc:  # a malformed record: skipped
         log.warning("cluster config not read (%s): starting on this node's own config", exc)
         return config, 0
     applied, _ = apply(config, cluster, stored)
