@@ -2,7 +2,7 @@
 
 A cache-only node that contributes its memory and disk to the mesh, or a node for the demo and
 the tests. ``--preload-seed S --preload-tokens N`` stores the chunks of a synthetic prompt with
-deterministic payloads (see :mod:`lmcache_p2p.synthetic`), so any other process can check that
+deterministic payloads (see :mod:`lmcache_p2p.testing.synthetic`), so any other process can check that
 what it pulls is byte-exact. Prints one JSON line when ready; stops cleanly on SIGTERM/SIGINT
 (pending stores finish, CPU chunks are written back to disk, the lease is revoked).
 """
@@ -22,7 +22,7 @@ from .cluster_settings import read_at_start
 from .config import LayoutConfig, cluster_secret, load_config
 from .errors import LMCacheP2PError
 from .keys import Fingerprint
-from .synthetic import synthetic_payload, synthetic_tokens
+from .testing.synthetic import synthetic_payload, synthetic_tokens
 
 log = logging.getLogger(__name__)
 

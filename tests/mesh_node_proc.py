@@ -22,7 +22,7 @@ from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.agent_main import fingerprint_of, preload
 from lmcache_p2p.config import cluster_secret, load_config
 from lmcache_p2p.index.etcd_index import EtcdBlockIndex
-from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100
 

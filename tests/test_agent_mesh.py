@@ -24,7 +24,7 @@ from lmcache_p2p.index.client import EtcdClient, KeyValue
 from lmcache_p2p.index.schema import Schema, decode_node_record
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL, HitPlan
-from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import ConnectionPool
 from lmcache_p2p.transfer.nixl_engine import nixl_available

@@ -25,7 +25,7 @@ from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdCluster, EtcdServer
 from lmcache_p2p.index.schema import Schema
 from lmcache_p2p.plan import LOCAL
-from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from lmcache_p2p.index.schema import NodeId
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
-from lmcache_p2p.synthetic import synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_tokens
 
 SMALL = "4MiB"  # 8 chunks
 

@@ -11,8 +11,8 @@ import pytest
 
 from lmcache_p2p.config import LayoutConfig
 from lmcache_p2p.identity import main, model_identity
-from lmcache_p2p.integrations.tiny_model import create_tiny_model
 from lmcache_p2p.keys import Fingerprint
+from lmcache_p2p.testing.tiny_model import create_tiny_model
 
 
 @pytest.fixture(scope="module")

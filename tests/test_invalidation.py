@@ -24,7 +24,7 @@ from lmcache_p2p.agent_main import fingerprint_of
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
-from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100  # 5 chunks per seed
 CPU = "1MiB"  # two 512 KiB slots: of 5 chunks, 3 are written back to disk, so both tiers hold some

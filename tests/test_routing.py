@@ -30,7 +30,7 @@ from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.index.reader import IndexReader
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
-from lmcache_p2p.synthetic import synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_tokens
 
 CONSUMER = pathlib.Path(__file__).parents[1] / "examples" / "kv_events_consumer.py"
 

@@ -17,7 +17,7 @@ from relay import Relay
 from test_agent_mesh import TOKENS, requester
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 pytestmark = pytest.mark.slow
 RATE_BPS = 4 << 20  # the slow link: 4 MiB/s

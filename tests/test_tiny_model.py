@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
-from lmcache_p2p.integrations.tiny_model import MARKER, TinyModelSpec, create_tiny_model, main  # noqa: E402
+from lmcache_p2p.testing.tiny_model import MARKER, TinyModelSpec, create_tiny_model, main  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from lmcache_p2p.kernels.paged import PagedKV
 from lmcache_p2p.keys import Fingerprint, chunk_keys, head_range
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
-from lmcache_p2p.synthetic import synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_tokens
 from lmcache_p2p.transfer.nixl_engine import nixl_available
 
 HEADS = 4

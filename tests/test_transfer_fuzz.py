@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.keys import FingerprintDigest
+from lmcache_p2p.testing.peer_process import OwnerProcess
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
-from lmcache_p2p.transfer.peer_process import OwnerProcess
 
 SECRET = "fuzz-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"fuzz-fingerprint")

@@ -18,10 +18,10 @@ from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import TransferConfig
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
+from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
 from lmcache_p2p.transfer.client import TcpTransport
-from lmcache_p2p.transfer.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.transfer.tls import client_context, server_context
 
 SECRET = "tls-test-secret-7f3a9c1e5b2d80461c9e4a7b0c"

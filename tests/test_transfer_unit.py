@@ -6,10 +6,10 @@ import pytest
 
 from lmcache_p2p.errors import ProtocolError
 from lmcache_p2p.keys import ChunkKey
+from lmcache_p2p.testing.striping import merge, plan_stripes
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
 from lmcache_p2p.transfer.health import PeerHealth
-from lmcache_p2p.transfer.striping import merge, plan_stripes
 
 A, B = PeerAddress("127.0.0.1", 1, "a"), PeerAddress("127.0.0.1", 2, "b")
 

@@ -25,8 +25,8 @@ if importlib.util.find_spec("vllm") is None:
 
 from vllm_helpers import prompts, write_agent_config  # noqa: E402
 
-from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
-from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"

@@ -29,8 +29,8 @@ from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.identity import model_identity
 from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
-from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
-from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 # fp32: a random-weight model has near-ties in its logits; in bf16 the prefill and decode attention

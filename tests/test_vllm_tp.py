@@ -22,8 +22,8 @@ from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
 from lmcache_p2p.aio import LoopThread  # noqa: E402
 from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
-from lmcache_p2p.integrations.engine_client import EngineProcess  # noqa: E402
-from lmcache_p2p.integrations.tiny_model import create_tiny_model  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"

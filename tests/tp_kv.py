@@ -14,7 +14,7 @@ from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.config import LayoutConfig
 from lmcache_p2p.kernels.paged import PagedKV
 from lmcache_p2p.keys import HeadRange
-from lmcache_p2p.synthetic import synthetic_tokens
+from lmcache_p2p.testing.synthetic import synthetic_tokens
 
 NUM_BLOCKS = 24
 TOKENS = 1024 + 100  # 4 full chunks and a partial tail (9 blocks of 128)

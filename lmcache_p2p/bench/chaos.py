@@ -52,10 +52,10 @@ from ..config import EtcdConfig
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdCluster
 from ..index.schema import Schema
-from ..integrations.engine_client import EngineProcess
-from ..integrations.tiny_model import create_tiny_model
 from ..netlab import NetLab, available
-from ..synthetic import synthetic_tokens
+from ..testing.engine_client import EngineProcess
+from ..testing.synthetic import synthetic_tokens
+from ..testing.tiny_model import create_tiny_model
 
 CLUSTER = "chaos"
 ETCD_HOSTS = (0, 1, 2)

@@ -1,7 +1,7 @@
 """LMCache 0.5.6 server mode as the reference peer for ``bench vllm`` (facts: "LMCache 0.5.6 on CPU").
 
 LMCache lives in its own venv (``.venv-lmcache``, made by ``scripts/install_lmcache.sh``), never in the
-project's. The engines run our :mod:`lmcache_p2p.integrations.engine_proc` under that venv's Python
+project's. The engines run our :mod:`lmcache_p2p.testing.engine_proc` under that venv's Python
 (it imports only vLLM and the stdlib; this repository goes on ``PYTHONPATH``) with vLLM's
 ``LMCacheMPConnector`` talking to one ``lmcache server``:
 
@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..integrations.engine_client import EngineProcess
-from ..synthetic import synthetic_tokens
+from ..testing.engine_client import EngineProcess
+from ..testing.synthetic import synthetic_tokens
 
 VENV_NAME = ".venv-lmcache"
 DEFAULT_REPO_ROOT = Path(__file__).resolve().parents[2]

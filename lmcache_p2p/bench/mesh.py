@@ -41,7 +41,7 @@ from ..agent_main import fingerprint_of
 from ..config import load_config
 from ..index.etcd_server import EtcdServer
 from ..metrics import AgentMetrics
-from ..synthetic import synthetic_payload, synthetic_tokens
+from ..testing.synthetic import synthetic_payload, synthetic_tokens
 from .common import emit, gbps
 
 SECRET = "bench-mesh-secret-7f3a9c1e5b2d80461c9e4a7b"

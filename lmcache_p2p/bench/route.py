@@ -26,8 +26,8 @@ import numpy as np
 
 from ..index.etcd_server import EtcdServer
 from ..index.schema import NodeId, NodeRecord
-from ..integrations.engine_client import EngineProcess
-from ..integrations.tiny_model import create_tiny_model
+from ..testing.engine_client import EngineProcess
+from ..testing.tiny_model import create_tiny_model
 from .common import emit
 from .vllm import MODEL_SIZES, agent_config, bench_prompts
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import EtcdServer
-from ..integrations.engine_client import EngineProcess
-from ..integrations.tiny_model import create_tiny_model
+from ..testing.engine_client import EngineProcess
+from ..testing.tiny_model import create_tiny_model
 from .common import emit
 from .vllm import MODEL_SIZES, agent_config, bench_prompts, median_ms
 

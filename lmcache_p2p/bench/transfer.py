@@ -39,12 +39,12 @@ import psutil
 from ..certs import make_certs
 from ..config import TransferConfig, parse_size
 from ..keys import ChunkKey, FingerprintDigest
+from ..testing.peer_process import OwnerProcess
 from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import PeerAddress, Transport
 from ..transfer.client import TcpTransport
 from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available
-from ..transfer.peer_process import OwnerProcess
 from ..transfer.tls import client_context
 
 SECRET = "bench-secret-7f3a9c1e5b2d80461c9e4a7b"

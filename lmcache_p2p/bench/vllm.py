@@ -38,9 +38,9 @@ from typing import Any
 import yaml
 
 from ..index.etcd_server import EtcdServer
-from ..integrations.engine_client import EngineProcess
-from ..integrations.tiny_model import create_tiny_model
-from ..synthetic import synthetic_tokens
+from ..testing.engine_client import EngineProcess
+from ..testing.synthetic import synthetic_tokens
+from ..testing.tiny_model import create_tiny_model
 from .common import emit
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"

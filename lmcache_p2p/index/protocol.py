@@ -1,7 +1,7 @@
 """The seam between the agent / connector and the mesh index.
 
 Two implementations: :class:`~lmcache_p2p.index.etcd_index.EtcdBlockIndex` (etcd: session,
-publisher, mirrors) and :class:`~lmcache_p2p.index.memory.MemoryIndex` (in-process fake for unit
+publisher, mirrors) and :class:`~lmcache_p2p.testing.memory_index.MemoryIndex` (in-process fake for unit
 tests). Every method is thread-safe and returns without network I/O: writes are queued and
 published in the background, reads probe an in-memory mirror. The index is a hint: an owner may
 have evicted a chunk since it was announced, and the pull protocol confirms with the owner.

@@ -29,7 +29,7 @@ class EngineProcess:
         if agent_config is not None and kv_transfer_json is not None:
             raise ValueError("agent_config and kv_transfer_json are exclusive")
         # ``prefix``: e.g. ``ip netns exec NS`` (it execs, so the pid is the engine's own)
-        cmd = [*prefix, python, "-m", "lmcache_p2p.integrations.engine_proc", "--model", str(model),
+        cmd = [*prefix, python, "-m", "lmcache_p2p.testing.engine_proc", "--model", str(model),
                "--dtype", dtype]
         if agent_config is not None:
             cmd += ["--agent-config", str(agent_config)]

@@ -1,6 +1,6 @@
 """A vLLM-on-CPU engine in its own process, driven over stdin/stdout (tests, bench, demo).
 
-    python -m lmcache_p2p.integrations.engine_proc --model DIR [--agent-config FILE | --kv-transfer-json JSON]
+    python -m lmcache_p2p.testing.engine_proc --model DIR [--agent-config FILE | --kv-transfer-json JSON]
 
 Reads JSON requests, one per line, on stdin::
 

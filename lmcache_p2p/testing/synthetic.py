@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .keys import ChunkKey
+from ..keys import ChunkKey
 
 
 def synthetic_tokens(seed: int, num_tokens: int, vocab: int = 32000) -> list[int]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
+from ..index.schema import NodeId, NodeRecord
 from ..keys import ChunkKey, FingerprintDigest
-from .schema import NodeId, NodeRecord
 
 _EMPTY: frozenset[NodeId] = frozenset()
 

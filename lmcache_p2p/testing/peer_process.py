@@ -33,7 +33,7 @@ from ..config import AgentConfig, TierConfig, TransferConfig
 from ..errors import TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from .stack import TransferStack
+from ..transfer.stack import TransferStack
 
 
 def demo_chunk(seed: int, index: int, nbytes: int, fp: FingerprintDigest) -> tuple[ChunkHeader, np.ndarray]:
@@ -123,7 +123,7 @@ class OwnerProcess:
                  payload_mac: bool = False, tls: tuple[str, str, str] | None = None) -> None:
         """``tls``: (CA, certificate, key) files: the owner serves only mutual TLS under that CA."""
         env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
-        argv = [sys.executable, "-m", "lmcache_p2p.transfer.peer_process", "--secret", secret,
+        argv = [sys.executable, "-m", "lmcache_p2p.testing.peer_process", "--secret", secret,
                 "--fingerprint", fingerprint.hex(), "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes),
                 "--slot-bytes", str(slot_bytes or chunk_bytes), "--seed", str(seed), "--transports", transports,
                 "--pin-timeout", str(pin_timeout_s), "--timeout", str(timeout_s), "--spare", str(spare_slots)]
@@ -186,7 +186,7 @@ class OwnerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m lmcache_p2p.transfer.peer_process")
+    p = argparse.ArgumentParser(prog="python -m lmcache_p2p.testing.peer_process")
     p.add_argument("--payload-mac", action="store_true")
     p.add_argument("--tls-ca")
     p.add_argument("--tls-cert")

@@ -1,6 +1,6 @@
 """Create a tiny random-weight Llama and a byte-level BPE tokenizer offline, for real-vLLM tests.
 
-    python -m lmcache_p2p.integrations.tiny_model PATH [--layers 4 ...]
+    python -m lmcache_p2p.testing.tiny_model PATH [--layers 4 ...]
 
 Nothing is downloaded: the weights come from a seeded random init (``transformers``), the
 tokenizer is trained with ``tokenizers`` on the Python stdlib sources of this interpreter.

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from .base import PeerAddress, PullResult, Transport
+from ..transfer.base import PeerAddress, PullResult, Transport
 
 
 def plan_stripes(owners: Mapping[ChunkKey, Sequence[PeerAddress]]) -> dict[PeerAddress, list[ChunkKey]]:
