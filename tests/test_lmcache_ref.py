@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from lmcache_p2p.bench import lmcache_ref
-from lmcache_p2p.integrations import engine_proc
+from lmcache_p2p.testing import engine_proc
 
 
 def test_unavailable_without_venv(tmp_path: Path) -> None:
