@@ -36,12 +36,11 @@ from .aio import LoopThread
 from .config import AgentConfig
 from .errors import LMCacheP2PError
 from .index.reader import IndexReader
-from .index.schema import NodeId, TierCode
+from .index.schema import TIER_NAMES, NodeId
 from .keys import ChunkKey, FingerprintDigest
 from .tool_config import add_etcd_arguments, tool_config
 
 log = logging.getLogger(__name__)
-_MEDIUM = {int(t): t.name.lower() for t in TierCode}
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):  # type: ignore[call-arg]
@@ -84,9 +83,9 @@ class Change:
 def batch_of(change: Change, chunk_size: int) -> KVEventBatch:
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
     if change.old is not None:
-        events.append(BlockRemoved([bytes(change.key)], _MEDIUM.get(change.old)))
+        events.append(BlockRemoved([bytes(change.key)], TIER_NAMES.get(change.old)))
     if change.new is not None:
-        events.append(BlockStored([bytes(change.key)], None, [], chunk_size, None, _MEDIUM.get(change.new), None))
+        events.append(BlockStored([bytes(change.key)], None, [], chunk_size, None, TIER_NAMES.get(change.new), None))
     return KVEventBatch(time.time(), events)
 
 

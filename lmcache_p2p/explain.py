@@ -27,13 +27,12 @@ from typing import Any
 
 from .config import AgentConfig, cluster_secret
 from .errors import LMCacheP2PError
-from .index.schema import NodeId, NodeRecord, TierCode
+from .index.schema import TIER_NAMES, NodeId, NodeRecord
 from .keys import ChunkKey, FingerprintDigest, chunk_keys
 from .status import scrape
 from .transfer.base import PeerAddress
 from .transfer.client import ConnectionPool
 
-_MEDIUM = {int(t): t.name.lower() for t in TierCode}
 IDENTITY_FIELDS = ("model_id", "kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "kv_layout",
                    "tp_size", "tp_rank", "tenant_salt")
 
@@ -73,7 +72,7 @@ def explain(config: AgentConfig, fp_hex: str, tokens: list[int], nodes: dict[Nod
         v = ChunkVerdict(i, start, end, key.hex(), "no-owner")
         holders = owners_under.get(fp_hex, [{}] * len(keys))[i]
         if holders:
-            v.holders = {n: _MEDIUM.get(t, "?") for n, t in sorted(holders.items())}
+            v.holders = {n: TIER_NAMES.get(t, "?") for n, t in sorted(holders.items())}
             up = [n for n in holders if not check_alive or _alive(nodes.get(n), alive, n)]
             v.reason = "held" if up else "owner-down"
             if not up:

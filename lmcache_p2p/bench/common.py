@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 
 def best_of(fn: Callable[[], None], rounds: int) -> float:
@@ -25,6 +29,16 @@ def gbps(nbytes: int, seconds: float) -> float:
 
 def ratio(ours: float, base: float) -> float:
     return round(ours / base, 3) if base > 0 else 0.0
+
+
+def run_in_workdir(run: Callable[[argparse.Namespace, Path], dict[str, Any]], args: argparse.Namespace,
+                   prefix: str) -> dict[str, Any]:
+    """``run(args, work)`` in ``args.workdir`` (kept: logs, configs) or in a temporary dir."""
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
+        return run(args, Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        return run(args, Path(tmp))
 
 
 def emit(result: dict[str, object], as_json: bool, title: str) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -28,7 +27,7 @@ from ..index.etcd_server import EtcdServer
 from ..index.schema import NodeId, NodeRecord
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from .common import emit
+from .common import emit, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts
 
 ENGINES = ("route-a", "route-b", "route-c")
@@ -129,11 +128,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="lmcache-p2p-bench-route-") as tmp:
-            result = run(args, Path(tmp))
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-route-")
     emit(result, args.json, "bench route (TTFT incl. the routing call; 3 engines)")
     return 0

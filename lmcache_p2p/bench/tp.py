@@ -15,14 +15,13 @@ Medians over the prompts, one warm-up per engine, vLLM's own prefix cache off, e
 from __future__ import annotations
 
 import argparse
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from .common import emit
+from .common import emit, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts, median_ms
 
 
@@ -79,11 +78,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="lmcache-p2p-bench-tp-") as tmp:
-            result = run(args, Path(tmp))
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-tp-")
     emit(result, args.json, "bench tp (median TTFT over prompts; one warm-up per engine)")
     return 0

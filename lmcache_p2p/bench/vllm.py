@@ -31,7 +31,6 @@ import contextlib
 import os
 import signal
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
-from .common import emit
+from .common import emit, run_in_workdir
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
 # tiny: 4 layers, hidden 256 (prefill ~0.2 s here); mid: 8 layers, hidden 1024, 105 M parameters.
@@ -178,11 +177,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    if args.workdir:
-        Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        result = run(args, Path(args.workdir))
-    else:
-        with tempfile.TemporaryDirectory(prefix="lmcache-p2p-bench-") as tmp:
-            result = run(args, Path(tmp))
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-")
     emit(result, args.json, "bench vllm (median TTFT over prompts; one warm-up per engine)")
     return 0

@@ -51,6 +51,7 @@ class TierCode(enum.IntEnum):
 
 
 TIER_GPU, TIER_CPU, TIER_DISK = int(TierCode.GPU), int(TierCode.CPU), int(TierCode.DISK)
+TIER_NAMES = {int(t): t.name.lower() for t in TierCode}  # tier byte -> "gpu" | "cpu" | "disk"
 
 _HEX = 32  # hex chars of a 16-byte digest
 _HEX_RE = re.compile(rb"[0-9a-f]{32}")

@@ -289,21 +289,19 @@ class Connection(asyncio.BufferedProtocol):
         return request
 
     def start_pin(self, wants: Sequence[Want]) -> _Request:
-        request = _Request(next(self._ids))
-        self._pending[request.rid] = request
-        self.send(_request("pin", request.rid, wants))
-        return request
+        return self._ask(_request("pin", 0, wants))
 
     def start_offer(self, node: str, keys: Sequence[ChunkKey]) -> _Request:
-        request = _Request(next(self._ids))
-        self._pending[request.rid] = request
-        self.send({"t": "offer", "id": request.rid, "node": node, "keys": list(keys)})
-        return request
+        return self._ask({"t": "offer", "node": node, "keys": list(keys)})
 
     def start_recent(self, keys: Sequence[ChunkKey]) -> _Request:
+        return self._ask({"t": "recent", "keys": list(keys)})
+
+    def _ask(self, msg: wire.Message) -> _Request:
+        """Send a request whose one answer frame carries its id; the answer resolves ``.future``."""
         request = _Request(next(self._ids))
         self._pending[request.rid] = request
-        self.send({"t": "recent", "id": request.rid, "keys": list(keys)})
+        self.send({**msg, "id": request.rid})
         return request
 
     def transport_socket(self) -> socket.socket | None:
