@@ -6,7 +6,18 @@
     store(token_ids, chunks) -> Future    returns at once; checksum, copy and publish run behind
     reserve_chunk / commit_chunk          fill a CPU slot in place (a gather), publish it behind
 
-Every side effect is injected: the config, the clock, the Prometheus registry, the index (an
+The agent composes the parts; each concern lives in its own module:
+
+    tiers/            where chunks are held (CPU pool, disk), eviction, admission
+    index/            the mesh index: lease, publisher, watch-fed mirror (``BlockIndex``)
+    plan.py           which chunks to load from where (and whether pulling beats recomputing)
+    transfer/pull.py  plan -> pull -> retry -> verify -> metrics (``Puller``), over transfer/'s transports
+    handoff.py        hand-off of sole copies and replication
+    invalidation.py   mesh-wide invalidation barriers and the chunk TTL
+    cluster_settings  the cluster config in etcd, applied live
+    score.py          ``/v1/score`` next to ``/metrics``
+
+Every side effect is injected: the config, the Prometheus registry, the index (an
 ``index_factory`` building a :class:`BlockIndex` once the node record is known) and the
 transports. The network side runs on one asyncio loop in a background thread (:class:`LoopThread`).
 """
@@ -38,12 +49,12 @@ from .handoff import Handoff
 from .index.protocol import BlockIndex
 from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
 from .invalidation import MeshInvalidation
-from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
+from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
-from .plan import LOCAL, FetchBudget, HitPlan, Piece, PlannedChunk, fetch_budget, make_plan
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
 from .score import http_app
 from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
-from .transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
+from .transfer.pull import Puller
 from .transfer.stack import TransferStack
 
 log = logging.getLogger(__name__)
@@ -60,7 +71,6 @@ class CacheAgent:
         *,
         index_factory: IndexFactory | None = None,
         metrics: AgentMetrics | None = None,
-        clock: Callable[[], float] = time.monotonic,
         secret: bytes | None = None,
         heads: HeadRange | None = None,
         role: str = "engine",
@@ -73,7 +83,6 @@ class CacheAgent:
         self.role = role  # "engine" (inside vLLM) or "cache" (a cache-only agent: hand-offs go there first)
         self.node_id = NodeId(config.node_id)
         self.chunk_bytes = chunk_bytes
-        self._clock = clock
         self._index_factory = index_factory
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
@@ -90,10 +99,8 @@ class CacheAgent:
         self._stack: TransferStack | None = None
         self._metrics_server: MetricsServer | None = None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store")
-        self._inflight: dict[NodeId, int] = {}
-        self._inflight_lock = threading.Lock()
+        self.puller: Puller | None = None  # once the transports are up
         self._served_seen = 0
-        self._error_peers: set[NodeId] = set()  # peer label values of peer_errors, pruned with the peers
         self._prune: concurrent.futures.Future[None] | None = None
         self._handoff_task: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
@@ -118,6 +125,11 @@ class CacheAgent:
             self._stack.server.on_served = self.handoff.on_served
             self._stack.server.on_recent = self.dropped_ago
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
+            self.puller = Puller(self.node_id, self.fp, self.tiers.cpu, self._stack.transports,
+                                 self.config.transfer.transports, self._stack.health, self._nodes, self.metrics,
+                                 self.peer_estimates, self.loop, tls=self.config.transfer.tls,
+                                 pin_timeout_s=self.config.tiers.pin_timeout_s,
+                                 on_loaded=lambda key: self._on_tier_change(key, "cpu"))
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
                                                      self.config.metrics_port,
@@ -205,6 +217,10 @@ class CacheAgent:
     @property
     def transfer_stack(self) -> TransferStack | None:
         return self._stack
+
+    def _nodes(self) -> dict[NodeId, NodeRecord]:
+        index = self.index
+        return index.nodes() if index is not None else {}
 
     def background(self, task: asyncio.Task[object]) -> None:
         """Keep a loop task referenced until it ends (and log what it raised)."""
@@ -352,18 +368,13 @@ class CacheAgent:
                 verdict = verdicts[node] = self.usable(nodes.get(node))
             return verdict
 
-        with self._inflight_lock:
-            inflight = dict(self._inflight)
+        inflight = self.puller.inflight() if self.puller is not None else {}
         return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
                          num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
 
     def usable(self, record: NodeRecord | None) -> bool:
-        """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
-        if (record is None or record.wire_version != WIRE_VERSION or record.tls != self.config.transfer.tls
-                or self._transport_for(record) is None):
-            return False
-        peer = self.peer_address(record)
-        return peer is not None and self._stack is not None and self._stack.health.available(peer)
+        """A peer we can pull from now (see :meth:`Puller.usable`)."""
+        return self.puller is not None and self.puller.usable(record)
 
     # -- load -----------------------------------------------------------------------------------------
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
@@ -443,97 +454,8 @@ class CacheAgent:
         return self.tiers.header(key)
 
     def _pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
-        assert self.loop is not None
-        try:
-            self.loop.run(self._pull_all(chunks, timeout), timeout + 1.0)
-        except LMCacheP2PError as exc:
-            log.warning("pull of %d chunks failed: %s", len(chunks), exc)
-        for chunk in chunks:
-            if chunk.pieces:
-                self._assemble(chunk)
-
-    async def _pull_all(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        groups: dict[NodeId, list[_Part]] = {}
-        for c in chunks:
-            for piece in c.parts():
-                groups.setdefault(piece.source, []).append(_Part(c, piece))
-        results = await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in groups.items()))
-        retry: dict[NodeId, list[_Part]] = {}
-        for missed in results:
-            for part in missed:
-                alt = next(iter(part.piece.alternatives), None)
-                if alt is not None:
-                    retry.setdefault(alt, []).append(part)
-        if retry and time.monotonic() < deadline:
-            await asyncio.gather(*(self._pull_from(peer, group, deadline) for peer, group in retry.items()))
-
-    def _assemble(self, chunk: PlannedChunk) -> None:
-        """Concatenate a chunk's pieces (head ranges pulled from several peers, each verified on arrival)
-        into one slot under the chunk's key; the pieces go either way."""
-        cpu = self.tiers.cpu
-        keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
-        pins = [cpu.pin(k, self.config.tiers.pin_timeout_s) for k in keys]
-        try:
-            got = [p for p in pins if p is not None]
-            if len(got) < len(pins):
-                return
-            per_head = {p.header.length // (p.header.heads[1] - p.header.heads[0]) for p in got}
-            total = sum(p.header.length for p in got)
-            if len(per_head) != 1 or len({p.header.num_tokens for p in got}) != 1 or total > cpu.slot_bytes:
-                log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
-                return
-            reservation = cpu.reserve()
-            offset = 0
-            for piece in got:
-                n = piece.header.length
-                reservation.view[offset : offset + n] = cpu.slot_view(piece.slot, n)
-                offset += n
-            header = make_header(chunk.key, self.fp, reservation.view[:total], got[0].header.num_tokens,
-                                 min(p.header.epoch for p in got), heads=chunk.heads)
-            if self.tiers.commit_reserved(reservation, header):
-                self.metrics.assembled_chunks.inc()
-        except TierError as exc:
-            log.warning("no slot to assemble chunk %s: %s", chunk.key.hex()[:16], exc)
-        finally:
-            for pin in pins:
-                if pin is not None:
-                    cpu.unpin(pin)
-            for key in keys:
-                cpu.remove(key)
-
-    async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
-        """Pull whole ``chunks`` (this node's heads) from ``node`` into the local pool; those that missed."""
-        missed = await self._pull_from(node, [_Part(c, c.parts()[0]) for c in chunks], deadline)
-        return [p.chunk for p in missed]
-
-    async def _pull_from(self, node: NodeId, parts: list[_Part], deadline: float) -> list[_Part]:
-        """Pull ``parts`` from ``node`` into the local pool; returns those that missed."""
-        record = self.index.nodes().get(node) if self.index is not None else None
-        transport = self._transport_for(record)
-        peer = self.peer_address(record) if record is not None else None
-        if transport is None or peer is None:
-            return parts
-        with self._inflight_lock:
-            self._inflight[node] = self._inflight.get(node, 0) + len(parts)
-        t0 = time.perf_counter()
-        try:
-            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.tiers.cpu,
-                                          max(deadline - time.monotonic(), 0.01))
-        except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
-            # A transport should report failures in its result; whatever escapes is a miss, never the
-            # caller's (the engine's) exception.
-            log.warning("pull from %s failed: %s: %s", node, type(exc).__name__, exc)
-            self._peer_error(node)
-            return parts
-        finally:
-            with self._inflight_lock:
-                self._inflight[node] -= len(parts)
-        self._account(transport.name, node, result, time.perf_counter() - t0)
-        for part in parts:
-            if part.chunk.key in result.loaded and not part.chunk.pieces:
-                self._on_tier_change(part.chunk.key, "cpu")
-        return [p for p in parts if p.chunk.key not in result.loaded]
+        if self.puller is not None:
+            self.puller.pull(chunks, timeout)
 
     async def _prune_peers_forever(self) -> None:
         """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)
@@ -546,54 +468,12 @@ class CacheAgent:
                 log.exception("pruning per-peer state failed")
 
     def _prune_peers(self) -> None:
-        index, stack = self.index, self._stack
-        if index is None or stack is None:
+        index, stack, puller = self.index, self._stack, self.puller
+        if index is None or stack is None or puller is None:
             return
         nodes = index.nodes()
-        live = {a for r in nodes.values() if r.node_id != self.node_id and (a := self.peer_address(r)) is not None}
-        stack.forget_except(live)
-        with self._inflight_lock:
-            for node in [n for n, count in self._inflight.items() if count == 0 and n not in nodes]:
-                del self._inflight[node]
-        for node in [n for n in self._error_peers if n not in nodes]:
-            self._error_peers.discard(node)
-            with contextlib.suppress(KeyError):
-                self.metrics.peer_errors.remove(node)
-
-    def _peer_error(self, node: NodeId) -> None:
-        self._error_peers.add(node)
-        self.metrics.peer_errors.labels(node).inc()
-
-    def _transport_for(self, record: NodeRecord | None) -> Transport | None:
-        if record is None or self._stack is None:
-            return None
-        for name in self.config.transfer.transports:
-            if name in record.transports and name in self._stack.transports:
-                return self._stack.transports[name]
-        return None
-
-    @staticmethod
-    def peer_address(record: NodeRecord) -> PeerAddress | None:
-        address = next(iter(record.addresses.values()), None)
-        if address is None:
-            return None
-        host, _, port = address.rpartition(":")
-        return PeerAddress(host, int(port), record.node_id) if port.isdigit() else None
-
-    def _account(self, transport: str, node: NodeId, result: PullResult, seconds: float) -> None:
-        m = self.metrics
-        m.pull_seconds.labels(transport).observe(seconds)
-        nbytes = sum(h.length for h in result.loaded.values())
-        m.pull_bytes.labels(transport).inc(nbytes)
-        if result.loaded and not result.missed:
-            self.peer_estimates.observe(node, nbytes, seconds)
-        m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
-        for reason in result.missed.values():
-            m.pull_chunks.labels(transport, str(reason)).inc()
-        corrupt = sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM)
-        m.checksum_failures.inc(corrupt)
-        if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
-            self._peer_error(node)
+        stack.forget_except(puller.live_peers(nodes))
+        puller.prune(nodes)
 
     # -- store -------------------------------------------------------------------------------------------
     def store_chunks(self, keys: Sequence[ChunkKey], num_tokens: Sequence[int],
@@ -675,17 +555,3 @@ class CacheAgent:
                         gauge.set(value)
                     elif name == "lease_losses":
                         m.set_lease_losses(int(value))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Part:
-    """One pull: a planned chunk's whole range from its source, or one piece of it."""
-
-    chunk: PlannedChunk
-    piece: Piece
-
-    @property
-    def want(self) -> Want:
-        if not self.chunk.pieces:
-            return Want(self.chunk.key, self.chunk.heads)
-        return Want(self.chunk.key, self.piece.heads, piece_key(self.chunk.key, self.piece.heads))

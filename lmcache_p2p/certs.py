@@ -15,12 +15,10 @@ endpoint's host name against the SANs of that member's certificate.
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -71,24 +69,3 @@ def make_certs(directory: str | Path, specs: Sequence[str], days: int = 825) -> 
         return out
     finally:
         os.umask(old_umask)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p certs", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("directory")
-    p.add_argument("names", nargs="+", metavar="NAME[=SAN,...]")
-    p.add_argument("--days", type=int, default=825)
-    args = p.parse_args(argv)
-    try:
-        made = make_certs(args.directory, args.names, args.days)
-    except (RuntimeError, ValueError, OSError) as exc:
-        print(f"lmcache-p2p certs: {exc}", file=sys.stderr)
-        return 2
-    print(f"{args.directory}: ca.crt " + " ".join(f"{n}.crt" for n in made))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

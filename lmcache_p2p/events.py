@@ -20,13 +20,10 @@ A consumer decodes with ``msgspec.msgpack.Decoder(KVEventBatch)`` (vLLM's class 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import logging
 import queue
-import signal
-import sys
 import threading
 import time
 
@@ -34,11 +31,9 @@ import msgspec
 
 from .aio import LoopThread
 from .config import AgentConfig
-from .errors import LMCacheP2PError
 from .index.reader import IndexReader
 from .index.schema import TIER_NAMES, NodeId
 from .keys import ChunkKey, FingerprintDigest
-from .tool_config import add_etcd_arguments, tool_config
 
 log = logging.getLogger(__name__)
 
@@ -143,43 +138,4 @@ class EventPublisher:
         self._ctx.term()
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p events", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bind", default="tcp://*:5557", help="ZMQ PUB endpoint")
-    add_etcd_arguments(parser)
-    parser.add_argument("--fingerprint", help="hex fingerprint to follow (default: the one fingerprint served)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = tool_config(args, "lmcache-p2p events")
-    try:
-        fp = FingerprintDigest(bytes.fromhex(args.fingerprint)) if args.fingerprint else _only_fingerprint(config)
-    except (ValueError, LMCacheP2PError) as exc:
-        print(f"lmcache-p2p events: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    publisher = EventPublisher(config, fp, args.bind).start()
-    print(f"publishing KV events of {fp.hex()} on {publisher.endpoint}", flush=True)
-    try:
-        stop.wait()
-    finally:
-        publisher.stop()
-    return 0
-
-
-def _only_fingerprint(config: AgentConfig) -> FingerprintDigest:
-    with LoopThread("lmcache-p2p-events-probe") as loop:
-        probe = IndexReader.open(loop, config, FingerprintDigest(b"\0" * 16))
-        try:
-            served = sorted({fp for record in probe.nodes().values() for fp in record.fingerprints})
-        finally:
-            probe.close()
-    if len(served) != 1:
-        raise ValueError(f"{len(served)} fingerprints served ({', '.join(f[:12] for f in served) or 'none'}): "
-                         "pick one with --fingerprint")
-    return FingerprintDigest(bytes.fromhex(served[0]))
-
-
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventPublisher", "KVEventBatch", "main"]
+__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "EventPublisher", "KVEventBatch"]

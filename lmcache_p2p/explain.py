@@ -29,7 +29,7 @@ from .config import AgentConfig, cluster_secret
 from .errors import LMCacheP2PError
 from .index.schema import TIER_NAMES, NodeId, NodeRecord
 from .keys import ChunkKey, FingerprintDigest, chunk_keys
-from .status import scrape
+from .metrics import scrape
 from .transfer.base import PeerAddress
 from .transfer.client import ConnectionPool
 

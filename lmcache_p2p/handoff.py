@@ -26,15 +26,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from .config import HandoffConfig
+from .config import AgentConfig, HandoffConfig
+from .index.protocol import BlockIndex
 from .index.schema import NodeId, NodeRecord
-from .keys import ChunkKey
+from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange
+from .metrics import AgentMetrics
 from .plan import PlannedChunk
-
-if TYPE_CHECKING:
-    from .agent import CacheAgent
+from .tiers import TieredStore
+from .transfer.pull import Puller
+from .transfer.stack import TransferStack
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,34 @@ REOFFER_S = 10.0  # a chunk offered (taken or not) is not offered again for this
 ARRIVE_S = 10.0  # an accepted chunk's pull gets this long
 
 
+class Node(Protocol):
+    """What hand-offs use of their agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+
+    config: AgentConfig
+    fp: FingerprintDigest
+    fingerprint: Fingerprint
+    node_id: NodeId
+    heads: HeadRange
+    chunk_bytes: int
+    tiers: TieredStore
+    metrics: AgentMetrics
+    index: BlockIndex | None
+    puller: Puller | None
+
+    @property
+    def transfer_stack(self) -> TransferStack | None: ...
+
+    def holds(self, key: ChunkKey) -> bool: ...
+
+    def usable(self, record: NodeRecord | None) -> bool: ...
+
+    def node_record(self) -> NodeRecord: ...
+
+    def background(self, task: asyncio.Task[object]) -> None: ...
+
+
 class Handoff:
-    def __init__(self, agent: CacheAgent) -> None:
+    def __init__(self, agent: Node) -> None:
         self.agent = agent
         self.hits: dict[ChunkKey, int] = {}  # local loads and pulls served, per chunk held
         self.served: dict[ChunkKey, int] = {}  # pulls served while no other node held the chunk
@@ -173,7 +201,7 @@ class Handoff:
                 targets.pop(0)
                 continue
             batch, keys = keys[:n], keys[n:]
-            peer = agent.peer_address(record)
+            peer = Puller.peer_address(record)
             if peer is None:
                 targets.pop(0)
                 continue
@@ -233,8 +261,10 @@ class Handoff:
     async def _receive(self, node: NodeId, keys: list[ChunkKey]) -> None:
         agent = self.agent
         try:
+            if agent.puller is None:
+                return
             chunks = [PlannedChunk(i, k, 0, 0, node, heads=agent.heads) for i, k in enumerate(keys)]
-            missed = await agent.pull_from(node, chunks, time.monotonic() + ARRIVE_S)
+            missed = await agent.puller.pull_from(node, chunks, time.monotonic() + ARRIVE_S)
             got = len(keys) - len(missed)
             agent.metrics.handoff_chunks.labels("received").inc(got)
             agent.metrics.handoff_bytes.labels("in").inc(got * agent.chunk_bytes)

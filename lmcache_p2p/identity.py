@@ -23,12 +23,10 @@ identity is the name and the revision (``main`` when none is pinned: pin revisio
 
 from __future__ import annotations
 
-import argparse
 import functools
 import hashlib
 import json
 import os
-import sys
 from pathlib import Path
 
 import xxhash
@@ -71,18 +69,3 @@ def _local_identity(path: str, _stamp: tuple[tuple[str, int, int], ...]) -> str:
                 fh.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
                 weights.update(fh.read(_SAMPLE_BYTES))
     return f"sha:{cfg}-w:{weights.hexdigest()[:16] if files else 'none'}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p identity", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("model", help="a local model directory, or a hub name")
-    p.add_argument("--revision", help="the hub revision the engines serve")
-    args = p.parse_args(argv)
-    try:
-        print(model_identity(args.model, args.revision))
-    except (OSError, ValueError) as exc:
-        print(f"lmcache-p2p identity: {exc}", file=sys.stderr)
-        return 2
-    return 0

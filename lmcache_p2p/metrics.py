@@ -6,8 +6,11 @@ Library code never touches prometheus_client's global registry: the agent receiv
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
+import time
+import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -169,3 +172,45 @@ class MetricsServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
+
+
+SCRAPE_TIMEOUT_S = 2.0
+MAX_SCRAPE_BYTES = 4 << 20
+
+
+def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
+    """Prometheus text format -> ``{"name{labels}": value}``.
+
+    A node record's ``metrics_url`` is whatever someone wrote into etcd: only ``http``/``https``,
+    no redirects, at most ``MAX_SCRAPE_BYTES``, and ``timeout`` for the whole request.
+    """
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"refusing to fetch {url[:100]!r}: only http(s) URLs")
+    deadline = time.monotonic() + timeout
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
+    try:
+        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise ValueError(f"{url}: HTTP {resp.status}")
+        body = bytearray()
+        while len(body) <= MAX_SCRAPE_BYTES:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url}: no complete answer within {timeout:.1f}s")
+            piece = resp.read(65536)
+            if not piece:
+                break
+            body += piece
+        if len(body) > MAX_SCRAPE_BYTES:
+            raise ValueError(f"{url}: answer larger than {MAX_SCRAPE_BYTES} bytes")
+    finally:
+        conn.close()
+    text = body.decode(errors="replace")
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out

@@ -25,18 +25,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import numpy as np
 import xxhash
 
-from .index.schema import TIER_NAMES, NodeId
-from .keys import tokens_to_array
-
-if TYPE_CHECKING:
-    from .agent import CacheAgent
+from .config import AgentConfig
+from .estimates import PeerEstimates, PrefillRate
+from .index.protocol import BlockIndex
+from .index.schema import TIER_NAMES, NodeId, NodeRecord
+from .keys import ChunkKey, Fingerprint, FingerprintDigest, tokens_to_array
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
+
+
+class Node(Protocol):
+    """What scoring reads of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+
+    config: AgentConfig
+    fp: FingerprintDigest
+    fingerprint: Fingerprint
+    node_id: NodeId
+    chunk_bytes: int
+    index: BlockIndex | None
+    peer_estimates: PeerEstimates
+    prefill: PrefillRate
+
+    def keys_for(self, token_ids: list[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]: ...
+
+    def holds(self, key: ChunkKey) -> bool: ...
+
+    def usable(self, record: NodeRecord | None) -> bool: ...
+
+    def node_record(self) -> NodeRecord: ...
 
 
 class ScoreError(ValueError):
@@ -45,7 +67,7 @@ class ScoreError(ValueError):
         self.status = status
 
 
-def parse_request(body: bytes, agent: CacheAgent) -> list[int]:
+def parse_request(body: bytes, agent: Node) -> list[int]:
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -64,7 +86,7 @@ def parse_request(body: bytes, agent: CacheAgent) -> list[int]:
     return tokens
 
 
-def score(agent: CacheAgent, tokens: list[int]) -> dict[str, Any]:
+def score(agent: Node, tokens: list[int]) -> dict[str, Any]:
     """The score of every engine of this fingerprint for ``tokens`` (see the module docstring)."""
     arr = tokens_to_array(tokens)
     keys, spans = agent.keys_for(arr)
@@ -97,7 +119,7 @@ def score(agent: CacheAgent, tokens: list[int]) -> dict[str, Any]:
             "chunk_size": agent.config.chunk_size, "nodes": rows, "best": rows[0]["node"] if rows else None}
 
 
-def _score_node(agent: CacheAgent, node: NodeId, role: str, keys: list[Any], spans: list[tuple[int, int]],
+def _score_node(agent: Node, node: NodeId, role: str, keys: list[Any], spans: list[tuple[int, int]],
                 owners: list[dict[NodeId, int]], can_pull: Callable[[NodeId], bool], num_tokens: int) -> dict[str, Any]:
     local: dict[str, int] = {}
     sources: dict[str, int] = {}
@@ -128,7 +150,7 @@ def _score_node(agent: CacheAgent, node: NodeId, role: str, keys: list[Any], spa
     }
 
 
-def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: CacheAgent) -> Callable[..., Iterable[bytes]]:
+def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: Node) -> Callable[..., Iterable[bytes]]:
     """The agent's HTTP: ``/v1/score`` here, everything else to the Prometheus app."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
@@ -159,46 +181,3 @@ def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: CacheAgent) -> 
         return [data]
 
     return app
-
-
-def main(argv: list[str]) -> int:
-    """``lmcache-p2p score``: ask an agent's ``/v1/score`` where a prompt's cache is."""
-    import argparse
-    import sys
-    import urllib.error
-    import urllib.request
-
-    from .lookup_cli import read_tokens
-
-    parser = argparse.ArgumentParser(prog="lmcache-p2p score", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", required=True, help="an agent's HTTP endpoint, e.g. http://10.0.0.5:9470")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="file of token ids (JSON list or whitespace-separated)")
-    src.add_argument("--text", help="file of text, tokenized with --model's tokenizer")
-    parser.add_argument("--model", help="model directory (tokenizer) for --text")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    body = json.dumps({"tokens": read_tokens(args)}).encode()
-    request = urllib.request.Request(args.url.rstrip("/") + "/v1/score", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=10) as resp:  # noqa: S310 - an operator-given URL
-            answer = json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        print(f"lmcache-p2p score: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
-        return 2
-    except (OSError, ValueError) as exc:
-        print(f"lmcache-p2p score: {args.url}: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(answer))
-        return 0
-    print(f"{answer['tokens']} tokens, fingerprint {answer['fingerprint'][:12]} ({answer['model']}); "
-          f"best: {answer['best']}")
-    for row in answer["nodes"]:
-        local = sum(row["local_tokens"].values())
-        print(f"  {row['node']:<24} matched {row['matched_tokens']:>7}  local {local:>7}  "
-              f"peer {row['peer_tokens']:>7}  est. load {row['estimated_load_ms']:.1f} ms  "
-              f"est. TTFT {row['estimated_ttft_ms']:.1f} ms")
-    return 0

@@ -1,4 +1,4 @@
-"""Nodes inside network namespaces for the multi-host tests (:mod:`lmcache_p2p.netlab`)."""
+"""Nodes inside network namespaces for the multi-host tests (:mod:`lmcache_p2p.testing.netlab`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from agent_helpers import agent_yaml
 
-from lmcache_p2p.netlab import NetLab
+from lmcache_p2p.testing.netlab import NetLab
 
 HERE = Path(__file__).resolve().parent
 

@@ -15,13 +15,13 @@ from prometheus_client import CollectorRegistry
 from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.agent_main import fingerprint_of
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.index.client import EtcdClient, KeyValue
 from lmcache_p2p.index.schema import Schema, decode_node_record
+from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL, HitPlan
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
@@ -37,7 +37,7 @@ def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: st
     cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints,
                             transfer=transfer, handoff=handoff))
     metrics = AgentMetrics(CollectorRegistry())
-    return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=metrics).start()
 
 
@@ -211,7 +211,7 @@ def test_etcd_readers_get_no_nixl_access_material(etcd, cluster_name, tmp_path):
         assert "nixl" in record.transports and "nixl_metadata" not in msgpack.unpackb(
             next(kv.value for kv in kvs if kv.key.endswith(b"/nodes/a")))
         host, port = record.addresses["tcp"].rsplit(":", 1)
-        peer, fp = PeerAddress(host, int(port), "a"), fingerprint_of(config(path).layout).digest
+        peer, fp = PeerAddress(host, int(port), "a"), Fingerprint.of(config(path).layout).digest
 
         good = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, want_nixl=True)
         conn = loop.run(good.get(peer, fp, 3.0), 10)

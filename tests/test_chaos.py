@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from lmcache_p2p import netlab
+from lmcache_p2p.testing import netlab
 
 pytestmark = [pytest.mark.skipif(netlab.available() is not None, reason=f"netns: {netlab.available()}"),
               pytest.mark.timeout(1200)]

@@ -12,14 +12,15 @@ import pytest
 import yaml
 
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.cli.config import main as config_cli
 from lmcache_p2p.cluster_settings import read_at_start
 from lmcache_p2p.config import EtcdConfig, load_config
-from lmcache_p2p.coordinator.cli import main as config_cli
 from lmcache_p2p.coordinator.cluster_config import ClusterConfig, parse_assignments
 from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdServer
+from lmcache_p2p.keys import Fingerprint
 
 
 @pytest.mark.parametrize(("assignment", "field"), [
@@ -145,12 +146,12 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
     from prometheus_client import CollectorRegistry
 
     from lmcache_p2p.agent import CacheAgent
-    from lmcache_p2p.agent_main import fingerprint_of, preload
+    from lmcache_p2p.cli.status import collect
     from lmcache_p2p.metrics import AgentMetrics
-    from lmcache_p2p.status import collect
+    from lmcache_p2p.testing.synthetic import preload
 
     cfg = load_config(_agent_config(tmp_path, etcd, cluster_name, "a"), env={})
-    agent = CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+    agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                        metrics=AgentMetrics(CollectorRegistry())).start()
     base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
     try:

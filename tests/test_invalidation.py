@@ -20,10 +20,10 @@ from agent_helpers import AgentProcess, agent_yaml, config, stop_process, wait_u
 from test_agent_mesh import requester
 from vllm_helpers import scrape
 
-from lmcache_p2p.agent_main import fingerprint_of
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
+from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100  # 5 chunks per seed
@@ -42,7 +42,7 @@ def start(tmp_path: Path, node: str, cluster: str, endpoints: tuple[str, ...], s
 
 
 def fp_hex(tmp_path: Path, node: str) -> str:
-    return fingerprint_of(config(tmp_path / f"{node}.yaml").layout).digest.hex()
+    return Fingerprint.of(config(tmp_path / f"{node}.yaml").layout).digest.hex()
 
 
 def invalidate(etcd, cluster: str, *what: str) -> subprocess.CompletedProcess[str]:

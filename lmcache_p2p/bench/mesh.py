@@ -37,9 +37,9 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from ..agent import CacheAgent
-from ..agent_main import fingerprint_of
 from ..config import load_config
 from ..index.etcd_server import EtcdServer
+from ..keys import Fingerprint
 from ..metrics import AgentMetrics
 from ..testing.synthetic import synthetic_payload, synthetic_tokens
 from .common import emit, gbps
@@ -82,7 +82,7 @@ def working_set(docs: int, requests: int, rate: float, transport: str, etcd: Etc
                 cpu = int(share * 4 * docs) * chunk
                 cfg = load_config(_config(cfg_path, f"{mode}-{i}", etcd.endpoints, transport, cpu,
                                           cluster=f"bench-ws-{mode}", handoff=handoff), env={})
-                agents.append(CacheAgent(cfg, fingerprint_of(cfg.layout), chunk,
+                agents.append(CacheAgent(cfg, Fingerprint.of(cfg.layout), chunk,
                                          metrics=AgentMetrics(CollectorRegistry())).start())
             hits, asked = _serve(agents, docs, order, rate)
             out[f"mesh_hit_rate_{mode}"] = round(hits / asked, 3)
@@ -144,7 +144,7 @@ def _prompt(tokens: int, rounds: int, transport: str, work: Path, etcd: EtcdServ
         assert owner.stdout is not None
         info = json.loads(owner.stdout.readline())
         cfg = load_config(_config(work / "req.yaml", "requester", etcd.endpoints, transport, "512MiB"), env={})
-        agent = CacheAgent(cfg, fingerprint_of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+        agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                            metrics=AgentMetrics(CollectorRegistry())).start()
         try:
             return _measure(agent, synthetic_tokens(1, tokens), rounds, info["stored"], transport)

@@ -14,7 +14,6 @@ key. Peer traffic stays on plain loopback HTTP.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import logging
 import os
@@ -138,7 +137,7 @@ class EtcdCluster:
                  tls_dir: str | Path | None = None,
                  placement: Sequence[tuple[str, Sequence[str]]] | None = None) -> None:
         """``placement``: per member, the address it listens on and an argv prefix that runs it
-        there (a network namespace: :meth:`~lmcache_p2p.netlab.NetLab.etcd`)."""
+        there (a network namespace: :meth:`~lmcache_p2p.testing.netlab.NetLab.etcd`)."""
         if size < 1:
             raise ValueError(f"size must be >= 1, got {size}")
         self._tmp = Path(tempfile.mkdtemp(prefix="lmcache-p2p-etcd-", dir=base_dir))
@@ -260,23 +259,3 @@ class EtcdServer(EtcdCluster):
     def pid(self) -> int | None:
         proc = self.members[0].proc
         return proc.pid if proc is not None else None
-
-
-def main(argv: list[str]) -> int:
-    """``lmcache-p2p etcd [--members N] [--unsafe-no-fsync]``: run until interrupted."""
-    parser = argparse.ArgumentParser(prog="lmcache-p2p etcd", description=__doc__.split("\n")[0])
-    parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
-    parser.add_argument("--unsafe-no-fsync", action="store_true", help="faster, loses data on power loss")
-    args = parser.parse_args(argv)
-    cluster = EtcdCluster(args.members, unsafe_no_fsync=args.unsafe_no_fsync).start()
-    try:
-        print(",".join(cluster.endpoints), flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        while all(m.alive() for m in cluster.members):
-            time.sleep(0.5)
-        print("an etcd member exited", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        cluster.stop()

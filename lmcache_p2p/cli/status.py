@@ -21,18 +21,16 @@ import json
 import re
 import sys
 import time
-import urllib.parse
-import urllib.request
 from collections import Counter, defaultdict
 from typing import Any
 
-from .config import AgentConfig, EtcdConfig
-from .errors import LMCacheP2PError, MalformedRecord
-from .index.client import EtcdClient, translate
-from .index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
-from .tool_config import add_etcd_arguments, tool_config
+from ..config import AgentConfig, EtcdConfig
+from ..errors import LMCacheP2PError, MalformedRecord
+from ..index.client import EtcdClient, translate
+from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
+from ..metrics import SCRAPE_TIMEOUT_S, scrape
+from .common import add_etcd_arguments, tool_config
 
-SCRAPE_TIMEOUT_S = 2.0
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
 
 
@@ -58,47 +56,6 @@ class NodeStatus:
     handoff: dict[str, float] = dataclasses.field(default_factory=dict)  # hand-off events (accepted, received, ...)
     config_revision: int = 0  # the cluster config revision the node runs
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
-
-
-MAX_SCRAPE_BYTES = 4 << 20
-
-
-def scrape(url: str, timeout: float = SCRAPE_TIMEOUT_S) -> dict[str, float]:
-    """Prometheus text format -> ``{"name{labels}": value}``.
-
-    A node record's ``metrics_url`` is whatever someone wrote into etcd: only ``http``/``https``,
-    no redirects, at most ``MAX_SCRAPE_BYTES``, and ``timeout`` for the whole request.
-    """
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"refusing to fetch {url[:100]!r}: only http(s) URLs")
-    deadline = time.monotonic() + timeout
-    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = conn_cls(parts.hostname, parts.port, timeout=timeout)
-    try:
-        conn.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""))
-        resp = conn.getresponse()
-        if resp.status != 200:
-            raise ValueError(f"{url}: HTTP {resp.status}")
-        body = bytearray()
-        while len(body) <= MAX_SCRAPE_BYTES:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}: no complete answer within {timeout:.1f}s")
-            piece = resp.read(65536)
-            if not piece:
-                break
-            body += piece
-        if len(body) > MAX_SCRAPE_BYTES:
-            raise ValueError(f"{url}: answer larger than {MAX_SCRAPE_BYTES} bytes")
-    finally:
-        conn.close()
-    text = body.decode(errors="replace")
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
 
 
 def _apply_metrics(node: NodeStatus, url: str | None) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .index.etcd_server import EtcdCluster
+    from ..index.etcd_server import EtcdCluster
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class NetLab:
 
     def etcd(self, hosts: Sequence[int], **kwargs: Any) -> EtcdCluster:
         """An etcd cluster with one member in each of ``hosts`` (not started: ``.start()``)."""
-        from .index.etcd_server import EtcdCluster
+        from ..index.etcd_server import EtcdCluster
 
         return EtcdCluster(len(hosts), placement=[(self.ip(h), self.prefix(h)) for h in hosts], **kwargs)
 

@@ -1,4 +1,5 @@
-"""The one way a command-line tool reaches etcd: the same config an agent uses, and the same errors.
+"""What the commands share: prompt files (``read_tokens``) and the one way a command reaches etcd,
+with the same config an agent uses and the same errors.
 
     add_etcd_arguments(parser)              --etcd, --cluster, --config
     config = tool_config(args, "lmcache-p2p status")          # exits 2 naming what is wrong
@@ -15,10 +16,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
-from .config import AgentConfig, load_config
+from ..config import AgentConfig, load_config
 
 
 def add_etcd_arguments(parser: argparse.ArgumentParser, *, default_help: str = "config/env") -> None:
@@ -48,8 +51,23 @@ def etcd_endpoints(config: AgentConfig, prog: str, *, private_ok: bool = False) 
     if config.etcd.endpoints or not private_ok:
         yield config
         return
-    from .index.etcd_server import EtcdServer
+    from ..index.etcd_server import EtcdServer
 
     with EtcdServer() as server:
         print(f"# {prog}: no --etcd: started a private etcd at {server.endpoint}", file=sys.stderr, flush=True)
         yield dataclasses.replace(config, etcd=dataclasses.replace(config.etcd, endpoints=server.endpoints))
+
+
+def read_tokens(args: argparse.Namespace) -> list[int]:
+    """A prompt's token ids: ``--tokens FILE`` (a JSON list or whitespace-separated ids) or ``--text FILE``
+    tokenized with ``--model``'s tokenizer."""
+    if args.tokens:
+        text = Path(args.tokens).read_text().strip()
+        data = json.loads(text) if text.startswith("[") else [int(t) for t in text.split()]
+        return [int(t) for t in data]
+    if not args.model:
+        raise SystemExit("--text needs --model (the tokenizer to use)")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    return list(tokenizer(Path(args.text).read_text())["input_ids"])

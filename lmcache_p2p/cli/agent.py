@@ -17,27 +17,14 @@ import signal
 import sys
 import threading
 
-from .agent import CacheAgent
-from .cluster_settings import read_at_start
-from .config import LayoutConfig, cluster_secret, load_config
-from .errors import LMCacheP2PError
-from .keys import Fingerprint
-from .testing.synthetic import synthetic_payload, synthetic_tokens
+from ..agent import CacheAgent
+from ..cluster_settings import read_at_start
+from ..config import cluster_secret, load_config
+from ..errors import LMCacheP2PError
+from ..keys import Fingerprint
+from ..testing.synthetic import preload
 
 log = logging.getLogger(__name__)
-
-
-def fingerprint_of(layout: LayoutConfig) -> Fingerprint:
-    return Fingerprint.of(layout)
-
-
-def preload(agent: CacheAgent, seed: int, num_tokens: int) -> int:
-    tokens = synthetic_tokens(seed, num_tokens)
-    keys, spans = agent.keys_for(tokens)
-    layout = agent.config.layout
-    payloads = [memoryview(synthetic_payload(k, layout.chunk_bytes(e - s)))
-                for k, (s, e) in zip(keys, spans, strict=True)]
-    return agent.store_chunks(keys, [e - s for s, e in spans], payloads).result(timeout=120)
 
 
 def main(argv: list[str]) -> int:
@@ -61,7 +48,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    agent = CacheAgent(config, fingerprint_of(config.layout), config.layout.chunk_bytes(config.chunk_size),
+    agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                        secret=cluster_secret(config), role="cache")
     try:
         agent.start()

@@ -1,7 +1,7 @@
 """``lmcache-p2p config get | set KEY=VALUE ... | watch``: the cluster config in etcd.
 
 ``--etcd URL[,URL...]`` (or ``LMCACHE_P2P_ETCD_ENDPOINTS``, or ``--config``: TLS and auth too, as
-for an agent, see ``tool_config.py``) names the cluster's etcd. Without one, the command starts a
+for an agent, see ``cli/common.py``) names the cluster's etcd. Without one, the command starts a
 private etcd on loopback with a temporary data dir (the embedded default) and stops it on exit:
 ``get`` then shows the defaults and ``set`` validates and shows the result but nothing outlives the
 command, so for get/set it is only a demo. ``watch`` prints the private etcd's endpoint on stderr,
@@ -17,13 +17,12 @@ import dataclasses
 import json
 import sys
 
-from lmcache_p2p.config import EtcdConfig
-from lmcache_p2p.errors import ConfigError, IndexError_
-from lmcache_p2p.index.client import EtcdClient
-from lmcache_p2p.tool_config import add_etcd_arguments, etcd_endpoints, tool_config
-
-from .cluster_config import ClusterConfig, parse_assignments
-from .store import ConfigStore, ConfigWatcher
+from ..config import EtcdConfig
+from ..coordinator.cluster_config import ClusterConfig, parse_assignments
+from ..coordinator.store import ConfigStore, ConfigWatcher
+from ..errors import ConfigError, IndexError_
+from ..index.client import EtcdClient
+from .common import add_etcd_arguments, etcd_endpoints, tool_config
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,12 +21,12 @@ import asyncio
 import sys
 import time
 
-from .config import AgentConfig
-from .errors import LMCacheP2PError, MalformedRecord
-from .index.client import EtcdClient, KeyValue
-from .index.schema import Schema, decode_node_record
-from .invalidation import Invalidation, issue
-from .tool_config import add_etcd_arguments, tool_config
+from ..config import AgentConfig
+from ..errors import LMCacheP2PError, MalformedRecord
+from ..index.client import EtcdClient, KeyValue
+from ..index.schema import Schema, decode_node_record
+from ..invalidation import Invalidation, issue
+from .common import add_etcd_arguments, tool_config
 
 POLL_S = 0.2
 

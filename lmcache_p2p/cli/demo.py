@@ -17,12 +17,12 @@ import threading
 import time
 from pathlib import Path
 
-from .bench.vllm import agent_config
-from .config import load_config
-from .index.etcd_server import EtcdServer
+from ..bench.vllm import agent_config
+from ..config import load_config
+from ..index.etcd_server import EtcdServer
+from ..testing.engine_client import EngineProcess
+from ..testing.tiny_model import create_tiny_model
 from .status import collect, render
-from .testing.engine_client import EngineProcess
-from .testing.tiny_model import create_tiny_model
 
 
 def say(step: int, total: int, text: str) -> None:

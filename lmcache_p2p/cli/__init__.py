@@ -1,4 +1,7 @@
-"""The ``lmcache-p2p`` command. Each subcommand lives in its own module with a ``main(argv)``."""
+"""The ``lmcache-p2p`` command: one module per subcommand here, each with a ``main(argv)`` returning the exit
+code; the benchmarks' are in ``lmcache_p2p/bench/`` (one module per bench). Shared argument handling
+(etcd endpoints, TLS, auth, the private-etcd fallback; prompt files): ``common.py``.
+"""
 
 from __future__ import annotations
 
@@ -15,18 +18,18 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
     ("bench", "route"): ("lmcache_p2p.bench.route:main", "TTFT with /v1/score routing vs round-robin, 3 vLLM engines"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
-    ("config",): ("lmcache_p2p.coordinator.cli:main", "cluster config in etcd: get | set | watch"),
-    ("agent",): ("lmcache_p2p.agent_main:main", "run a standalone cache agent"),
-    ("status",): ("lmcache_p2p.status:main", "cluster status from etcd and agents' metrics"),
-    ("invalidate",): ("lmcache_p2p.invalidate_cli:main", "drop chunks mesh-wide: by fingerprint, tenant, node"),
-    ("lookup",): ("lmcache_p2p.lookup_cli:main", "which chunks of a prompt are held where (--explain: why not)"),
-    ("score",): ("lmcache_p2p.score:main", "where a prompt's cache is, per node, from an agent's /v1/score"),
-    ("events",): ("lmcache_p2p.events:main", "the mesh index as vLLM KV events (ZMQ PUB) for KV-aware routers"),
-    ("demo",): ("lmcache_p2p.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
+    ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),
+    ("agent",): ("lmcache_p2p.cli.agent:main", "run a standalone cache agent"),
+    ("status",): ("lmcache_p2p.cli.status:main", "cluster status from etcd and agents' metrics"),
+    ("invalidate",): ("lmcache_p2p.cli.invalidate:main", "drop chunks mesh-wide: by fingerprint, tenant, node"),
+    ("lookup",): ("lmcache_p2p.cli.lookup:main", "which chunks of a prompt are held where (--explain: why not)"),
+    ("score",): ("lmcache_p2p.cli.score:main", "where a prompt's cache is, per node, from an agent's /v1/score"),
+    ("events",): ("lmcache_p2p.cli.events:main", "the mesh index as vLLM KV events (ZMQ PUB) for KV-aware routers"),
+    ("demo",): ("lmcache_p2p.cli.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
     ("bench", "kernels"): ("lmcache_p2p.kernels.bench:main", "paged-KV gather/scatter vs memcpy"),
-    ("identity",): ("lmcache_p2p.identity:main", "a model's identity (layout.model_id) from its files"),
-    ("certs",): ("lmcache_p2p.certs:main", "a cluster CA and TLS certificates (transfer, etcd)"),
-    ("etcd",): ("lmcache_p2p.index.etcd_server:main", "run a private etcd (the embedded default)"),
+    ("identity",): ("lmcache_p2p.cli.identity:main", "a model's identity (layout.model_id) from its files"),
+    ("certs",): ("lmcache_p2p.cli.certs:main", "a cluster CA and TLS certificates (transfer, etcd)"),
+    ("etcd",): ("lmcache_p2p.cli.etcd:main", "run a private etcd (the embedded default)"),
 }
 
 

@@ -19,30 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .aio import LoopThread
-from .config import AgentConfig
-from .errors import LMCacheP2PError
-from .explain import explain, recent_evictions
-from .index.client import EtcdClient
-from .index.reader import IndexReader
-from .index.schema import NodeId, Schema, decode_invalidation
-from .keys import FingerprintDigest, chunk_keys, chunk_spans
-from .tool_config import add_etcd_arguments, tool_config
-
-
-def read_tokens(args: argparse.Namespace) -> list[int]:
-    if args.tokens:
-        text = Path(args.tokens).read_text().strip()
-        data = json.loads(text) if text.startswith("[") else [int(t) for t in text.split()]
-        return [int(t) for t in data]
-    if not args.model:
-        raise SystemExit("lmcache-p2p lookup: --text needs --model (the tokenizer to use)")
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    return list(tokenizer(Path(args.text).read_text())["input_ids"])
+from ..aio import LoopThread
+from ..config import AgentConfig
+from ..errors import LMCacheP2PError
+from ..explain import explain, recent_evictions
+from ..index.client import EtcdClient
+from ..index.reader import IndexReader
+from ..index.schema import NodeId, Schema, decode_invalidation
+from ..keys import FingerprintDigest, chunk_keys, chunk_spans
+from .common import add_etcd_arguments, read_tokens, tool_config
 
 
 def main(argv: list[str]) -> int:

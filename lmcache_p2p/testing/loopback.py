@@ -1,0 +1,121 @@
+"""An in-process :class:`~lmcache_p2p.transfer.base.Transport` for fast unit tests.
+
+Owners are CPU pools registered under a :class:`PeerAddress` on a shared :class:`LoopbackNet`; a
+pull copies the owner's verified bytes (the requested head range) into the destination pool and
+verifies them again on arrival, as the TCP and NIXL transports do. Faults are set per owner:
+``dead`` (connection refused), ``hang`` (answers nothing until the deadline), ``corrupt`` (one
+byte flipped on the way), ``delay_s`` (answers late). Peer health (backoff) is shared with the
+real transports' :func:`~lmcache_p2p.transfer.client.guarded_pull`.
+
+Never instead of the integration tests: those pull over real sockets and NIXL agents in other
+processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Collection, Sequence
+
+from ..chunk import ChunkHeader, slice_heads, verify
+from ..errors import ChunkError, PeerTimeout, TierError, TransferError
+from ..keys import ChunkKey, FingerprintDigest
+from ..tiers.cpu_pool import CpuPool
+from ..transfer.base import MissReason, PeerAddress, PullResult, Want, wants_of
+from ..transfer.client import guarded_pull
+from ..transfer.health import PeerHealth
+
+
+@dataclasses.dataclass(slots=True)
+class Owner:
+    pool: CpuPool
+    fault: str | None = None  # None | "dead" | "hang" | "corrupt"
+    delay_s: float = 0.0
+    served: int = 0  # chunks sent
+
+
+class LoopbackNet:
+    """Owners by address, shared by every :class:`LoopbackTransport` of one test."""
+
+    def __init__(self) -> None:
+        self.owners: dict[tuple[str, int], Owner] = {}
+
+    def add(self, peer: PeerAddress, pool: CpuPool) -> Owner:
+        owner = self.owners[(peer.host, peer.port)] = Owner(pool)
+        return owner
+
+    def owner(self, peer: PeerAddress) -> Owner:
+        return self.owners[(peer.host, peer.port)]
+
+
+class LoopbackTransport:
+    def __init__(self, net: LoopbackNet, health: PeerHealth, name: str = "loopback") -> None:
+        self.net = net
+        self.health = health
+        self.name = name
+        self.pulls: list[tuple[PeerAddress, int]] = []  # (peer, chunks asked) per pull, in order
+
+    async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
+                   dst: CpuPool, timeout: float) -> PullResult:
+        wants = wants_of(keys)
+        self.pulls.append((peer, len(wants)))
+        return await guarded_pull(self.health, peer, wants,
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
+
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
+                    result: PullResult, timeout: float) -> None:
+        owner = self.net.owners.get((peer.host, peer.port))
+        if owner is None or owner.fault == "dead":
+            raise TransferError(f"{peer}: connection refused")
+        if owner.fault == "hang" or owner.delay_s >= timeout:
+            await asyncio.sleep(timeout)
+            raise PeerTimeout(f"{peer}: pull of {len(wants)} chunks ran past {timeout:.1f}s")
+        if owner.delay_s:
+            await asyncio.sleep(owner.delay_s)
+        for want in wants:
+            pin = owner.pool.pin(want.key, 5.0)
+            if pin is None or pin.header.fingerprint != fp:
+                if pin is not None:
+                    owner.pool.unpin(pin)
+                result.missed[want.key] = MissReason.ABSENT
+                continue
+            try:
+                header, payload = slice_heads(pin.header, verify(pin.header, owner.pool.slot_view(pin.slot,
+                                              pin.header.length)), want.heads or pin.header.heads)
+                self._land(want, header, payload, dst, result, corrupt=owner.fault == "corrupt")
+                owner.served += 1
+            except ChunkError:  # the owner's own copy is bad, or the heads asked are not all there
+                result.missed[want.key] = MissReason.ABSENT
+            finally:
+                owner.pool.unpin(pin)
+
+    @staticmethod
+    def _land(want: Want, header: ChunkHeader, payload: memoryview, dst: CpuPool, result: PullResult,
+              corrupt: bool) -> None:
+        """Copy into a slot of ``dst``, verify on arrival, commit (under ``store_as`` for a piece)."""
+        try:
+            reservation = dst.reserve()
+        except TierError:
+            result.missed[want.key] = MissReason.CAPACITY
+            return
+        view = reservation.view[: header.length]
+        view[:] = payload
+        if corrupt:
+            view[len(view) // 2] ^= 0xFF
+        try:
+            verify(header, view)
+        except ChunkError:
+            dst.release(reservation)
+            result.missed[want.key] = MissReason.CHECKSUM
+            return
+        stored = header if want.store_as is None else dataclasses.replace(header, key=want.store_as)
+        if not dst.commit(reservation, stored):
+            result.missed[want.key] = MissReason.INVALIDATED
+            return
+        result.loaded[want.key] = header
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        self.health.forget_except(live)
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,258 @@
+"""Pull orchestration: the remote part of a hit plan, into this node's CPU pool.
+
+    puller = Puller(node_id, fp, pool, transports, ["nixl", "tcp"], health, index.nodes, metrics, estimates, loop)
+    puller.pull(plan_chunks, timeout)      # blocks the caller up to ``timeout``; never raises for a peer
+    await puller.pull_from(node, chunks, deadline)   # on the loop: whole chunks from one peer (hand-offs)
+
+One pass: the planned chunks are grouped by owner (a chunk assembled from several owners' head
+ranges is one *part* per piece), every group is pulled concurrently over the first transport in
+``preference`` both sides speak, verified on arrival by the transport and committed into the
+pool; the parts that missed are tried once more on their planned alternative owner while the
+deadline allows; pieces are then concatenated into their chunk. Metrics (pull latency, bytes,
+outcome per chunk, checksum failures, peer errors) and the per-peer latency model are fed here.
+Which peers are worth asking (``usable``) and how many chunks each is already sending us
+(``inflight``, for the planner) are answered here too.
+
+Nothing in this module knows about etcd or the engine: the index comes in as ``nodes()`` (the
+mirror's live node records), the transports as a mapping by name, so the unit tests drive it with
+the loopback transport and in-memory records (``lmcache_p2p.testing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+from ..aio import LoopThread
+from ..chunk import make_header
+from ..errors import LMCacheP2PError, TierError
+from ..estimates import PeerEstimates
+from ..index.schema import WIRE_VERSION, NodeId, NodeRecord
+from ..keys import ChunkKey, FingerprintDigest, piece_key
+from ..metrics import AgentMetrics
+from ..plan import Piece, PlannedChunk
+from ..tiers.cpu_pool import CpuPool
+from .base import MissReason, PeerAddress, PullResult, Transport, Want
+from .health import PeerHealth
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Part:
+    """One pull: a planned chunk's whole range from its source, or one piece of it."""
+
+    chunk: PlannedChunk
+    piece: Piece
+
+    @property
+    def want(self) -> Want:
+        if not self.chunk.pieces:
+            return Want(self.chunk.key, self.chunk.heads)
+        return Want(self.chunk.key, self.piece.heads, piece_key(self.chunk.key, self.piece.heads))
+
+
+class Puller:
+    def __init__(
+        self,
+        node_id: NodeId,
+        fp: FingerprintDigest,
+        pool: CpuPool,
+        transports: Mapping[str, Transport],
+        preference: Sequence[str],
+        health: PeerHealth,
+        nodes: Callable[[], Mapping[NodeId, NodeRecord]],
+        metrics: AgentMetrics,
+        estimates: PeerEstimates,
+        loop: LoopThread,
+        *,
+        tls: bool = False,
+        pin_timeout_s: float = 5.0,
+        on_loaded: Callable[[ChunkKey], None] | None = None,
+    ) -> None:
+        self.node_id = node_id
+        self.fp = fp
+        self.pool = pool
+        self.transports = transports
+        self.preference = tuple(preference)  # transport names, most preferred first
+        self.health = health
+        self.nodes = nodes
+        self.metrics = metrics
+        self.estimates = estimates
+        self.loop = loop
+        self.tls = tls
+        self.pin_timeout_s = pin_timeout_s
+        self.on_loaded = on_loaded  # a whole chunk landed in the pool (the agent announces it)
+        self._inflight: dict[NodeId, int] = {}
+        self._inflight_lock = threading.Lock()  # the planner reads it from the engine's threads
+        self._error_peers: set[NodeId] = set()  # label values of peer_errors, pruned with the peers
+
+    # -- which peers -------------------------------------------------------------------------------
+    def transport_for(self, record: NodeRecord | None) -> Transport | None:
+        """The most preferred transport both sides speak."""
+        if record is None:
+            return None
+        for name in self.preference:
+            if name in record.transports and name in self.transports:
+                return self.transports[name]
+        return None
+
+    @staticmethod
+    def peer_address(record: NodeRecord) -> PeerAddress | None:
+        address = next(iter(record.addresses.values()), None)
+        if address is None:
+            return None
+        host, _, port = address.rpartition(":")
+        return PeerAddress(host, int(port), record.node_id) if port.isdigit() else None
+
+    def usable(self, record: NodeRecord | None) -> bool:
+        """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
+        if (record is None or record.wire_version != WIRE_VERSION or record.tls != self.tls
+                or self.transport_for(record) is None):
+            return False
+        peer = self.peer_address(record)
+        return peer is not None and self.health.available(peer)
+
+    def inflight(self) -> dict[NodeId, int]:
+        """Chunks being pulled now, per owner (the planner spreads new pulls away from busy owners)."""
+        with self._inflight_lock:
+            return {n: c for n, c in self._inflight.items() if c}
+
+    # -- pulling -----------------------------------------------------------------------------------
+    def pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
+        """Pull ``chunks`` into the pool within ``timeout`` (from any thread but the loop's); what
+        misses is simply not in the pool afterwards: the caller recomputes it."""
+        try:
+            self.loop.run(self.pull_all(chunks, timeout), timeout + 1.0)
+        except LMCacheP2PError as exc:
+            log.warning("pull of %d chunks failed: %s", len(chunks), exc)
+        for chunk in chunks:
+            if chunk.pieces:
+                self.assemble(chunk)
+
+    async def pull_all(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
+        """On the loop: one concurrent pull per owner, then one retry round on the alternatives."""
+        deadline = time.monotonic() + timeout
+        groups: dict[NodeId, list[Part]] = {}
+        for c in chunks:
+            for piece in c.parts():
+                groups.setdefault(piece.source, []).append(Part(c, piece))
+        results = await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in groups.items()))
+        retry: dict[NodeId, list[Part]] = {}
+        for missed in results:
+            for part in missed:
+                alt = next(iter(part.piece.alternatives), None)
+                if alt is not None:
+                    retry.setdefault(alt, []).append(part)
+        if retry and time.monotonic() < deadline:
+            await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
+
+    async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
+        """Pull whole ``chunks`` (this node's heads) from ``node`` into the pool; those that missed."""
+        missed = await self._pull_parts(node, [Part(c, c.parts()[0]) for c in chunks], deadline)
+        return [p.chunk for p in missed]
+
+    async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
+        """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure."""
+        record = self.nodes().get(node)
+        transport = self.transport_for(record)
+        peer = self.peer_address(record) if record is not None else None
+        if transport is None or peer is None:
+            return parts
+        with self._inflight_lock:
+            self._inflight[node] = self._inflight.get(node, 0) + len(parts)
+        t0 = time.perf_counter()
+        try:
+            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool,
+                                          max(deadline - time.monotonic(), 0.01))
+        except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
+            # A transport should report failures in its result; whatever escapes is a miss, never the
+            # caller's (the engine's) exception.
+            log.warning("pull from %s failed: %s: %s", node, type(exc).__name__, exc)
+            self._peer_error(node)
+            return parts
+        finally:
+            with self._inflight_lock:
+                self._inflight[node] -= len(parts)
+        self._account(transport.name, node, result, time.perf_counter() - t0)
+        if self.on_loaded is not None:
+            for part in parts:
+                if part.chunk.key in result.loaded and not part.chunk.pieces:
+                    self.on_loaded(part.chunk.key)
+        return [p for p in parts if p.chunk.key not in result.loaded]
+
+    def assemble(self, chunk: PlannedChunk) -> bool:
+        """Concatenate a chunk's pieces (head ranges pulled from several peers, each verified on
+        arrival) into one slot under the chunk's key; the pieces go either way. True if it landed."""
+        pool = self.pool
+        keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
+        pins = [pool.pin(k, self.pin_timeout_s) for k in keys]
+        try:
+            got = [p for p in pins if p is not None]
+            if len(got) < len(pins):
+                return False
+            per_head = {p.header.length // (p.header.heads[1] - p.header.heads[0]) for p in got}
+            total = sum(p.header.length for p in got)
+            if len(per_head) != 1 or len({p.header.num_tokens for p in got}) != 1 or total > pool.slot_bytes:
+                log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
+                return False
+            reservation = pool.reserve()
+            offset = 0
+            for piece in got:
+                n = piece.header.length
+                reservation.view[offset : offset + n] = pool.slot_view(piece.slot, n)
+                offset += n
+            header = make_header(chunk.key, self.fp, reservation.view[:total], got[0].header.num_tokens,
+                                 min(p.header.epoch for p in got), heads=chunk.heads)
+            if not pool.commit(reservation, header):
+                return False
+            self.metrics.assembled_chunks.inc()
+            if self.on_loaded is not None:
+                self.on_loaded(chunk.key)
+            return True
+        except TierError as exc:
+            log.warning("no slot to assemble chunk %s: %s", chunk.key.hex()[:16], exc)
+            return False
+        finally:
+            for pin in pins:
+                if pin is not None:
+                    pool.unpin(pin)
+            for key in keys:
+                pool.remove(key)
+
+    # -- bookkeeping -------------------------------------------------------------------------------
+    def live_peers(self, nodes: Mapping[NodeId, NodeRecord]) -> set[PeerAddress]:
+        return {a for r in nodes.values() if r.node_id != self.node_id and (a := self.peer_address(r)) is not None}
+
+    def prune(self, nodes: Mapping[NodeId, NodeRecord]) -> None:
+        """Forget in-flight counts and metric labels of nodes no longer in the index."""
+        with self._inflight_lock:
+            for node in [n for n, count in self._inflight.items() if count == 0 and n not in nodes]:
+                del self._inflight[node]
+        for node in [n for n in self._error_peers if n not in nodes]:
+            self._error_peers.discard(node)
+            with contextlib.suppress(KeyError):
+                self.metrics.peer_errors.remove(node)
+
+    def _peer_error(self, node: NodeId) -> None:
+        self._error_peers.add(node)
+        self.metrics.peer_errors.labels(node).inc()
+
+    def _account(self, transport: str, node: NodeId, result: PullResult, seconds: float) -> None:
+        m = self.metrics
+        m.pull_seconds.labels(transport).observe(seconds)
+        nbytes = sum(h.length for h in result.loaded.values())
+        m.pull_bytes.labels(transport).inc(nbytes)
+        if result.loaded and not result.missed:
+            self.estimates.observe(node, nbytes, seconds)
+        m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
+        for reason in result.missed.values():
+            m.pull_chunks.labels(transport, str(reason)).inc()
+        m.checksum_failures.inc(sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM))
+        if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
+            self._peer_error(node)

@@ -1,0 +1,236 @@
+"""The pull orchestration (``transfer/pull.py``) as a unit: plan -> pull -> retry -> verify -> assemble ->
+metrics, over the loopback transport and the in-memory index, in milliseconds. The same paths run
+against real owner processes over TCP and NIXL in test_transfer_peers, test_agent_mesh and test_tp."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.chunk import make_header
+from lmcache_p2p.estimates import PeerEstimates
+from lmcache_p2p.index.schema import WIRE_VERSION, NodeId, NodeRecord
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
+from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.plan import PlannedChunk, make_plan
+from lmcache_p2p.testing.loopback import LoopbackNet, LoopbackTransport
+from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
+from lmcache_p2p.tiers.cpu_pool import CpuPool
+from lmcache_p2p.transfer.base import PeerAddress
+from lmcache_p2p.transfer.health import PeerHealth
+from lmcache_p2p.transfer.pull import Puller
+
+FP = FingerprintDigest(b"\x01" * 16)
+HEADS = 4
+SLOT = 4096  # bytes per chunk: 1 KiB per head
+CHUNK = 256
+
+
+def payload(key: ChunkKey, heads: HeadRange = (0, HEADS)) -> bytes:
+    """The full chunk's bytes for ``key`` (deterministic), or its head range ``heads``."""
+    full = np.random.default_rng(int.from_bytes(key[:8], "little")).bytes(SLOT)
+    per = SLOT // HEADS
+    return full[heads[0] * per : heads[1] * per]
+
+
+class Mesh:
+    """Owner pools on a loopback net, their records in an in-memory index, one requester's Puller."""
+
+    def __init__(self, loop: LoopThread) -> None:
+        self.loop = loop
+        self.net = LoopbackNet()
+        self.index_mesh = MemoryMesh()
+        self.health = PeerHealth(30.0)
+        self.transport = LoopbackTransport(self.net, self.health)
+        self.registry = CollectorRegistry()
+        self.metrics = AgentMetrics(self.registry)
+        self.pool = CpuPool(16 * SLOT, SLOT)
+        self.announced: list[ChunkKey] = []
+        self.me = MemoryIndex(self.index_mesh, self.record("me", 1))
+        self.puller = Puller(NodeId("me"), FP, self.pool, {"loopback": self.transport}, ["loopback"], self.health,
+                             self.me.nodes, self.metrics, PeerEstimates(), loop, on_loaded=self.announced.append)
+        self.owners: dict[str, MemoryIndex] = {}
+        self.pools: dict[str, CpuPool] = {}
+
+    def record(self, node: str, port: int, heads: HeadRange = (0, HEADS), **fields: object) -> NodeRecord:
+        base: dict[str, object] = {"node_id": NodeId(node), "addresses": {"loopback": f"127.0.0.1:{port}"},
+                                   "transports": ("loopback",), "fingerprints": (FP.hex(),),
+                                   "heads": {FP.hex(): [*heads, HEADS]}}
+        return NodeRecord(**{**base, **fields})  # type: ignore[arg-type]
+
+    def owner(self, node: str, keys: list[ChunkKey], heads: HeadRange = (0, HEADS), tier: int = 1) -> PeerAddress:
+        port = 7000 + len(self.owners)
+        pool = self.pools[node] = CpuPool(16 * SLOT, SLOT)
+        for key in keys:
+            data = payload(key, heads)
+            pool.put(make_header(key, FP, data, CHUNK, heads=heads), memoryview(data))
+        peer = PeerAddress("127.0.0.1", port, node)
+        self.net.add(peer, pool)
+        index = self.owners[node] = MemoryIndex(self.index_mesh, self.record(node, port, heads))
+        index.add_many(FP, keys, tier)
+        return peer
+
+    def plan(self, keys: list[ChunkKey]) -> list[PlannedChunk]:
+        spans = [(i * CHUNK, (i + 1) * CHUNK) for i in range(len(keys))]
+        nodes = self.me.nodes()
+        p = make_plan(keys, spans, local=self.pool.contains,
+                      owners=lambda ks: [{n: t for n, t in o.items() if n != "me"} for o in self.me.owners(FP, ks)],
+                      usable=lambda n: self.puller.usable(nodes.get(n)), inflight=self.puller.inflight(),
+                      num_tokens=len(keys) * CHUNK, need=(0, HEADS),
+                      heads_of=lambda n: nodes[n].heads_of(FP.hex(), HEADS))
+        return list(p.chunks)
+
+    def held(self, key: ChunkKey) -> bytes | None:
+        pin = self.pool.pin(key, 1.0)
+        if pin is None:
+            return None
+        try:
+            return bytes(self.pool.slot_view(pin.slot, pin.header.length))
+        finally:
+            self.pool.unpin(pin)
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(f"lmcache_p2p_{name}", labels) or 0.0
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    with LoopThread("test-pull") as loop:
+        yield loop
+
+
+@pytest.fixture
+def mesh(loop: LoopThread) -> Mesh:
+    return Mesh(loop)
+
+
+KEYS = chunk_keys(FP, list(range(4 * CHUNK)), CHUNK)
+
+
+def test_planned_chunks_arrive_verified_and_are_announced(mesh: Mesh) -> None:
+    mesh.owner("a", KEYS)
+    chunks = mesh.plan(KEYS)
+    assert [c.source for c in chunks] == ["a"] * 4
+    mesh.puller.pull(chunks, 2.0)
+    assert all(mesh.held(k) == payload(k) for k in KEYS)
+    assert mesh.announced == KEYS  # each published as it landed
+    assert mesh.value("pull_chunks_total", transport="loopback", outcome="loaded") == 4
+    assert mesh.value("pull_bytes_total", transport="loopback") == 4 * SLOT
+    assert mesh.puller.inflight() == {} and mesh.puller.estimates.known(NodeId("a"))
+
+
+def test_a_dead_owner_is_retried_on_the_alternative_and_backed_off(mesh: Mesh) -> None:
+    dead = mesh.owner("a", KEYS)
+    mesh.owner("b", KEYS, tier=2)
+    mesh.net.owner(dead).fault = "dead"
+    chunks = mesh.plan(KEYS)  # spread over both owners, each the other's alternative
+    from_a = [c for c in chunks if c.source == "a"]
+    assert from_a and all(c.alternatives == ("b",) for c in from_a)
+    mesh.puller.pull(chunks, 2.0)
+    assert all(mesh.held(k) == payload(k) for k in KEYS)  # a's share from b, on the retry
+    assert mesh.value("pull_chunks_total", transport="loopback", outcome="peer_error") == len(from_a)
+    assert mesh.value("peer_errors_total", peer="a") == 1
+    assert not mesh.puller.usable(mesh.me.nodes()[NodeId("a")])  # backed off: not planned next time
+    more = chunk_keys(FP, list(range(6 * CHUNK)), CHUNK)[4:]
+    mesh.owners["a"].add_many(FP, more, 1)
+    mesh.owners["b"].add_many(FP, more, 2)
+    assert [c.source for c in mesh.plan([*KEYS, *more])[4:]] == ["b", "b"]  # a is backed off: not planned
+
+
+def test_a_hung_owner_costs_the_deadline_not_more(mesh: Mesh) -> None:
+    hung = mesh.owner("a", KEYS)
+    mesh.net.owner(hung).fault = "hang"
+    t0 = time.monotonic()
+    mesh.puller.pull(mesh.plan(KEYS), 0.2)
+    assert time.monotonic() - t0 < 1.0
+    assert not any(mesh.pool.contains(k) for k in KEYS)
+    assert mesh.value("pull_chunks_total", transport="loopback", outcome="timeout") == 4
+    assert mesh.puller.inflight() == {}
+
+
+def test_corrupt_bytes_are_dropped_then_fetched_from_the_alternative(mesh: Mesh) -> None:
+    liar = mesh.owner("a", KEYS[:1])
+    mesh.owner("b", KEYS[:1])
+    mesh.net.owner(liar).fault = "corrupt"
+    [chunk] = mesh.plan(KEYS[:1])
+    chunk = type(chunk)(chunk.index, chunk.key, chunk.start, chunk.end, NodeId("a"), (NodeId("b"),), chunk.heads)
+    mesh.puller.pull([chunk], 2.0)
+    assert mesh.held(KEYS[0]) == payload(KEYS[0])
+    assert mesh.value("checksum_failures_total") == 1
+    assert mesh.value("pull_chunks_total", transport="loopback", outcome="checksum") == 1
+
+
+def test_a_corrupt_owner_without_alternative_leaves_nothing(mesh: Mesh) -> None:
+    liar = mesh.owner("a", KEYS)
+    mesh.net.owner(liar).fault = "corrupt"
+    mesh.puller.pull(mesh.plan(KEYS), 2.0)
+    assert not any(mesh.pool.contains(k) for k in KEYS) and mesh.announced == []
+    assert mesh.value("checksum_failures_total") == 4
+
+
+def test_pieces_from_two_ranks_are_assembled_into_the_chunk(mesh: Mesh) -> None:
+    mesh.owner("r0", KEYS, heads=(0, 1))
+    mesh.owner("r1", KEYS, heads=(1, HEADS))
+    chunks = mesh.plan(KEYS)
+    assert all([p.source for p in c.pieces] == ["r0", "r1"] for c in chunks)
+    mesh.puller.pull(chunks, 2.0)
+    for key in KEYS:
+        assert mesh.held(key) == payload(key)
+        assert mesh.pool.header(key).heads == (0, HEADS)  # type: ignore[union-attr]
+        assert not mesh.pool.contains(piece_key(key, (0, 1))) and not mesh.pool.contains(piece_key(key, (1, HEADS)))
+    assert mesh.value("assembled_chunks_total") == 4 and mesh.announced == KEYS
+
+
+def test_a_missing_piece_means_no_chunk_and_no_leftover_pieces(mesh: Mesh) -> None:
+    mesh.owner("r0", KEYS, heads=(0, 2))
+    r1 = mesh.owner("r1", KEYS, heads=(2, HEADS))
+    chunks = mesh.plan(KEYS)
+    mesh.net.owner(r1).fault = "dead"  # dies between the plan and the pull
+    mesh.puller.pull(chunks, 2.0)
+    for key in KEYS:
+        assert not mesh.pool.contains(key)
+        assert not mesh.pool.contains(piece_key(key, (0, 2)))  # the piece that came is not kept
+    assert mesh.value("assembled_chunks_total") == 0 and len(mesh.pool) == 0
+
+
+def test_only_peers_with_our_wire_tls_and_a_common_transport_are_usable(mesh: Mesh) -> None:
+    ok = mesh.record("x", 7100)
+    assert mesh.puller.usable(ok)
+    assert not mesh.puller.usable(mesh.record("x", 7100, wire_version=WIRE_VERSION + 1))
+    assert not mesh.puller.usable(mesh.record("x", 7100, tls=True))
+    assert not mesh.puller.usable(mesh.record("x", 7100, transports=("nixl",), addresses={"nixl": "h:1"}))
+    assert not mesh.puller.usable(mesh.record("x", 7100, addresses={"loopback": "no-port"}))
+    assert not mesh.puller.usable(None)
+
+
+def test_a_chunk_planned_from_an_owner_that_left_the_index_is_a_miss(mesh: Mesh) -> None:
+    mesh.owner("a", KEYS)
+    chunks = mesh.plan(KEYS)
+    mesh.index_mesh.expire(NodeId("a"))  # lease gone between plan and pull
+    mesh.puller.pull(chunks, 2.0)
+    assert not any(mesh.pool.contains(k) for k in KEYS) and not mesh.transport.pulls
+
+
+def test_prune_forgets_the_labels_and_counts_of_departed_peers(mesh: Mesh) -> None:
+    dead = mesh.owner("a", KEYS)
+    mesh.net.owner(dead).fault = "dead"
+    mesh.puller.pull(mesh.plan(KEYS), 2.0)
+    assert mesh.value("peer_errors_total", peer="a") == 1
+    mesh.index_mesh.expire(NodeId("a"))
+    nodes = mesh.me.nodes()
+    assert mesh.puller.live_peers(nodes) == set()
+    mesh.puller.prune(nodes)
+    assert mesh.registry.get_sample_value("lmcache_p2p_peer_errors_total", {"peer": "a"}) is None
+
+
+def test_whole_chunks_from_one_peer_for_a_hand_off(mesh: Mesh, loop: LoopThread) -> None:
+    mesh.owner("a", KEYS[:2])
+    absent = PlannedChunk(2, KEYS[2], 2 * CHUNK, 3 * CHUNK, NodeId("a"), heads=(0, HEADS))
+    missed = loop.run(mesh.puller.pull_from(NodeId("a"), [*mesh.plan(KEYS[:2]), absent], time.monotonic() + 2), 5)
+    assert missed == [absent] and all(mesh.held(k) == payload(k) for k in KEYS[:2])
+    assert mesh.value("pull_chunks_total", transport="loopback", outcome="absent") == 1
