@@ -15,7 +15,7 @@ from typing import Any
 
 import msgpack
 
-from lmcache_p2p.config import EVICTION_POLICIES, parse_size
+from lmcache_p2p.config import EVICTION_POLICIES, LOG_LEVELS, parse_size
 from lmcache_p2p.errors import ConfigError
 
 CLUSTER_CONFIG_VERSION = 1
@@ -34,6 +34,8 @@ class ClusterConfig:
     lease_ttl_s: int = 10
     handoff_budget_bytes_per_s: int = 64 << 20  # hand-off of sole copies to peers (0: off)
     replicate_after: int = 4  # pulls of a sole copy before it is copied elsewhere (0: off)
+    peer_backoff_s: float = 2.0  # first backoff of a peer that failed a pull (doubling, at least 30 s at most)
+    log_level: str | None = None  # of every agent's lmcache_p2p loggers (None: each process's own)
     version: int = CLUSTER_CONFIG_VERSION
 
     def __post_init__(self) -> None:
@@ -45,6 +47,8 @@ class ClusterConfig:
         _check(2 <= self.lease_ttl_s <= 3600, "lease_ttl_s", "must be in [2, 3600]")
         _check(self.handoff_budget_bytes_per_s >= 0, "handoff_budget_bytes_per_s", "must be >= 0")
         _check(self.replicate_after >= 0, "replicate_after", "must be >= 0")
+        _check(0 <= self.peer_backoff_s <= 3600, "peer_backoff_s", "must be in [0, 3600]")
+        _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.version == CLUSTER_CONFIG_VERSION, "version", f"must be {CLUSTER_CONFIG_VERSION}")
 
     def to_dict(self) -> dict[str, Any]:

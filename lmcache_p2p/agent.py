@@ -117,6 +117,8 @@ class CacheAgent:
     def start(self) -> CacheAgent:
         from .index.etcd_index import EtcdBlockIndex
 
+        if self.config.log_level is not None:
+            set_log_level(self.config.log_level)
         self.loop = LoopThread(f"lmcache-p2p-{self.node_id}")
         try:
             self._stack = TransferStack.build(self.config, self.tiers.cpu, [self.fp], self._secret,
@@ -202,6 +204,13 @@ class CacheAgent:
         old, self.config = self.config, new
         if new.tiers.chunk_ttl_s != old.tiers.chunk_ttl_s:
             self.background(asyncio.get_running_loop().create_task(self.invalidation.set_ttl(new.tiers.chunk_ttl_s)))
+        if new.tiers.eviction != old.tiers.eviction:
+            self.tiers.set_eviction(new.tiers.eviction)
+        if new.transfer.backoff_s != old.transfer.backoff_s and self._stack is not None:
+            self._stack.health.set_base(new.transfer.backoff_s)
+        if new.log_level != old.log_level:
+            set_log_level(new.log_level)
+        # handoff.* are read at every use
         if new != old:
             log.info("cluster config rev %d applied", watch.revision)
         self.config_revision = watch.revision
@@ -555,3 +564,8 @@ class CacheAgent:
                         gauge.set(value)
                     elif name == "lease_losses":
                         m.set_lease_losses(int(value))
+
+
+def set_log_level(level: str | None) -> None:
+    """The level of every ``lmcache_p2p`` logger (None: inherit the process's root level again)."""
+    logging.getLogger("lmcache_p2p").setLevel(level or logging.NOTSET)

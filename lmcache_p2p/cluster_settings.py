@@ -15,11 +15,13 @@ publishes the config revision it runs (``config_revision`` in its record; ``lmca
     chunk_size                    chunk_size                     restart (every engine must agree)
     cpu_capacity                  tiers.cpu_capacity             restart (the pool is allocated once)
     disk_capacity                 tiers.disk_capacity            restart
-    eviction                      tiers.eviction                 restart
     lease_ttl_s                   etcd.lease_ttl_s               restart (the lease is granted with it)
-    chunk_ttl_s                   tiers.chunk_ttl_s              live
+    eviction                      tiers.eviction                 live (recency order carries over; LFU counts restart)
+    chunk_ttl_s                   tiers.chunk_ttl_s              live (the TTL sweeper restarts with it)
     handoff_budget_bytes_per_s    handoff.budget_bytes_per_s     live
     replicate_after               handoff.replicate_after        live
+    peer_backoff_s                transfer.backoff_s             live (peers backed off now keep their deadline)
+    log_level                     log_level                      live (the ``lmcache_p2p`` loggers)
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ FIELDS: dict[str, tuple[str, bool]] = {
     "chunk_size": ("chunk_size", False),
     "cpu_capacity": ("tiers.cpu_capacity", False),
     "disk_capacity": ("tiers.disk_capacity", False),
-    "eviction": ("tiers.eviction", False),
     "lease_ttl_s": ("etcd.lease_ttl_s", False),
+    "eviction": ("tiers.eviction", True),
     "chunk_ttl_s": ("tiers.chunk_ttl_s", True),
     "handoff_budget_bytes_per_s": ("handoff.budget_bytes_per_s", True),
     "replicate_after": ("handoff.replicate_after", True),
+    "peer_backoff_s": ("transfer.backoff_s", True),
+    "log_level": ("log_level", True),
 }
 
 

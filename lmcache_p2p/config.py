@@ -38,6 +38,7 @@ from .errors import ConfigError
 
 ENV_PREFIX = "LMCACHE_P2P_"
 EVICTION_POLICIES = ("lru", "lfu", "s3fifo")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TRANSPORTS = ("tcp", "nixl")
 
 _UNITS = {
@@ -237,6 +238,7 @@ class AgentConfig:
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
     handoff: HandoffConfig = HandoffConfig()
+    log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
     # cluster config in etcd never changes them (lmcache_p2p/cluster_settings.py).
     set_by_node: tuple[str, ...] = ()
@@ -249,6 +251,7 @@ class AgentConfig:
         _check(0 < self.chunk_size <= 65520 and self.chunk_size % 16 == 0, "chunk_size",
                "must be a positive multiple of 16, at most 65520")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+        _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.chunk_size % self.layout.block_size == 0, "chunk_size",
                f"must be a multiple of layout.block_size ({self.layout.block_size})")
 

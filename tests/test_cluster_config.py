@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdServer
 from lmcache_p2p.keys import Fingerprint
+from lmcache_p2p.tiers.eviction import LFU, LRU
 
 
 @pytest.mark.parametrize(("assignment", "field"), [
@@ -28,6 +30,7 @@ from lmcache_p2p.keys import Fingerprint
     ("auth_mode=none", "auth_mode"), ("replicate_after=-1", "replicate_after"), ("lease_ttl_s=1", "lease_ttl_s"),
     ("cpu_capacity=-5", "cpu_capacity"),
     ("chunk_ttl_s=0", "chunk_ttl_s"), ("no_such_field=1", "no_such_field"), ("chunk_size", "chunk_size"),
+    ("log_level=LOUD", "log_level"), ("peer_backoff_s=-1", "peer_backoff_s"),
 ])
 def test_invalid_values_name_the_field(assignment: str, field: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -150,7 +153,11 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
     from lmcache_p2p.metrics import AgentMetrics
     from lmcache_p2p.testing.synthetic import preload
 
-    cfg = load_config(_agent_config(tmp_path, etcd, cluster_name, "a"), env={})
+    path = _agent_config(tmp_path, etcd, cluster_name, "a")
+    data = yaml.safe_load(path.read_text())
+    del data["transfer"]["backoff_s"]  # left to the cluster config
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path, env={})
     agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                        metrics=AgentMetrics(CollectorRegistry())).start()
     base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
@@ -168,5 +175,18 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
         assert [n["config_revision"] for n in report["nodes"]] == [revision]
         assert config_cli([*base, "set", "chunk_ttl_s=none"]) == 0
         assert wait_until(lambda: agent.config.tiers.chunk_ttl_s is None and agent.config_revision > revision, 10)
+        # eviction policy, peer backoff and log level: live too
+        assert preload(agent, 2, 768) == 3
+        pool = agent.tiers.cpu
+        assert isinstance(pool.policy, LRU) and pool.policy.coldest(3) == pool.keys()
+        stack = agent.transfer_stack
+        assert stack is not None and stack.health.base_s == 2.0
+        assert config_cli([*base, "set", "eviction=lfu", "peer_backoff_s=7", "log_level=DEBUG"]) == 0
+        assert wait_until(lambda: isinstance(pool.policy, LFU), 10)
+        assert len(pool.policy) == 3 and sorted(pool.policy.coldest(3)) == sorted(pool.keys())  # nothing lost
+        assert stack.health.base_s == 7.0 and logging.getLogger("lmcache_p2p").level == logging.DEBUG
+        assert config_cli([*base, "set", "log_level=none"]) == 0
+        assert wait_until(lambda: logging.getLogger("lmcache_p2p").level == logging.NOTSET, 10)
     finally:
         agent.stop()
+        logging.getLogger("lmcache_p2p").setLevel(logging.NOTSET)

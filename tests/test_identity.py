@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from lmcache_p2p.cli.identity import main
 from lmcache_p2p.config import LayoutConfig
-from lmcache_p2p.identity import main, model_identity
+from lmcache_p2p.identity import model_identity
 from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.testing.tiny_model import create_tiny_model
 

@@ -34,7 +34,7 @@ from ..chunk import ChunkHeader
 from ..errors import CapacityError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
-from .eviction import LRU, EvictionPolicy
+from .eviction import LRU, EvictionPolicy, switch_policy
 
 EVICT_FIRST_SCAN = 32
 
@@ -94,6 +94,15 @@ class CpuPool:
         self._pin_tokens = itertools.count(1)
         self._lock = threading.Lock()
         self.stats = TierStats()
+
+    @property
+    def policy(self) -> EvictionPolicy:
+        return self._policy
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Evict by ``policy`` from now on (the cluster config changed ``eviction``)."""
+        with self._lock:
+            self._policy = switch_policy(self._policy, policy)
 
     # -- sizes and addresses -------------------------------------------------------------
     @property

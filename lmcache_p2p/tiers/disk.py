@@ -21,7 +21,7 @@ from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..errors import ChunkError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
-from .eviction import LRU, EvictionPolicy
+from .eviction import LRU, EvictionPolicy, switch_policy
 
 log = logging.getLogger(__name__)
 SUFFIX = ".chunk"
@@ -54,6 +54,11 @@ class DiskTier:
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Evict by ``policy`` from now on (the cluster config changed ``eviction``)."""
+        with self._lock:
+            self._policy = switch_policy(self._policy, policy)
 
     @property
     def used_bytes(self) -> int:

@@ -186,6 +186,14 @@ class S3FIFO:
         return len(self._where)
 
 
+def switch_policy(old: EvictionPolicy, new: EvictionPolicy) -> EvictionPolicy:
+    """``new`` holding ``old``'s keys, inserted coldest first (so a recency order carries over;
+    frequency counts start afresh). The caller holds the tier's lock."""
+    for key in old.coldest(len(old)):
+        new.insert(key)
+    return new
+
+
 def make_policy(name: str) -> EvictionPolicy:
     policies: dict[str, type[LRU] | type[LFU] | type[S3FIFO]] = {"lru": LRU, "lfu": LFU, "s3fifo": S3FIFO}
     if name not in policies:

@@ -64,6 +64,12 @@ class TieredStore:
             disk = DiskTier(config.disk_path, config.disk_capacity, policy=make_policy(config.eviction))
         return cls(cpu, disk, listener=listener, admit=admit)
 
+    def set_eviction(self, name: str) -> None:
+        """Switch every tier to eviction policy ``name`` (``lru``, ``lfu``, ``s3fifo``) while running."""
+        self.cpu.set_policy(make_policy(name))
+        if self.disk is not None:
+            self.disk.set_policy(make_policy(name))
+
     def set_listener(self, listener: Listener | None) -> None:
         self._listener = listener
 

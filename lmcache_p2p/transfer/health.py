@@ -29,6 +29,17 @@ class PeerHealth:
         self._clock = clock
         self._peers: dict[PeerAddress, _State] = {}
 
+    @property
+    def base_s(self) -> float:
+        return self._base
+
+    def set_base(self, base_s: float) -> None:
+        """A new first backoff (the cluster config changed it); the longest becomes at least as long.
+        Peers backed off now keep their deadline."""
+        if base_s < 0:
+            raise ValueError(f"need base_s >= 0, got {base_s}")
+        self._base, self._max = base_s, max(self._max, base_s)
+
     def available(self, peer: PeerAddress) -> bool:
         state = self._peers.get(peer)
         return state is None or self._clock() >= state.until
