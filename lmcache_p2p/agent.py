@@ -53,7 +53,7 @@ from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tok
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
 from .score import http_app
-from .tiers import TIER_CODES, CpuPool, DiskTier, Pin, Reservation, TieredStore
+from .tiers import TIER_CODES, Pin, Reservation, TieredStore
 from .transfer.pull import Puller
 from .transfer.stack import TransferStack
 
@@ -86,7 +86,8 @@ class CacheAgent:
         self._index_factory = index_factory
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
-        self.metrics.on_collect(self._refresh_metrics)
+        self.metrics.on_collect(lambda: self.metrics.mirror(
+            self.tiers, self.index, self._stack.server.stats.chunks_sent if self._stack is not None else None))
         self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
         self.peer_estimates = PeerEstimates()  # pull latency and bandwidth per peer, measured here
         self.prefill = PrefillRate()  # this engine's prefill rate (the worker connector feeds it)
@@ -100,7 +101,6 @@ class CacheAgent:
         self._metrics_server: MetricsServer | None = None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store")
         self.puller: Puller | None = None  # once the transports are up
-        self._served_seen = 0
         self._prune: concurrent.futures.Future[None] | None = None
         self._handoff_task: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
@@ -535,35 +535,6 @@ class CacheAgent:
             stored += 1
             self.metrics.stored_chunks.inc()
         return stored
-
-    # -- metrics ---------------------------------------------------------------------------------------
-    def _refresh_metrics(self) -> None:
-        m = self.metrics
-        tiers: list[CpuPool | DiskTier] = [self.tiers.cpu]
-        if self.tiers.disk is not None:  # not `if disk:`: an empty tier has len() 0
-            tiers.append(self.tiers.disk)
-        for tier in tiers:
-            m.tier_used.labels(tier.name).set(tier.used_bytes)
-            m.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
-            m.chunks_held.labels(tier.name).set(len(tier))
-            m.evictions.labels(tier.name).set(tier.stats.evictions)
-        m.pins.set(self.tiers.cpu.pinned_count())
-        if self._stack is not None:
-            sent = self._stack.server.stats.chunks_sent
-            m.served_chunks.inc(max(sent - self._served_seen, 0))
-            self._served_seen = sent
-        index = self.index
-        if index is not None:
-            m.index_nodes.set(len(index.nodes()))
-            stats = getattr(index, "stats", None)
-            if callable(stats):
-                for name, value in stats().items():
-                    gauge = {"index_chunks": m.index_chunks, "publish_pending": m.publish_pending,
-                             "publish_lag_s": m.publish_lag, "lease_up": m.lease_up, "degraded": m.degraded}.get(name)
-                    if gauge is not None:
-                        gauge.set(value)
-                    elif name == "lease_losses":
-                        m.set_lease_losses(int(value))
 
 
 def set_log_level(level: str | None) -> None:

@@ -322,7 +322,8 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    sections = {"layout", "tiers", "etcd", "transfer"}
+    hints = typing.get_type_hints(AgentConfig)
+    sections = {f.name for f in dataclasses.fields(AgentConfig) if dataclasses.is_dataclass(hints[f.name])}
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "SECRET":
             continue

@@ -19,7 +19,9 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 
+from .index.protocol import BlockIndex
 from .index.schema import Rejects
+from .tiers import CpuPool, DiskTier, TieredStore
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
@@ -28,6 +30,7 @@ class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         self._refreshers: list[Callable[[], None]] = []
+        self._served_seen = 0  # the server's running count at the last scrape
         # Registered first, so a scrape refreshes the state-mirroring gauges before reading them.
         registry.register(_Refresher(self.refresh))
         ns = "lmcache_p2p"
@@ -103,6 +106,36 @@ class AgentMetrics:
     def refresh(self) -> None:
         for fn in self._refreshers:
             fn()
+
+    def mirror(self, tiers: TieredStore, index: BlockIndex | None, served_total: int | None) -> None:
+        """Set the gauges that mirror an agent's state: its tiers, its index (mirror size, publisher,
+        lease), and the chunks its transfer server has sent (``served_total``, a running count)."""
+        held: list[CpuPool | DiskTier] = [tiers.cpu]
+        if tiers.disk is not None:  # not `if disk:`: an empty tier has len() 0
+            held.append(tiers.disk)
+        for tier in held:
+            self.tier_used.labels(tier.name).set(tier.used_bytes)
+            self.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
+            self.chunks_held.labels(tier.name).set(len(tier))
+            self.evictions.labels(tier.name).set(tier.stats.evictions)
+        self.pins.set(tiers.cpu.pinned_count())
+        if served_total is not None:
+            self.served_chunks.inc(max(served_total - self._served_seen, 0))
+            self._served_seen = served_total
+        if index is None:
+            return
+        self.index_nodes.set(len(index.nodes()))
+        stats = getattr(index, "stats", None)
+        if not callable(stats):
+            return
+        gauges = {"index_chunks": self.index_chunks, "publish_pending": self.publish_pending,
+                  "publish_lag_s": self.publish_lag, "lease_up": self.lease_up, "degraded": self.degraded}
+        for name, value in stats().items():
+            gauge = gauges.get(name)
+            if gauge is not None:
+                gauge.set(value)
+            elif name == "lease_losses":
+                self.set_lease_losses(int(value))
 
 
 class _Refresher:

@@ -22,6 +22,13 @@ def test_toml_and_env_lists(tmp_path):
     assert cfg.etcd.endpoints == ("http://a:2379", "b:2380")
 
 
+def test_every_section_and_top_level_field_reads_the_environment():
+    cfg = load_config(env={"LMCACHE_P2P_HANDOFF_MIN_HITS": "3", "LMCACHE_P2P_LOG_LEVEL": "DEBUG",
+                           "LMCACHE_P2P_LAYOUT_NUM_LAYERS": "4", "LMCACHE_P2P_TIERS_EVICTION": "lfu"})
+    assert (cfg.handoff.min_hits, cfg.log_level, cfg.layout.num_layers, cfg.tiers.eviction) == (3, "DEBUG", 4, "lfu")
+    assert set(cfg.set_by_node) == {"handoff.min_hits", "log_level", "layout.num_layers", "tiers.eviction"}
+
+
 @pytest.mark.parametrize("text,expected", [
     ("512MiB", 512 << 20), ("20GB", 20 * 10**9), ("4G", 4 << 30), (1024, 1024), ("1.5KiB", 1536), ("7", 7),
 ])
@@ -38,7 +45,7 @@ def test_sizes(text, expected):
     ("transfer.port", 99999), ("transfer.timeout_s", -1), ("transfer.max_frame_bytes", 10),
     ("transfer.backoff_s", -1), ("tiers.nonsense", 1), ("nonsense", 1), ("tiers", 5),
     ("transfer.secret", "short"), ("transfer.secret", "REPLACE-ME-with-openssl-rand-hex-32"),
-    ("transfer.secret", "a" * 40), ("etcd.start_wait_s", -1),
+    ("transfer.secret", "a" * 40), ("etcd.start_wait_s", -1), ("log_level", "LOUD"), ("handoff.min_hits", -1),
 ])
 def test_each_invalid_field_is_named(dotted, value):
     with pytest.raises(ConfigError) as info:
