@@ -35,7 +35,6 @@ CHUNK_FORMAT_VERSION = 3  # 2: u32 length and the epoch; 3: the head range
 _HEADER = struct.Struct("<4sHH16s16sIHHQQ")
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_HEADS = (1 << 16) - 1
-MAX_TOKENS = (1 << 16) - 1  # tokens of one chunk (chunk_size is checked against it)
 HEADER_SIZE = _HEADER.size
 assert HEADER_SIZE == 64
 

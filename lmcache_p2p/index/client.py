@@ -362,11 +362,6 @@ class EtcdClient:
         resp = await self._unary("KV.Put", lambda ep: ep.kv.put(key, value, lease=lease, timeout=self.timeout))
         return int(resp.header.revision)
 
-    async def delete_prefix(self, prefix: bytes) -> int:
-        resp = await self._unary("KV.DeleteRange", lambda ep: ep.kv.delete(prefix, prefix_range_end(prefix),
-                                                                           timeout=self.timeout))
-        return int(resp.deleted)
-
     async def grant(self, ttl: int) -> tuple[int, int]:
         """A new lease: ``(lease_id, granted_ttl)``."""
         resp = await self._unary("Lease.Grant", lambda ep: ep.lease.grant(ttl, timeout=self.timeout))

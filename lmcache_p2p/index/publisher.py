@@ -13,7 +13,7 @@ Each write reads the desired state at the moment it is taken, so a failed txn is
 dirty again: retries never duplicate or resurrect an entry, and puts/deletes are idempotent.
 Without a session (etcd down at start) or with a lost lease, writing waits until
 :meth:`set_session` gives a new one, which marks the whole desired state (and the node record)
-dirty: that is ``republish_all``. The desired state is bounded by what the node holds, so an
+dirty (everything is republished). The desired state is bounded by what the node holds, so an
 outage of any length costs memory proportional to the node's chunks, and the publisher
 converges on reconnect. The flush task is supervised: an unexpected error is logged, counted
 and retried, never the end of publishing.
@@ -156,8 +156,6 @@ class Publisher:
             self._wake_if(True)
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._new_session.set)
-
-    republish_all = set_session
 
     async def _run(self) -> None:
         backoff = 0.05

@@ -211,8 +211,13 @@ class P2PWorker:
             except Exception as exc:  # a full, pinned pool must not fail the forward pass
                 log.warning("request %s: no slot to save a chunk: %s", t.req_id, exc)
                 return
-            out = torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes)
-            kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
+            try:
+                out = torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes)
+                kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
+            except Exception as exc:  # the slot goes back; the chunk is simply not cached
+                agent.release_chunk(res)
+                log.warning("request %s: gathering a chunk failed: %s", t.req_id, exc)
+                return
             agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
 
     def shutdown(self) -> None:

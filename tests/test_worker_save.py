@@ -1,0 +1,74 @@
+"""The worker's save path keeps the pool whole when a gather fails: the reserved slot goes back, the
+chunk is just not cached, and later saves still land (a leaked slot per failure would exhaust a pool)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.config import load_config
+from lmcache_p2p.integrations.blocks import ChunkTransfer
+from lmcache_p2p.keys import ChunkKey, Fingerprint
+from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
+
+BLOCK, BLOCK_BYTES = 16, 64
+
+
+class FlakyKV:
+    """Paged KV whose gathers fail while ``failing`` is set."""
+
+    def __init__(self) -> None:
+        self.failing = True
+
+    def payload_nbytes(self, num_blocks: int) -> int:
+        return num_blocks * BLOCK_BYTES
+
+    def gather(self, blocks: torch.Tensor, out: torch.Tensor) -> None:
+        if self.failing:
+            raise RuntimeError("gather kernel failed")
+        out.fill_(7)
+
+
+def test_a_failed_gather_returns_its_slot() -> None:
+    # In a process of its own: the worker imports vLLM, which must not load into the test runner.
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def main() -> None:
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+    from lmcache_p2p.integrations.vllm.worker import P2PWorker
+
+    config = load_config(env={}, overrides={"tiers.cpu_capacity": 4 * 16 * BLOCK_BYTES, "node_id": "w"})
+    fingerprint = Fingerprint.of(config.layout)
+    worker = P2PWorker(config, fingerprint, BLOCK)
+    kv = FlakyKV()
+    chunk_bytes = kv.payload_nbytes(config.chunk_size // BLOCK)
+    mesh = MemoryMesh()
+    worker.agent = CacheAgent(config, fingerprint, chunk_bytes, secret=os.urandom(32),
+                              index_factory=lambda loop, record: MemoryIndex(mesh, record)).start()
+    worker._kv = kv  # type: ignore[assignment]  # the engine's KV, as register_kv_caches sets it
+    try:
+        pool = worker.agent.tiers.cpu
+        assert pool.num_slots == 4
+
+        def save(i: int) -> ChunkTransfer:
+            return ChunkTransfer(f"r{i}", [bytes([i]) * 16], [config.chunk_size], [list(range(16))], generated=True)
+
+        worker.wait_for_save(LMCacheP2PMetadata(saves=[save(i) for i in range(8)]))  # 8 failures, 4 slots
+        assert pool.free_slots == 4 and len(pool) == 0
+        kv.failing = False
+        worker.wait_for_save(LMCacheP2PMetadata(saves=[save(i) for i in range(8, 11)]))
+        worker.agent._writer.submit(lambda: None).result(10)  # the commits behind the saves are done
+        assert sorted(pool.keys()) == [ChunkKey(bytes([i]) * 16) for i in range(8, 11)]
+    finally:
+        worker.shutdown()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
