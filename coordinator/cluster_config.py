@@ -48,6 +48,8 @@ class ClusterConfig:
         _check(self.handoff_budget_bytes_per_s >= 0, "handoff_budget_bytes_per_s", "must be >= 0")
         _check(self.replicate_after >= 0, "replicate_after", "must be >= 0")
         _check(0 <= self.peer_backoff_s <= 3600, "peer_backoff_s", "must be in [0, 3600]")
+        if isinstance(self.log_level, str):
+            object.__setattr__(self, "log_level", self.log_level.upper())
         _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.version == CLUSTER_CONFIG_VERSION, "version", f"must be {CLUSTER_CONFIG_VERSION}")
 

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry
 from . import __version__, cluster_settings
 from .aio import LoopThread
 from .chunk import ChunkHeader, make_header, verify
+from .cluster_settings import set_log_level
 from .config import AgentConfig
 from .coordinator.cluster_config import ClusterConfig
 from .coordinator.store import ConfigWatcher
@@ -535,8 +536,3 @@ class CacheAgent:
             stored += 1
             self.metrics.stored_chunks.inc()
         return stored
-
-
-def set_log_level(level: str | None) -> None:
-    """The level of every ``lmcache_p2p`` logger (None: inherit the process's root level again)."""
-    logging.getLogger("lmcache_p2p").setLevel(level or logging.NOTSET)

@@ -114,3 +114,14 @@ def read_at_start(config: AgentConfig) -> tuple[AgentConfig, int]:
         return config, 0
     applied, _ = apply(config, cluster, stored)
     return applied, revision
+
+
+def set_log_level(level: str | None) -> None:
+    """The level of every ``lmcache_p2p`` logger (None: inherit the process's root level again). Inside
+    an engine that set up no logging of its own, a handler is added so the level shows."""
+    logger = logging.getLogger("lmcache_p2p")
+    logger.setLevel(level or logging.NOTSET)
+    if level and not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
+        logger.addHandler(handler)

@@ -251,6 +251,8 @@ class AgentConfig:
         _check(0 < self.chunk_size <= 65520 and self.chunk_size % 16 == 0, "chunk_size",
                "must be a positive multiple of 16, at most 65520")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+        if isinstance(self.log_level, str):
+            object.__setattr__(self, "log_level", self.log_level.upper())
         _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.chunk_size % self.layout.block_size == 0, "chunk_size",
                f"must be a multiple of layout.block_size ({self.layout.block_size})")

@@ -27,6 +27,7 @@ def test_every_section_and_top_level_field_reads_the_environment():
                            "LMCACHE_P2P_LAYOUT_NUM_LAYERS": "4", "LMCACHE_P2P_TIERS_EVICTION": "lfu"})
     assert (cfg.handoff.min_hits, cfg.log_level, cfg.layout.num_layers, cfg.tiers.eviction) == (3, "DEBUG", 4, "lfu")
     assert set(cfg.set_by_node) == {"handoff.min_hits", "log_level", "layout.num_layers", "tiers.eviction"}
+    assert load_config(env={"LMCACHE_P2P_LOG_LEVEL": "debug"}).log_level == "DEBUG"  # as engines were told to set it
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -12,7 +12,6 @@ died, a checksum failed) are recomputed by vLLM instead of failing the request.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from ...cluster_settings import set_log_level
 from ...config import rank_config
 from ...keys import head_range
 from .layout import connector_config, engine_fingerprint
@@ -36,24 +36,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _configure_logging() -> None:
-    """``LMCACHE_P2P_LOG_LEVEL=DEBUG`` shows the connector's per-request timings in vLLM's output."""
-    level = os.environ.get("LMCACHE_P2P_LOG_LEVEL")
-    root = logging.getLogger("lmcache_p2p")
-    if level and not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(level.upper())
-
-
 class LMCacheP2PConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.P2P
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        _configure_logging()
         config = connector_config(vllm_config)
+        if config.log_level is not None:  # LMCACHE_P2P_LOG_LEVEL=DEBUG: per-request timings in vLLM's output
+            set_log_level(config.log_level)
         block_size = vllm_config.cache_config.block_size
         if config.chunk_size % block_size:
             raise ValueError(f"chunk_size ({config.chunk_size}) must be a multiple of the engine block size "
