@@ -15,6 +15,6 @@ if [ -e pki/ca.key ]; then
   echo "pki/ca.key exists; remove k8s/pki/ first to issue a new CA" >&2
   exit 1
 fi
-"${PYTHON:-python3}" -m lmcache_p2p.certs pki \
+"${PYTHON:-python3}" -m lmcache_p2p certs pki \
   "etcd-server=DNS:lmcache-etcd,DNS:lmcache-etcd.$ns,DNS:lmcache-etcd.$ns.svc,DNS:*.lmcache-etcd-peer.$ns.svc,DNS:localhost,IP:127.0.0.1" \
   etcd-client transfer

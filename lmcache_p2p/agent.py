@@ -14,7 +14,7 @@ The agent composes the parts; each concern lives in its own module:
     transfer/pull.py  plan -> pull -> retry -> verify -> metrics (``Puller``), over transfer/'s transports
     handoff.py        hand-off of sole copies and replication
     invalidation.py   mesh-wide invalidation barriers and the chunk TTL
-    cluster_settings  the cluster config in etcd, applied live
+    coordinator/      the cluster config in etcd, and which of its fields apply live (apply.py)
     score.py          ``/v1/score`` next to ``/metrics``
 
 Every side effect is injected: the config, the Prometheus registry, the index (an
@@ -37,11 +37,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from . import __version__, cluster_settings
+from . import __version__
 from .aio import LoopThread
 from .chunk import ChunkHeader, make_header, verify
-from .cluster_settings import set_log_level
 from .config import AgentConfig
+from .coordinator import apply as cluster_config_apply
+from .coordinator.apply import set_log_level
 from .coordinator.cluster_config import ClusterConfig
 from .coordinator.store import ConfigWatcher
 from .errors import ChunkError, LMCacheP2PError, TierError
@@ -195,10 +196,10 @@ class CacheAgent:
         )
 
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:
-        """On the loop: the cluster config changed; apply its live fields (``cluster_settings``)."""
+        """On the loop: the cluster config changed; apply its live fields (``coordinator/apply.py``)."""
         watch = self._config_watch
         assert watch is not None
-        new, pending = cluster_settings.apply(self.config, cluster, watch.stored, live_only=True)
+        new, pending = cluster_config_apply.apply(self.config, cluster, watch.stored, live_only=True)
         if pending:
             log.warning("cluster config (rev %d) changes %s: takes effect when this node restarts", watch.revision,
                         ", ".join(pending))

@@ -240,7 +240,7 @@ class AgentConfig:
     handoff: HandoffConfig = HandoffConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
-    # cluster config in etcd never changes them (lmcache_p2p/cluster_settings.py).
+    # cluster config in etcd never changes them (coordinator/apply.py).
     set_by_node: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:

@@ -14,8 +14,8 @@ import yaml
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.cli.config import main as config_cli
-from lmcache_p2p.cluster_settings import read_at_start
 from lmcache_p2p.config import EtcdConfig, load_config
+from lmcache_p2p.coordinator.apply import read_at_start
 from lmcache_p2p.coordinator.cluster_config import ClusterConfig, parse_assignments
 from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
 from lmcache_p2p.errors import ConfigError

@@ -26,7 +26,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("score",): ("lmcache_p2p.cli.score:main", "where a prompt's cache is, per node, from an agent's /v1/score"),
     ("events",): ("lmcache_p2p.cli.events:main", "the mesh index as vLLM KV events (ZMQ PUB) for KV-aware routers"),
     ("demo",): ("lmcache_p2p.cli.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
-    ("bench", "kernels"): ("lmcache_p2p.kernels.bench:main", "paged-KV gather/scatter vs memcpy"),
+    ("bench", "kernels"): ("lmcache_p2p.bench.kernels:main", "paged-KV gather/scatter vs memcpy"),
     ("identity",): ("lmcache_p2p.cli.identity:main", "a model's identity (layout.model_id) from its files"),
     ("certs",): ("lmcache_p2p.cli.certs:main", "a cluster CA and TLS certificates (transfer, etcd)"),
     ("etcd",): ("lmcache_p2p.cli.etcd:main", "run a private etcd (the embedded default)"),

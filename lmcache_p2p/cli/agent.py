@@ -18,8 +18,8 @@ import sys
 import threading
 
 from ..agent import CacheAgent
-from ..cluster_settings import read_at_start
 from ..config import cluster_secret, load_config
+from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
 from ..keys import Fingerprint
 from ..testing.synthetic import preload

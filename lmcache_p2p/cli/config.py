@@ -6,7 +6,7 @@ private etcd on loopback with a temporary data dir (the embedded default) and st
 ``get`` then shows the defaults and ``set`` validates and shows the result but nothing outlives the
 command, so for get/set it is only a demo. ``watch`` prints the private etcd's endpoint on stderr,
 so ``config set --etcd <it>`` from another shell changes what it shows. What the fields do in
-running agents, and which need a restart: ``lmcache_p2p/cluster_settings.py``.
+running agents, and which need a restart: ``coordinator/apply.py``.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from ...cluster_settings import set_log_level
 from ...config import rank_config
+from ...coordinator.apply import set_log_level
 from ...keys import head_range
 from .layout import connector_config, engine_fingerprint
 from .metadata import LMCacheP2PMetadata

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...cluster_settings import read_at_start
 from ...config import AgentConfig, LayoutConfig, load_config
+from ...coordinator.apply import read_at_start
 from ...identity import model_identity
 from ...keys import Fingerprint
 

@@ -1,6 +1,6 @@
 """Benchmark paged-KV gather/scatter against a plain preallocated memcpy of the same bytes.
 
-    python -m lmcache_p2p.kernels.bench [--preset tiny|large ...] [--blocks 2 16] [--threads N]
+    lmcache-p2p bench kernels [--preset tiny|large ...] [--blocks 2 16] [--threads N]
 
 Prints one JSON document: per preset, block count and backend, the median GB/s of gather
 and scatter, and of ``torch`` ``copy_`` between two preallocated contiguous buffers of the
@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from . import cpu_ext, paged
+from ..kernels import cpu_ext, paged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

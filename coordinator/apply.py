@@ -30,9 +30,9 @@ import dataclasses
 import logging
 from typing import Any
 
-from .aio import LoopThread
-from .config import AgentConfig
-from .errors import ConfigError, LMCacheP2PError
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.config import AgentConfig
+from lmcache_p2p.errors import ConfigError, LMCacheP2PError
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,9 @@ def read_at_start(config: AgentConfig) -> tuple[AgentConfig, int]:
     or etcd did not answer within ``etcd.start_wait_s``: the node starts on its own config)."""
     if not config.etcd.endpoints:
         return config, 0
-    from .coordinator.store import ConfigStore
-    from .index.client import EtcdClient
+    from lmcache_p2p.index.client import EtcdClient
+
+    from .store import ConfigStore
 
     async def read() -> tuple[Any, set[str], int]:
         client = EtcdClient(config.etcd)
