@@ -128,6 +128,9 @@ class AgentMetrics:
         stats = getattr(index, "stats", None)
         if not callable(stats):
             return
+        faults = getattr(index, "faults", None)
+        if callable(faults):
+            self._counts.etcd_faults = faults()
         gauges = {"index_chunks": self.index_chunks, "publish_pending": self.publish_pending,
                   "publish_lag_s": self.publish_lag, "lease_up": self.lease_up, "degraded": self.degraded}
         for name, value in stats().items():
@@ -152,11 +155,13 @@ class _Refresher:
 class _LiveCounters:
     """Counters whose values live in other objects (the index's, shared with non-agent readers)."""
 
-    LABELS = {"lmcache_p2p_index_rejected": ("kind",), "lmcache_p2p_lease_losses": ()}
+    LABELS = {"lmcache_p2p_index_rejected": ("kind",), "lmcache_p2p_lease_losses": (),
+              "lmcache_p2p_etcd_faults": ("kind",)}
 
     def __init__(self) -> None:
         self.rejects: Rejects | None = None
         self.lease_losses = 0
+        self.etcd_faults: dict[str, int] = {}
 
     def collect(self) -> Iterator[Metric]:
         rejected = CounterMetricFamily("lmcache_p2p_index_rejected", "Malformed etcd keys or values skipped, by kind",
@@ -168,6 +173,12 @@ class _LiveCounters:
         losses = CounterMetricFamily("lmcache_p2p_lease_losses", "Times the etcd lease was lost and re-taken")
         losses.add_metric([], self.lease_losses)
         yield losses
+        faults = CounterMetricFamily("lmcache_p2p_etcd_faults", "Control-plane faults met and recovered from, by "
+                                     "kind (watch interrupted/resynced/callback_failed, keepalive_failed/restarted, "
+                                     "publish_failed)", labels=["kind"])
+        for kind, n in sorted(self.etcd_faults.items()):
+            faults.add_metric([kind], n)
+        yield faults
 
 
 class _Quiet(WSGIRequestHandler):

@@ -85,6 +85,9 @@ def test_etcd_restarts_at_every_phase_heal_within_two_ttl(cluster_name: str, tmp
                 assert wait_until(lambda: pull_all(c, 1) == [True] * 16, 2 * TTL), f"blip {blip}: no peer pull"
             assert wait_until(lambda: metric(a, "lmcache_p2p_lease_up") == 1.0, 2 * TTL)
             assert wait_until(lambda: metric(a, "lmcache_p2p_degraded") == 0.0, 2 * TTL)
+            # every blip broke the agent's watch streams; it counted and recovered each time
+            assert (metric(a, 'lmcache_p2p_etcd_faults_total{kind="watch_interrupted"}') or 0) >= 5
+            assert metric(a, 'lmcache_p2p_etcd_faults_total{kind="publish_failed"}') is not None
             print(f"back in the mesh after each blip: {[f'{s:.2f}s' for s in healed]}")
         finally:
             c.stop()

@@ -60,6 +60,7 @@ class EtcdBlockIndex:
         self._closing = False
         self.leases_taken = 0
         self.lease_losses = 0
+        self._old_sessions = {"keepalive_failed": 0, "keepalive_restarted": 0}  # of sessions replaced
 
     @classmethod
     def open(cls, loop: LoopThread, config: AgentConfig, record: NodeRecord,
@@ -179,6 +180,23 @@ class EtcdBlockIndex:
             "lease_losses": float(self.lease_losses),
         }
 
+    def faults(self) -> dict[str, int]:
+        """Control-plane faults met so far, by kind (running totals: the agent exports them as
+        ``lmcache_p2p_etcd_faults_total{kind}``): watch streams interrupted and resumed, watches resynced
+        from a range read (history compacted, etcd restored), watch callbacks that failed, lease
+        keep-alive streams that failed and were restarted by the watchdog, publisher transactions
+        that failed and were retried."""
+        out = dict(self._old_sessions)
+        session = self._session
+        if session is not None:
+            out["keepalive_failed"] += session.stream_failures
+            out["keepalive_restarted"] += session.watchdog_restarts
+        for mirror in self._mirrors.values():
+            for kind, n in mirror.faults().items():
+                out[kind] = out.get(kind, 0) + n
+        out["publish_failed"] = self._publisher.errors_total if self._publisher is not None else 0
+        return out
+
     def flush(self, timeout: float) -> None:
         """Wait until every queued change is in etcd."""
         self._loop.run(self.publisher.flush(timeout), timeout + 1.0)
@@ -213,6 +231,9 @@ class EtcdBlockIndex:
                 continue
             backoff = 0.1
             renewed = self._session is not None
+            if self._session is not None:
+                self._old_sessions["keepalive_failed"] += self._session.stream_failures
+                self._old_sessions["keepalive_restarted"] += self._session.watchdog_restarts
             self._session = session
             self.leases_taken += 1
             self.publisher.set_session(session)

@@ -76,6 +76,13 @@ class Mirror:
                                            apply=self._apply_blocks, name=f"blocks-{short}")
         self.events_total = 0
 
+    def faults(self) -> dict[str, int]:
+        """Control-plane faults its watches met so far (``lmcache_p2p_etcd_faults_total{kind}``)."""
+        watches = (self._node_watch, self._block_watch)
+        return {"watch_interrupted": sum(w.interruptions for w in watches),
+                "watch_resynced": sum(max(w.resyncs - 1, 0) for w in watches),  # after the first sync
+                "watch_callback_failed": sum(w.callback_errors for w in watches)}
+
     # ---- readers: any thread, no I/O ---------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
         """Owners of each key (empty when nobody announced it)."""
