@@ -51,7 +51,8 @@ FIELDS: dict[str, tuple[str, bool]] = {
 }
 
 
-def _get(config: AgentConfig, dotted: str) -> Any:
+def field_value(config: AgentConfig, dotted: str) -> Any:
+    """The value of a dotted agent config field (``tiers.chunk_ttl_s``)."""
     obj: Any = config
     for part in dotted.split("."):
         obj = getattr(obj, part)
@@ -76,7 +77,7 @@ def apply(config: AgentConfig, cluster: Any, stored: set[str], *, live_only: boo
         if field not in stored or dotted in config.set_by_node:
             continue
         value = getattr(cluster, field)
-        if _get(config, dotted) == value:
+        if field_value(config, dotted) == value:
             continue
         if live_only and not live:
             pending.append(dotted)

@@ -111,6 +111,7 @@ class CacheAgent:
         self._dropped_lock = threading.Lock()
         self._config_watch: ConfigWatcher | None = None
         self.config_revision = 0  # of the cluster config applied
+        self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         if config.handoff.evict_copies_first:
             self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
@@ -200,9 +201,10 @@ class CacheAgent:
         watch = self._config_watch
         assert watch is not None
         new, pending = cluster_config_apply.apply(self.config, cluster, watch.stored, live_only=True)
-        if pending:
+        if pending and pending != self._pending_restart:
             log.warning("cluster config (rev %d) changes %s: takes effect when this node restarts", watch.revision,
                         ", ".join(pending))
+        self._pending_restart = pending
         old, self.config = self.config, new
         if new.tiers.chunk_ttl_s != old.tiers.chunk_ttl_s:
             self.background(asyncio.get_running_loop().create_task(self.invalidation.set_ttl(new.tiers.chunk_ttl_s)))

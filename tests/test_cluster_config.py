@@ -38,6 +38,17 @@ def test_invalid_values_name_the_field(assignment: str, field: str) -> None:
     assert exc.value.field == field
 
 
+def test_cluster_defaults_agree_with_the_agents_defaults() -> None:
+    """`config set` stores every field, defaults included: a default that differed from the agent's would
+    silently change every node that does not set the field itself."""
+    from lmcache_p2p.config import AgentConfig
+    from lmcache_p2p.coordinator.apply import FIELDS, field_value
+
+    cluster, agent = ClusterConfig(), AgentConfig()
+    for field, (dotted, _) in FIELDS.items():
+        assert getattr(cluster, field) == field_value(agent, dotted), field
+
+
 def test_parsing_and_round_trip() -> None:
     cfg = ClusterConfig().with_updates({"chunk_size": "512", "cpu_capacity": "4GiB", "chunk_ttl_s": "none",
                                         "eviction": "lfu", "handoff_budget_bytes_per_s": "8MiB"})
@@ -190,3 +201,15 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
     finally:
         agent.stop()
         logging.getLogger("lmcache_p2p").setLevel(logging.NOTSET)
+
+
+def test_bench_config_runs_and_every_agent_ends_on_one_revision() -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "lmcache_p2p", "bench", "config", "--agents", "2", "--rounds", "3",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["agents_on_one_revision"] is True and result["rounds"] == 3
+    assert result["apply_ms_p50"] > 0 and result["watch_ms_p50"] > 0

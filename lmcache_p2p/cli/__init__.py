@@ -18,6 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
     ("bench", "route"): ("lmcache_p2p.bench.route:main", "TTFT with /v1/score routing vs round-robin, 3 vLLM engines"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
+    ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),
     ("agent",): ("lmcache_p2p.cli.agent:main", "run a standalone cache agent"),
     ("status",): ("lmcache_p2p.cli.status:main", "cluster status from etcd and agents' metrics"),
