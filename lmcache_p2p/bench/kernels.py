@@ -14,13 +14,12 @@ import argparse
 import dataclasses
 import functools
 import json
-import statistics
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from ..kernels import cpu_ext, paged
+from .common import best_of
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -45,16 +44,6 @@ PRESETS = {
 }
 
 
-def _median_seconds(fn: Callable[[], None], repeat: int) -> float:
-    fn()  # warm-up: page faults, extension load, caches
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     dst.copy_(src)
 
@@ -72,12 +61,12 @@ def bench_preset(name: str, preset: Preset, blocks: Sequence[int], backends: Seq
         ids = torch.randperm(preset.cache_blocks, generator=gen)[:n].to(torch.int64)
         nbytes = paged.payload_nbytes(layers, n)
         buf, src = torch.empty(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)
-        memcpy = _median_seconds(functools.partial(_copy, buf, src), repeat)
+        memcpy = best_of(functools.partial(_copy, buf, src), repeat)
         row: dict = {"preset": name, "blocks": n, "payload_bytes": nbytes, "memcpy_gbps": _gbps(nbytes, memcpy)}
         for backend in backends:
             kv = paged.PagedKV(layers, backend=backend)  # type: ignore[arg-type]
-            g = _median_seconds(functools.partial(kv.gather, ids, buf), repeat)
-            s = _median_seconds(functools.partial(kv.scatter, buf, ids), repeat)
+            g = best_of(functools.partial(kv.gather, ids, buf), repeat)
+            s = best_of(functools.partial(kv.scatter, buf, ids), repeat)
             row[backend] = {
                 "gather_gbps": _gbps(nbytes, g),
                 "scatter_gbps": _gbps(nbytes, s),

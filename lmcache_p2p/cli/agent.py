@@ -13,9 +13,7 @@ import argparse
 import gc
 import json
 import logging
-import signal
 import sys
-import threading
 
 from ..agent import CacheAgent
 from ..config import cluster_secret, load_config
@@ -23,6 +21,7 @@ from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
 from ..keys import Fingerprint
 from ..testing.synthetic import preload
+from .common import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"lmcache-p2p agent: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                        secret=cluster_secret(config), role="cache")
     try:

@@ -17,7 +17,9 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import signal
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,3 +73,11 @@ def read_tokens(args: argparse.Namespace) -> list[int]:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     return list(tokenizer(Path(args.text).read_text())["input_ids"])
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM or SIGINT: a long-running command waits on it, then stops cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from ..aio import LoopThread
 from ..config import AgentConfig
@@ -18,7 +16,7 @@ from ..errors import LMCacheP2PError
 from ..events import EventPublisher
 from ..index.reader import IndexReader
 from ..keys import FingerprintDigest
-from .common import add_etcd_arguments, tool_config
+from .common import add_etcd_arguments, stop_on_signals, tool_config
 
 
 def main(argv: list[str]) -> int:
@@ -35,9 +33,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, LMCacheP2PError) as exc:
         print(f"lmcache-p2p events: {exc}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     publisher = EventPublisher(config, fp, args.bind).start()
     print(f"publishing KV events of {fp.hex()} on {publisher.endpoint}", flush=True)
     try:
