@@ -109,6 +109,10 @@ def test_cli_get_set(etcd: EtcdServer, cluster_name: str, capsys: pytest.Capture
     assert config_cli([*base, "get", "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert got["chunk_size"] == 768 and got["replicate_after"] == 0
+    assert config_cli([*base, "get"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.strip().splitlines()}
+    assert rows["chunk_size"] == ["768", "at", "restart"] and rows["chunk_ttl_s"] == ["none", "live"]
+    assert rows["version"] == ["1"]
     assert config_cli([*base, "set", "eviction=fifo"]) == 2
     assert "eviction" in capsys.readouterr().err
     assert config_cli([*base, "watch", "--count", "1"]) == 0

@@ -18,6 +18,7 @@ import json
 import sys
 
 from ..config import EtcdConfig
+from ..coordinator.apply import FIELDS
 from ..coordinator.cluster_config import ClusterConfig, parse_assignments
 from ..coordinator.store import ConfigStore, ConfigWatcher
 from ..errors import ConfigError, IndexError_
@@ -96,5 +97,9 @@ def _print(config: ClusterConfig, as_json: bool) -> None:
         print(json.dumps(data, sort_keys=True))
         return
     width = max(len(k) for k in data)
-    for name, value in data.items():
-        print(f"{name:<{width}}  {'none' if value is None else value}")
+    shown = {name: "none" if value is None else str(value) for name, value in data.items()}
+    vwidth = max(len(v) for v in shown.values())
+    for name, value in shown.items():
+        applies = FIELDS.get(name)  # (agent field, live): when running agents apply a change
+        when = "" if applies is None else "live" if applies[1] else "at restart"
+        print(f"{name:<{width}}  {value:<{vwidth}}  {when}".rstrip())
