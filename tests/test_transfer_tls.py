@@ -3,8 +3,10 @@ handshake bound to the owner's certificate, and what a relay on the path can and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+import ssl
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,37 +112,65 @@ def test_requester_refuses_an_owner_without_a_cluster_certificate(pki: Path, loo
         stranger.close()
 
 
-class TerminatingRelay(Relay):
+class TerminatingRelay:
     """A man in the middle holding a *valid* cluster certificate (no cluster secret): it terminates
-    TLS towards the requester and opens its own TLS session to the owner, relaying the plaintext."""
+    TLS towards the requester and opens its own TLS session to the owner, relaying the plaintext.
+
+    On an asyncio loop of its own: an SSL socket read in one thread while another writes it (a
+    blocking relay's two pipes) can stall on TLS 1.3's post-handshake messages."""
 
     def __init__(self, target_port: int, pki: Path) -> None:
         cfg = tls_config(pki, "mallory")
         self._server_ctx, self._client_ctx = server_context(cfg), client_context(cfg)
+        self._target = target_port
         self.relayed = 0
-        super().__init__(target_port)
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(ready,), daemon=True)
+        self._thread.start()
+        ready.wait(10)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                raw, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._session, args=(raw,), daemon=True).start()
+    def _run(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._session, "127.0.0.1", 0, ssl=self._server_ctx))
+        self.port: int = self._server.sockets[0].getsockname()[1]
+        ready.set()
+        self._loop.run_forever()
 
-    def _session(self, raw: socket.socket) -> None:
-        with contextlib.suppress(OSError), contextlib.ExitStack() as open_sockets:
-            open_sockets.enter_context(raw)
-            client = open_sockets.enter_context(self._server_ctx.wrap_socket(raw, server_side=True))
-            plain = open_sockets.enter_context(socket.create_connection(("127.0.0.1", self._target)))
-            server = open_sockets.enter_context(self._client_ctx.wrap_socket(plain))
-            self.relayed += 1
-            upstream = threading.Thread(target=self.pipe, args=(client, server), daemon=True)
-            upstream.start()
-            self.pipe(server, client)
-            server.close()
-            client.close()
-            upstream.join(5)
+    async def _session(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        try:  # the requester's TLS session is up (asyncio finished its handshake before calling us)
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target, ssl=self._client_ctx)
+        except (OSError, ssl.SSLError):
+            writer.close()
+            return
+        self._writers.add(up_writer)
+        self.relayed += 1
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError, ssl.SSLError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    def close(self) -> None:
+        async def shut() -> None:
+            self._server.close()
+            for writer in self._writers:
+                writer.close()
+                with contextlib.suppress(OSError, ssl.SSLError):
+                    await writer.wait_closed()
+            await self._server.wait_closed()
+
+        asyncio.run_coroutine_threadsafe(shut(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
+        self._loop.close()
 
 
 def test_a_relay_with_a_cluster_certificate_cannot_pass_the_bound_handshake(owner: OwnerProcess, pki: Path,
