@@ -89,6 +89,16 @@ def apply(config: AgentConfig, cluster: Any, stored: set[str], *, live_only: boo
     return config, pending
 
 
+def deviations(config: AgentConfig, cluster: Any, stored: set[str]) -> dict[str, str]:
+    """Agent config fields (dotted) whose value is not the stored cluster config's: ``"node"`` where the
+    node set the field itself, ``"restart"`` where the cluster's value waits for the next start."""
+    out = {}
+    for field, (dotted, _) in FIELDS.items():
+        if field in stored and field_value(config, dotted) != getattr(cluster, field):
+            out[dotted] = "node" if dotted in config.set_by_node else "restart"
+    return out
+
+
 def read_at_start(config: AgentConfig) -> tuple[AgentConfig, int]:
     """``config`` with the stored cluster config applied, and the config's revision (0: none stored,
     or etcd did not answer within ``etcd.start_wait_s``: the node starts on its own config)."""

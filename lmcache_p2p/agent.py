@@ -112,6 +112,7 @@ class CacheAgent:
         self._config_watch: ConfigWatcher | None = None
         self.config_revision = 0  # of the cluster config applied
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
+        self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
         if config.handoff.evict_copies_first:
             self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
@@ -194,6 +195,7 @@ class CacheAgent:
             free=self.handoff.free(),
             layouts={self.fp.hex(): dataclasses.asdict(self.fingerprint)},
             config_revision=self.config_revision,
+            config_deviations=dict(self.config_deviations),
         )
 
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:
@@ -218,6 +220,7 @@ class CacheAgent:
         if new != old:
             log.info("cluster config rev %d applied", watch.revision)
         self.config_revision = watch.revision
+        self.config_deviations = cluster_config_apply.deviations(new, cluster, watch.stored)
         if self.index is not None:
             self.index.set_record(self.node_record())
 

@@ -33,6 +33,8 @@ def test_a_good_record_round_trips() -> None:
     assert record.addresses == {"tcp": "10.0.0.1:7470"} and record.transports == ("tcp",)
     assert NodeRecord.unpack(record.pack()) == record
     assert decode_node_record(msgpack.packb({**GOOD, "added_by_a_newer_version": [1, 2]})) == record
+    deviating = decode_node_record(msgpack.packb({**GOOD, "config_deviations": {"chunk_size": "restart"}}))
+    assert deviating.config_deviations == {"chunk_size": "restart"} and NodeRecord.unpack(deviating.pack()) == deviating
 
 
 @pytest.mark.parametrize("change", [
@@ -53,6 +55,10 @@ def test_a_good_record_round_trips() -> None:
     {"node_id": 5},
     {"node_id": "other"},  # does not match its key
     {"node_id": "bad/id"},
+    {"config_deviations": {"chunk_size": "maybe"}},
+    {"config_deviations": {"chunk_size": 1}},
+    {"config_deviations": {f"f{i}": "node" for i in range(65)}},
+    {"role": "router"},
 ])
 def test_malformed_fields_are_rejected_naming_the_field(change: dict) -> None:
     with pytest.raises(MalformedRecord) as exc:

@@ -9,6 +9,12 @@ Flags what operators trip over; the exit code is 0 when healthy, 1 when anything
     unresponsive           lease alive, but the agent's metrics endpoint does not answer (hung?)
     version-skew           nodes on different software or wire-protocol versions
     etcd-member-down       an etcd endpoint in the list does not answer
+
+Notes (not problems: the exit code ignores them) say where a node does not run the stored cluster
+config's value, and why; the CONFIG column marks such a node with ``*``:
+
+    config-restart         the value applies at the node's next start (chunk size, capacities, lease TTL)
+    config-own             the node sets the field itself (its file, environment or overrides win)
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class NodeStatus:
     free_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # per tier, as last published
     handoff: dict[str, float] = dataclasses.field(default_factory=dict)  # hand-off events (accepted, received, ...)
     config_revision: int = 0  # the cluster config revision the node runs
+    config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "restart" | "node"
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
 
 
@@ -106,6 +113,7 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
                 wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id), role=record.role,
                 free_bytes=dict(record.free), config_revision=record.config_revision,
+                config_deviations=dict(record.config_deviations),
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
     finally:
@@ -177,8 +185,18 @@ def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeReco
     for endpoint, up in members.items():
         if not up:
             flags.append(f"etcd-member-down: {endpoint}")
+    notes = []  # not problems: what an operator may want to know after `lmcache-p2p config set`
+    for node in nodes:
+        restart = sorted(f for f, why in node.config_deviations.items() if why == "restart")
+        own = sorted(f for f, why in node.config_deviations.items() if why == "node")
+        if restart:
+            notes.append(f"config-restart: {node.node_id} applies {', '.join(restart)} of the cluster config at its "
+                         "next start")
+        if own:
+            notes.append(f"config-own: {node.node_id} keeps its own {', '.join(own)} (set in its file, environment "
+                         "or overrides)")
     return {"cluster": config.cluster, "revision": revision, "time": time.time(), "healthy": not flags,
-            "flags": flags, "etcd_members": members, "nodes": [dataclasses.asdict(n) for n in nodes]}
+            "flags": flags, "notes": notes, "etcd_members": members, "nodes": [dataclasses.asdict(n) for n in nodes]}
 
 
 def _gib(x: float) -> str:
@@ -199,7 +217,7 @@ def render(report: dict[str, Any]) -> str:
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
             "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
             "/".join(f"{n['handoff'].get(e, 0):.0f}" for e in ("accepted", "received", "dropped")),
-            str(n["config_revision"]) if n["config_revision"] else "-",
+            (str(n["config_revision"]) if n["config_revision"] else "-") + ("*" if n["config_deviations"] else ""),
             f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?")
             + (" DEGRADED" if n["degraded"] else ""),
         ])
@@ -208,6 +226,7 @@ def render(report: dict[str, Any]) -> str:
              f"etcd {sum(report['etcd_members'].values())}/{len(report['etcd_members'])} up"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     lines += [f"! {f}" for f in report["flags"]] or ["healthy"]
+    lines += [f"  {note}" for note in report.get("notes", ())]
     return "\n".join(lines)
 
 

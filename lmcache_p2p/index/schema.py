@@ -191,6 +191,9 @@ class NodeRecord:
     free: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> free bytes (refreshed, rate-bounded)
     layouts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> its fields
     config_revision: int = 0  # etcd revision of the cluster config this node runs (0: none stored / not read)
+    # agent config fields where the node does not run the stored cluster config's value: "restart" (it
+    # applies at the next start) or "node" (the node's own file, environment or overrides set it)
+    config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)
     # (what ``lookup --explain`` names when two identities differ)
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
@@ -238,7 +241,14 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         started_at=started_at, metrics_url=metrics_url,
         models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
         heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw),
-        config_revision=_field(raw, "config_revision", int, 0))
+        config_revision=_field(raw, "config_revision", int, 0), config_deviations=_deviations(raw))
+
+
+def _deviations(raw: dict[str, Any]) -> dict[str, str]:
+    deviations = _str_map(raw, "config_deviations")
+    if len(deviations) > 64 or not all(v in ("restart", "node") for v in deviations.values()):
+        raise MalformedRecord("node record", "config_deviations: expected at most 64 field -> 'restart' | 'node'")
+    return deviations
 
 
 def _layouts(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
