@@ -40,6 +40,25 @@ def node_records(cfg_path: Path) -> dict:
             reader.close()
 
 
+def registered_chunks(cfg_path: Path, node: str) -> int:
+    """Block entries of ``node`` in etcd (every fingerprint), read with an agent config's etcd settings:
+    an engine's chunks are a hit elsewhere once they are there."""
+    import asyncio
+
+    from lmcache_p2p.config import load_config
+    from lmcache_p2p.index.client import EtcdClient
+    from lmcache_p2p.index.schema import Schema
+
+    config = load_config(cfg_path)
+
+    async def count() -> int:
+        async with EtcdClient(config.etcd) as client:
+            blocks, _ = await client.get_prefix(Schema(config.cluster).blocks)
+        return sum(1 for kv in blocks if kv.key.endswith(b"/" + node.encode()))
+
+    return asyncio.run(count())
+
+
 def prompts(n: int, length: int, seed: int, vocab: int = 4000) -> list[list[int]]:
     # ids 0-2 are the tokenizer's special tokens; keep them out of the prompt body
     return [[t + 3 for t in synthetic_tokens(seed + i, length, vocab)] for i in range(n)]
