@@ -69,3 +69,32 @@ def _local_identity(path: str, _stamp: tuple[tuple[str, int, int], ...]) -> str:
                 fh.seek((size - _SAMPLE_BYTES) * i // (_SAMPLES - 1))
                 weights.update(fh.read(_SAMPLE_BYTES))
     return f"sha:{cfg}-w:{weights.hexdigest()[:16] if files else 'none'}"
+
+
+_ADAPTER_FILES = ("adapter_config.json",)
+
+
+def adapter_identity(name: str, path: str | os.PathLike[str]) -> str | None:
+    """``name@digest`` of a LoRA adapter's files (its config and weights, by content), or None
+    when ``path`` is not a readable adapter directory: an adapter we can't identify is not cached."""
+    root = Path(path)
+    try:
+        files = sorted(p for p in root.iterdir() if p.is_file()
+                       and (p.name in _ADAPTER_FILES or p.name.endswith(_WEIGHT_SUFFIXES)))
+        stamp = tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])
+    except OSError:
+        return None
+    if not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in files):
+        return None
+    return f"{name}@{_files_digest(str(root.resolve()), stamp)}"
+
+
+@functools.lru_cache(maxsize=64)
+def _files_digest(path: str, stamp: tuple[tuple[str, int, int], ...]) -> str:  # per version of the files
+    h = xxhash.xxh3_128()
+    for name, size, _ in stamp:
+        h.update(f"{name}\0{size}\0".encode())
+        with open(Path(path) / name, "rb") as fh:
+            while block := fh.read(8 << 20):
+                h.update(block)
+    return h.hexdigest()[:16]

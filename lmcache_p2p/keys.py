@@ -10,11 +10,24 @@ A prompt's token ids are cut into chunks of ``chunk_size`` tokens::
 ``H`` is xxh3_128 over the previous 16-byte key followed by the chunk's token ids as
 int32 little-endian. Nothing here depends on Python's ``hash()`` or a per-process seed:
 the same tokens under the same fingerprint give the same keys on every host.
+
+A request's KV depends on more than its tokens; :class:`RequestIdentity` is the rest, and
+:func:`request_root` folds it into the chain's root (``root = fingerprint digest`` only for a
+request with none of it, so plain prompts keep their keys)::
+
+    root = BLAKE2b-128(fingerprint digest || adapter || cache_salt)   keyed by nothing secret but the salt
+    k_i  = H(k_{i-1} || t[i] || mm items overlapping chunk i, each (content hash, offset in the chunk))
+
+The adapter is its name and a digest of its weights (``identity.adapter_identity``); a multimodal
+item's placeholder tokens are the same for every image, so its content hash and position enter
+the key of every chunk it overlaps (and, chained, of every later chunk). A salt is a tenant's
+secret: BLAKE2b makes the root one-way, so knowing a root says nothing of the salt.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NewType
 
@@ -130,14 +143,53 @@ def tokens_to_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class MultiModalItem:
+    """One multimodal input of a prompt: vLLM's content hash and its placeholder tokens' span."""
+
+    content_hash: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not self.content_hash or self.offset < 0 or self.length <= 0:
+            raise ValueError(f"multimodal item needs a hash and a span, got {self}")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestIdentity:
+    """What besides its token ids changes a request's KV (see the module docstring)."""
+
+    adapter: str = ""  # "name@weights digest" of a LoRA adapter; "" for the base model
+    cache_salt: str = ""  # vLLM's per-request cache isolation (a tenant's secret)
+    mm_items: tuple[MultiModalItem, ...] = ()  # sorted by offset
+
+    @property
+    def plain(self) -> bool:
+        return not (self.adapter or self.cache_salt or self.mm_items)
+
+
+def request_root(fp: FingerprintDigest, identity: RequestIdentity | None) -> FingerprintDigest:
+    """The key chain's root for a request: the fingerprint digest itself when nothing but the
+    tokens distinguishes it, else a one-way digest of the fingerprint, the adapter and the salt."""
+    if identity is None or not (identity.adapter or identity.cache_salt):
+        return fp
+    h = hashlib.blake2b(digest_size=16, person=b"lmcp2p-request")
+    h.update(bytes(fp))
+    h.update(msgpack.packb([identity.adapter, identity.cache_salt], use_bin_type=True))
+    return FingerprintDigest(h.digest())
+
+
 def chunk_keys(
     root: FingerprintDigest,
     token_ids: Sequence[int] | np.ndarray,
     chunk_size: int,
     *,
     include_partial: bool = True,
+    mm_items: Sequence[MultiModalItem] = (),
 ) -> list[ChunkKey]:
-    """Keys of every chunk of ``token_ids``; the tail chunk too when ``include_partial``."""
+    """Keys of every chunk of ``token_ids``; the tail chunk too when ``include_partial``. Each
+    multimodal item enters the key of every chunk its placeholder tokens overlap."""
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     arr = tokens_to_array(token_ids)
@@ -145,8 +197,13 @@ def chunk_keys(
     prev = bytes(root)
     end = len(arr) if include_partial else len(arr) - len(arr) % chunk_size
     for start in range(0, end, chunk_size):
+        stop = min(start + chunk_size, end)
         h = xxhash.xxh3_128(prev)
-        h.update(arr[start : min(start + chunk_size, end)].tobytes())
+        h.update(arr[start:stop].tobytes())
+        items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
+                 if m.offset < stop and m.offset + m.length > start]
+        if items:
+            h.update(msgpack.packb(items, use_bin_type=True))
         prev = h.digest()
         keys.append(ChunkKey(prev))
     return keys

@@ -43,6 +43,9 @@ class AgentMetrics:
                                      ["source"], namespace=ns, registry=registry)
         self.load_failures = Counter("load_failures", "Chunks planned as hits that could not be loaded",
                                      ["reason"], namespace=ns, registry=registry)
+        self.uncacheable_requests = Counter(
+            "uncacheable_requests", "Requests whose KV can't be keyed, neither loaded nor saved, by reason "
+            "(prompt_embeds, unknown_adapter, multimodal_unhashed)", ["reason"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
         self.handoff_chunks = Counter(
             "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "

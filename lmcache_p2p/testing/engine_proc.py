@@ -11,7 +11,7 @@ Reads JSON requests, one per line, on stdin::
 
 and answers each with one line ``@@lmcache-p2p {...}`` on stdout (vLLM logs go to stderr/stdout
 too; the marker separates them). With ``--agent-config`` the engine runs with the
-``LMCacheP2PConnector`` and ``kv_load_failure_policy: recompute``; with ``--kv-transfer-json`` it
+``LMCacheP2PConnector`` (``kv_load_failure_policy`` left at vLLM's default); with ``--kv-transfer-json`` it
 uses that full ``kv_transfer_config`` dict instead (e.g. LMCache's ``LMCacheMPConnector``); without
 either, plain vLLM. This module imports only vLLM and the stdlib, so it also runs under another venv
 (``.venv-lmcache``) with this repository on ``PYTHONPATH``.
@@ -61,8 +61,8 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
     if agent_config is not None:
         kv_transfer = {"kv_connector": "LMCacheP2PConnector",
                        "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
-                       "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                       "kv_connector_extra_config": {"config": agent_config}}
+                       "kv_role": "kv_both",  # kv_load_failure_policy left at vLLM's default ("fail"):
+                       "kv_connector_extra_config": {"config": agent_config}}  # the connector must cope
     # dtype: argparse limits the choices to what vLLM accepts.
     return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,  # type: ignore[arg-type]
                enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,

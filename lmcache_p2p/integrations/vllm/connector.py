@@ -5,8 +5,11 @@ process) decides hits from the index mirror; the worker side (:mod:`.worker`, on
 rank) owns the embedded cache agent and moves bytes. They talk only through
 :class:`~.metadata.LMCacheP2PMetadata`.
 
-Use with ``kv_load_failure_policy: "recompute"`` so that chunks that cannot be loaded (a peer
-died, a checksum failed) are recomputed by vLLM instead of failing the request.
+vLLM fails a request whose connector reports a chunk it could not load unless
+``kv_load_failure_policy`` is ``"recompute"``, and its default is ``"fail"``. A cache problem must
+never become a serving problem, so the scheduler side sets ``"recompute"`` (and says so once at
+start); ``kv_connector_extra_config: {"keep_fail_policy": true}`` keeps ``"fail"``, with a warning
+of what it means.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         self._scheduler: P2PScheduler | None = None
         self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            recompute_on_load_failure(vllm_config)
             self._scheduler = P2PScheduler(config, fingerprint, block_size)
         else:
             self._worker = P2PWorker(config, fingerprint, block_size, heads)
@@ -121,3 +125,22 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
+
+
+def recompute_on_load_failure(vllm_config: Any) -> None:
+    """Make vLLM recompute what the mesh could not load (see the module docstring). vLLM's
+    scheduler reads the policy right after it constructs its connector, so setting it here counts."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer.kv_load_failure_policy == "recompute":
+        return
+    if (transfer.kv_connector_extra_config or {}).get("keep_fail_policy") is True:
+        log.warning("lmcache-p2p: kv_load_failure_policy=%r kept (keep_fail_policy): a request whose cached KV "
+                    "can't be loaded (an owner died or hung, a chunk failed verification, a pull would be slower "
+                    "than recomputing) ends with an error instead of being recomputed",
+                    transfer.kv_load_failure_policy)
+        return
+    log.warning("lmcache-p2p: kv_load_failure_policy was %r (vLLM's default), which fails every request whose cached "
+                "KV can't be loaded; this engine runs with 'recompute': what the mesh can't supply is recomputed, "
+                "never an error (kv_connector_extra_config keep_fail_policy: true keeps 'fail')",
+                transfer.kv_load_failure_policy)
+    transfer.kv_load_failure_policy = "recompute"

@@ -10,8 +10,8 @@ from typing import Any
 
 from ...config import AgentConfig, LayoutConfig, load_config
 from ...coordinator.apply import read_at_start
-from ...identity import model_identity
 from ...keys import Fingerprint
+from ..engine_identity import engine_model_id
 
 
 def connector_config(vllm_config: Any) -> AgentConfig:
@@ -40,7 +40,7 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
     parallel = vllm_config.parallel_config
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
     return LayoutConfig(
-        model_id=model_identity(model.model, model.revision),  # what the model is, not where
+        model_id=engine_model_id(vllm_config),  # what the model is, not where
         kv_dtype=_dtype_name(vllm_config),
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=model.get_total_num_kv_heads(),  # every rank's: which a rank holds is in its records

@@ -17,3 +17,4 @@ class LMCacheP2PMetadata(KVConnectorMetadata):
     loads: list[ChunkTransfer] = dataclasses.field(default_factory=list)
     saves: list[ChunkTransfer] = dataclasses.field(default_factory=list)
     num_scheduled_tokens: int = 0  # this step's tokens: the worker times prefill steps by it
+    uncacheable: dict[str, int] = dataclasses.field(default_factory=dict)  # new requests not cached, by reason

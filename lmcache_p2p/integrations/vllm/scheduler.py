@@ -15,6 +15,12 @@ Generated tokens are saved too: every chunk a request's output fills is stored a
 chained on the prompt's), so the next turn of a conversation, on any node, finds the whole history
 up to its last full chunk and recomputes only the rest and the new message.
 
+Keys cover the request's identity, not only its tokens (``keys.RequestIdentity``): its LoRA
+adapter (name and weights digest), its ``cache_salt`` and its multimodal items at their positions,
+so a chunk is shared only with requests whose KV it is. A request whose KV can't be keyed
+(prompt embeddings; an adapter whose files this process can't read; a multimodal item without a
+content hash) is neither loaded nor saved, and counted (``uncacheable_requests_total{reason}``).
+
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
 (a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
@@ -31,8 +37,9 @@ from typing import Any
 from ...aio import LoopThread
 from ...config import AgentConfig
 from ...index.reader import IndexReader
-from ...keys import ChunkKey, Fingerprint, chunk_keys
+from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, chunk_keys, request_root
 from ..blocks import ChunkTransfer, chunk_transfer
+from ..engine_identity import request_identity
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
@@ -48,6 +55,8 @@ class _Active:
     prompt: list[int]
     keys: list[ChunkKey]
     block_ids: list[int]
+    root: FingerprintDigest
+    mm_items: tuple[MultiModalItem, ...] = ()
     prompt_saved: bool = False
     full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
 
@@ -70,9 +79,27 @@ class P2PScheduler:
         self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
         self._async: dict[str, bool] = {}  # per request: was the hit announced as an async load
         self._loaded: set[str] = set()  # requests that got a load: never offered a hit twice
+        self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
+        self._identities: dict[str, tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None] = {}
 
-    def _keys(self, prompt: list[int]) -> list[ChunkKey]:
-        return chunk_keys(self._fp, prompt, self._chunk)
+    def _identity(self, request: Any) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
+        """The key chain's root and multimodal items of ``request``; None (and counted once per
+        request) when its KV can't be keyed."""
+        req_id = request.request_id
+        if req_id in self._identities:
+            return self._identities[req_id]
+        reason, found = request_identity(request)
+        if found is None:
+            self._uncacheable[reason] = self._uncacheable.get(reason, 0) + 1
+            log.debug("request %s: not cached (%s)", req_id, reason)
+            result = None
+        else:
+            result = request_root(self._fp, found), found.mm_items
+        self._identities[req_id] = result
+        return result
+
+    def _keys(self, tokens: list[int], root: FingerprintDigest, mm_items: tuple[MultiModalItem, ...]) -> list[ChunkKey]:
+        return chunk_keys(root, tokens, self._chunk, mm_items=mm_items)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         prompt = list(request.prompt_token_ids or [])
@@ -80,7 +107,10 @@ class P2PScheduler:
             # Asked again after a load for this request: the load failed (vLLM reset the request to
             # recompute it). Offering the same hit again would loop; the engine computes it.
             return 0, False
-        keys = self._keys(prompt)
+        identity = self._identity(request)
+        if identity is None:
+            return 0, False
+        keys = self._keys(prompt, *identity)
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved)
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
@@ -94,9 +124,12 @@ class P2PScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
-        keys = self._keys(prompt)
-        state = _Active(request, prompt, keys, [])
+        identity = self._identity(request)
         local_hit = self._local_hit.pop(request.request_id, 0)
+        if identity is None or not prompt:
+            return  # nothing loaded (no hit was offered), nothing saved
+        keys = self._keys(prompt, *identity)
+        state = _Active(request, prompt, keys, [], *identity)
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
@@ -112,6 +145,7 @@ class P2PScheduler:
 
     def build_connector_meta(self, out: Any) -> LMCacheP2PMetadata:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
+        meta.uncacheable, self._uncacheable = self._uncacheable, {}
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
@@ -147,7 +181,7 @@ class P2PScheduler:
     def _generated(self, state: _Active, full: int) -> ChunkTransfer:
         """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's keys."""
         first = state.full_chunks_saved
-        keys = self._keys(list(state.request.all_token_ids[: full * self._chunk]))
+        keys = self._keys(list(state.request.all_token_ids[: full * self._chunk]), state.root, state.mm_items)
         per = self._chunk // self._block
         state.full_chunks_saved = full
         self._remember_saved(keys[first:full])
@@ -169,6 +203,7 @@ class P2PScheduler:
         self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM holds
         # the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
+        self._identities.pop(request.request_id, None)
 
     def shutdown(self) -> None:
         self._index.close()

@@ -75,6 +75,9 @@ class P2PWorker:
     def step_started(self, meta: LMCacheP2PMetadata) -> None:
         self._step_started, self._step_tokens = time.perf_counter(), meta.num_scheduled_tokens
         self._idle_step = meta.num_scheduled_tokens == 0 and not meta.loads and not meta.saves
+        if self.agent is not None:
+            for reason, n in meta.uncacheable.items():
+                self.agent.metrics.uncacheable_requests.labels(reason).inc(n)
 
     def step_finished(self) -> None:
         if self._step_started is not None and self.agent is not None:
