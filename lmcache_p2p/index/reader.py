@@ -9,7 +9,7 @@ miss, so the engine computes) until etcd answers. Tools that must read etcd chec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from ..aio import LoopThread
 from ..config import AgentConfig
@@ -55,18 +55,24 @@ class IndexReader:
         """Following etcd right now (False while etcd is down or unreachable)."""
         return self.mirror.connected
 
-    def longest_prefix(self, keys: Sequence[ChunkKey], also_held: Container[ChunkKey] = ()) -> int:
+    def longest_prefix(self, keys: Sequence[ChunkKey], also_held: Container[ChunkKey] = (),
+                       usable: Callable[[NodeRecord], bool] | None = None) -> int:
         """How many leading keys are held, every KV head of them (by one node, or by nodes that hold
-        parts: the ranks of a tensor-parallel engine), or are in ``also_held``."""
-        partial = {n: h for n, r in self.mirror.nodes().items()  # nodes holding some heads: [h0, h1, total]
+        parts: the ranks of a tensor-parallel engine), or are in ``also_held``. With ``usable``, only
+        owners whose node record is in the mirror and passes it count (``peers.compatible``)."""
+        nodes = self.mirror.nodes()
+        partial = {n: h for n, r in nodes.items()  # nodes holding some heads: [h0, h1, total]
                    if (h := r.heads.get(self._fp_hex)) is not None and h[1] - h[0] < h[2]}
-        if not also_held and not partial:
+        refused = None if usable is None else {n for n, r in nodes.items() if not usable(r)}
+        if not also_held and not partial and usable is None:
             return self.mirror.longest_prefix(keys)
         mirror = self.mirror
         for i, key in enumerate(keys):
             if key in also_held:
                 continue
             owners = mirror.owners(key)
+            if refused is not None:
+                owners = {n: t for n, t in owners.items() if n in nodes and n not in refused}
             if not owners:
                 return i
             if all(n in partial for n in owners):

@@ -37,6 +37,8 @@ from typing import Any
 from ...aio import LoopThread
 from ...config import AgentConfig
 from ...index.reader import IndexReader
+from ...peers import compatible
+from ...index.schema import NodeRecord
 from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, chunk_keys, request_root
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import request_identity
@@ -81,6 +83,11 @@ class P2PScheduler:
         self._loaded: set[str] = set()  # requests that got a load: never offered a hit twice
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
         self._identities: dict[str, tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None] = {}
+        self._tls, self._transports = config.transfer.tls, config.transfer.transports
+
+    def _usable(self, record: NodeRecord) -> bool:
+        """An owner this engine's worker can pull from (the same rule its plan applies)."""
+        return compatible(record, tls=self._tls, transports=self._transports)
 
     def _identity(self, request: Any) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
         """The key chain's root and multimodal items of ``request``; None (and counted once per
@@ -111,7 +118,7 @@ class P2PScheduler:
         if identity is None:
             return 0, False
         keys = self._keys(prompt, *identity)
-        held = self._index.longest_prefix(keys, () if self._index.connected else self._saved)
+        held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
