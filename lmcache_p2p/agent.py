@@ -49,11 +49,12 @@ from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
 from .index.protocol import BlockIndex
-from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects
+from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects, Schema, tenant_digest
 from .invalidation import MeshInvalidation
-from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tokens_to_array
+from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
+from .quarantine import Quarantine, QuarantineRecord
 from .score import http_app
 from .tiers import TIER_CODES, Pin, Reservation, TieredStore
 from .transfer.pull import Puller
@@ -96,6 +97,7 @@ class CacheAgent:
         self.tiers = TieredStore.from_config(config.tiers, chunk_bytes, admit=self._admit)
         self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry,
                                              rejects=self.rejects)
+        self.tiers.cpu.set_stamp(self.invalidation.stamp)  # a peer's epoch is never trusted above ours
         self.metrics.watch_rejects(self.rejects)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
@@ -110,6 +112,7 @@ class CacheAgent:
         self._dropped: OrderedDict[ChunkKey, float] = OrderedDict()  # recently evicted or removed, newest last
         self._dropped_lock = threading.Lock()
         self._config_watch: ConfigWatcher | None = None
+        self.quarantine: Quarantine | None = None  # owners the canary found wrong: never planned
         self.config_revision = 0  # of the cluster config applied
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
@@ -144,7 +147,8 @@ class CacheAgent:
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)
             else:  # returns within etcd.start_wait_s even when etcd is down (degraded until it answers)
-                self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp], rejects=self.rejects)
+                self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp], rejects=self.rejects,
+                                                 on_new_lease=lambda _session: self.invalidation.recheck())
             # Standing invalidations first, so nothing they cover is recovered or published.
             client = self.index.client if isinstance(self.index, EtcdBlockIndex) else None
             self.invalidation.start(self.loop, client)
@@ -152,7 +156,10 @@ class CacheAgent:
                 self._config_watch = ConfigWatcher(client, self.config.cluster, self._on_cluster_config,
                                                    rejects=self.rejects)
                 self.loop.run(self._config_watch.start(0.0), self.config.etcd.timeout_s)
-            recovered = self.tiers.recover()
+                self.quarantine = Quarantine(client, self.index_schema, rejects=self.rejects)
+                self.loop.run(self.quarantine.start(self.config.etcd.start_wait_s),
+                              self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
+            recovered = self.invalidation.vet_recovered(self.tiers.recover())
             self.tiers.set_listener(self._on_tier_change)
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
@@ -188,7 +195,8 @@ class CacheAgent:
             wire_version=WIRE_VERSION,
             metrics_url=metrics_url,
             models={self.fp.hex(): self.fingerprint.model_id},
-            tenants={self.fp.hex(): self.fingerprint.tenant_salt} if self.fingerprint.tenant_salt else {},
+            tenants={self.fp.hex(): tenant_digest(self.fingerprint.tenant_salt)} if self.fingerprint.tenant_salt
+            else {},  # never the salt itself
             tls=self.config.transfer.tls,
             heads={self.fp.hex(): [*self.heads, self.fingerprint.num_kv_heads]},
             role=self.role,
@@ -265,6 +273,10 @@ class CacheAgent:
             with contextlib.suppress(LMCacheP2PError, RuntimeError):
                 self.loop.run(self._config_watch.stop(), self.config.etcd.timeout_s)
             self._config_watch = None
+        if self.quarantine is not None and self.loop is not None:
+            with contextlib.suppress(LMCacheP2PError, RuntimeError):
+                self.loop.run(self.quarantine.stop(), self.config.etcd.timeout_s)
+            self.quarantine = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
         self.tiers.close()  # the tier worker finishes the write-backs queued so far
@@ -389,8 +401,52 @@ class CacheAgent:
                          num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
 
     def usable(self, record: NodeRecord | None) -> bool:
-        """A peer we can pull from now (see :meth:`Puller.usable`)."""
-        return self.puller is not None and self.puller.usable(record)
+        """A peer we can pull from now (see :meth:`Puller.usable`) and not quarantined."""
+        quarantine = self.quarantine
+        return (self.puller is not None and self.puller.usable(record) and record is not None
+                and not (quarantine is not None and quarantine.blocked(record.node_id)))
+
+    # -- canary (see canary.py; called from the worker's canary thread) ---------------------------------
+    @property
+    def index_schema(self) -> Schema:
+        return Schema(self.config.cluster)
+
+    def owners_of(self, key: ChunkKey) -> list[NodeId]:
+        """Peers the index lists for ``key`` that this node could pull from (quarantined ones left out)."""
+        if self.index is None:
+            return []
+        nodes = self.index.nodes()
+        return [n for n in self.index.owners(self.fp, [key])[0] if n != self.node_id and self.usable(nodes.get(n))]
+
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None:
+        """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key and
+        verified like every pull; None if it could not be had by ``deadline``."""
+        if self.puller is None or self.loop is None or not chunk.pieces:
+            return None
+        scratch = piece_key(chunk.key, chunk.pieces[0].heads)
+        try:
+            missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline),
+                                   max(deadline - time.monotonic(), 0.0) + 1.0)
+        except LMCacheP2PError as exc:
+            log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
+            return None
+        pin = None if missed else self.tiers.cpu.pin(scratch, self.config.tiers.pin_timeout_s)
+        try:
+            return bytes(self.tiers.cpu.slot_view(pin.slot, pin.header.length)) if pin is not None else None
+        finally:
+            if pin is not None:
+                self.tiers.cpu.unpin(pin)
+            self.tiers.cpu.remove(scratch)
+
+    def quarantine_owner(self, record: QuarantineRecord) -> None:
+        """Write ``record`` to etcd: every planner stops using the owner (this one at once)."""
+        if self.loop is None or self.quarantine is None:
+            log.error("canary: cannot quarantine %s without etcd", record.node)
+            return
+        try:
+            self.loop.run(self.quarantine.add(record), self.config.etcd.timeout_s * 2)
+        except LMCacheP2PError as exc:
+            log.error("canary: writing the quarantine of %s failed: %s", record.node, exc)
 
     # -- load -----------------------------------------------------------------------------------------
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:

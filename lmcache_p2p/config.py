@@ -115,6 +115,26 @@ class HandoffConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class CanaryConfig:
+    """The correctness canary (``lmcache_p2p/canary.py``): a fraction ``rate`` of the requests the
+    mesh could serve is computed by the engine instead, and every owner's copy of their chunks is
+    compared with what it computed (a request can also ask, whatever the rate). A copy further than
+    ``tolerance`` (relative L2; default by KV dtype: fp32 1e-3, fp16 0.02, bf16 0.05, fp8 0.15)
+    quarantines its owner; ``max_owners`` owners are asked per chunk, within ``timeout_s``."""
+
+    rate: float = 0.0
+    tolerance: float | None = None
+    max_owners: int = 4
+    timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.rate <= 1.0, "canary.rate", "must be in [0, 1]")
+        _check(self.tolerance is None or self.tolerance > 0, "canary.tolerance", "must be > 0")
+        _check(self.max_owners >= 1, "canary.max_owners", "must be >= 1")
+        _check(self.timeout_s > 0, "canary.timeout_s", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EtcdConfig:
     endpoints: tuple[str, ...] = ()
     lease_ttl_s: int = 10
@@ -153,7 +173,10 @@ class TransferConfig:
     timeout_s: float = 5.0
     max_frame_bytes: int = 1 << 20
     backoff_s: float = 2.0
-    payload_mac: bool = False  # a per-session keyed MAC over every TCP chunk (see transfer/wire.py)
+    # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
+    # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
+    # relay from injecting chunks; it costs throughput (README: trust boundary, measured).
+    payload_mac: bool | None = None
     tls_ca_cert: str | None = None  # all three: mutual TLS under the cluster CA (see transfer/tls.py)
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -238,6 +261,7 @@ class AgentConfig:
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
     handoff: HandoffConfig = HandoffConfig()
+    canary: CanaryConfig = CanaryConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
     # cluster config in etcd never changes them (coordinator/apply.py).
@@ -292,7 +316,7 @@ def load_config(
     return dataclasses.replace(config, set_by_node=tuple(sorted(_dotted(merged))))
 
 
-_SECTIONS = ("layout", "tiers", "etcd", "transfer", "handoff")  # AgentConfig's dataclass fields
+_SECTIONS = ("layout", "tiers", "etcd", "transfer", "handoff", "canary")  # AgentConfig's dataclass fields
 
 
 def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:

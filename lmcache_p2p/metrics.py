@@ -46,6 +46,10 @@ class AgentMetrics:
         self.uncacheable_requests = Counter(
             "uncacheable_requests", "Requests whose KV can't be keyed, neither loaded nor saved, by reason "
             "(prompt_embeds, unknown_adapter, multimodal_unhashed)", ["reason"], namespace=ns, registry=registry)
+        self.canary_checks = Counter(
+            "canary_checks", "Owners' copies of chunks compared with what this engine computed (canary.py), by "
+            "outcome (match, mismatch: the owner was quarantined, unavailable)", ["outcome"], namespace=ns,
+            registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
         self.handoff_chunks = Counter(
             "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "

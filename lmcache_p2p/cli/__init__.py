@@ -23,6 +23,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("agent",): ("lmcache_p2p.cli.agent:main", "run a standalone cache agent"),
     ("status",): ("lmcache_p2p.cli.status:main", "cluster status from etcd and agents' metrics"),
     ("invalidate",): ("lmcache_p2p.cli.invalidate:main", "drop chunks mesh-wide: by fingerprint, tenant, node"),
+    ("verify",): ("lmcache_p2p.cli.verify:main", "the canary: owners' chunks vs the model's own KV; quarantines"),
     ("lookup",): ("lmcache_p2p.cli.lookup:main", "which chunks of a prompt are held where (--explain: why not)"),
     ("score",): ("lmcache_p2p.cli.score:main", "where a prompt's cache is, per node, from an agent's /v1/score"),
     ("events",): ("lmcache_p2p.cli.events:main", "the mesh index as vLLM KV events (ZMQ PUB) for KV-aware routers"),

@@ -8,6 +8,7 @@ Flags what operators trip over; the exit code is 0 when healthy, 1 when anything
                            chunks are no hit anywhere until the missing rank is back)
     unresponsive           lease alive, but the agent's metrics endpoint does not answer (hung?)
     version-skew           nodes on different software or wire-protocol versions
+    quarantined            an owner the canary found serving KV that is not this model's (``verify``)
     etcd-member-down       an etcd endpoint in the list does not answer
 
 Notes (not problems: the exit code ignores them) say where a node does not run the stored cluster
@@ -35,6 +36,7 @@ from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient, translate
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
 from ..metrics import SCRAPE_TIMEOUT_S, scrape
+from ..quarantine import read_all as read_quarantine
 from .common import add_etcd_arguments, tool_config
 
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
@@ -116,12 +118,18 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 config_deviations=dict(record.config_deviations),
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
+        quarantined = await read_quarantine(client, schema)
     finally:
         await client.close()
     members = await asyncio.gather(*(_member_up(config.etcd, ep) for ep in config.etcd.endpoints))
     await asyncio.gather(*(asyncio.to_thread(_apply_metrics, n, r.metrics_url) for n, r in nodes))
     report = _report(config, [n for n, _ in nodes], [r for _, r in nodes],
                      dict(zip(config.etcd.endpoints, members, strict=True)), revision)
+    for q in quarantined:
+        report["flags"].append(f"quarantined: {q.node}: its chunk {q.key[:16]} differs from what {q.by} computed "
+                               f"(distance {q.distance:.3g}); no planner uses it (lmcache-p2p verify --release "
+                               f"{q.node} lifts it)")
+        report["healthy"] = False
     if rejected:
         report["flags"].append(f"malformed-records: {rejected} node records under {schema.nodes.decode()} do "
                                "not decode (agents skip and count them)")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Container, Sequence
 from ..aio import LoopThread
 from ..config import AgentConfig
 from ..keys import ChunkKey, FingerprintDigest
+from ..quarantine import Quarantine
 from .client import EtcdClient
 from .mirror import Mirror
 from .schema import NodeId, NodeRecord, Rejects, Schema, covers
@@ -28,6 +29,7 @@ class IndexReader:
         self.client = EtcdClient(config.etcd)
         self.schema = Schema(config.cluster)
         self.mirror = Mirror(self.client, self.schema, fp, rejects=rejects)
+        self.quarantine = Quarantine(self.client, self.schema, rejects=rejects)  # owners never counted
         self._fp_hex = fp.hex()
 
     @classmethod
@@ -44,6 +46,7 @@ class IndexReader:
     async def _open(self) -> None:
         await self.client.connect(lazy=True)
         await self.mirror.start(self._wait_s)
+        await self.quarantine.start(0.0)  # followed in the background, like the mirror
 
     @property
     def synced(self) -> bool:
@@ -93,4 +96,5 @@ class IndexReader:
 
     async def _close(self) -> None:
         await self.mirror.stop()
+        await self.quarantine.stop()
         await self.client.close()

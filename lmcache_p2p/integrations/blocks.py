@@ -28,6 +28,7 @@ class ChunkTransfer:
     skip_blocks: int = 0  # leading blocks of the first chunk not to overwrite (loads only)
     sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
     generated: bool = False  # saves: chunks filled by generated tokens (not prompt misses)
+    canary: bool = False  # saves: the engine computed what the mesh holds; compare every owner's copy (canary.py)
 
 
 def chunk_transfer(req_id: str, num_tokens: int, keys: list[ChunkKey], block_ids: list[int], start: int, end: int,

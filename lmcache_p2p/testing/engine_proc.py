@@ -4,7 +4,7 @@
 
 Reads JSON requests, one per line, on stdin::
 
-    {"op": "generate", "prompts": [[1, 2, ...], ...], "max_tokens": 16}
+    {"op": "generate", "prompts": [[1, 2, ...], ...], "max_tokens": 16}   # optional "kv_transfer_params": {...}
     {"op": "ttft", "prompts": [[...], ...]}          # one request per prompt, max_tokens=1, timed
     {"op": "serve", "prompts": [[...], ...], "max_tokens": 8}   # greedy tokens and the real TTFT of each
     {"op": "quit"}
@@ -89,7 +89,9 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
     if req["op"] == "generate":
         # One prompt at a time: batch composition changes floating-point results, and greedy
         # comparisons between engines must only differ in where the KV came from.
-        params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True)
+        extra = {"kv_transfer_params": req["kv_transfer_params"]} if req.get("kv_transfer_params") else None
+        params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True,
+                                extra_args=extra)
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
         _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
                              "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})

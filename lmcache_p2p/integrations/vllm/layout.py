@@ -6,6 +6,8 @@ Both connector processes (scheduler and worker) derive the same fingerprint from
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
 
 from ...config import AgentConfig, LayoutConfig, load_config
@@ -13,14 +15,24 @@ from ...coordinator.apply import read_at_start
 from ...keys import Fingerprint
 from ..engine_identity import engine_model_id
 
+log = logging.getLogger(__name__)
+
 
 def connector_config(vllm_config: Any) -> AgentConfig:
     """The agent config: the file named by ``kv_connector_extra_config["config"]`` (optional),
     ``LMCACHE_P2P_*`` environment variables, then ``extra_config["overrides"]`` (dotted keys),
-    with the layout taken from the engine."""
+    with the layout taken from the engine. ``layout.model_id`` set there pins the model's identity
+    by name instead of by content (copies of one model whose files differ)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     overrides = dict(extra.get("overrides") or {})
     layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""))
+    own = load_config(extra.get("config"), overrides=overrides)  # the node's file, environment, overrides
+    pinned = own.layout.model_id if "layout.model_id" in own.set_by_node else None
+    if pinned:  # the operator names the model: engines share by that name, whatever their files say
+        log.warning("lmcache-p2p: model identity pinned by name %r (the engine's files say %s): every engine "
+                    "pinned to it must run the same weights; the canary (canary.rate) checks it", pinned,
+                    layout.model_id)
+        layout = dataclasses.replace(layout, model_id=str(pinned))
     for name in LayoutConfig.__dataclass_fields__:
         overrides[f"layout.{name}"] = getattr(layout, name)
     # Both connector sides read the same stored cluster config (e.g. chunk_size) at start.

@@ -21,6 +21,10 @@ so a chunk is shared only with requests whose KV it is. A request whose KV can't
 (prompt embeddings; an adapter whose files this process can't read; a multimodal item without a
 content hash) is neither loaded nor saved, and counted (``uncacheable_requests_total{reason}``).
 
+A canary request (a fraction ``canary.rate`` of those with a hit, or one whose
+``kv_transfer_params`` say ``{"lmcache_p2p_canary": true}``) is offered no hit: the engine computes
+it, and its worker compares what it computed with every owner's copy (``canary.py``).
+
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
 (a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
@@ -31,15 +35,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from collections import OrderedDict
 from typing import Any
 
 from ...aio import LoopThread
 from ...config import AgentConfig
 from ...index.reader import IndexReader
-from ...peers import compatible
 from ...index.schema import NodeRecord
 from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, chunk_keys, request_root
+from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import request_identity
 from .metadata import LMCacheP2PMetadata
@@ -84,10 +89,23 @@ class P2PScheduler:
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
         self._identities: dict[str, tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None] = {}
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
+        self._canary_rate = config.canary.rate
+        self._random = random.Random()
+        self._canaries: set[str] = set()  # requests computed to check the mesh's copies against
 
     def _usable(self, record: NodeRecord) -> bool:
         """An owner this engine's worker can pull from (the same rule its plan applies)."""
-        return compatible(record, tls=self._tls, transports=self._transports)
+        return (compatible(record, tls=self._tls, transports=self._transports)
+                and not self._index.quarantine.blocked(record.node_id))
+
+    def _canary(self, request: Any, hit: int) -> bool:
+        """Whether ``request`` is computed as a canary (asked for, or sampled among hits)."""
+        params = getattr(request, "kv_transfer_params", None)
+        asked = isinstance(params, dict) and params.get("lmcache_p2p_canary") is True
+        if asked or (hit > 0 and self._canary_rate > 0 and self._random.random() < self._canary_rate):
+            self._canaries.add(request.request_id)
+            return True
+        return False
 
     def _identity(self, request: Any) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
         """The key chain's root and multimodal items of ``request``; None (and counted once per
@@ -122,7 +140,7 @@ class P2PScheduler:
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
-        if n == 0:
+        if request.request_id in self._canaries or self._canary(request, n) or n == 0:
             return 0, False
         needed = keys[num_computed_tokens // self._chunk: -(-hit // self._chunk)]
         load_async = not all(k in self._saved for k in needed)
@@ -174,8 +192,9 @@ class P2PScheduler:
             if done is None or done < len(state.prompt):
                 continue
             if not state.prompt_saved:
-                meta.saves.append(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
-                                                 len(state.prompt)))
+                save = self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0, len(state.prompt))
+                save.canary = req_id in self._canaries
+                meta.saves.append(save)
                 self._remember_saved(state.keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
@@ -211,6 +230,7 @@ class P2PScheduler:
         # the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
         self._identities.pop(request.request_id, None)
+        self._canaries.discard(request.request_id)
 
     def shutdown(self) -> None:
         self._index.close()

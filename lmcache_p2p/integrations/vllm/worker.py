@@ -8,7 +8,9 @@
                     than the request's get_finished), so vLLM recomputes them (fail closed)
     wait_for_save:  gather each new chunk from the engine's blocks straight into a reserved CPU
                     slot (synchronous: the blocks may be reused after the step), then checksum,
-                    commit and publish in the background
+                    commit and publish in the background; a canary save (``canary.py``) also keeps
+                    what the engine computed for each full chunk and, on the canary thread, holds
+                    every owner's copy of it against that
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 
 import torch
 
 from ...agent import CacheAgent
 from ...aio import unpin_thread
+from ...canary import Canary
 from ...config import AgentConfig, cluster_secret
 from ...kernels.paged import PagedKV
 from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
@@ -55,6 +59,9 @@ class P2PWorker:
         self._step_started: float | None = None
         self._idle_step = False
         self._step_tokens = 0
+        self._canary: Canary | None = None
+        self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-canary",
+                                                              initializer=unpin_thread)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
@@ -63,6 +70,11 @@ class P2PWorker:
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
         self.agent = CacheAgent(self._config, self._fingerprint, chunk_bytes,
                                 secret=cluster_secret(self._config), heads=self._heads).start()
+        canary = self._config.canary
+        metrics = self.agent.metrics
+        self._canary = Canary(self.agent, self._config.layout.kv_dtype, tolerance=canary.tolerance,
+                              max_owners=canary.max_owners, timeout_s=canary.timeout_s,
+                              count=lambda outcome: metrics.canary_checks.labels(outcome).inc())
         # Everything alive now (model, KV cache, engine state) is long-lived: keep it out of the
         # collector, whose full passes over it stalled the agent's loop for 20-80 ms (measured).
         # LMCACHE_P2P_GC_FREEZE=0 turns this off.
@@ -202,6 +214,8 @@ class P2PWorker:
     def _save(self, t: ChunkTransfer) -> None:
         agent, kv = self.agent, self._kv
         assert agent is not None and kv is not None
+        if t.canary:
+            self._check_later(t)
         if not t.generated:
             computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if not agent.holds(ChunkKey(k))]
             agent.metrics.miss_tokens.inc(sum(computed))  # prompt tokens the engine computed: nothing held them
@@ -223,8 +237,29 @@ class P2PWorker:
                 return
             agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
 
+    def _check_later(self, t: ChunkTransfer) -> None:
+        """Copy what the engine computed for each full chunk of ``t`` (its blocks are reused after
+        this step), then compare every owner's copy with it on the canary thread."""
+        assert self._kv is not None and self._canary is not None
+        chunks, start = [], 0
+        for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
+            if ntok == self._config.chunk_size and blocks:  # a tail's unused block bytes are not KV
+                out = torch.empty(self._kv.payload_nbytes(len(blocks)), dtype=torch.uint8)
+                self._kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
+                chunks.append((ChunkKey(key), start, start + ntok, out.numpy().tobytes()))
+            start += ntok
+        if chunks:
+            future = self._checker.submit(self._canary.check, chunks)
+            future.add_done_callback(_log_failure)
+
     def shutdown(self) -> None:
+        self._checker.shutdown(wait=True, cancel_futures=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
         if self.agent is not None:
             self.agent.stop()
             self.agent = None
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("canary check failed", exc_info=future.exception())

