@@ -35,8 +35,10 @@ def test_publish_lookup_and_longest_prefix(open_index: IndexFactory, fp: Fingerp
     a.flush(10.0)
     b.flush(10.0)
     m = b.mirror(fp)
-    # b's own 50 entries reach its mirror through the watch too: wait for all 250, not only a's 200
-    assert m.wait_for(lambda m: sum(len(o) for o in m.snapshot().values()) == 250, 10.0)
+    # b's own 50 entries and both node records reach its mirror through the watch too: wait for
+    # everything asserted below, not only a's 200 entries
+    assert m.wait_for(lambda m: sum(len(o) for o in m.snapshot().values()) == 250 and set(m.nodes()) == {"a", "b"},
+                      10.0)
     owners = b.lookup(fp, keys[:3] + keys[100:101] + keys[250:251])
     assert owners == [frozenset({"a", "b"})] * 3 + [frozenset({"a"}), frozenset()]
     assert m.owners(keys[0]) == {"a": TIER_CPU, "b": TIER_DISK}

@@ -63,7 +63,10 @@ def test_score_matches_what_a_load_then_serves(etcd, cluster_name, tmp_path):
         preload(a, 1, TOKENS)
         preload(b, 1, 512)  # b holds the first 2 chunks itself
         tokens = synthetic_tokens(1, TOKENS)
-        assert wait_until(lambda: len(c.lookup(tokens).chunks) == 5 and len(c.index.nodes()) == 3, 10)
+        keys = c.keys_for(tokens)[0]
+        # everything the answer is checked against: a's 5 chunks, b's 2 and the 3 node records in c's mirror
+        assert wait_until(lambda: len(c.lookup(tokens).chunks) == 5 and len(c.index.nodes()) == 3
+                          and all(set(o) == {"a", "b"} for o in c.index.owners(c.fp, keys[:2])), 10)
         status, answer = post(c, json.dumps({"tokens": tokens}).encode())
         assert status == 200, answer
         rows = {r["node"]: r for r in answer["nodes"]}
