@@ -186,6 +186,24 @@ def test_pieces_from_two_ranks_are_assembled_into_the_chunk(mesh: Mesh) -> None:
     assert mesh.value("assembled_chunks_total") == 4 and mesh.announced == KEYS
 
 
+def test_a_piece_changed_in_memory_after_it_landed_is_not_assembled(mesh: Mesh, loop: LoopThread) -> None:
+    """A piece slot written after commit (a peer's NIXL WRITE into the pool, a stray write): the
+    assembled chunk would get a fresh checksum over the changed bytes, so the copy is checked first."""
+    mesh.owner("r0", KEYS, heads=(0, 1))
+    mesh.owner("r1", KEYS, heads=(1, HEADS))
+    chunks = mesh.plan(KEYS)
+    loop.run(mesh.puller.pull_all(chunks, 2.0), 5)  # the pieces land, verified on arrival
+    pin = mesh.pool.pin(piece_key(KEYS[1], (1, HEADS)), 1.0)
+    assert pin is not None
+    mesh.pool.slot_view(pin.slot, pin.header.length)[pin.header.length // 2] ^= 0x01
+    mesh.pool.unpin(pin)
+    assert [mesh.puller.assemble(c) for c in chunks] == [True, False, True, True]
+    assert not mesh.pool.contains(KEYS[1]) and KEYS[1] not in mesh.announced
+    assert all(mesh.held(k) == payload(k) for k in (KEYS[0], KEYS[2], KEYS[3]))
+    assert len(mesh.pool) == 3 and mesh.pool.free_slots == mesh.pool.num_slots - 3  # no piece, no slot left
+    assert mesh.value("checksum_failures_total") == 1 and mesh.value("assembled_chunks_total") == 3
+
+
 def test_a_missing_piece_means_no_chunk_and_no_leftover_pieces(mesh: Mesh) -> None:
     mesh.owner("r0", KEYS, heads=(0, 2))
     r1 = mesh.owner("r1", KEYS, heads=(2, HEADS))

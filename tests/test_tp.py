@@ -72,8 +72,9 @@ def load_and_check(agent: CacheAgent, seed: int, loader_seed: int) -> list[tuple
     try:
         for pin, blocks in zip(pins, chunk_blocks(layout, agent.config.chunk_size, dst_ids, TOKENS), strict=True):
             assert pin is not None and pin.header.heads == (h0, h1)
-            view = agent.tiers.cpu.slot_view(pin.slot, kv.payload_nbytes(len(blocks)))
-            kv.scatter(torch.frombuffer(view, dtype=torch.uint8), torch.tensor(blocks, dtype=torch.int64))
+            staged = agent.tiers.cpu.stage(pin)  # what the worker scatters: a verified private copy
+            assert staged is not None and staged.numel() == kv.payload_nbytes(len(blocks))
+            kv.scatter(staged, torch.tensor(blocks, dtype=torch.int64))
     finally:
         for pin in pins:
             if pin is not None:

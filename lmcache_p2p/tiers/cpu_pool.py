@@ -7,11 +7,14 @@ No allocation happens per chunk: a store reserves a free slot (evicting by polic
 free), copies the payload in, and commits the header. Peers and the engine read a slot only
 under a **pin**, which carries a deadline: an expired pin is ignored, so a crashed reader
 cannot hold a slot forever. A removed chunk that is still pinned keeps its slot (as a
-"zombie") until its pins are released or expire.
+"zombie") until its pins are released or expire. Slots are registered memory a peer may write,
+so what leaves the pool for the engine is a copy verified where it landed (``read_into``,
+``stage``), never bytes checked in the slot and read from it later.
 
 Every chunk enters through ``commit`` (``put`` included), which asks the ``admit`` hook first: a
 chunk it refuses (one a standing invalidation covers) is never stored, its slot goes back, and
-``commit`` returns False. Pulls, engine stores and promotions all pass this one gate.
+``commit`` returns False. Pulls, engine stores and promotions all pass this one gate; a chunk
+it admits is held under the header the ``stamp`` hook gives it (the agent caps its epoch at its own).
 
 With ``evict_first`` set (the agent: "another node holds this chunk too"), a full pool looks
 among its policy's ``EVICT_FIRST_SCAN`` coldest chunks for one that predicate accepts and evicts
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -30,12 +34,13 @@ from typing import cast
 import numpy as np
 import torch
 
-from ..chunk import ChunkHeader
-from ..errors import CapacityError, TierError
+from ..chunk import ChunkHeader, verify
+from ..errors import CapacityError, ChunkError, TierError
 from ..keys import ChunkKey
 from .base import EvictCallback, TierStats
 from .eviction import LRU, EvictionPolicy, switch_policy
 
+log = logging.getLogger(__name__)
 EVICT_FIRST_SCAN = 32
 
 
@@ -75,6 +80,7 @@ class CpuPool:
         clock: Callable[[], float] = time.monotonic,
         pin_memory: bool = False,
         admit: Callable[[ChunkHeader], bool] | None = None,
+        stamp: Callable[[ChunkHeader], ChunkHeader] | None = None,
     ) -> None:
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
@@ -86,6 +92,7 @@ class CpuPool:
         self._policy: EvictionPolicy = policy if policy is not None else LRU()
         self._on_evict = on_evict
         self._admit = admit
+        self._stamp = stamp
         self.evict_first: Callable[[ChunkKey], bool] | None = None  # called under the pool lock: dict probes only
         self._clock = clock
         self._entries: dict[ChunkKey, _Entry] = {}
@@ -93,6 +100,7 @@ class CpuPool:
         self._zombies: list[_Entry] = []
         self._pin_tokens = itertools.count(1)
         self._lock = threading.Lock()
+        self._staging = threading.local()  # per thread: a private buffer for stage()
         self.stats = TierStats()
 
     @property
@@ -103,6 +111,10 @@ class CpuPool:
         """Evict by ``policy`` from now on (the cluster config changed ``eviction``)."""
         with self._lock:
             self._policy = switch_policy(self._policy, policy)
+
+    def set_stamp(self, stamp: Callable[[ChunkHeader], ChunkHeader] | None) -> None:
+        """``stamp(header)``: the header an admitted chunk is held under (same key, length and checksum)."""
+        self._stamp = stamp
 
     # -- sizes and addresses -------------------------------------------------------------
     @property
@@ -167,6 +179,8 @@ class CpuPool:
             self.release(reservation)
             self.stats.refused += 1
             return False
+        if self._stamp is not None:
+            header = self._stamp(header)
         with self._lock:
             old = self._entries.pop(header.key, None)
             if old is not None:
@@ -228,19 +242,56 @@ class CpuPool:
             return sum(1 for e in [*self._entries.values(), *self._zombies] for d in e.pins.values() if d > now)
 
     def read_into(self, key: ChunkKey, dst: memoryview) -> ChunkHeader | None:
-        """Copy a chunk's bytes into ``dst`` (bytes entered the pool verified)."""
+        """Copy a chunk's bytes into ``dst`` and verify the copy there (see :meth:`stage`); None if
+        it is absent or changed in memory since it was committed (then dropped)."""
         pin = self.pin(key, 60.0)
         if pin is None:
             self.stats.misses += 1
             return None
         try:
-            n = pin.header.length
-            src = self._array[pin.slot * self.slot_bytes : pin.slot * self.slot_bytes + n]
-            np.copyto(np.frombuffer(dst, np.uint8, n), src)
+            if not self._copy_verified(pin, dst):
+                return None
             self.stats.hits += 1
             return pin.header
         finally:
             self.unpin(pin)
+
+    def stage(self, pin: Pin) -> torch.Tensor | None:
+        """A private, verified copy of a pinned chunk: what the engine scatters from.
+
+        Slots are registered memory (a peer holding the secret may WRITE into them over NIXL, at any
+        time), so bytes verified in a slot may change before the engine reads them. The copy goes
+        into this thread's staging buffer, which no transport knows, and is verified there: the bytes
+        scattered are the bytes checked. It is valid until this thread's next ``stage``. None if the
+        copy does not match the header (changed in memory since commit): the chunk is dropped and
+        counted in ``stats.corrupt_dropped``.
+        """
+        buf: torch.Tensor | None = getattr(self._staging, "buf", None)
+        if buf is None:
+            buf = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8,
+                                                  pin_memory=self.buffer.is_pinned())
+        out = buf[: pin.header.length]
+        return out if self._copy_verified(pin, out.numpy().data) else None
+
+    def _copy_verified(self, pin: Pin, dst: memoryview) -> bool:
+        """Copy the pinned slot into ``dst`` (the caller's private memory), then verify the copy; one
+        that does not match drops the chunk, if that slot still holds it."""
+        n = pin.header.length
+        copy = np.frombuffer(dst, np.uint8, n)
+        np.copyto(copy, self._array[pin.slot * self.slot_bytes : pin.slot * self.slot_bytes + n])
+        try:
+            verify(pin.header, copy.data)
+            return True
+        except ChunkError as exc:
+            log.error("chunk %s changed in memory after it was committed; dropped: %s", pin.key.hex()[:16], exc)
+        with self._lock:
+            entry = self._entries.get(pin.key)
+            if entry is not None and entry.slot == pin.slot:
+                del self._entries[pin.key]
+                self._policy.remove(pin.key)
+                self._retire(entry)
+            self.stats.corrupt_dropped += 1
+        return False
 
     # -- internals (lock held) ------------------------------------------------------------------
     def _is_pinned(self, entry: _Entry) -> bool:

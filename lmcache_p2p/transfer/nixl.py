@@ -4,7 +4,8 @@
     pin {id, keys}            ─── TCP ──▶      pin each key (deadline), answer
                               ◀── TCP ───      pinned {lease, items: [header, slot address, mac?] | None}
     reserve local slots, one prepared READ of every present chunk (NIXL/UCX, no owner CPU)
-    verify each checksum (and MAC), commit or release
+    verify each checksum (and MAC), commit or release (a READ left in flight by a deadline or a
+    cancellation keeps its slots until NIXL says it is over: no late writes)
     release {lease}           ─── TCP ──▶      unpin (pins expire anyway)
 
 Handshake and control frames share the authenticated TCP connection of the TCP transport
@@ -38,7 +39,7 @@ from .base import MissReason, PeerAddress, PullResult, Want, wants_of
 from .client import ConnectionPool, batch_size, guarded_pull
 from .connection import Connection, answers
 from .health import PeerHealth
-from .nixl_engine import NixlEngine, ReadOverrun
+from .nixl_engine import NixlEngine
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,10 @@ class NixlTransport:
         store_as: list[ChunkKey | None] = []
         macs: list[_Mac | None] = []
         checks: list[asyncio.Future[list[MissReason | None]]] = []
+        held: dict[int, asyncio.Future[str]] = {}  # staged index -> the abandoned READ that may still write it
+
+        def quarantine(group: range, landed: asyncio.Future[str]) -> None:
+            held.update(dict.fromkeys(group, landed))
 
         def check(group: range) -> None:
             # The last group overlaps nothing: both verifier threads share it.
@@ -137,16 +142,17 @@ class NixlTransport:
                 [a for _, _, a in staged],
                 [h.length for h, _, _ in staged],
                 deadline,
+                quarantine=quarantine,
                 on_group=check,
             )
-        except BaseException as exc:
-            await asyncio.gather(*checks, return_exceptions=True)
-            overrun = exc if isinstance(exc, ReadOverrun) else None
+        except BaseException:  # a deadline, a failure, our cancellation: nothing of this batch is committed
             for i, (_, reservation, _) in enumerate(staged):
-                if overrun is not None and i in overrun.group:  # no late writes: held until the READ is over
-                    overrun.landed.add_done_callback(functools.partial(_release_after, dst, reservation))
-                else:
+                landed = held.get(i)
+                if landed is None:
                     dst.release(reservation)
+                else:  # no late writes: held until NIXL says the READ is over
+                    landed.add_done_callback(functools.partial(_release_after, dst, reservation))
+            await asyncio.gather(*checks, return_exceptions=True)  # their verdicts are not used
             raise
         finally:
             with contextlib.suppress(TransferError):
@@ -156,7 +162,12 @@ class NixlTransport:
     async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]], store_as: list[ChunkKey | None],
                       checks: list[asyncio.Future[list[MissReason | None]]], dst: CpuPool,
                       result: PullResult) -> None:
-        verdicts = [why for part in await asyncio.gather(*checks) for why in part]  # parts are in order
+        try:
+            verdicts = [why for part in await asyncio.gather(*checks) for why in part]  # parts are in order
+        except BaseException:  # cancelled: the READ is over, so the slots go back unused
+            for _, reservation, _ in staged:
+                dst.release(reservation)
+            raise
         for (header, reservation, _), as_key, why in zip(staged, store_as, verdicts, strict=True):
             self._deliver(header, reservation, why, dst, result, as_key)
 

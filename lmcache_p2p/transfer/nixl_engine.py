@@ -5,7 +5,8 @@ off. Progress is driven here instead, on the agent's asyncio loop and only while
 
 - initiator: ``read`` posts one READ for a whole request and polls ``check_xfer_state``
   (yielding to the loop between polls) until it is done; with UCX ``cma`` on one host the
-  post itself usually completes the copy.
+  post itself usually completes the copy. A READ whose wait ends early (deadline, cancellation)
+  is polled to its end by a reaper task, its destinations quarantined by the caller until then.
 - target: a one-sided READ over ``cma`` needs nothing from the target once the endpoints are
   wired up, but wire-up does: a target that never progresses hangs the first READ. The server
   calls :meth:`keep_progress` on every NIXL handshake and pin, which polls the worker every
@@ -36,13 +37,12 @@ _REAP_PERIOD_S = 0.01
 
 
 class ReadOverrun(PeerTimeout):
-    """A READ ran past its deadline and may still land: the destinations of ``group`` must not be
-    reused until ``landed`` completes (with the READ's final state)."""
+    """A READ ran past its deadline. It may still land: its group went to ``read``'s ``quarantine``."""
 
-    def __init__(self, message: str, group: range, landed: asyncio.Future[str]) -> None:
-        super().__init__(message)
-        self.group = group
-        self.landed = landed
+
+Quarantine = Callable[[range, asyncio.Future[str]], None]
+"""``quarantine(indices, landed)``: the READ of those descriptors is still in flight; their local
+destinations must not be reused until ``landed`` completes (with the READ's final state)."""
 
 
 def nixl_available() -> bool:
@@ -122,7 +122,7 @@ class NixlEngine:
 
     @property
     def reads_abandoned(self) -> int:
-        """READs abandoned at their deadline that NIXL has not reported over yet."""
+        """READs abandoned in flight (deadline, cancellation) that NIXL has not reported over yet."""
         return len(self._reapers)
 
     def forget_remote(self, name: str) -> None:
@@ -138,6 +138,8 @@ class NixlEngine:
         remote_addrs: Sequence[int],
         lengths: Sequence[int],
         deadline: float,
+        *,
+        quarantine: Quarantine | None = None,
         on_group: Callable[[range], None] | None = None,
         group_bytes: int = 16 << 20,
     ) -> None:
@@ -146,12 +148,26 @@ class NixlEngine:
         The descriptors are prepared once and read in groups of about ``group_bytes``;
         ``on_group(indices)`` runs as each group lands, so callers can check it while the next
         group is in flight (the READ and xxhash both release the GIL).
+
+        No late writes: however the wait for a group ends before NIXL reported it over (the
+        deadline: :class:`ReadOverrun`; the caller's cancellation; a failed poll), that group goes
+        to ``quarantine`` before the exception propagates, and is polled to its end in the
+        background. Groups never posted, and groups that ended, are the caller's again at once.
+        Every caller whose destinations can be reused must pass ``quarantine`` (only a raw
+        benchmark READ into buffers nothing else uses goes without).
         """
         if not lengths:
             return
         with _nixl_errors("READ preparation"):
             local = self._agent.prep_xfer_dlist("NIXL_INIT_AGENT", _descs(local_addrs, lengths), "DRAM")
             far = self._agent.prep_xfer_dlist(remote, _descs(remote_addrs, lengths), "DRAM")
+        in_flight: list[asyncio.Future[str]] = []  # the one group left in flight, if any
+
+        def abandoned(group: range, landed: asyncio.Future[str]) -> None:
+            in_flight.append(landed)
+            if quarantine is not None:
+                quarantine(group, landed)
+
         def release_dlists(*_: object) -> None:
             for dlist in (local, far):
                 with contextlib.suppress(Exception):
@@ -159,18 +175,17 @@ class NixlEngine:
 
         try:
             for group in _groups(lengths, group_bytes):
-                await self._read_group(remote, local, far, group, deadline)
+                await self._read_group(remote, local, far, group, deadline, abandoned)
                 if on_group is not None:
                     on_group(group)
-        except ReadOverrun as exc:
-            exc.landed.add_done_callback(release_dlists)  # still in use by the abandoned READ
-            raise
-        except BaseException:
-            release_dlists()
-            raise
-        release_dlists()
+        finally:
+            if in_flight:
+                in_flight[0].add_done_callback(release_dlists)  # still in use by the abandoned READ
+            else:
+                release_dlists()
 
-    async def _read_group(self, remote: str, local: Any, far: Any, group: range, deadline: float) -> None:
+    async def _read_group(self, remote: str, local: Any, far: Any, group: range, deadline: float,
+                          abandoned: Quarantine) -> None:
         loop = asyncio.get_running_loop()
         idx = list(group)
         with _nixl_errors("READ preparation"):
@@ -182,22 +197,30 @@ class NixlEngine:
                 polls = 0
                 while state == "PROC":
                     if loop.time() > deadline:
-                        # The READ may still land: its destination slots stay quarantined until
-                        # NIXL says it is over (the caller releases them when `landed` completes).
-                        landed: asyncio.Future[str] = loop.create_future()
-                        reaper = loop.create_task(self._reap(handle, landed), name="nixl-reap")
-                        self._reapers.add(reaper)
-                        reaper.add_done_callback(self._reapers.discard)
-                        state = "ABANDONED"
-                        raise ReadOverrun(f"NIXL READ from {remote} ran past its deadline", group, landed)
+                        raise ReadOverrun(f"NIXL READ from {remote} ran past its deadline")
                     polls += 1
                     await asyncio.sleep(0 if polls < _SPIN_POLLS else _PROGRESS_PERIOD_S)
                     state = self._agent.check_xfer_state(handle)
                 if state != "DONE":
                     raise TransferError(f"NIXL READ from {remote} failed ({state})")
+        except BaseException:
+            if state == "PROC":  # posted, not over: it may still write its destinations
+                landed = self._abandon(handle)
+                state = "ABANDONED"
+                abandoned(group, landed)
+            raise
         finally:
             if state != "ABANDONED":
                 self._release(handle, state)
+
+    def _abandon(self, handle: Any) -> asyncio.Future[str]:
+        """Hand an in-flight READ to a reaper; the future completes when NIXL says it is over."""
+        loop = asyncio.get_running_loop()
+        landed: asyncio.Future[str] = loop.create_future()
+        reaper = loop.create_task(self._reap(handle, landed), name="nixl-reap")
+        self._reapers.add(reaper)
+        reaper.add_done_callback(self._reapers.discard)
+        return landed
 
     async def _reap(self, handle: Any, landed: asyncio.Future[str]) -> None:
         """Poll an abandoned READ until it is over, then release it and say so."""

@@ -8,8 +8,10 @@ One pass: the planned chunks are grouped by owner (a chunk assembled from severa
 ranges is one *part* per piece), every group is pulled concurrently over the first transport in
 ``preference`` both sides speak, verified on arrival by the transport and committed into the
 pool; the parts that missed are tried once more on their planned alternative owner while the
-deadline allows; pieces are then concatenated into their chunk. Metrics (pull latency, bytes,
-outcome per chunk, checksum failures, peer errors) and the per-peer latency model are fed here.
+deadline allows; pieces are then concatenated into their chunk, each checked again in the copy
+(a piece changed in memory since it landed is dropped, the chunk recomputed). Metrics (pull
+latency, bytes, outcome per chunk, checksum failures, peer errors) and the per-peer latency
+model are fed here.
 Which peers are worth asking (``usable``) and how many chunks each is already sending us
 (``inflight``, for the planner) are answered here too.
 
@@ -29,14 +31,15 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 
 from ..aio import LoopThread
-from ..chunk import make_header
-from ..errors import LMCacheP2PError, TierError
+from ..chunk import ChunkHeader, make_header, verify
+from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
-from ..index.schema import WIRE_VERSION, NodeId, NodeRecord
+from ..index.schema import NodeId, NodeRecord
 from ..keys import ChunkKey, FingerprintDigest, piece_key
 from ..metrics import AgentMetrics
+from ..peers import compatible, peer_address
 from ..plan import Piece, PlannedChunk
-from ..tiers.cpu_pool import CpuPool
+from ..tiers.cpu_pool import CpuPool, Pin
 from .base import MissReason, PeerAddress, PullResult, Transport, Want
 from .health import PeerHealth
 
@@ -102,20 +105,14 @@ class Puller:
                 return self.transports[name]
         return None
 
-    @staticmethod
-    def peer_address(record: NodeRecord) -> PeerAddress | None:
-        address = next(iter(record.addresses.values()), None)
-        if address is None:
-            return None
-        host, _, port = address.rpartition(":")
-        return PeerAddress(host, int(port), record.node_id) if port.isdigit() else None
+    peer_address = staticmethod(peer_address)
 
     def usable(self, record: NodeRecord | None) -> bool:
-        """A peer we can pull from now: same wire version and TLS setting, a common transport, not backed off."""
-        if (record is None or record.wire_version != WIRE_VERSION or record.tls != self.tls
-                or self.transport_for(record) is None):
+        """A peer we can pull from now: compatible (``peers.compatible``, the rule the scheduler side
+        counts hits by) over the transports running here, and not backed off."""
+        if record is None or not compatible(record, tls=self.tls, transports=self.transports):
             return False
-        peer = self.peer_address(record)
+        peer = peer_address(record)
         return peer is not None and self.health.available(peer)
 
     def inflight(self) -> dict[NodeId, int]:
@@ -187,8 +184,8 @@ class Puller:
         return [p for p in parts if p.chunk.key not in result.loaded]
 
     def assemble(self, chunk: PlannedChunk) -> bool:
-        """Concatenate a chunk's pieces (head ranges pulled from several peers, each verified on
-        arrival) into one slot under the chunk's key; the pieces go either way. True if it landed."""
+        """Concatenate a chunk's pieces (head ranges pulled from several peers) into one slot under
+        the chunk's key; the pieces go either way. True if it landed."""
         pool = self.pool
         keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
         pins = [pool.pin(k, self.pin_timeout_s) for k in keys]
@@ -202,13 +199,14 @@ class Puller:
                 log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
                 return False
             reservation = pool.reserve()
-            offset = 0
-            for piece in got:
-                n = piece.header.length
-                reservation.view[offset : offset + n] = pool.slot_view(piece.slot, n)
-                offset += n
-            header = make_header(chunk.key, self.fp, reservation.view[:total], got[0].header.num_tokens,
-                                 min(p.header.epoch for p in got), heads=chunk.heads)
+            try:
+                header = self._fill(chunk, got, reservation.view)
+            except BaseException:
+                pool.release(reservation)
+                raise
+            if header is None:
+                pool.release(reservation)
+                return False
             if not pool.commit(reservation, header):
                 return False
             self.metrics.assembled_chunks.inc()
@@ -224,6 +222,37 @@ class Puller:
                     pool.unpin(pin)
             for key in keys:
                 pool.remove(key)
+
+    def _fill(self, chunk: PlannedChunk, pieces: list[Pin], view: memoryview) -> ChunkHeader | None:
+        """Copy ``pieces`` into ``view`` and return the chunk's header, or None if a piece's copy does
+        not match that piece's checksum (changed in memory since it was committed; counted).
+
+        The new checksum is computed over the copy *before* the copy is checked against the pieces'
+        own: a byte changed before that check fails it, and one changed after it (the reservation is
+        registered memory too) no longer matches the new checksum, which every later reader checks.
+        Either way no changed byte is vouched for."""
+        starts, offset = [], 0
+        for piece in pieces:
+            n = piece.header.length
+            view[offset : offset + n] = self.pool.slot_view(piece.slot, n)
+            starts.append(offset)
+            offset += n
+        try:
+            header = make_header(chunk.key, self.fp, view[:offset], pieces[0].header.num_tokens,
+                                 min(p.header.epoch for p in pieces), heads=chunk.heads)
+        except ChunkError as exc:
+            log.warning("pieces of chunk %s do not make a chunk (%s); recomputed", chunk.key.hex()[:16], exc)
+            return None
+        bad = 0
+        for piece, start in zip(pieces, starts, strict=True):
+            try:
+                verify(piece.header, view[start : start + piece.header.length])
+            except ChunkError as exc:
+                bad += 1
+                log.error("piece %s of chunk %s changed in memory after it was committed; dropped: %s",
+                          piece.header.heads, chunk.key.hex()[:16], exc)
+        self.metrics.checksum_failures.inc(bad)
+        return None if bad else header
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def live_peers(self, nodes: Mapping[NodeId, NodeRecord]) -> set[PeerAddress]:

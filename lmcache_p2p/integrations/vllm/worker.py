@@ -1,6 +1,7 @@
 """Worker side (one per GPU / TP rank): the embedded cache agent and the engine's paged KV.
 
-    start_load_kv:  sync loads (every chunk this engine's own): pin local slots -> scatter, inline
+    start_load_kv:  sync loads (every chunk this engine's own): pin local slots -> a private verified
+                    copy -> scatter, inline
                     async loads: handed to the load thread, which plans (local tiers, then peers,
                     cut by the fetch-or-recompute budget), pulls with a deadline, scatters the
                     verified chunks and reports the request through get_finished
@@ -172,8 +173,15 @@ class P2PWorker:
                     log.info("request %s: chunk %d of %d not loaded, %d blocks recomputed", t.req_id, i,
                              len(keys), len(failed))
                     break
-                view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
-                self._scatter(torch.frombuffer(view, dtype=torch.uint8), blocks, t.skip_blocks if i == 0 else 0)
+                # Scattered from a private copy verified there: pool slots are registered memory a peer
+                # may write to, so bytes checked in a slot are not the bytes the engine would read.
+                staged = agent.tiers.cpu.stage(pin)
+                if staged is None:
+                    failed = blocks_from(t, i)
+                    log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
+                                t.req_id, i, len(failed))
+                    break
+                self._scatter(staged, blocks, t.skip_blocks if i == 0 else 0)
         finally:
             for pin in pins:
                 if pin is not None:
