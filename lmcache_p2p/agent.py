@@ -33,6 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -399,6 +400,23 @@ class CacheAgent:
         inflight = self.puller.inflight() if self.puller is not None else {}
         return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
                          num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
+
+    def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, timeout: float) -> bool:
+        """Wait (up to ``timeout``) until this node's mirror has seen what a scheduler side saw at
+        ``revision`` (it offered a hit from there), or holds an owner with a node record for every
+        key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
+        mirror = getattr(self.index, "mirror", None)
+        if mirror is None or revision <= 0:
+            return True
+        m = mirror(self.fp)
+
+        def caught_up(m: Any) -> bool:
+            if m.revision >= revision:
+                return True
+            nodes = m.nodes()
+            return all(any(n in nodes for n in m.owners(k)) for k in keys)
+
+        return bool(m.wait_for(caught_up, timeout))
 
     def usable(self, record: NodeRecord | None) -> bool:
         """A peer we can pull from now (see :meth:`Puller.usable`) and not quarantined."""

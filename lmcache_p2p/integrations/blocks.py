@@ -28,6 +28,7 @@ class ChunkTransfer:
     skip_blocks: int = 0  # leading blocks of the first chunk not to overwrite (loads only)
     sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
     generated: bool = False  # saves: chunks filled by generated tokens (not prompt misses)
+    index_revision: int = 0  # loads: the scheduler's mirror revision when it offered the hit
     canary: bool = False  # saves: the engine computed what the mesh holds; compare every owner's copy (canary.py)
 
 

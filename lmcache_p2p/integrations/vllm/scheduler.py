@@ -160,6 +160,7 @@ class P2PScheduler:
             end = start + num_external_tokens
             load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]), start, end)
             load.sync = not self._async.pop(request.request_id, True)
+            load.index_revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
             self._loads.append(load)
             self._loaded.add(request.request_id)
         self._requests[request.request_id] = state

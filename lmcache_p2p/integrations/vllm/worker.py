@@ -142,6 +142,9 @@ class P2PWorker:
         for n in t.num_tokens:
             spans.append((pos, pos + n))
             pos += n
+        if remote and not agent.wait_for_index(keys, t.index_revision, self._config.transfer.timeout_s):
+            log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
+                     t.index_revision)
         plan = agent.plan(keys, spans, pos)
         agent.count_lookup(plan, 0)
         timeout = None
