@@ -6,8 +6,9 @@
                       hung, partitioned, or its lease has not run out yet)
     other-identity    nobody holds it under this fingerprint, but the same tokens are held under
                       another one: ``differs`` names the fields (model_id, kv_dtype, block_size, ...)
-    invalidated       a standing invalidation covers this fingerprint (or its tenant): ``lmcache-p2p
-                      invalidate`` dropped it and keeps refusing it until the record is removed
+    invalidated       a standing invalidation covers this fingerprint (or its tenant, matched by the
+                      salt's digest): ``lmcache-p2p invalidate`` dropped it and keeps refusing it
+                      until the record is removed
     evicted           a node held it and dropped it recently (``ago_s``; asked over the authenticated
                       transfer connection, so it needs the cluster secret; each agent remembers its
                       last RECENT_EVICTIONS drops)
@@ -34,7 +35,7 @@ from .transfer.base import PeerAddress
 from .transfer.client import ConnectionPool
 
 IDENTITY_FIELDS = ("model_id", "kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "kv_layout",
-                   "tp_size", "tp_rank", "tenant_salt")
+                   "tp_size", "tp_rank", "tenant")  # tenant: the salt's digest (node records never hold the salt)
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,7 +98,7 @@ def _why_missing(v: ChunkVerdict, fp_hex: str, i: int, mine: dict[str, Any] | No
             v.detail = {"fingerprint": other, "holders": sorted(per_chunk[i]),
                         "differs": differing_fields(mine, _layout_of(nodes, other))}
             return
-    tenant = (mine or {}).get("tenant_salt", "")
+    tenant = (mine or {}).get("tenant", "")
     for inv_id, kind, value in invalidations:
         if (kind == "fingerprint" and fp_hex.startswith(value)) or (kind == "tenant" and tenant and value == tenant):
             v.reason = "invalidated"

@@ -7,25 +7,32 @@ An operator (``lmcache-p2p invalidate``) writes one key; every agent follows the
 
     kind          value                 covers a chunk
     fingerprint   hex prefix (>= 8)     whose fingerprint digest starts with it (model upgrade)
-    tenant        tenant salt           of a fingerprint salted with it
+    tenant        tenant digest         of a fingerprint salted with a salt of that digest
     node          node id               held by that node
 
 The barrier is the etcd revision R at which the record was written. Every chunk carries an
-*epoch* in its header: the revision up to which the node that computed it had applied
-invalidations (this watch's revision, advanced by progress notifications). An invalidation
-covers a matching chunk iff ``chunk.epoch < R``; chunks computed after a node has seen the
-invalidation (a node now serving the new model) are not covered. For as long as the record
-exists every agent
+*epoch* in its header: the generation of the etcd history and the revision up to which the node
+that computed it had applied invalidations (this watch's revision, advanced by progress
+notifications; see :mod:`lmcache_p2p.index.generation`). An invalidation covers a matching chunk
+iff the chunk's epoch names another generation than the agent's current one, or its revision is
+below R; chunks computed after a node has seen the invalidation (a node now serving the new model)
+are not covered. A fresh etcd gets a new generation, one restored from a backup is given one by
+the first agent that sees its revision go back: chunks of the history before are then ordered
+before every invalidation, whatever revision they carry. For as long as the record exists every agent
 
-* drops the covered chunks it holds when it learns of the record (``apply``, off the loop),
+* drops the covered chunks it holds when it learns of the record (``apply``, off the loop), and
+  again for every standing record when the generation changes,
 * refuses covered chunks at the CPU pool's admission gate (``covers``): a pull from a lagging
-  peer, an engine store stamped before the barrier, a promotion,
-* and deletes covered chunks found on disk at start (``recover`` runs after the first sync).
+  peer, an engine store stamped before the barrier, a promotion; and caps the epoch of every chunk
+  it admits at its own (``stamp``): a peer's epoch is never trusted above this node's view,
+* and deletes covered chunks found on disk at start (``recover`` runs after the first sync), and
+  those whose revision is above etcd's in this generation (``vet_recovered``: etcd went back).
 
 A node that was stopped or partitioned while the record was written catches up on resume (the
 watch resumes from its revision, or resyncs); one restarted from disk, however much later, reads
 the standing records before it publishes anything. Removals are counted in
-``lmcache_p2p_invalidated_chunks_total{reason}`` (reason: fingerprint, tenant, node, ttl).
+``lmcache_p2p_invalidated_chunks_total{reason}`` (reason: fingerprint, tenant, node, ttl,
+generation).
 
 The per-chunk TTL (``tiers.chunk_ttl_s``) is a local sweep every ``min(ttl/4, 5 s)``: a chunk's age
 counts from the oldest copy this node has seen of it (CPU ``stored_at``, disk file mtime), so a
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -50,7 +58,17 @@ from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
 from .index.client import EtcdClient, KeyValue, WatchEvent
-from .index.schema import INVALIDATION_KINDS, MIN_FP_PREFIX, Invalidation, NodeId, Rejects, Schema, decode_invalidation
+from .index.generation import GenerationWatch, cap_epoch, epoch_generation, epoch_revision, make_epoch
+from .index.schema import (
+    INVALIDATION_KINDS,
+    MIN_FP_PREFIX,
+    Invalidation,
+    NodeId,
+    Rejects,
+    Schema,
+    decode_invalidation,
+    tenant_digest,
+)
 from .index.watch import ResumableWatch
 from .keys import ChunkKey, Fingerprint, FingerprintDigest
 
@@ -66,26 +84,30 @@ __all__ = ["KINDS", "MIN_FP_PREFIX", "Invalidation", "MeshInvalidation", "issue"
 
 async def issue(client: EtcdClient, schema: Schema, kind: str, value: str, *, ttl_s: int | None = None,
                 clock: Callable[[], float] = time.time) -> tuple[Invalidation, int]:
-    """Write one standing invalidation (on a lease of ``ttl_s`` if given); ``(invalidation, revision)``."""
+    """Write one standing invalidation (on a lease of ``ttl_s`` if given); ``(invalidation, revision)``.
+    A tenant's ``value`` is its :func:`~lmcache_p2p.index.schema.tenant_digest`."""
     inv = Invalidation(uuid.uuid4().hex[:16], kind, value.lower() if kind == "fingerprint" else value, clock())
     lease_id = (await client.grant(ttl_s))[0] if ttl_s is not None else 0
     revision = await client.put(schema.invalidations + inv.id.encode(), inv.pack(), lease=lease_id)
     return Invalidation(inv.id, inv.kind, inv.value, inv.issued_at, revision), revision
 
 
-def matches(inv: Invalidation, header: ChunkHeader, fingerprint: Fingerprint | None, node_id: str) -> bool:
-    """Whether ``inv`` covers a chunk with ``header`` held by ``node_id``."""
-    if header.epoch >= inv.revision:
+def matches(inv: Invalidation, header: ChunkHeader, tenant: str | None, node_id: str, generation: int) -> bool:
+    """Whether ``inv`` covers a chunk with ``header`` held by ``node_id``; ``tenant``: the digest of its
+    fingerprint's salt, if known; ``generation``: the etcd history followed (a chunk of another one is
+    ordered before every invalidation)."""
+    if epoch_generation(header.epoch) == generation and epoch_revision(header.epoch) >= inv.revision:
         return False
     if inv.kind == "node":
         return inv.value == node_id
     if inv.kind == "fingerprint":
         return header.fingerprint.hex().startswith(inv.value)
-    return fingerprint is not None and fingerprint.tenant_salt == inv.value
+    return tenant is not None and tenant == inv.value
 
 
 class MeshInvalidation:
-    """One agent's side: follows ``invalidate/``, gates chunks, sweeps expired ones, on the agent's loop.
+    """One agent's side: follows ``generation`` and ``invalidate/``, gates chunks, sweeps expired ones,
+    on the agent's loop.
 
     ``fingerprints`` are those this agent serves (digest -> fingerprint): a tenant is matched
     through them; a chunk of an unknown fingerprint (an old disk file) matches by digest only.
@@ -99,7 +121,7 @@ class MeshInvalidation:
         self._wait_s = config.etcd.start_wait_s
         self._ttl_s = config.tiers.chunk_ttl_s
         self._store = store
-        self._fingerprints = dict(fingerprints)
+        self._tenants = {d: tenant_digest(f.tenant_salt) for d, f in fingerprints.items() if f.tenant_salt}
         self._node_id = NodeId(config.node_id)
         self._wall = wall_clock
         self.rejects = rejects if rejects is not None else Rejects()
@@ -109,14 +131,21 @@ class MeshInvalidation:
         self._applied: set[tuple[str, int]] = set()
         self._born: dict[ChunkKey, float] = {}  # wall time of the oldest copy seen, for the TTL
         self._watch: ResumableWatch | None = None
+        self._generation: GenerationWatch | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: LoopThread | None = None
 
     # -- the barrier (any thread) ----------------------------------------------------------------
     @property
+    def generation(self) -> int:
+        """The etcd history followed (0: not known yet, or being replaced)."""
+        return self._generation.id if self._generation is not None else 0
+
+    @property
     def epoch(self) -> int:
-        """The revision up to which invalidations are applied here: the epoch of chunks computed now."""
-        return self._watch.revision if self._watch is not None else 0
+        """This node's view: the generation and the revision up to which invalidations are applied
+        here (the epoch of chunks computed now)."""
+        return make_epoch(self.generation, self._watch.revision if self._watch is not None else 0)
 
     def active(self) -> list[Invalidation]:
         return list(self._active.values())
@@ -126,13 +155,37 @@ class MeshInvalidation:
         active = self._active
         if not active:
             return False
-        fingerprint = self._fingerprints.get(header.fingerprint)
-        return any(matches(inv, header, fingerprint, self._node_id) for inv in active.values())
+        tenant, generation = self._tenants.get(header.fingerprint), self.generation
+        return any(matches(inv, header, tenant, self._node_id, generation) for inv in active.values())
+
+    def stamp(self, header: ChunkHeader) -> ChunkHeader:
+        """The header an admitted chunk is held under: its epoch capped at this node's own."""
+        epoch = cap_epoch(header.epoch, self.epoch)
+        return header if epoch == header.epoch else dataclasses.replace(header, epoch=epoch)
+
+    def vet_recovered(self, headers: list[ChunkHeader]) -> list[ChunkHeader]:
+        """Of the chunks recovered from disk at start, those to keep (blocking: deletes files). A chunk
+        of this generation stamped above etcd's revision comes from a history etcd lost (restored from
+        a backup): it is dropped, and the generation replaced so that other nodes' copies are too."""
+        watch, generation = self._watch, self.generation
+        if watch is None or not watch.synced.is_set() or generation == 0:
+            return headers
+        lost = {h.key for h in headers
+                if epoch_generation(h.epoch) == generation and epoch_revision(h.epoch) > watch.revision}
+        if not lost:
+            return headers
+        log.warning("%d chunks on disk are stamped above etcd's revision %d: etcd went back; dropped", len(lost),
+                    watch.revision)
+        self.removed.labels("generation").inc(sum(self._store.remove(k) for k in lost))
+        if self._loop is not None:
+            self._loop.loop.call_soon_threadsafe(self._rewound, max(epoch_revision(h.epoch) for h in headers),
+                                                 watch.revision, False)
+        return [h for h in headers if h.key not in lost]
 
     # -- lifecycle (any thread but the loop's) ---------------------------------------------------
     def start(self, loop: LoopThread, client: EtcdClient | None) -> bool:
-        """Follow ``invalidate/`` (when ``client`` is given) and start the TTL sweep. Waits up to
-        ``etcd.start_wait_s`` for the standing records; False if etcd did not answer in time."""
+        """Follow ``generation`` and ``invalidate/`` (when ``client`` is given) and start the TTL sweep.
+        Waits up to ``etcd.start_wait_s`` for the standing records; False if etcd did not answer in time."""
         self._loop = loop
         return loop.run(self._start(client), self._wait_s + self._timeout + 5.0)
 
@@ -141,6 +194,14 @@ class MeshInvalidation:
         if loop is not None:
             with contextlib.suppress(LMCacheP2PError, RuntimeError):
                 loop.run(self._stop(), self._timeout)
+
+    def recheck(self) -> None:
+        """On the loop: read the generation and the standing records afresh (after a lease loss: etcd
+        may have been replaced under streams that did not notice)."""
+        watches = [self._generation.watch if self._generation is not None else None, self._watch]
+        for watch in watches:
+            if watch is not None:
+                self._spawn(watch.resync(), f"resync-{watch.name}")
 
     async def set_ttl(self, ttl_s: float | None) -> None:
         """On the loop: change ``tiers.chunk_ttl_s`` while running (the cluster config); the sweep follows."""
@@ -155,12 +216,23 @@ class MeshInvalidation:
             self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
         if client is None:
             return True
+        self._generation = GenerationWatch(client, self._schema, on_change=self._generation_changed,
+                                           rejects=self.rejects)
         self._watch = ResumableWatch(client, self._schema.invalidations, load=self._load, apply=self._apply,
-                                     name="invalidations")
-        self._watch.start()
+                                     name="invalidations", on_rewind=self._rewound)
+        self._generation.start()
+        self._spawn(self._follow_invalidations(), "invalidations-start")
         return await self._watch.wait_synced(self._wait_s)
 
+    async def _follow_invalidations(self) -> None:
+        """Standing records are applied only once the generation is known."""
+        assert self._generation is not None and self._watch is not None
+        await self._generation.ready.wait()
+        self._watch.start()
+
     async def _stop(self) -> None:
+        if self._generation is not None:
+            await self._generation.stop()
         if self._watch is not None:
             await self._watch.stop()
         tasks, self._tasks = self._tasks, set()
@@ -170,15 +242,31 @@ class MeshInvalidation:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._reap)
+        return task
 
     def _reap(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("invalidation task %s failed", task.get_name(), exc_info=task.exception())
+
+    def _rewound(self, seen: int, now: int, clear: bool = True) -> None:
+        """On the loop: etcd's revision went back (this watch's sync, or chunks recovered from disk)."""
+        if self._generation is not None:
+            self._generation.rewound(seen, now)
+        if clear:  # the load that follows applies every standing record again, to every chunk held
+            self._applied.clear()
+
+    def _generation_changed(self, old: int, new: int) -> None:
+        """On the loop: every standing record applies again, to every chunk held (read afresh)."""
+        watch = self._watch
+        if watch is not None and watch.synced.is_set():
+            log.warning("etcd generation is now %d (was %d): standing invalidations are applied again", new, old)
+            self._applied.clear()
+            self._spawn(watch.resync(), "resync-invalidations")
 
     # -- records (loop callbacks: no blocking) ---------------------------------------------------
     def _decode(self, key: bytes, value: bytes, revision: int) -> Invalidation | None:
@@ -225,11 +313,12 @@ class MeshInvalidation:
     def apply(self, inv: Invalidation) -> int:
         """Drop every held chunk ``inv`` covers (blocking: deletes files); returns how many."""
         dropped = 0
+        generation = self.generation
         for key in list(self._store.inventory()):
             header = self._store.header(key)
             if header is None:
                 continue
-            if matches(inv, header, self._fingerprints.get(header.fingerprint), self._node_id):
+            if matches(inv, header, self._tenants.get(header.fingerprint), self._node_id, generation):
                 dropped += self._store.remove(key)
         self.removed.labels(inv.kind).inc(dropped)
         log.info("invalidation %s (%s %s, rev %d): dropped %d chunks", inv.id, inv.kind, inv.value, inv.revision,
@@ -238,9 +327,9 @@ class MeshInvalidation:
 
     def count_refused(self, header: ChunkHeader) -> None:
         """A chunk refused at the gate counts like one dropped, under the first covering kind."""
-        fingerprint = self._fingerprints.get(header.fingerprint)
+        tenant, generation = self._tenants.get(header.fingerprint), self.generation
         for inv in list(self._active.values()):
-            if matches(inv, header, fingerprint, self._node_id):
+            if matches(inv, header, tenant, self._node_id, generation):
                 self.removed.labels(inv.kind).inc()
                 return
 

@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 
 import msgpack
 import pytest
 
 from lmcache_p2p.chunk import ChunkHeader, make_header
+from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.errors import MalformedRecord
+from lmcache_p2p.explain import explain
+from lmcache_p2p.index.generation import MAX_REVISION, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from lmcache_p2p.index.schema import (
+    MAX_GENERATION,
+    Generation,
     Invalidation,
+    NodeId,
     NodeRecord,
     Rejects,
     Schema,
     TierCode,
     decode_block_key,
+    decode_generation,
     decode_invalidation,
     decode_node_key,
     decode_node_record,
     decode_tier,
+    tenant_digest,
 )
+from lmcache_p2p.invalidation import matches
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.tiers.base import TIER_CODES
 
@@ -115,3 +125,83 @@ def test_rejects_count_every_time_and_log_each_key_once(caplog: pytest.LogCaptur
 def test_chunk_header_carries_the_epoch() -> None:
     header = make_header(ChunkKey(bytes(16)), FingerprintDigest(bytes(16)), b"payload", 7, epoch=123456789012)
     assert ChunkHeader.unpack(header.pack()) == header and header.epoch == 123456789012
+
+
+# ---- tenant digests: a salt never enters etcd ------------------------------------------------------
+def test_node_records_carry_the_tenant_digest_never_the_salt() -> None:
+    layout = {"model_id": "m", "kv_dtype": "bfloat16", "tenant_salt": "acme-secret"}
+    record = NodeRecord(NodeId("n-1"), {"tcp": "10.0.0.1:7470"}, ("tcp",),
+                        tenants={"ab" * 16: tenant_digest("acme-secret")}, layouts={"ab" * 16: layout})
+    packed = record.pack()
+    assert b"acme-secret" not in packed
+    digest = tenant_digest("acme-secret")
+    assert record.layouts["ab" * 16] == {"model_id": "m", "kv_dtype": "bfloat16", "tenant": digest}
+    assert NodeRecord.unpack(packed) == record
+    no_tenant = NodeRecord(NodeId("n-1"), {}, (), layouts={"ab" * 16: {"model_id": "m", "tenant_salt": ""}})
+    assert no_tenant.layouts["ab" * 16] == {"model_id": "m", "tenant": ""}
+    # domain-separated: not the bare hash of the salt, and one salt -> one digest
+    assert tenant_digest("acme-secret") != hashlib.sha256(b"acme-secret").hexdigest()
+    assert len(tenant_digest("x")) == 64 and tenant_digest("x") != tenant_digest("y")
+
+
+def test_old_records_holding_a_raw_salt_decode_to_its_digest() -> None:
+    old = {**GOOD, "tenants": {"ab" * 16: "acme"}, "layouts": {"ab" * 16: {"model_id": "m", "tenant_salt": "acme"}}}
+    record = decode_node_record(msgpack.packb(old), decode_node_key(0, b"n-1"))
+    assert record.tenants == {"ab" * 16: tenant_digest("acme")}
+    assert record.layouts == {"ab" * 16: {"model_id": "m", "tenant": tenant_digest("acme")}}
+    assert b"acme" not in record.pack()
+    inv = decode_invalidation(b"i1", msgpack.packb({"kind": "tenant", "value": "acme", "issued_at": 1.0}), 9,
+                              prefix_len=0)
+    assert inv == Invalidation("i1", "tenant", tenant_digest("acme"), 1.0, 9)
+    assert decode_invalidation(b"i1", inv.pack(), 9, prefix_len=0) == inv
+    with pytest.raises(ValueError, match="tenant digest"):
+        Invalidation("i2", "tenant", "acme", 0.0)  # what is written is always a digest
+    with pytest.raises(MalformedRecord):
+        decode_node_record(msgpack.packb({**GOOD, "tenants": {"ab" * 16: 7}}))
+
+
+def test_explain_names_a_tenant_invalidation_by_its_digest() -> None:
+    salt, fp_hex = "acme-secret", "cd" * 16
+    record = NodeRecord(NodeId("n-1"), {"tcp": "10.0.0.1:7470"}, ("tcp",), fingerprints=(fp_hex,),
+                        layouts={fp_hex: {"model_id": "m", "tenant_salt": salt}})
+    tokens = list(range(600))
+    config = AgentConfig(node_id="n-x")
+    verdicts = explain(config, fp_hex, tokens, {record.node_id: record}, {fp_hex: [{}, {}, {}]},
+                       [("i1", "tenant", tenant_digest(salt))], check_alive=False)
+    assert [v.reason for v in verdicts] == ["invalidated"] * 3
+    assert salt not in repr(verdicts)
+    other = explain(config, fp_hex, tokens, {record.node_id: record}, {fp_hex: [{}, {}, {}]},
+                    [("i1", "tenant", tenant_digest("globex"))], check_alive=False)
+    assert [v.reason for v in other] == ["no-owner"] * 3
+
+
+# ---- generations and epochs --------------------------------------------------------------------------
+def test_generation_records() -> None:
+    gen = Generation(0xABCDE, 5.0)
+    assert decode_generation(gen.pack(), 17) == Generation(0xABCDE, 5.0, 17)
+    assert Generation.new(avoid=3).id != 3 and 1 <= Generation.new().id <= MAX_GENERATION
+    for bad in (b"garbage", msgpack.packb({"id": 0}), msgpack.packb({"id": 1 << 24}), msgpack.packb({"id": "7"}),
+                msgpack.packb({"id": True}), msgpack.packb([1]), msgpack.packb({"created_at": 1.0})):
+        with pytest.raises(MalformedRecord) as exc:
+            decode_generation(bad, 1)
+        assert exc.value.kind == "generation"
+    assert Schema("c").generation == b"/lmcache-p2p/v1/c/generation"
+
+
+def test_epochs_name_their_generation_and_are_capped_at_the_receivers() -> None:
+    mine = make_epoch(7, 1000)
+    assert (epoch_generation(mine), epoch_revision(mine)) == (7, 1000)
+    assert make_epoch(7, 1 << 50) == make_epoch(7, MAX_REVISION)  # saturates, never spills into the generation
+    assert cap_epoch(make_epoch(7, 400), mine) == make_epoch(7, 400)  # below ours: kept
+    assert cap_epoch(make_epoch(7, 5000), mine) == mine  # a peer ahead of us (or lying): ours
+    assert cap_epoch((1 << 64) - 1, mine) == make_epoch(7, 0)  # another generation's: below every barrier of ours
+    assert cap_epoch(123, mine) == make_epoch(7, 0)  # written before generations existed (id 0)
+    inv = Invalidation("i", "node", "n-1", 0.0, revision=500)
+    fp = FingerprintDigest(bytes(16))
+
+    def covered(epoch: int, generation: int = 7) -> bool:
+        return matches(inv, make_header(ChunkKey(bytes(16)), fp, b"x", 1, epoch=epoch), None, "n-1", generation)
+
+    assert covered(make_epoch(7, 499)) and not covered(make_epoch(7, 500))
+    assert covered(make_epoch(3, 10_000)) and covered(make_epoch(3, MAX_REVISION))  # an older history's chunk
+    assert covered(make_epoch(7, 500), generation=0)  # generation being replaced: nothing held is current

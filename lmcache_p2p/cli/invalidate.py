@@ -2,16 +2,17 @@
 
     lmcache-p2p invalidate --etcd URL [--cluster C] --fingerprint HEXPREFIX   # a model upgrade
     lmcache-p2p invalidate --etcd URL [--cluster C] --tenant SALT             # one tenant's chunks
+    lmcache-p2p invalidate --etcd URL [--cluster C] --tenant-digest HEX       # the same, by the salt's digest
     lmcache-p2p invalidate --etcd URL [--cluster C] --node NODE_ID            # all of one node's chunks
 
 Writes ``invalidate/<id>``, a standing barrier at the revision of the write: every agent drops
 what matches and was computed before it, now and whenever it later pulls, stores or recovers such
-a chunk (see ``lmcache_p2p.invalidation``). It stands until deleted (``etcdctl del``), or for
-``--ttl`` seconds. With
-``--wait`` it then watches the block index until every entry that matched when it was issued is
-gone (deleted, or re-stored after the invalidation) and reports how many were removed. Exit code
-0 when issued (and, with ``--wait``, done), 1 when ``--wait`` timed out, 2 on bad arguments or
-when etcd cannot be reached.
+a chunk (see ``lmcache_p2p.invalidation``). A tenant is written as the one-way digest of its salt
+(the one node records carry under ``tenants``), never the salt. It stands until deleted (``etcdctl
+del``), or for ``--ttl`` seconds. With ``--wait`` it then watches the block index until every
+entry that matched when it was issued is gone (deleted, or re-stored after the invalidation) and
+reports how many were removed. Exit code 0 when issued (and, with ``--wait``, done), 1 when
+``--wait`` timed out, 2 on bad arguments or when etcd cannot be reached.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient, KeyValue
-from ..index.schema import Schema, decode_node_record
+from ..index.schema import Schema, decode_node_record, tenant_digest
 from ..invalidation import Invalidation, issue
 from .common import add_etcd_arguments, tool_config
 
@@ -45,7 +46,7 @@ async def _matching(client: EtcdClient, schema: Schema, kind: str, value: str) -
             record = decode_node_record(kv.value)
         except MalformedRecord:
             continue  # agents skip it too
-        fps.update(fp for fp, salt in record.tenants.items() if salt == value)
+        fps.update(fp for fp, digest in record.tenants.items() if digest == value)
     out: list[KeyValue] = []
     for fp in sorted(fps):
         out += (await client.get_prefix(schema.blocks + fp.encode() + b"/", rev))[0]
@@ -89,7 +90,8 @@ def main(argv: list[str]) -> int:
     add_etcd_arguments(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")
-    what.add_argument("--tenant", metavar="SALT", help="tenant salt")
+    what.add_argument("--tenant", metavar="SALT", help="tenant salt (only its digest is written)")
+    what.add_argument("--tenant-digest", metavar="HEX", help="the tenant salt's digest, as node records carry it")
     what.add_argument("--node", metavar="NODE_ID", help="node id")
     parser.add_argument("--ttl", type=int, metavar="SECONDS",
                         help="let the invalidation lapse after this long (default: it stands until deleted; "
@@ -97,7 +99,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wait", type=float, nargs="?", const=60.0, metavar="SECONDS",
                         help="wait (default 60 s) until the matching block entries are gone")
     args = parser.parse_args(argv)
-    kind, value = next((k, v) for k, v in (("fingerprint", args.fingerprint), ("tenant", args.tenant),
+    tenant = tenant_digest(args.tenant) if args.tenant is not None else args.tenant_digest
+    kind, value = next((k, v) for k, v in (("fingerprint", args.fingerprint), ("tenant", tenant),
                                            ("node", args.node)) if v is not None)
     try:
         Invalidation("check", kind, value.lower() if kind == "fingerprint" else value, 0.0)

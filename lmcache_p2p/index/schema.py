@@ -3,9 +3,13 @@
 All keys live under ``/lmcache-p2p/v1/<cluster>/``::
 
     config                                   msgpack cluster config        permanent, watched
+    generation                               msgpack Generation            permanent (see index/generation.py)
     nodes/<node_id>                          msgpack NodeRecord            on the node's lease
     blocks/<fp_hex:32>/<key_hex:32>/<node>   one tier byte                 on the node's lease
     invalidate/<id>                          msgpack Invalidation          standing (optionally a lease)
+
+A tenant salt never enters etcd: node records and invalidations carry its one-way digest
+(:func:`tenant_digest`); values written by older versions that hold a raw salt decode to its digest.
 
 A block entry costs one short key and a one-byte value: its presence says "this node holds this
 chunk", the byte says in which tier (a hint for choosing among owners). Fixed-width hex parts let
@@ -13,8 +17,9 @@ the mirror cut a key by offset instead of splitting it.
 
 Everything read back from etcd goes through one decode function per record type
 (:func:`decode_node_key`, :func:`decode_node_record`, :func:`decode_block_key`, :func:`decode_tier`,
-:func:`decode_invalidation`); each raises :class:`~lmcache_p2p.errors.MalformedRecord`, and readers
-count the reject in a :class:`Rejects` and skip the record: nothing written into etcd by anyone
+:func:`decode_invalidation`, :func:`decode_generation`); each raises
+:class:`~lmcache_p2p.errors.MalformedRecord`, and readers count the reject in a :class:`Rejects` and
+skip the record: nothing written into etcd by anyone
 can crash an agent or reach an engine as an exception.
 """
 
@@ -22,9 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import logging
 import math
 import re
+import secrets
 import threading
 import time
 from collections.abc import Iterable
@@ -57,7 +64,8 @@ _HEX = 32  # hex chars of a 16-byte digest
 _HEX_RE = re.compile(rb"[0-9a-f]{32}")
 _NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
 MAX_RECORD_BYTES = 64 << 10
-__all__ = ["WIRE_VERSION", "SCHEMA_VERSION", "TierCode", "NodeId", "NodeRecord", "Schema", "Invalidation", "Rejects"]
+__all__ = ["WIRE_VERSION", "SCHEMA_VERSION", "TierCode", "NodeId", "NodeRecord", "Schema", "Invalidation", "Rejects",
+           "Generation", "tenant_digest"]
 
 
 class Schema:
@@ -66,6 +74,7 @@ class Schema:
     def __init__(self, cluster: str) -> None:
         self.root = f"/lmcache-p2p/v{SCHEMA_VERSION}/{cluster}/".encode()
         self.config = self.root + b"config"
+        self.generation = self.root + b"generation"  # see lmcache_p2p.index.generation
         self.nodes = self.root + b"nodes/"
         self.blocks = self.root + b"blocks/"
         self.invalidations = self.root + b"invalidate/"  # see lmcache_p2p.invalidation
@@ -183,7 +192,7 @@ class NodeRecord:
     started_at: float = dataclasses.field(default_factory=time.time)
     metrics_url: str | None = None
     models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
-    tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant salt (salted)
+    tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant_digest(salt)
     tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
     heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1, total]:
     # KV heads [h0, h1) of the model's total held (a tensor-parallel rank's; absent: every head)
@@ -195,6 +204,10 @@ class NodeRecord:
     # applies at the next start) or "node" (the node's own file, environment or overrides set it)
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)
     # (what ``lookup --explain`` names when two identities differ)
+
+    def __post_init__(self) -> None:
+        if any("tenant_salt" in fields for fields in self.layouts.values()):  # never published: its digest is
+            object.__setattr__(self, "layouts", {fp: _public_layout(f) for fp, f in self.layouts.items()})
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
@@ -239,9 +252,13 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         fingerprints=fingerprints, capacities=capacities,
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url,
-        models=_str_map(raw, "models"), tenants=_str_map(raw, "tenants"), tls=_field(raw, "tls", bool, False),
+        models=_str_map(raw, "models"), tenants=_tenants(raw), tls=_field(raw, "tls", bool, False),
         heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw),
         config_revision=_field(raw, "config_revision", int, 0), config_deviations=_deviations(raw))
+
+
+def _tenants(raw: dict[str, Any]) -> dict[str, str]:
+    return {fp: tenant_value(value) for fp, value in _str_map(raw, "tenants").items()}
 
 
 def _deviations(raw: dict[str, Any]) -> dict[str, str]:
@@ -285,6 +302,30 @@ def _heads(raw: dict[str, Any]) -> dict[str, list[int]]:
     return {fp: list(held) for fp, held in heads.items()}
 
 
+# ---- tenants ---------------------------------------------------------------------------------
+TENANT_DOMAIN = b"lmcache-p2p tenant\x00"
+_TENANT_DIGEST_RE = re.compile("[0-9a-f]{64}")
+
+
+def tenant_digest(salt: str) -> str:
+    """The one-way digest of a tenant salt (hex SHA-256, domain-separated): what node records,
+    invalidations and tools carry. A salt is only as hidden as it is hard to guess."""
+    return hashlib.sha256(TENANT_DOMAIN + salt.encode()).hexdigest()
+
+
+def tenant_value(value: str) -> str:
+    """A tenant read back from etcd: a digest as it is; a raw salt (an older version wrote it) as its
+    digest. A raw salt that is itself 64 lower-case hex characters is taken for a digest."""
+    return value if _TENANT_DIGEST_RE.fullmatch(value) else tenant_digest(value)
+
+
+def _public_layout(fields: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in fields.items() if k != "tenant_salt"}
+    salt = fields["tenant_salt"]
+    out["tenant"] = tenant_digest(str(salt)) if salt else ""
+    return out
+
+
 def covers(ranges: Iterable[tuple[int, int]], want: tuple[int, int]) -> bool:
     """Whether the union of half-open ``ranges`` contains ``want``."""
     pos = want[0]
@@ -306,6 +347,8 @@ MIN_FP_PREFIX = 8
 class Invalidation:
     """A standing invalidation: drop every matching chunk stamped before ``revision``.
 
+    ``value`` is a fingerprint digest prefix, a :func:`tenant_digest` or a node id.
+
     ``revision`` is the etcd revision at which the record was written (its ``mod_revision``), so
     it is known from the read, not stored in the value. See :mod:`lmcache_p2p.invalidation`.
     """
@@ -323,6 +366,8 @@ class Invalidation:
             raise ValueError(f"invalidation {self.kind}: value must not be empty")
         if self.kind == "fingerprint" and not re.fullmatch(rf"[0-9a-f]{{{MIN_FP_PREFIX},32}}", self.value):
             raise ValueError(f"fingerprint: expected {MIN_FP_PREFIX}-32 lower-case hex chars, got {self.value!r}")
+        if self.kind == "tenant" and not _TENANT_DIGEST_RE.fullmatch(self.value):
+            raise ValueError(f"tenant: expected a tenant digest (64 lower-case hex chars), got {self.value[:80]!r}")
 
     def pack(self) -> bytes:
         return msgpack.packb({"kind": self.kind, "value": self.value, "issued_at": self.issued_at},
@@ -342,6 +387,50 @@ def decode_invalidation(etcd_key: bytes, data: bytes, revision: int, *, prefix_l
         kind, value, issued_at = raw["kind"], raw["value"], raw.get("issued_at", 0.0)
         if not isinstance(kind, str) or not isinstance(value, str) or not isinstance(issued_at, (int, float)):
             raise TypeError("kind and value must be strings, issued_at a number")
+        if kind == "tenant" and value:
+            value = tenant_value(value)
         return Invalidation(id_, kind, value, float(issued_at), revision)
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise MalformedRecord("invalidation", f"{etcd_key[-40:]!r}: {exc}") from exc
+
+
+# ---- the generation of the etcd history -----------------------------------------------------------
+MAX_GENERATION = (1 << 24) - 1  # a generation id is the top 24 bits of every chunk epoch
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Generation:
+    """``generation``: the random id of this etcd history (see :mod:`lmcache_p2p.index.generation`);
+    ``revision`` is the record's ``mod_revision``, known from the read."""
+
+    id: int
+    created_at: float
+    revision: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.id <= MAX_GENERATION:
+            raise ValueError(f"generation id must be in [1, {MAX_GENERATION}], got {self.id}")
+
+    @classmethod
+    def new(cls, avoid: int | None = None) -> Generation:
+        """A fresh random id, other than ``avoid`` (the generation it replaces)."""
+        while True:
+            id_ = 1 + secrets.randbelow(MAX_GENERATION)
+            if id_ != avoid:
+                return cls(id_, time.time())
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"id": self.id, "created_at": self.created_at}, use_bin_type=True)
+
+
+def decode_generation(data: bytes, revision: int) -> Generation:
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a map, got {type(raw).__name__}")
+        id_, created_at = raw["id"], raw.get("created_at", 0.0)
+        if not isinstance(id_, int) or isinstance(id_, bool) or not isinstance(created_at, (int, float)):
+            raise TypeError("id must be an int, created_at a number")
+        return Generation(id_, float(created_at), revision)
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise MalformedRecord("generation", str(exc)) from exc

@@ -4,10 +4,13 @@
     follow:  watch from R+1  ->  apply(events) per batch; progress notifications advance R
     break:   (member down, leader lost, silent stream)  ->  back off, resume from R+1
     history gone (compacted, or etcd's revision went backwards)  ->  one resync, then follow
+    resync() (etcd replaced under a stream that did not notice)  ->  the same, asked for
 
-The mirror, invalidation and the cluster-config watcher each own one. Callbacks run on the loop
-and must not raise; if one does, the batch is skipped, counted in ``callback_errors`` and logged,
-and the watch goes on: a supervised loop never dies silently (``CancelledError`` ends it).
+A sync that finds etcd's revision below the one already seen (a fresh or restored etcd) calls
+``on_rewind(seen, now)`` before ``load``. The mirror, invalidation (and its generation record) and
+the cluster-config watcher each own one. Callbacks run on the loop and must not raise; if one
+does, the batch is skipped, counted in ``callback_errors`` and logged, and the watch goes on: a
+supervised loop never dies silently (``CancelledError`` ends it).
 """
 
 from __future__ import annotations
@@ -24,15 +27,17 @@ log = logging.getLogger(__name__)
 
 Loader = Callable[[list[KeyValue], int], None]
 Applier = Callable[[Sequence[WatchEvent]], None]
+Rewound = Callable[[int, int], None]
 
 
 class ResumableWatch:
     def __init__(self, client: EtcdClient, prefix: bytes, *, load: Loader, apply: Applier, name: str,
-                 max_backoff_s: float = 1.0) -> None:
+                 max_backoff_s: float = 1.0, on_rewind: Rewound | None = None) -> None:
         self._client = client
         self.prefix = prefix
         self._load = load
         self._apply = apply
+        self._on_rewind = on_rewind
         self.name = name
         self._max_backoff_s = max_backoff_s
         self.revision = 0  # everything under the prefix up to here has been loaded or applied
@@ -41,6 +46,7 @@ class ResumableWatch:
         self.connected = False  # the stream is following now
         self._task: asyncio.Task[None] | None = None
         self.resyncs = 0
+        self.rewinds = 0  # syncs that found etcd's revision below the one seen
         self.interruptions = 0
         self.callback_errors = 0
 
@@ -58,9 +64,21 @@ class ResumableWatch:
         except TimeoutError:
             return False
 
+    async def resync(self) -> None:
+        """Read the prefix afresh and follow from there (the stream is restarted)."""
+        task = self._task
+        if task is None:
+            return
+        await cancel_and_wait(task)
+        if self._task is not task:  # stopped (or resynced) meanwhile
+            return
+        self.connected = False
+        self._need_sync = True
+        self._task = asyncio.create_task(self._run(), name=f"watch-{self.name}")
+
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
-        self._task = None
+        task, self._task = self._task, None
+        await cancel_and_wait(task)
         self.connected = False
 
     async def _run(self) -> None:
@@ -88,6 +106,10 @@ class ResumableWatch:
 
     async def _sync(self) -> None:
         kvs, revision = await self._client.get_prefix(self.prefix)
+        if revision < self.revision:
+            self.rewinds += 1
+            if self._on_rewind is not None:
+                self._call(self._on_rewind, self.revision, revision)
         self._call(self._load, kvs, revision)
         self.revision = revision
         self._need_sync = False
