@@ -9,8 +9,10 @@
     40     4     payload length in bytes (u32)
     44     2     number of tokens in the chunk (u16; < chunk_size for a prompt's tail)
     46     2     end of the KV heads held (u16, exclusive)
-    48     8     epoch (u64): the etcd revision up to which the computing node had applied
-                 invalidations; a standing invalidation at revision R covers chunks with epoch < R
+    48     8     epoch (u64): the generation of etcd's history (high 24 bits) and the revision
+                 (low 40) up to which the computing node had applied invalidations; a standing
+                 invalidation at revision R covers a chunk of another generation, or of this one
+                 below R (``invalidation.py``, ``index/generation.py``)
     56     8     xxh3_64 of the payload (u64)
 
 All integers little-endian. The payload is the bytes of the engine blocks that hold the
