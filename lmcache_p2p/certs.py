@@ -4,13 +4,19 @@
 
 ``DIR/ca.crt`` and ``DIR/ca.key`` are created once and reused (delete them for a new CA); every
 NAME gets ``DIR/NAME.crt`` and ``DIR/NAME.key`` (keys readable by the owner only), usable as TLS
-server and client certificates. SANs are openssl ``subjectAltName`` entries::
+server and client certificates. SANs are openssl ``subjectAltName`` entries, plus ``node:ID``
+for a transfer certificate that names the node ``ID`` (a URI SAN ``urn:lmcache-p2p:node:ID``)::
 
-    lmcache-p2p certs pki etcd-0=DNS:etcd-0.etcd,DNS:localhost,IP:127.0.0.1 agent transfer
+    lmcache-p2p certs pki etcd-0=DNS:etcd-0.etcd,DNS:localhost,IP:127.0.0.1 etcd-client
+    lmcache-p2p certs pki node-a=node:node-a node-b=node:node-b
 
 The transfer TLS (``transfer.tls_*``) checks the CA and binds its handshake to the owner's
-certificate, not to host names: one certificate may serve every node. etcd clients check each
-endpoint's host name against the SANs of that member's certificate.
+certificate, not to host names. Give every node a certificate of its own that names it: a
+requester then refuses an owner whose certificate names another node (a name covers the node's
+tensor-parallel ranks ``ID-r<k>`` too), and no two nodes share a channel binding. A certificate
+that names no node is still accepted, by any node (one shared by all: then only the HMAC proofs
+tell nodes apart). etcd clients check each endpoint's host name against the SANs of that member's
+certificate.
 """
 
 from __future__ import annotations
@@ -23,8 +29,24 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from .transfer.wire import NODE_ID_RE
+
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+NODE_URI = "urn:lmcache-p2p:node:"  # the URI SAN a transfer certificate names its node with (transfer/tls.py)
 _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def _sans(spec: str) -> str:
+    """openssl subjectAltName entries, ``node:ID`` expanded to the URI that names node ``ID``."""
+    out = []
+    for san in filter(None, (s.strip() for s in spec.split(","))):
+        kind, _, value = san.partition(":")
+        if kind == "node":
+            if not NODE_ID_RE.fullmatch(value):
+                raise ValueError(f"bad node id {value!r} in {san!r}: must match {NODE_ID_RE.pattern}")
+            san = f"URI:{NODE_URI}{value}"
+        out.append(san)
+    return ",".join(out)
 
 
 def _openssl(*args: str) -> None:
@@ -50,7 +72,8 @@ def make_certs(directory: str | Path, specs: Sequence[str], days: int = 825) -> 
                      "-addext", "keyUsage=critical,keyCertSign,cRLSign")
         out = {}
         for spec in specs:
-            name, _, sans = spec.partition("=")
+            name, _, spec_sans = spec.partition("=")
+            sans = _sans(spec_sans)
             if not _NAME_RE.match(name):
                 raise ValueError(f"bad certificate name {name!r}: 1-64 chars of [A-Za-z0-9_.-]")
             cert, key = d / f"{name}.crt", d / f"{name}.key"

@@ -13,6 +13,7 @@
     │   └── MalformedRecord               a key or value read from etcd that the schema rejects
     └── TransferError                     a peer transfer failed (translated socket/NIXL/UCX errors)
         ├── HandshakeError                wrong secret, protocol version or fingerprint
+        │   └── PeerIdentityError         the peer proved the secret, but is not the node planned
         ├── ProtocolError                 malformed, oversized or unexpected frame
         └── PeerTimeout                   a network wait ran past its deadline
 
@@ -85,6 +86,12 @@ class TransferError(LMCacheP2PError):
 
 class HandshakeError(TransferError):
     pass
+
+
+class PeerIdentityError(HandshakeError):
+    """The peer that answered is not the node whose record the pull was planned from: it proved the
+    secret as another node id, or its certificate names other nodes (a record pointing at another
+    node's address, or a relay)."""
 
 
 class ProtocolError(TransferError):

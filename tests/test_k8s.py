@@ -464,7 +464,7 @@ def test_env_references_in_args_are_defined():
 def test_vllm_kv_transfer_config_names_the_connector(tmp_path):
     docs = DOCS
     cfg = config_of(docs, tmp_path)
-    c = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+    c = one(docs, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
     args = c["command"] + c["args"]
     kv = json.loads(flag(args, "--kv-transfer-config") or "null")
     assert kv["kv_connector"] == "LMCacheP2PConnector"
@@ -506,13 +506,13 @@ def rank_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
 
 def test_tensor_parallel_pods_expose_and_scrape_every_rank(tmp_path):
     docs = DOCS
-    c = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+    c = one(docs, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
     assert int(flag(c["args"], "--tensor-parallel-size") or 1) > 1, "the manifests deploy TP > 1"
     assert rank_problems(docs, config_of(docs, tmp_path)) == []
 
 
 def test_standalone_agent_runs_the_agent_command():
-    c = one(DOCS, "Deployment", "lmcache-cache-agent")["spec"]["template"]["spec"]["containers"][0]
+    c = one(DOCS, "StatefulSet", "lmcache-cache-agent")["spec"]["template"]["spec"]["containers"][0]
     assert c["command"][0] == "lmcache-p2p" and ("agent",) in COMMANDS
     assert c["command"][1:] == ["agent", "--config", CONFIG_PATH]
 
@@ -580,10 +580,54 @@ def secret_file(workload: Doc, container: Doc, path: str) -> tuple[str, str] | N
     return None
 
 
+def generated_files(name: str) -> dict[str, Path]:
+    """Key -> source file of the kustomization's secretGenerator ``name``."""
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    gens = [g for g in kust.get("secretGenerator", []) if g["name"] == name]
+    return {f.split("=")[0]: K8S / f.split("=")[-1] for g in gens for f in g.get("files", [])}
+
+
+def transfer_tls_problems(docs: list[Doc], workload: Doc, container: Doc, paths: dict[str, str | None]) -> list[str]:
+    """Each agent pod has a transfer certificate of its own, and its serving container sees no other
+    pod's key: the transfer files are in an in-memory emptyDir that one init container fills from a
+    Secret of per-pod pairs (keys ``<pod>.crt``/``<pod>.key`` for every pod the workload runs, and
+    ``ca.crt``), which the agent container does not mount."""
+    name = workload["metadata"]["name"]
+    spec = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    pods = [f"{name}-{i}" for i in range(workload["spec"].get("replicas", 1))]
+    problems: list[str] = []
+    for field, path in paths.items():
+        mount = next((m for m in container.get("volumeMounts", []) if (path or "").startswith(m["mountPath"] + "/")),
+                     None)
+        if mount is None or volumes.get(mount["name"], {}).get("emptyDir", {}).get("medium") != "Memory":
+            problems.append(f"{name}: {field}={path!r} is not on an in-memory emptyDir")
+            continue
+        fillers = [i for i in spec.get("initContainers", [])
+                   if any(m["name"] == mount["name"] for m in i.get("volumeMounts", []))]
+        script = " ".join(a for i in fillers for a in i.get("command", []) + i.get("args", []))
+        sources = {volumes[m["name"]]["secret"]["secretName"] for i in fillers for m in i.get("volumeMounts", [])
+                   if "secret" in volumes.get(m["name"], {})}
+        if len(fillers) != 1 or len(sources) != 1 or "/" + Path(path or "").name not in script:
+            problems.append(f"{name}: no init container copies {field} ({Path(path or '').name}) from a Secret")
+            continue
+        (secret,) = sources
+        want = {"ca.crt"} | {f"{pod}.{ext}" for pod in pods for ext in ("crt", "key")}
+        missing = want - secret_keys(docs).get(secret, set())
+        if missing:
+            problems.append(f"{name}: Secret {secret} has no {sorted(missing)} (one certificate per pod)")
+        if any(volumes.get(m["name"], {}).get("secret", {}).get("secretName") == secret
+               for m in container.get("volumeMounts", [])):
+            problems.append(f"{name}/{container['name']} mounts {secret}: every pod's transfer key")
+    return problems
+
+
 def tls_problems(docs: list[Doc], cfg: AgentConfig, pki: Path | None = None) -> list[str]:
-    """etcd speaks TLS with client-certificate auth; agents use https endpoints and certificate files
-    that are keys of Secrets mounted in every agent container; with ``pki`` (generated), the
-    certificates chain to the CA and etcd's names cover the agents' endpoints and its peers."""
+    """etcd speaks TLS with client-certificate auth; agents use https endpoints and etcd client
+    files that are keys of Secrets mounted in every agent container, and transfer certificates of
+    their own per pod (:func:`transfer_tls_problems`), in Secrets apart from the etcd client key;
+    with ``pki`` (generated), the certificates chain to the CA, each transfer certificate names its
+    pod, and etcd's names cover the agents' endpoints and its peers."""
     problems = []
     sts = one(docs, "StatefulSet", "lmcache-etcd")
     (c,) = sts["spec"]["template"]["spec"]["containers"]
@@ -595,21 +639,33 @@ def tls_problems(docs: list[Doc], cfg: AgentConfig, pki: Path | None = None) -> 
     problems += [f"etcd runs without {f}" for f in ("--client-cert-auth", "--peer-client-cert-auth") if f not in args]
     if not all(ep.startswith("https://") for ep in cfg.etcd.endpoints):
         problems.append(f"agents reach etcd over plain HTTP: {cfg.etcd.endpoints}")
-    files = {"etcd.ca_cert": cfg.etcd.ca_cert, "etcd.cert_cert": cfg.etcd.cert_cert, "etcd.cert_key": cfg.etcd.cert_key,
-             "transfer.tls_ca_cert": cfg.transfer.tls_ca_cert, "transfer.tls_cert": cfg.transfer.tls_cert,
-             "transfer.tls_key": cfg.transfer.tls_key}
+    files = {"etcd.ca_cert": cfg.etcd.ca_cert, "etcd.cert_cert": cfg.etcd.cert_cert, "etcd.cert_key": cfg.etcd.cert_key}
+    transfer = {"transfer.tls_ca_cert": cfg.transfer.tls_ca_cert, "transfer.tls_cert": cfg.transfer.tls_cert,
+                "transfer.tls_key": cfg.transfer.tls_key}
     for w, ac in agent_containers(docs):
         for field, path in files.items():
             where = secret_file(w, ac, path or "")
             if where is None or where[1] not in have.get(where[0], set()):
                 problems.append(f"{w['metadata']['name']}: {field}={path!r} is not a key of a mounted Secret")
+            elif field == "etcd.cert_key" and any(k.endswith(".key") and k != where[1] for k in have[where[0]]):
+                problems.append(f"{w['metadata']['name']}: the etcd client key shares Secret {where[0]} with "
+                                "other keys")
+        problems += transfer_tls_problems(docs, w, ac, transfer)
     if pki is not None:
         ca = pki / "ca.crt"
-        for name in ("etcd-server", "etcd-client", "transfer"):
-            r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(pki / f"{name}.crt")],
-                               capture_output=True, text=True)
+        pods = {k[:-4]: pki / f.name for k, f in generated_files("lmcache-p2p-transfer-tls").items()
+                if k.endswith(".crt") and k != "ca.crt"}
+        if not pods:
+            problems.append("no per-pod transfer certificates in the secretGenerator lmcache-p2p-transfer-tls")
+        for cert in [pki / "etcd-server.crt", pki / "etcd-client.crt", *pods.values()]:
+            r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(cert)], capture_output=True, text=True)
             if r.returncode != 0:
-                problems.append(f"{name}.crt does not chain to ca.crt: {r.stdout}{r.stderr}")
+                problems.append(f"{cert.name} does not chain to ca.crt: {r.stdout}{r.stderr}")
+        for pod, cert in pods.items():
+            out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+                                 capture_output=True, text=True).stdout
+            if f"URI:urn:lmcache-p2p:node:{pod}" not in re.split(r"[,\s]+", out):
+                problems.append(f"{cert.name} does not name the pod {pod} (SANs: {out.strip()!r})")
         out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
                               str(pki / "etcd-server.crt")], capture_output=True, text=True).stdout
         names = set(re.findall(r"DNS:([^,\s]+)", out))
@@ -737,15 +793,27 @@ def test_checks_catch_mismatches(tmp_path):
     bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"]["template"]["spec"]["containers"][0][
         "args"].remove("--client-cert-auth"))
     assert tls_problems(bad, cfg) == ["etcd runs without --client-cert-auth"]
-    bad = broken(lambda b: agent_containers(b)[0][1].update(volumeMounts=[
-        m for m in agent_containers(b)[0][1]["volumeMounts"] if m["name"] != "tls"]))
-    assert len(tls_problems(bad, cfg)) == 6  # every certificate file of that container
+    for volume in ("etcd-tls", "transfer-tls"):
+        bad = broken(lambda b, v=volume: agent_containers(b)[0][1].update(volumeMounts=[
+            m for m in agent_containers(b)[0][1]["volumeMounts"] if m["name"] != v]))
+        assert len(tls_problems(bad, cfg)) == 3, volume  # every certificate file of that mount
+
+    def mount_every_key(b: list[Doc]) -> None:
+        agent_containers(b)[0][1]["volumeMounts"].append({"name": "transfer-tls-all", "mountPath": "/all"})
+
+    assert [p for p in tls_problems(broken(mount_every_key), cfg) if "every pod's transfer key" in p]
+    bad = broken(lambda b: one(b, "StatefulSet", "lmcache-vllm")["spec"].update(replicas=3))
+    assert tls_problems(bad, cfg) == ["lmcache-vllm: Secret lmcache-p2p-transfer-tls has no "
+                                      "['lmcache-vllm-2.crt', 'lmcache-vllm-2.key'] (one certificate per pod)"] * 3
+    bad = broken(lambda b: b.append({"kind": "Secret", "metadata": {"name": "lmcache-p2p-etcd-client"},
+                                     "data": {"transfer.key": ""}}))
+    assert len([p for p in tls_problems(bad, cfg) if "shares Secret" in p]) == len(agent_containers(docs))
     bad = broken(lambda b: one(b, "StatefulSet", "lmcache-etcd")["spec"]["template"]["spec"]["volumes"].clear())
     assert len(tls_problems(bad, cfg)) == len(ETCD_TLS_FLAGS)
-    vllm = one(docs, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]["name"]
+    vllm = one(docs, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]["name"]
 
     def drop_rank_port(b: list[Doc]) -> None:
-        c = one(b, "Deployment", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+        c = one(b, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
         c["ports"] = [p for p in c["ports"] if p["name"] != "metrics-r1"]
 
     assert vllm and len(rank_problems(broken(drop_rank_port), cfg)) == 2  # the port, and its scrape

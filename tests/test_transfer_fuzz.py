@@ -17,7 +17,6 @@ from lmcache_p2p.keys import FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
-from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 
 SECRET = "fuzz-secret-7f3a9c1e5b2d80461c9e4a7b"
@@ -76,7 +75,7 @@ def good_pull(o: OwnerProcess) -> None:
     async def run() -> int:
         client = TcpTransport(SECRET.encode(), 2.0)
         pool = CpuPool(SIZE * 4, SIZE)
-        result = await client.pull(PeerAddress("127.0.0.1", o.port), FP, [o.key(0), o.key(1)], pool, 3.0)
+        result = await client.pull(o.peer, FP, [o.key(0), o.key(1)], pool, 3.0)
         await client.close()
         return len(result.loaded)
 
@@ -95,7 +94,7 @@ def test_wrong_version_and_fingerprint_are_refused(owner: OwnerProcess) -> None:
     async def wrong_fingerprint() -> None:
         pool = ConnectionPool(SECRET.encode(), 2.0, 1 << 20)
         try:
-            await pool.get(PeerAddress("127.0.0.1", owner.port), FingerprintDigest(b"x" * 16), 3.0)
+            await pool.get(owner.peer, FingerprintDigest(b"x" * 16), 3.0)
         finally:
             await pool.close()
 

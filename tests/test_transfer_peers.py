@@ -20,13 +20,14 @@ from relay import Relay
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import ChunkHeader, checksum
+from lmcache_p2p.errors import PeerIdentityError
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.testing.striping import merge, pull_striped
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
-from lmcache_p2p.transfer.client import TcpTransport
+from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 from lmcache_p2p.transfer.nixl import NixlTransport
 from lmcache_p2p.transfer.nixl_engine import NixlEngine, nixl_available
 
@@ -88,7 +89,8 @@ def assert_exact(pool: CpuPool, owner: OwnerProcess, index: int, size: int = SIZ
 
 def owner(seed: int, **extra: Any) -> OwnerProcess:
     transports = "tcp,nixl" if HAS_NIXL else "tcp"
-    return OwnerProcess(SECRET, FP, N, SIZE, seed=seed, transports=transports, pin_timeout_s=1.0, **extra)
+    return OwnerProcess(SECRET, FP, N, SIZE, seed=seed, transports=transports, pin_timeout_s=1.0,
+                        node_id=f"owner-{seed}", **extra)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +116,7 @@ def _clean(requester: Requester) -> Iterator[None]:
 
 
 def peer_of(o: OwnerProcess) -> PeerAddress:
-    return PeerAddress("127.0.0.1", o.port, f"owner-{o.seed}")
+    return o.peer
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -176,6 +178,32 @@ def test_wrong_secret_or_fingerprint_gets_nothing(requester: Requester, owners: 
     assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
     requester.clear()
     assert requester.pull(transport, peer_of(a), keys).complete  # still serving the right peers
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_an_owner_answering_as_another_node_gets_nothing(requester: Requester, owners: Any, transport: str,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A record that names one node but points at another's address (here: owner-1's port planned as
+    "impostor"): the owner proves the secret, but as owner-1, so the requester hangs up before any
+    request, over TCP and over NIXL's handshake alike, and backs that peer off."""
+    a, _ = owners
+    keys = [a.key(i) for i in range(4)]
+    impostor = PeerAddress("127.0.0.1", a.port, "impostor")
+    result = requester.pull(transport, impostor, keys)
+    assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
+    assert len(requester.pool) == 0 and requester.clients[transport].health.failures(impostor) == 1
+    assert "answered as node 'owner-1', not the node 'impostor'" in caplog.text
+    assert requester.pull(transport, peer_of(a), keys).complete  # the same owner, planned by its own name
+
+    async def handshake() -> None:
+        pool = ConnectionPool(SECRET.encode(), 2.0, 1 << 20, want_nixl=transport == "nixl")
+        try:
+            await pool.get(impostor, FP, 3.0)
+        finally:
+            await pool.close()
+
+    with pytest.raises(PeerIdentityError, match="answered as node 'owner-1'"):
+        requester.loop.run(handshake(), 10)
 
 
 def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
@@ -315,7 +343,7 @@ def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
         client = TcpTransport(SECRET.encode(), 3.0, payload_mac=mac)
         try:
             keys = [o.key(i) for i in range(4)]
-            result = loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, "relayed"), FP, keys, pool, 5.0), 10)
+            result = loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, o.node_id), FP, keys, pool, 5.0), 10)
             assert relay.tampered >= 1
             if mac:
                 assert not result.loaded and set(result.missed.values()) == {MissReason.MAC}
@@ -367,7 +395,7 @@ def test_nixl_bytes_changed_on_the_fabric_are_caught_by_the_session_mac(requeste
         assert requester.engine is not None
         client = NixlTransport(requester.engine, SECRET.encode(), 3.0, payload_mac=mac)
         try:
-            result = requester.loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, "relayed"), FP, keys,
+            result = requester.loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, o.node_id), FP, keys,
                                                     requester.pool, 5.0), 10)
             assert relay.tampered == 2
             assert set(result.loaded) == {keys[0], keys[3]} if mac else len(result.loaded) == 4

@@ -18,12 +18,12 @@ from relay import Relay
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import TransferConfig
-from lmcache_p2p.errors import ConfigError
+from lmcache_p2p.errors import ConfigError, PeerIdentityError, TransferError
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
-from lmcache_p2p.transfer.client import TcpTransport
+from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 from lmcache_p2p.transfer.tls import client_context, server_context
 
 SECRET = "tls-test-secret-7f3a9c1e5b2d80461c9e4a7b0c"
@@ -61,9 +61,9 @@ def loop() -> Iterator[LoopThread]:
 
 
 def pull(loop: LoopThread, client: TcpTransport, port: int, keys: list[ChunkKey], pool: CpuPool,
-         timeout: float = 5.0) -> PullResult:
+         timeout: float = 5.0, node: str = "owner") -> PullResult:
     try:
-        return loop.run(client.pull(PeerAddress("127.0.0.1", port, "owner"), FP, keys, pool, timeout), timeout + 10)
+        return loop.run(client.pull(PeerAddress("127.0.0.1", port, node), FP, keys, pool, timeout), timeout + 10)
     finally:
         loop.run(client.close(), 10)
 
@@ -229,3 +229,54 @@ def test_tls_config_is_all_or_nothing_and_names_the_field(pki: Path) -> None:
         server_context(TransferConfig(tls_ca_cert=str(pki / "ca.crt"), tls_cert=str(pki / "owner.crt"),
                                       tls_key=str(pki / "mallory.key")))
     assert not TransferConfig().tls and tls_config(pki, "owner").tls
+
+
+@pytest.fixture(scope="module")
+def named_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Per-node certificates: each names its node (``lmcache-p2p certs DIR NAME=node:NAME``)."""
+    d = tmp_path_factory.mktemp("named-pki")
+    make_certs(d, ["eng=node:eng", "other=node:other", "requester=node:requester"])
+    return d
+
+
+def owner_with(pki: Path, cert: str, node_id: str) -> OwnerProcess:
+    return OwnerProcess(SECRET, FP, 2, SIZE, seed=7, node_id=node_id,
+                        tls=(str(pki / "ca.crt"), str(pki / f"{cert}.crt"), str(pki / f"{cert}.key")))
+
+
+def handshake(loop: LoopThread, pki: Path, peer: PeerAddress) -> None:
+    pool = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, tls=client_context(tls_config(pki, "requester")))
+
+    async def run() -> None:
+        try:
+            await pool.get(peer, FP, 5.0)
+        finally:
+            await pool.close()
+
+    loop.run(run(), 15)
+
+
+def test_a_certificate_naming_a_node_serves_only_as_that_node_and_its_ranks(named_pki: Path,
+                                                                            loop: LoopThread) -> None:
+    o = owner_with(named_pki, "eng", "eng-r1")  # rank 1 of engine "eng": its certificate names "eng"
+    try:
+        pool = CpuPool(SIZE * 4, SIZE)
+        client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(named_pki, "requester")))
+        assert pull(loop, client, o.port, [o.key(0), o.key(1)], pool, node="eng-r1").complete
+        # planned as another node: refused on the certificate, before a byte of the handshake
+        with pytest.raises(PeerIdentityError, match=r"certificate names \['eng'\], not the node 'other'"):
+            handshake(loop, named_pki, PeerAddress("127.0.0.1", o.port, "other"))
+        # a name covers the engine's ranks; which rank answers is still the proof's to say
+        with pytest.raises(PeerIdentityError, match="answered as node 'eng-r1', not the node 'eng-r0'"):
+            handshake(loop, named_pki, PeerAddress("127.0.0.1", o.port, "eng-r0"))
+        assert o.command({"cmd": "stats"})["rejected"] == 0  # the owner was never asked for anything
+    finally:
+        o.close()
+
+
+def test_an_owner_refuses_to_start_with_another_nodes_certificate(named_pki: Path,
+                                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(TransferError, match="did not answer|failed to start"):
+        owner_with(named_pki, "other", "eng")
+    err = capfd.readouterr().err
+    assert "transfer.tls_cert: " in err and "names the nodes ['other'], not this node 'eng'" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from lmcache_p2p.errors import ProtocolError
@@ -10,6 +12,7 @@ from lmcache_p2p.testing.striping import merge, plan_stripes
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
 from lmcache_p2p.transfer.health import PeerHealth
+from lmcache_p2p.transfer.tls import NODE_URI, cert_nodes, names_node
 
 A, B = PeerAddress("127.0.0.1", 1, "a"), PeerAddress("127.0.0.1", 2, "b")
 
@@ -32,14 +35,19 @@ def test_frame_round_trip_and_limits() -> None:
         wire.key_list({"t": "get", "keys": [b"short"]})
 
 
-def test_proofs_bind_role_secret_and_nonces() -> None:
-    fp, nc, ns = b"f" * 16, b"c" * 32, b"s" * 32
-    p = wire.proof(b"secret", b"S", fp, nc, ns)
-    assert wire.proof_ok(p, wire.proof(b"secret", b"S", fp, nc, ns))
-    assert not wire.proof_ok(p, wire.proof(b"secret", b"C", fp, nc, ns))
-    assert not wire.proof_ok(p, wire.proof(b"other", b"S", fp, nc, ns))
-    assert not wire.proof_ok(p, wire.proof(b"secret", b"S", fp, nc, b"t" * 32))
+def test_proofs_bind_role_secret_nonces_channel_and_both_node_ids() -> None:
+    t = wire.Transcript(b"f" * 16, b"c" * 32, b"s" * 32, b"", "owner-a", "requester-b")
+    p = wire.proof(b"secret", b"S", t)
+    assert wire.proof_ok(p, wire.proof(b"secret", b"S", t))
+    assert not wire.proof_ok(p, wire.proof(b"secret", b"C", t))
+    assert not wire.proof_ok(p, wire.proof(b"other", b"S", t))
+    for change in ({"nonce_s": b"t" * 32}, {"binding": b"b" * 32}, {"owner": "owner-b"}, {"requester": ""},
+                   {"owner": "owner-", "requester": "arequester-b"}):  # length-prefixed: no shifting bytes over
+        assert not wire.proof_ok(p, wire.proof(b"secret", b"S", dataclasses.replace(t, **change))), change
+    assert wire.session_key(b"secret", t) != wire.session_key(b"secret", dataclasses.replace(t, owner="x"))
     assert not wire.proof_ok(p, "not bytes")
+    with pytest.raises(ProtocolError):
+        wire.proof(b"secret", b"S", dataclasses.replace(t, owner="x" * 256))
 
 
 def test_peer_health_backs_off_exponentially() -> None:
@@ -72,3 +80,11 @@ def test_plan_stripes_balances_owners() -> None:
     assert loaded == set() and missed == {keys[0], keys[1]}
     ra.miss_rest(keys[:3], MissReason.PEER_ERROR)
     assert ra.missed[keys[0]] == MissReason.ABSENT and ra.missed[keys[2]] == MissReason.PEER_ERROR
+
+
+def test_a_certificate_name_covers_its_node_and_that_nodes_tp_ranks() -> None:
+    cert = {"subjectAltName": (("DNS", "x"), ("URI", NODE_URI + "eng"), ("URI", "spiffe://other"))}
+    assert cert_nodes(cert) == {"eng"} and cert_nodes(None) == frozenset() and cert_nodes({}) == frozenset()
+    assert names_node({"eng"}, "eng") and names_node({"eng"}, "eng-r0") and names_node({"eng"}, "eng-r12")
+    for other in ("en", "engx", "eng-r", "eng-rx", "eng-r1-r2", "x-eng", "other"):
+        assert not names_node({"eng"}, other), other

@@ -119,10 +119,10 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
     out: dict[str, Any] = {"chunks": n, "chunk_bytes": size}
     transports = "tcp,nixl" if use_nixl else "tcp"
     with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0) as owner:
-        peer = PeerAddress("127.0.0.1", owner.port, "owner")
+        peer = owner.peer
         keys = [owner.key(i) for i in range(n)]
         dst = CpuPool(size * (n + 2), size)
-        tcp = TcpTransport(SECRET.encode(), 10.0)
+        tcp = TcpTransport(SECRET.encode(), 10.0, payload_mac=False)
         out["tcp_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp, peer, keys, dst, size))
         out["raw_socket_gbps"] = statistics.median(
             [_raw_socket_gbps(owner, n, size, dst) for _ in range(repeat + 1)][1:])
@@ -144,7 +144,7 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
             await nixl.close()
             with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0, payload_mac=True) as mac_owner:
                 nixl_mac = NixlTransport(engine, SECRET.encode(), 10.0, payload_mac=True)
-                mac_peer = PeerAddress("127.0.0.1", mac_owner.port, "mac-owner")
+                mac_peer = mac_owner.peer
                 out["nixl_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(nixl_mac, mac_peer, keys, dst, size))
                 out["nixl_mac_vs_nixl"] = out["nixl_mac_gbps"] / out["nixl_gbps"]
                 await nixl_mac.close()
@@ -161,7 +161,7 @@ async def _tls_gbps(n: int, size: int, repeat: int, keys: list[ChunkKey], dst: C
         tls_owner = (ca, str(made["owner"][0]), str(made["owner"][1]))
         with OwnerProcess(SECRET, FP, n, size, timeout_s=5.0, tls=tls_owner) as owner:
             tcp_tls = TcpTransport(SECRET.encode(), 10.0, tls=client_context(tc))
-            peer = PeerAddress("127.0.0.1", owner.port, "tls-owner")
+            peer = owner.peer
             gbps = await _median(repeat, lambda: _pull_gbps(tcp_tls, peer, keys, dst, size))
             await tcp_tls.close()
     return {"tcp_tls_gbps": gbps, "tcp_tls_vs_tcp": gbps / tcp_gbps}
@@ -172,10 +172,10 @@ async def _latency(repeat: int, use_nixl: bool) -> dict[str, Any]:
     out: dict[str, Any] = {}
     transports = "tcp,nixl" if use_nixl else "tcp"
     with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0) as owner:
-        peer = PeerAddress("127.0.0.1", owner.port, "owner")
+        peer = owner.peer
         dst = CpuPool(size * (n + 2), size)
         engine = NixlEngine(f"bench-lat-{os.getpid()}", dst) if use_nixl else None
-        clients: list[Transport] = [TcpTransport(SECRET.encode(), 10.0)]
+        clients: list[Transport] = [TcpTransport(SECRET.encode(), 10.0, payload_mac=False)]
         if engine is not None:
             clients.append(NixlTransport(engine, SECRET.encode(), 10.0))
         for transport in clients:

@@ -33,6 +33,7 @@ from ..config import AgentConfig, TierConfig, TransferConfig
 from ..errors import TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
+from ..transfer.base import PeerAddress
 from ..transfer.stack import TransferStack
 
 
@@ -56,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         pool.put(header, payload.data)
         keys.append(header.key)
     config = AgentConfig(
-        node_id=f"owner-{os.getpid()}",
+        node_id=args.node_id,
         tiers=TierConfig(pin_timeout_s=args.pin_timeout),
         transfer=TransferConfig(transports=tuple(args.transports.split(",")), timeout_s=args.timeout,
                                 payload_mac=args.payload_mac, tls_ca_cert=args.tls_ca, tls_cert=args.tls_cert,
@@ -120,24 +121,34 @@ class OwnerProcess:
     def __init__(self, secret: str, fingerprint: FingerprintDigest, chunks: int, chunk_bytes: int, *,
                  seed: int = 0, transports: str = "tcp", pin_timeout_s: float = 30.0, timeout_s: float = 5.0,
                  spare_slots: int = 4, slot_bytes: int | None = None, start_timeout_s: float = 60.0,
-                 payload_mac: bool = False, tls: tuple[str, str, str] | None = None) -> None:
-        """``tls``: (CA, certificate, key) files: the owner serves only mutual TLS under that CA."""
+                 payload_mac: bool = False, tls: tuple[str, str, str] | None = None, node_id: str = "owner") -> None:
+        """``tls``: (CA, certificate, key) files: the owner serves only mutual TLS under that CA.
+        ``node_id``: the node it answers as (requesters must plan it under that id: ``peer``)."""
         env = dict(os.environ, UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"))
         argv = [sys.executable, "-m", "lmcache_p2p.testing.peer_process", "--secret", secret,
                 "--fingerprint", fingerprint.hex(), "--chunks", str(chunks), "--chunk-bytes", str(chunk_bytes),
                 "--slot-bytes", str(slot_bytes or chunk_bytes), "--seed", str(seed), "--transports", transports,
-                "--pin-timeout", str(pin_timeout_s), "--timeout", str(timeout_s), "--spare", str(spare_slots)]
+                "--pin-timeout", str(pin_timeout_s), "--timeout", str(timeout_s), "--spare", str(spare_slots),
+                "--node-id", node_id]
         if payload_mac:
             argv.append("--payload-mac")
         if tls is not None:
             argv += ["--tls-ca", tls[0], "--tls-cert", tls[1], "--tls-key", tls[2]]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
-        self.fingerprint, self.seed, self.chunk_bytes = fingerprint, seed, chunk_bytes
-        self.info = self._read(start_timeout_s)
-        if not self.info.get("ready"):
-            raise TransferError(f"owner process failed to start: {self.info}")
+        self.fingerprint, self.seed, self.chunk_bytes, self.node_id = fingerprint, seed, chunk_bytes, node_id
+        try:
+            self.info = self._read(start_timeout_s)
+            if not self.info.get("ready"):
+                raise TransferError(f"owner process failed to start: {self.info}")
+        except BaseException:
+            self.kill()  # and close our ends of its pipes
+            raise
         self.port: int = self.info["port"]
         self.pid: int = self.info["pid"]
+
+    @property
+    def peer(self) -> PeerAddress:
+        return PeerAddress("127.0.0.1", self.port, self.node_id)
 
     def key(self, index: int) -> ChunkKey:
         return demo_chunk(self.seed, index, 0, self.fingerprint)[0].key
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transports", default="tcp")
     p.add_argument("--pin-timeout", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--node-id", default="owner")
     return _serve(p.parse_args(argv))
 
 

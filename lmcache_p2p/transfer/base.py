@@ -34,14 +34,16 @@ def wants_of(keys: Sequence[ChunkKey | Want]) -> list[Want]:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PeerAddress:
-    """Where a peer's transfer server listens (from its etcd node record)."""
+    """Where a peer's transfer server listens, and which node must answer there: the node record
+    (``nodes/<node_id>`` in etcd) it came from. The handshake fails unless the owner proves the
+    cluster secret as ``node_id`` (:class:`~lmcache_p2p.errors.PeerIdentityError`)."""
 
     host: str
     port: int
-    node_id: str = ""
+    node_id: str
 
     def __str__(self) -> str:
-        return f"{self.node_id or 'peer'}@{self.host}:{self.port}"
+        return f"{self.node_id}@{self.host}:{self.port}"
 
 
 class MissReason(enum.StrEnum):

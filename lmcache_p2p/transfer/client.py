@@ -1,7 +1,8 @@
 """Requester side: authenticated pooled connections and the TCP transport.
 
 One connection per (peer, fingerprint), opened on first use, handshaken (the server must prove
-the cluster secret too), then shared by every concurrent pull to that peer.
+the cluster secret too, *as the node the peer address names*: ``PeerAddress.node_id``, from the
+node record the pull was planned from), then shared by every concurrent pull to that peer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import ssl
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
-from ..errors import HandshakeError, PeerTimeout, TransferError
+from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
@@ -20,7 +21,7 @@ from .base import MissReason, PeerAddress, PullResult, Want, wants_of
 from .connection import Connection
 from .health import PeerHealth
 from .netio import set_keepalive
-from .tls import peer_binding
+from .tls import names_node, peer_binding, peer_nodes
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,17 @@ def batch_size(max_frame_bytes: int) -> int:
 
 class ConnectionPool:
     def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False,
-                 payload_mac: bool = False, tls: ssl.SSLContext | None = None) -> None:
+                 payload_mac: bool | None = None, tls: ssl.SSLContext | None = None,
+                 node_id: str | None = None) -> None:
+        """``payload_mac``: as ``transfer.payload_mac`` (None: on unless ``tls``). ``node_id``: the node
+        this requester is (bound in the proofs, told to the owner); None for a tool that is no node
+        (``lookup --explain``)."""
         if not secret:
             raise ValueError("secret must not be empty")
         self._secret = secret
+        self._node_id = node_id
         self._tls = tls  # mutual TLS under the cluster CA (client context), see tls.py
-        self._payload_mac = payload_mac
+        self._payload_mac = wire.mac_on(payload_mac, tls is not None)
         self._timeout = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._want_nixl = want_nixl
@@ -79,7 +85,7 @@ class ConnectionPool:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
         set_keepalive(conn.transport_socket())
         try:
-            await asyncio.wait_for(self._handshake(conn, fp, timeout), timeout)
+            await asyncio.wait_for(self._handshake(conn, peer, fp, timeout), timeout)
         except TimeoutError as exc:
             conn.abort(PeerTimeout("handshake timed out"))
             raise PeerTimeout(f"{peer}: handshake timed out") from exc
@@ -88,23 +94,36 @@ class ConnectionPool:
             raise
         return conn
 
-    async def _handshake(self, conn: Connection, fp: FingerprintDigest, timeout: float) -> None:
-        binding = peer_binding(conn.ssl_object()) if self._tls is not None else b""
+    async def _handshake(self, conn: Connection, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> None:
+        binding = b""
+        if self._tls is not None:
+            binding = peer_binding(conn.ssl_object())
+            named = peer_nodes(conn.ssl_object())
+            if named and not names_node(named, peer.node_id):
+                raise PeerIdentityError(f"{peer}: the owner's certificate names {sorted(named)}, not the node "
+                                        f"{peer.node_id!r} this pull was planned from")
         nonce_c = wire.nonce()
-        conn.send({"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c, "nixl": self._want_nixl,
-                   "mac": self._payload_mac})
+        hello: wire.Message = {"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
+                               "nixl": self._want_nixl, "mac": self._payload_mac}
+        if self._node_id is not None:
+            hello["node"] = self._node_id
+        conn.send(hello)
         challenge = await conn.control(timeout)
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
-        nonce_s = wire.field(challenge, "ns", bytes)
-        if challenge["t"] != "challenge" or not wire.proof_ok(
-            wire.proof(self._secret, b"S", fp, nonce_c, nonce_s, binding), challenge.get("proof")
-        ):
+        if challenge["t"] != "challenge":
+            raise HandshakeError(f"{conn.peer} did not answer hello with a challenge ({challenge['t']!r})")
+        t = wire.Transcript(bytes(fp), nonce_c, wire.field(challenge, "ns", bytes), binding,
+                            wire.field(challenge, "node", str), self._node_id or "")
+        if not wire.proof_ok(wire.proof(self._secret, b"S", t), challenge.get("proof")):
             raise HandshakeError(f"{conn.peer} failed to prove the cluster secret"
                                  + (" over this TLS channel" if binding else ""))
-        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", fp, nonce_c, nonce_s, binding)})
+        if t.owner != peer.node_id:  # the proof covers t.owner: a relay cannot change it
+            raise PeerIdentityError(f"{peer}: answered as node {t.owner!r}, not the node {peer.node_id!r} this pull "
+                                    "was planned from (its record points at another node's address, or a relay)")
+        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", t)})
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
-            conn.mac_key = wire.session_key(self._secret, fp, nonce_c, nonce_s, binding)
+            conn.mac_key = wire.session_key(self._secret, t)
         ready = await conn.control(timeout)
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
@@ -160,9 +179,10 @@ class TcpTransport:
     name = "tcp"
 
     def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
-                 health: PeerHealth | None = None, payload_mac: bool = False, tls: ssl.SSLContext | None = None,
-                 ) -> None:
-        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls)
+                 health: PeerHealth | None = None, payload_mac: bool | None = None,
+                 tls: ssl.SSLContext | None = None, node_id: str | None = None) -> None:
+        self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls,
+                                    node_id=node_id)
         self.health = health if health is not None else PeerHealth(2.0)
 
     async def pull(

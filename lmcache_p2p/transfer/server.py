@@ -7,7 +7,8 @@ take at once). With TLS (``transfer.tls_*``) the same socket carries a :class:`~
 and each slot is encrypted from its pinned view. Requests of one connection are served in order;
 connections are independent.
 A connection that fails the handshake or sends a malformed, oversized or truncated frame is
-logged and closed; nothing else is affected and no payload was sent on it.
+logged and closed; nothing else is affected and no payload was sent on it. The server answers
+as ``node_id`` (this node's id, bound in its proof): requesters refuse it under any other name.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class TransferServer:
         fingerprints: Collection[FingerprintDigest],
         secret: bytes,
         *,
+        node_id: str,
         host: str = "127.0.0.1",
         port: int = 0,
         timeout_s: float = 5.0,
@@ -96,6 +98,7 @@ class TransferServer:
         self.pool = pool
         self.fingerprints = frozenset(fingerprints)
         self._secret = secret
+        self.node_id = node_id
         self._host, self._port = host, port
         self._timeout = timeout_s
         self._max_frame = max_frame_bytes
@@ -250,18 +253,20 @@ class TransferServer:
         nonce_c = wire.field(hello, "nc", bytes)
         if len(nonce_c) != wire.NONCE_BYTES:
             raise ProtocolError("bad client nonce")
-        nonce_s = wire.nonce()
-        proof = wire.proof(self._secret, b"S", fingerprint, nonce_c, nonce_s, binding)
-        await self._send(s, {"t": "challenge", "ns": nonce_s, "proof": proof})
+        requester = wire.node_id(hello) if "node" in hello else ""
+        t = wire.Transcript(bytes(fingerprint), nonce_c, wire.nonce(), binding, self.node_id, requester)
+        await self._send(s, {"t": "challenge", "ns": t.nonce_s, "node": self.node_id,
+                             "proof": wire.proof(self._secret, b"S", t)})
         auth = await self._recv(s, step)
-        expected = wire.proof(self._secret, b"C", fingerprint, nonce_c, nonce_s, binding)
-        if auth["t"] != "auth" or not wire.proof_ok(expected, auth.get("proof")):
+        if auth["t"] != "auth" or not wire.proof_ok(wire.proof(self._secret, b"C", t), auth.get("proof")):
             raise HandshakeError("client failed to prove the cluster secret")
+        if requester:  # the node the client claimed, covered by its proof: for the logs
+            s.peer = f"{requester}@{s.peer}"
         if fingerprint not in self.fingerprints:  # told only to a peer that proved the secret
             await self._refuse(s, "fingerprint")
             raise HandshakeError(f"fingerprint {fingerprint.hex()[:12]} not served here")
         if hello.get("mac") is True:
-            s.mac_key = wire.session_key(self._secret, fingerprint, nonce_c, nonce_s, binding)
+            s.mac_key = wire.session_key(self._secret, t)
         elif self._require_mac:
             await self._refuse(s, "payload MAC required")
             raise HandshakeError("client did not ask for the payload MAC this node requires")

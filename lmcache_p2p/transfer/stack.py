@@ -67,20 +67,30 @@ class TransferStack:
         if tc.tls:
             assert tc.tls_cert is not None
             server_tls, client_tls = (tls.server_context(tc), tls.own_binding(tc.tls_cert)), tls.client_context(tc)
+            named = tls.own_nodes(server_tls[0], client_tls)
+            if named and not tls.names_node(named, config.node_id):
+                raise ConfigError("transfer.tls_cert", f"{tc.tls_cert} names the nodes {sorted(named)}, not this "
+                                  f"node {config.node_id!r}: every peer would refuse it")
+            if not named and tc.payload_mac is None:
+                log.warning("%s names no node: if other nodes share it, whoever holds it and can write etcd can "
+                            "relay this node's connections and inject chunks; issue one per node (lmcache-p2p "
+                            "certs DIR NODE=node:NODE) or set transfer.payload_mac: true", tc.tls_cert)
+        mac = wire.mac_on(tc.payload_mac, tc.tls)
         server = TransferServer(
-            pool, fingerprints, secret, host=tc.listen_host, port=tc.port, timeout_s=tc.timeout_s,
-            max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s, nixl=nixl,
-            prepare=prepare, require_mac=tc.payload_mac, tls=server_tls,
+            pool, fingerprints, secret, node_id=config.node_id, host=tc.listen_host, port=tc.port,
+            timeout_s=tc.timeout_s, max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s,
+            nixl=nixl, prepare=prepare, require_mac=mac, tls=server_tls,
         )
         transports: dict[str, Transport] = {}
         for name in tc.transports:
             if name == "tcp":
                 transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                payload_mac=tc.payload_mac, tls=client_tls)
+                                                payload_mac=mac, tls=client_tls, node_id=config.node_id)
             elif name == "nixl" and nixl is not None:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                 tls=client_tls, payload_mac=tc.payload_mac)
-        control = ConnectionPool(secret, tc.timeout_s, tc.max_frame_bytes, payload_mac=tc.payload_mac, tls=client_tls)
+                                                 tls=client_tls, payload_mac=mac)
+        control = ConnectionPool(secret, tc.timeout_s, tc.max_frame_bytes, payload_mac=mac, tls=client_tls,
+                                 node_id=config.node_id)
         return cls(config, server, transports, nixl, health, control)
 
     async def offer(self, peer: PeerAddress, fp: FingerprintDigest, node_id: str, keys: Sequence[ChunkKey],

@@ -1,6 +1,6 @@
 """TLS for the TCP transport (``transfer.tls_ca_cert``, ``tls_cert``, ``tls_key``): opt-in, all or none.
 
-Every node holds a certificate and key issued by the cluster's CA (``scripts/make-certs.sh``).
+Every node holds a certificate and key issued by the cluster's CA (``lmcache-p2p certs``).
 Connections are mutual TLS 1.3 under that CA: an owner refuses a client without a cluster
 certificate before reading a byte of the HMAC handshake, and a requester refuses an owner
 without one. Host names are not checked (peers are addressed by the IPs in their node records);
@@ -9,6 +9,14 @@ owner's certificate (RFC 5929 "tls-server-end-point"). A relay holding some othe
 certificate that terminates TLS on both sides presents its own certificate to the requester, so
 neither proof verifies: holding a certificate is not enough, the cluster secret is still needed,
 and what crosses the wire is encrypted and integrity-protected by TLS.
+
+A certificate may *name nodes* (``lmcache-p2p certs DIR NAME=node:NODE_ID``: a URI SAN
+``urn:lmcache-p2p:node:<node id>``). A requester refuses an owner whose certificate names nodes
+but not the one it planned the pull from (:class:`~lmcache_p2p.errors.PeerIdentityError`, before
+the HMAC handshake); a name covers that node and its tensor-parallel ranks ``<name>-r<k>``
+(``config.rank_config``). An owner refuses to start with a certificate that names nodes other
+than its own. Certificates that name no node (one shared by every node) are still accepted: then
+only the proofs say which node answers.
 
 Requesters use asyncio's TLS transport. The owner serves on raw non-blocking sockets (zero-copy
 ``sendmsg`` of pinned slots when TLS is off); with TLS, :class:`TlsChannel` drives an
@@ -19,14 +27,17 @@ pinned view into the outgoing BIO.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from ..certs import NODE_URI
 from ..config import TransferConfig
-from ..errors import ConfigError, PeerTimeout
+from ..errors import ConfigError, HandshakeError, PeerTimeout
 from .netio import send_all
 
 _READ_BYTES = 1 << 18
@@ -57,6 +68,45 @@ def client_context(tc: TransferConfig) -> ssl.SSLContext:
     return _context(tc, ssl.Purpose.SERVER_AUTH)
 
 
+def cert_nodes(cert: Mapping[str, Any] | None) -> frozenset[str]:
+    """The node ids a certificate names (a validated peer certificate, as ``getpeercert()`` gives it)."""
+    sans = (cert or {}).get("subjectAltName", ())
+    return frozenset(v[len(NODE_URI):] for k, v in sans if k == "URI" and v.startswith(NODE_URI))
+
+
+def names_node(names: Collection[str], node_id: str) -> bool:
+    """A certificate naming ``names`` may serve as ``node_id``: one of them, or a TP rank of one."""
+    base, sep, rank = node_id.rpartition("-r")
+    return node_id in names or (bool(sep) and rank.isdigit() and base in names)
+
+
+def peer_nodes(ssl_object: ssl.SSLObject | None) -> frozenset[str]:
+    """:func:`cert_nodes` of the certificate the other side presented (verified under the CA)."""
+    return cert_nodes(ssl_object.getpeercert() if ssl_object is not None else None)
+
+
+def own_nodes(server: ssl.SSLContext, client: ssl.SSLContext) -> frozenset[str]:
+    """:func:`cert_nodes` of this node's own certificate, read the way a peer reads it: through a TLS
+    handshake in memory between our server and client contexts (``ssl`` has no public certificate
+    parser). A certificate the CA does not vouch for fails here, at start, instead of at every peer."""
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    sides = [client.wrap_bio(c_in, c_out, server_side=False), server.wrap_bio(s_in, s_out, server_side=True)]
+    pending = list(sides)
+    try:
+        for _ in range(8):
+            for side in list(pending):
+                with contextlib.suppress(ssl.SSLWantReadError):
+                    side.do_handshake()
+                    pending.remove(side)
+            s_in.write(c_out.read())
+            c_in.write(s_out.read())
+            if not pending:
+                return cert_nodes(sides[0].getpeercert())
+    except ssl.SSLError as exc:
+        raise ConfigError("transfer.tls_cert", f"not usable under transfer.tls_ca_cert: {exc.reason or exc}") from exc
+    raise ConfigError("transfer.tls_cert", "a TLS handshake with itself did not complete")
+
+
 def cert_binding(der: bytes) -> bytes:
     """The channel binding both HMAC proofs cover: SHA-256 of the owner's certificate (DER)."""
     return hashlib.sha256(der).digest()
@@ -75,7 +125,7 @@ def peer_binding(ssl_object: ssl.SSLObject | ssl.SSLSocket | None) -> bytes:
     """:func:`cert_binding` of the certificate the owner presented on this connection."""
     der = ssl_object.getpeercert(binary_form=True) if ssl_object is not None else None
     if not der:
-        raise ssl.SSLError("the owner presented no certificate")
+        raise HandshakeError("the owner presented no certificate")
     return cert_binding(der)
 
 

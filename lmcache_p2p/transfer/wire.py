@@ -10,20 +10,29 @@ that breaks any rule is a :class:`ProtocolError` and closes that connection only
 
 Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerprint digest)::
 
-    C -> S  hello     {v, fp, nc, nixl, mac}     S checks v (error frame + close)
-    S -> C  challenge {ns, proof = HMAC(K, "S" v fp nc ns)}
-    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns)}    S checks before serving anything, then fp
+    C -> S  hello     {v, fp, nc, node?, nixl, mac}     S checks v (error frame + close)
+    S -> C  challenge {ns, node, proof = HMAC(K, "S" v fp nc ns cb owner requester)}
+    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns cb owner requester)}   S checks before serving
+                                                        anything, then fp
     S -> C  ready     {nixl: {name, md} | None}
 
-With TLS (``transfer.tls_*``) all of this runs inside mutual TLS and both proofs also cover
-SHA-256 of the owner's certificate (channel binding, see ``tls.py``).
+``owner`` is the node id S answers as (``challenge.node``), ``requester`` the one C claims
+(``hello.node``; absent, empty: a tool such as ``lookup --explain``), ``cb`` the channel binding.
+C goes on only if ``owner`` is the node whose record it planned the pull from
+(:class:`~.errors.PeerIdentityError` otherwise): proving the secret is not enough, the answer must
+come from that node. A relay that forwards the handshake to some real node therefore fails it
+unless it is pointed at by that very node's record; only the payload MAC (or TLS) stops that one.
+
+With TLS (``transfer.tls_*``) all of this runs inside mutual TLS; ``cb`` is SHA-256 of the owner's
+certificate (channel binding, see ``tls.py``; empty without TLS), and a certificate that names
+nodes must name the planned one.
 
 With ``mac`` (``transfer.payload_mac``), both sides derive a session key
-``HMAC(K, "M" v fp nc ns)`` and every chunk frame carries ``m``, a keyed BLAKE3 of its request id,
-index, header and payload: a relay on the path that passed the handshake still cannot change a
-chunk (xxh3 in the header is a checksum, not a MAC). A client that asked for it rejects any chunk
-without a valid ``m``, so stripping the flag from ``hello`` gains nothing; a server that requires
-it refuses clients that did not ask.
+``HMAC(K, "M" v fp nc ns cb owner requester)`` and every chunk frame carries ``m``, a keyed BLAKE3 of
+its request id, index, header and payload: a relay on the path that passed the handshake still
+cannot change a chunk (xxh3 in the header is a checksum, not a MAC). A client that asked for it
+rejects any chunk without a valid ``m``, so stripping the flag from ``hello`` gains nothing; a
+server that requires it refuses clients that did not ask.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
@@ -43,6 +52,7 @@ of its own (that range's length and checksum, computed after checking the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
@@ -55,8 +65,9 @@ import msgpack
 
 from ..errors import ProtocolError
 
-# 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent
-WIRE_VERSION = 3
+# 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
+# 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node)
+WIRE_VERSION = 4
 PREFIX = struct.Struct("<II")
 PREFIX_SIZE = PREFIX.size
 NONCE_BYTES = 32
@@ -124,13 +135,13 @@ def head_ranges(msg: Message, n: int) -> list[tuple[int, int] | None]:
     return out
 
 
-NODE_ID_RE = re.compile(r"[A-Za-z0-9_.\-]{1,128}")
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")  # the node ids index/schema.py accepts
 
 
-def node_id(msg: Message) -> str:
-    node = field(msg, "node", str)
+def node_id(msg: Message, name: str = "node") -> str:
+    node = field(msg, name, str)
     if not NODE_ID_RE.fullmatch(node):
-        raise ProtocolError("node must be a node id")
+        raise ProtocolError(f"{name} must be a node id")
     return node
 
 
@@ -138,18 +149,40 @@ def nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def proof(secret: bytes, role: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes,
-          binding: bytes = b"") -> bytes:
-    """HMAC-SHA256 binding the role, version, fingerprint, both nonces and, with TLS, the channel
-    (SHA-256 of the owner's certificate, see ``tls.py``; empty without TLS)."""
-    msg = (b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + fingerprint + nonce_c + nonce_s
-           + struct.pack("<B", len(binding)) + binding)
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transcript:
+    """What both HMAC proofs and the session key cover, besides the role and WIRE_VERSION."""
+
+    fingerprint: bytes
+    nonce_c: bytes
+    nonce_s: bytes
+    binding: bytes  # SHA-256 of the owner's certificate with TLS (``tls.py``), empty without
+    owner: str  # the node id the owner answers as
+    requester: str  # the node id the requester claims ("" for a tool)
+
+    def encode(self) -> bytes:
+        out = bytearray(self.fingerprint + self.nonce_c + self.nonce_s)
+        for part in (self.binding, self.owner.encode(), self.requester.encode()):
+            if len(part) > 255:
+                raise ProtocolError("handshake field over 255 bytes")
+            out += struct.pack("<B", len(part)) + part
+        return bytes(out)
+
+
+def proof(secret: bytes, role: bytes, t: Transcript) -> bytes:
+    """HMAC-SHA256 binding the role, version, fingerprint, both nonces, the channel and both node ids."""
+    msg = b"lmcache-p2p/" + role + struct.pack("<I", WIRE_VERSION) + t.encode()
     return hmac.new(secret, msg, hashlib.sha256).digest()
 
 
-def session_key(secret: bytes, fingerprint: bytes, nonce_c: bytes, nonce_s: bytes, binding: bytes = b"") -> bytes:
+def session_key(secret: bytes, t: Transcript) -> bytes:
     """The per-session payload MAC key: both nonces make it fresh for every connection."""
-    return proof(secret, b"M", fingerprint, nonce_c, nonce_s, binding)
+    return proof(secret, b"M", t)
+
+
+def mac_on(payload_mac: bool | None, tls: bool) -> bool:
+    """``transfer.payload_mac`` resolved: unset (None) means on unless the connection runs TLS."""
+    return payload_mac if payload_mac is not None else not tls
 
 
 def chunk_mac(key: bytes, rid: int, index: int, header: bytes, payload: memoryview | bytes) -> bytes:
