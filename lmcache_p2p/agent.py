@@ -49,15 +49,16 @@ from .coordinator.store import ConfigWatcher
 from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
+from .ids import TIER_CODES, WIRE_VERSION, NodeId
 from .index.protocol import BlockIndex
-from .index.schema import WIRE_VERSION, NodeId, NodeRecord, Rejects, Schema, tenant_digest
+from .index.schema import NodeRecord, Rejects, Schema, tenant_digest
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
 from .quarantine import Quarantine, QuarantineRecord
 from .score import http_app
-from .tiers import TIER_CODES, Pin, Reservation, TieredStore
+from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
 from .transfer.stack import TransferStack
 
@@ -409,6 +410,8 @@ class CacheAgent:
         if mirror is None or revision <= 0:
             return True
         m = mirror(self.fp)
+        if not m.connected:  # etcd unreachable: neither mirror moves; plan with what is here
+            return False
 
         def caught_up(m: Any) -> bool:
             if m.revision >= revision:
@@ -437,24 +440,42 @@ class CacheAgent:
         return [n for n in self.index.owners(self.fp, [key])[0] if n != self.node_id and self.usable(nodes.get(n))]
 
     def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None:
-        """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key and
-        verified like every pull; None if it could not be had by ``deadline``."""
+        """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key (never
+        announced) and verified like every pull, then copied out of registered memory and verified
+        again there; None if it could not be had by ``deadline``."""
         if self.puller is None or self.loop is None or not chunk.pieces:
             return None
         scratch = piece_key(chunk.key, chunk.pieces[0].heads)
         try:
             missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline),
                                    max(deadline - time.monotonic(), 0.0) + 1.0)
+            return None if missed else self._staged_copy(scratch)
         except LMCacheP2PError as exc:
             log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
             return None
-        pin = None if missed else self.tiers.cpu.pin(scratch, self.config.tiers.pin_timeout_s)
-        try:
-            return bytes(self.tiers.cpu.slot_view(pin.slot, pin.header.length)) if pin is not None else None
         finally:
-            if pin is not None:
-                self.tiers.cpu.unpin(pin)
             self.tiers.cpu.remove(scratch)
+
+    def _staged_copy(self, key: ChunkKey) -> bytes | None:
+        pin = self.tiers.cpu.pin(key, self.config.tiers.pin_timeout_s)
+        if pin is None:
+            return None
+        try:
+            staged = self.tiers.cpu.stage(pin)
+            return staged.numpy().tobytes() if staged is not None else None
+        finally:
+            self.tiers.cpu.unpin(pin)
+
+    def replace_if_differs(self, key: ChunkKey, num_tokens: int, reference: bytes,
+                           differs: Callable[[bytes, bytes], bool]) -> None:
+        """This node's copy of ``key``, if it differs from what its engine just computed
+        (``reference``), is dropped and the computed one stored in its place."""
+        held = self._staged_copy(key)
+        if held is None or not differs(reference, held):
+            return
+        log.error("canary: this node's copy of chunk %s is not the KV its engine computes: replaced", key.hex()[:16])
+        self.tiers.remove(key)
+        self.store_chunks([key], [num_tokens], [memoryview(reference)])
 
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         """Write ``record`` to etcd: every planner stops using the owner (this one at once)."""

@@ -6,7 +6,9 @@
                forward pass, each owner the index lists is asked for its copy of the same key and
                the two are compared within the KV dtype's tolerance
     mismatch:  the owner is quarantined (``quarantine.py``: a record every planner obeys,
-               ``status`` shows), the comparison counted (``canary_checks_total{outcome}``)
+               ``status`` shows) when another owner's copy agrees with the reference (two
+               computations against one); else it is counted as ``unconfirmed`` and logged
+               (``canary_checks_total{outcome}``); a copy this node holds that differs is replaced
 
 A key is derived by this node from the tokens it just computed, so the check covers the key chain
 too: an owner whose chunk under this key is not the KV of these tokens under this model is wrong,
@@ -25,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from .index.schema import NodeId
+from .ids import NodeId
 from .keys import ChunkKey, HeadRange, piece_key
 from .plan import Piece, PlannedChunk
 from .quarantine import QuarantineRecord
@@ -37,7 +39,7 @@ TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32":
                 "fp8_e5m2": torch.float8_e5m2}
 DEFAULT_TOLERANCE = {"float32": 1e-3, "float16": 0.02, "bfloat16": 0.05}
 FP8_TOLERANCE = 0.15
-OUTCOMES = ("match", "mismatch", "unavailable")
+OUTCOMES = ("match", "mismatch", "unconfirmed", "unavailable")
 
 
 def tolerance_for(kv_dtype: str) -> float:
@@ -49,6 +51,8 @@ def kv_distance(reference: memoryview | bytes, other: memoryview | bytes, kv_dty
     ``other`` holds non-finite values where ``reference`` does not)."""
     if len(reference) != len(other):
         return float("inf")
+    if reference == other:  # bit-identical (NaN encodings included)
+        return 0.0
     dtype = TORCH_DTYPES.get(kv_dtype)
     if dtype is None:
         raise ValueError(f"no torch dtype for KV dtype {kv_dtype!r}")
@@ -81,6 +85,9 @@ class CanaryNode(Protocol):
 
     def quarantine_owner(self, record: QuarantineRecord) -> None: ...
 
+    def replace_if_differs(self, key: ChunkKey, num_tokens: int, reference: bytes,
+                           differs: Callable[[bytes, bytes], bool]) -> None: ...
+
 
 class Canary:
     def __init__(self, node: CanaryNode, kv_dtype: str, *, tolerance: float | None = None,
@@ -95,33 +102,53 @@ class Canary:
 
     def check(self, chunks: Sequence[tuple[ChunkKey, int, int, bytes]]) -> list[Verdict]:
         """Compare every owner's copy of each ``(key, start, end, reference payload)`` with the
-        reference; quarantines owners whose copy is not within tolerance. Never raises for a peer."""
+        reference, and this node's own copy if it holds one. Never raises for a peer.
+
+        One computation against one copy can't tell which side is wrong (this node may be the one
+        running other weights), so an owner is quarantined only when another owner's copy, computed
+        independently, agrees with the reference: two against one. A mismatch nobody corroborates
+        is counted (``unconfirmed``) and logged, and quarantines nobody. A held copy that differs
+        from what this engine just computed is replaced by it."""
         verdicts: list[Verdict] = []
         deadline = time.monotonic() + self.timeout_s
         for key, start, end, reference in chunks:
+            self.node.replace_if_differs(key, end - start, reference, self._differs)
             owners = [o for o in self.node.owners_of(key) if o != self.node.node_id][: self.max_owners]
+            found: list[tuple[NodeId, float | None]] = []
             for owner in owners:
                 planned = PlannedChunk(0, key, start, end, owner, heads=self.node.heads,
                                        pieces=(Piece(owner, self.node.heads),))
                 copy = self.node.fetch_copy(owner, planned, deadline)
-                verdicts.append(self._judge(owner, key, reference, copy))
+                found.append((owner, None if copy is None else kv_distance(reference, copy, self.kv_dtype)))
+            verdicts += self._judge(key, found)
         return verdicts
 
-    def _judge(self, owner: NodeId, key: ChunkKey, reference: bytes, copy: bytes | None) -> Verdict:
-        if copy is None:
-            self._count("unavailable")
-            return Verdict(owner, key, None, "unavailable")
-        distance = kv_distance(reference, copy, self.kv_dtype)
-        if distance <= self.tolerance:
-            self._count("match")
-            log.debug("canary: %s's chunk %s matches (distance %.3g)", owner, key.hex()[:16], distance)
-            return Verdict(owner, key, distance, "match")
-        self._count("mismatch")
-        log.error("canary: %s's chunk %s is not the KV this engine computes (distance %.3g > %.3g): quarantined",
-                  owner, key.hex()[:16], distance, self.tolerance)
-        self.node.quarantine_owner(QuarantineRecord(owner, self.node.node_id, key.hex(),
-                                                    distance if distance != float("inf") else 1e300))
-        return Verdict(owner, key, distance, "mismatch")
+    def _differs(self, reference: bytes, copy: bytes) -> bool:
+        return kv_distance(reference, copy, self.kv_dtype) > self.tolerance
+
+    def _judge(self, key: ChunkKey, found: Sequence[tuple[NodeId, float | None]]) -> list[Verdict]:
+        corroborated = any(d is not None and d <= self.tolerance for _, d in found)
+        out = []
+        for owner, distance in found:
+            if distance is None:
+                outcome = "unavailable"
+            elif distance <= self.tolerance:
+                outcome = "match"
+                log.debug("canary: %s's chunk %s matches (distance %.3g)", owner, key.hex()[:16], distance)
+            elif corroborated:
+                outcome = "mismatch"
+                log.error("canary: %s's chunk %s is not the KV this engine and another owner compute (distance "
+                          "%.3g > %.3g): quarantined", owner, key.hex()[:16], distance, self.tolerance)
+                self.node.quarantine_owner(QuarantineRecord(owner, self.node.node_id, key.hex(),
+                                                            min(distance, 1e300)))
+            else:
+                outcome = "unconfirmed"
+                log.warning("canary: %s's chunk %s differs from what this engine computes (distance %.3g > %.3g) "
+                            "and no other owner agrees with either side: not quarantined", owner, key.hex()[:16],
+                            distance, self.tolerance)
+            self._count(outcome)
+            out.append(Verdict(owner, key, distance, outcome))
+        return out
 
 
 def scratch_key(key: ChunkKey, heads: HeadRange) -> ChunkKey:

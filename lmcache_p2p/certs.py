@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from .transfer.wire import NODE_ID_RE
+from .ids import NODE_ID_RE
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 NODE_URI = "urn:lmcache-p2p:node:"  # the URI SAN a transfer certificate names its node with (transfer/tls.py)

@@ -31,8 +31,8 @@ import msgspec
 
 from .aio import LoopThread
 from .config import AgentConfig
+from .ids import TIER_NAMES, NodeId
 from .index.reader import IndexReader
-from .index.schema import TIER_NAMES, NodeId
 from .keys import ChunkKey, FingerprintDigest
 
 log = logging.getLogger(__name__)

@@ -28,10 +28,10 @@ from typing import Any
 
 from .config import AgentConfig, cluster_secret
 from .errors import LMCacheP2PError
-from .index.schema import TIER_NAMES, NodeId, NodeRecord
+from .ids import TIER_NAMES, NodeId
+from .index.schema import NodeRecord
 from .keys import ChunkKey, FingerprintDigest, chunk_keys
 from .metrics import scrape
-from .transfer.base import PeerAddress
 from .transfer.client import ConnectionPool
 
 IDENTITY_FIELDS = ("model_id", "kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "kv_layout",
@@ -139,12 +139,11 @@ async def recent_evictions(config: AgentConfig, fp: FingerprintDigest, nodes: di
     found: dict[ChunkKey, tuple[NodeId, float]] = {}
 
     async def ask(node: NodeId, record: NodeRecord) -> None:
-        address = next(iter(record.addresses.values()), "")
-        host, _, port = address.rpartition(":")
-        if not port.isdigit():
+        peer = record.peer()
+        if peer is None:
             return
         try:
-            conn = await pool.get(PeerAddress(host, int(port), node), fp, 3.0)
+            conn = await pool.get(peer, fp, 3.0)
             answer = await asyncio.wait_for(conn.start_recent(keys).future, 3.0)
         except (LMCacheP2PError, OSError, TimeoutError):
             return

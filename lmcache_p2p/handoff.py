@@ -29,8 +29,9 @@ import time
 from typing import Protocol
 
 from .config import AgentConfig, HandoffConfig
+from .ids import NodeId
 from .index.protocol import BlockIndex
-from .index.schema import NodeId, NodeRecord
+from .index.schema import NodeRecord
 from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange
 from .metrics import AgentMetrics
 from .plan import PlannedChunk
@@ -201,7 +202,7 @@ class Handoff:
                 targets.pop(0)
                 continue
             batch, keys = keys[:n], keys[n:]
-            peer = Puller.peer_address(record)
+            peer = record.peer()
             if peer is None:
                 targets.pop(0)
                 continue

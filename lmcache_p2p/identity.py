@@ -86,7 +86,10 @@ def adapter_identity(name: str, path: str | os.PathLike[str]) -> str | None:
         return None
     if not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in files):
         return None
-    return f"{name}@{_files_digest(str(root.resolve()), stamp)}"
+    try:
+        return f"{name}@{_files_digest(str(root.resolve()), stamp)}"
+    except OSError:  # unreadable, or replaced while it was read
+        return None
 
 
 @functools.lru_cache(maxsize=64)

@@ -57,13 +57,13 @@ from .aio import LoopThread
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
+from .ids import NodeId
 from .index.client import EtcdClient, KeyValue, WatchEvent
 from .index.generation import GenerationWatch, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from .index.schema import (
     INVALIDATION_KINDS,
     MIN_FP_PREFIX,
     Invalidation,
-    NodeId,
     Rejects,
     Schema,
     decode_invalidation,
@@ -361,9 +361,9 @@ class MeshInvalidation:
     def _birth_times(self, now: float) -> dict[ChunkKey, float]:
         """Held chunk -> wall time of its oldest copy (remembered across sweeps, so tier moves keep it)."""
         cpu, disk = self._store.cpu, self._store.disk
-        with cpu._lock:  # noqa: SLF001 - stored_at is the pool's own record of when a chunk arrived
-            cpu_now = cpu._clock()  # noqa: SLF001
-            cpu_born = {k: now - (cpu_now - e.stored_at) for k, e in cpu._entries.items()}  # noqa: SLF001
+        with cpu._lock:  # stored_at is the pool's own record of when a chunk arrived
+            cpu_now = cpu._clock()
+            cpu_born = {k: now - (cpu_now - e.stored_at) for k, e in cpu._entries.items()}
         old = self._born
         born: dict[ChunkKey, float] = {}
         for key, t in cpu_born.items():
@@ -374,7 +374,7 @@ class MeshInvalidation:
             seen = old.get(key)
             if seen is None:
                 try:
-                    seen = os.stat(disk._file(key)).st_mtime  # noqa: SLF001 - the file's mtime is its stored time
+                    seen = os.stat(disk._file(key)).st_mtime  # the file's mtime is its stored time
                 except OSError:
                     continue  # removed meanwhile
             born[key] = min(seen, born.get(key, seen))

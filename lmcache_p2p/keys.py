@@ -46,7 +46,9 @@ ChunkKey = NewType("ChunkKey", bytes)
 FingerprintDigest = NewType("FingerprintDigest", bytes)
 """16-byte xxh3_128 digest of a canonical fingerprint."""
 
-KEY_FORMAT_VERSION = 2  # 2: head-major payloads; TP size and rank left out where heads are sliceable
+# 2: head-major payloads; TP size and rank left out where heads are sliceable;
+# 3: no model_revision field (never set: model_id is the identity, revision or weights digest included)
+KEY_FORMAT_VERSION = 3
 
 HeadRange = tuple[int, int]
 """KV heads ``[first, end)`` of a chunk that a payload holds (chunk payloads are head-major)."""
@@ -89,7 +91,6 @@ class Fingerprint:
     head_size: int
     block_size: int
     kv_layout: str
-    model_revision: str = ""
     tp_size: int = 1
     tp_rank: int = 0
     tenant_salt: str = ""

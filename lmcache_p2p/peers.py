@@ -10,21 +10,27 @@ adds what only it knows (a peer it backed off) when it plans.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Protocol
 
-from .index.schema import WIRE_VERSION, NodeRecord
-from .transfer.base import PeerAddress
-
-
-def peer_address(record: NodeRecord) -> PeerAddress | None:
-    """Where ``record``'s transfer server listens (its first address), bound to its node id."""
-    address = next(iter(record.addresses.values()), None)
-    if address is None:
-        return None
-    host, _, port = address.rpartition(":")
-    return PeerAddress(host, int(port), record.node_id) if port.isdigit() and host else None
+from .ids import WIRE_VERSION, NodeId, PeerAddress
 
 
-def compatible(record: NodeRecord | None, *, tls: bool, transports: Collection[str]) -> bool:
+class PeerRecord(Protocol):
+    """What the pull side reads of a node record (``index.schema.NodeRecord`` is the one): the rule
+    below, the transports a pull can take and the address it goes to."""
+
+    @property
+    def node_id(self) -> NodeId: ...
+    @property
+    def transports(self) -> tuple[str, ...]: ...
+    @property
+    def tls(self) -> bool: ...
+    @property
+    def wire_version(self) -> int: ...
+    def peer(self) -> PeerAddress | None: ...
+
+
+def compatible(record: PeerRecord | None, *, tls: bool, transports: Collection[str]) -> bool:
     """This node (TLS on or off, speaking ``transports``) can pull from ``record``'s node."""
     return (record is not None and record.wire_version == WIRE_VERSION and record.tls == tls
-            and any(t in record.transports for t in transports) and peer_address(record) is not None)
+            and any(t in record.transports for t in transports) and record.peer() is not None)

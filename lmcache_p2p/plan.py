@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from .index.schema import NodeId
+from .ids import NodeId
 from .keys import ChunkKey, HeadRange
 
 LOCAL = NodeId("")

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 import msgpack
 
 from .errors import MalformedRecord
+from .ids import NodeId
 from .index.client import EtcdClient, KeyValue, WatchEvent, op_delete
-from .index.schema import NodeId, Rejects, Schema
+from .index.schema import Rejects, Schema
 from .index.watch import ResumableWatch
 
 log = logging.getLogger(__name__)

@@ -32,8 +32,9 @@ import xxhash
 
 from .config import AgentConfig
 from .estimates import PeerEstimates, PrefillRate
+from .ids import TIER_NAMES, NodeId
 from .index.protocol import BlockIndex
-from .index.schema import TIER_NAMES, NodeId, NodeRecord
+from .index.schema import NodeRecord
 from .keys import ChunkKey, Fingerprint, FingerprintDigest, tokens_to_array
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON

@@ -73,11 +73,12 @@ def config(path: Path) -> AgentConfig:
 class AgentProcess:
     def __init__(self, cfg: Path, seeds: tuple[int, ...] = (), tokens: int = 0, log: Path | None = None,
                  argv: list[str] | None = None) -> None:
-        """``lmcache-p2p agent`` with ``cfg``, or the script ``argv`` (same ready line and signals)."""
-        cmd = [sys.executable, "-m", "lmcache_p2p", "agent", "--config", str(cfg), "--log-level", "INFO"]
+        """``lmcache-p2p agent`` with ``cfg``; with ``seeds``, the testing agent that first stores those
+        synthetic prompts of ``tokens`` tokens; or the script ``argv`` (same ready line and signals)."""
+        command = ["lmcache_p2p.testing.preloaded_agent"] if seeds else ["lmcache_p2p", "agent"]
+        cmd = [sys.executable, "-m", *command, "--config", str(cfg), "--log-level", "INFO"]
         for seed in seeds:
-            cmd += ["--preload-seed", str(seed)]
-        cmd += ["--preload-tokens", str(tokens)]
+            cmd += ["--preload-seed", str(seed), "--preload-tokens", str(tokens)]
         if argv is not None:
             cmd = [sys.executable, *argv]
         self._log = open(log or os.devnull, "w")  # noqa: SIM115 - closed in stop()

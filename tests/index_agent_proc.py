@@ -13,8 +13,9 @@ import xxhash
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.config import AgentConfig, EtcdConfig
+from lmcache_p2p.ids import TIER_CPU, NodeId
 from lmcache_p2p.index.etcd_index import EtcdBlockIndex
-from lmcache_p2p.index.schema import TIER_CPU, NodeId, NodeRecord
+from lmcache_p2p.index.schema import NodeRecord
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 

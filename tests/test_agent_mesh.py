@@ -25,7 +25,6 @@ from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL, HitPlan
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
-from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.client import ConnectionPool
 from lmcache_p2p.transfer.nixl_engine import nixl_available
 
@@ -210,8 +209,8 @@ def test_etcd_readers_get_no_nixl_access_material(etcd, cluster_name, tmp_path):
         record = next(decode_node_record(kv.value) for kv in kvs if kv.key.endswith(b"/nodes/a"))
         assert "nixl" in record.transports and "nixl_metadata" not in msgpack.unpackb(
             next(kv.value for kv in kvs if kv.key.endswith(b"/nodes/a")))
-        host, port = record.addresses["tcp"].rsplit(":", 1)
-        peer, fp = PeerAddress(host, int(port), "a"), Fingerprint.of(config(path).layout).digest
+        peer, fp = record.peer(), Fingerprint.of(config(path).layout).digest
+        assert peer is not None and peer.node_id == "a"
 
         good = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, want_nixl=True)
         conn = loop.run(good.get(peer, fp, 3.0), 10)
@@ -237,8 +236,8 @@ def test_per_peer_state_is_bounded_by_the_live_nodes(etcd, cluster_name, tmp_pat
     try:
         assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
         assert load_and_check(c, 1)[0] == [True] * 5
-        stack = c._stack  # noqa: SLF001 - the state under test
-        assert stack is not None and len(stack.transports["tcp"]._pool) == 1  # noqa: SLF001
+        stack = c._stack  # the state under test
+        assert stack is not None and len(stack.transports["tcp"]._pool) == 1
         for key in c.keys_for(synthetic_tokens(1, TOKENS))[0]:
             c.tiers.remove(key)
         plan = c.lookup(synthetic_tokens(1, TOKENS))
@@ -248,7 +247,7 @@ def test_per_peer_state_is_bounded_by_the_live_nodes(etcd, cluster_name, tmp_pat
         assert errors("lmcache_p2p_peer_errors_total", {"peer": "a"}) >= 1 and len(stack.health) == 1
         # a's lease (3 s) expires, a leaves the index; the next pass (every TTL) forgets it
         assert wait_until(lambda: "a" not in c.index.nodes(), 8)
-        assert wait_until(lambda: len(stack.transports["tcp"]._pool) == 0 and len(stack.health) == 0, 8)  # noqa: SLF001
+        assert wait_until(lambda: len(stack.transports["tcp"]._pool) == 0 and len(stack.health) == 0, 8)
         assert errors("lmcache_p2p_peer_errors_total", {"peer": "a"}) is None
     finally:
         c.stop()

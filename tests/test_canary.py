@@ -5,13 +5,15 @@ whole path with real vLLM engines is ``test_vllm_canary.py``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.canary import Canary, kv_distance, tolerance_for
+from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.client import EtcdClient
-from lmcache_p2p.index.schema import NodeId, Rejects, Schema
+from lmcache_p2p.index.schema import Rejects, Schema
 from lmcache_p2p.keys import ChunkKey, HeadRange
 from lmcache_p2p.plan import PlannedChunk
 from lmcache_p2p.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
@@ -35,6 +37,7 @@ def test_distance_tells_rounding_from_other_weights() -> None:
     nan = a.clone()
     nan[7] = float("nan")
     assert kv_distance(_bytes(a), _bytes(nan), "bfloat16") == float("inf")
+    assert kv_distance(_bytes(nan), _bytes(nan), "bfloat16") == 0.0  # bit-identical, NaN or not
     f32 = _kv(4, dtype=torch.float32)
     assert kv_distance(_bytes(f32), _bytes(f32 + 1e-2), "float32") > tolerance_for("float32")
 
@@ -45,8 +48,10 @@ class _Node:
     node_id = NodeId("me")
     heads: HeadRange = (0, 2)
 
-    def __init__(self, copies: dict[NodeId, bytes | None]) -> None:
+    def __init__(self, copies: dict[NodeId, bytes | None], held: bytes | None = None) -> None:
         self.copies = copies
+        self.held = held  # this node's own copy of the key, if any
+        self.replaced: list[ChunkKey] = []
         self.quarantined: list[QuarantineRecord] = []
         self.asked: list[tuple[NodeId, PlannedChunk]] = []
 
@@ -61,6 +66,11 @@ class _Node:
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         self.quarantined.append(record)
 
+    def replace_if_differs(self, key: ChunkKey, num_tokens: int, reference: bytes,
+                           differs: Callable[[bytes, bytes], bool]) -> None:
+        if self.held is not None and differs(reference, self.held):
+            self.replaced.append(key)
+
 
 def test_one_check_quarantines_the_wrong_owner_and_only_it() -> None:
     reference = _bytes(_kv(1))
@@ -72,9 +82,33 @@ def test_one_check_quarantines_the_wrong_owner_and_only_it() -> None:
     assert sorted(counted) == ["match", "mismatch", "unavailable"]
     assert [(r.node, r.by, r.key) for r in node.quarantined] == [("bad", "me", key.hex())]
     assert node.quarantined[0].distance > 1.0
+    assert node.replaced == []  # it held no copy
     # Never asks itself; asks each owner for this node's heads, as a one-piece plan.
     assert [o for o, _ in node.asked] == ["good", "bad", "gone"]
     assert all(c.pieces and c.pieces[0].heads == (0, 2) and c.key == key for _, c in node.asked)
+
+
+def test_one_computation_against_one_copy_quarantines_nobody() -> None:
+    """This node may be the one running other weights: a mismatch no other owner corroborates is
+    counted and logged, never a quarantine (else a wrong checker would quarantine every healthy owner)."""
+    reference = _bytes(_kv(1))
+    key = ChunkKey(b"k" * 16)
+    for copies in ({NodeId("other"): _bytes(_kv(9))},
+                   {NodeId("x"): _bytes(_kv(8)), NodeId("y"): _bytes(_kv(9)), NodeId("gone"): None}):
+        node = _Node(copies)
+        verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+        assert {v.outcome for v in verdicts} <= {"unconfirmed", "unavailable"} and node.quarantined == []
+
+
+def test_a_held_copy_that_differs_from_the_computed_kv_is_replaced() -> None:
+    reference = _bytes(_kv(1))
+    key = ChunkKey(b"k" * 16)
+    node = _Node({}, held=_bytes(_kv(9)))
+    Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+    assert node.replaced == [key]
+    same = _Node({}, held=reference)
+    Canary(same, "bfloat16").check([(key, 0, 256, reference)])
+    assert same.replaced == []
 
 
 def test_max_owners_bounds_the_pulls() -> None:
@@ -98,11 +132,12 @@ def test_quarantine_records_are_followed_validated_and_released(etcd, cluster_na
         loop.run(write(client, schema, record), 10.0)
         loop.run(client.put(prefix(schema) + b"junk", b"\xc1not msgpack"), 10.0)
         deadline = time.monotonic() + 10.0
-        while not follower.blocked("engine-f") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        while not (follower.blocked("engine-f") and rejects.counts.get("quarantine", 0)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)  # the record, then the junk (a later revision): both seen by the follower
         assert follower.blocked("engine-f") and not follower.blocked("engine-a")
         assert [r.node for r in loop.run(read_all(client, schema), 10.0)] == ["engine-f"]  # junk skipped
-        assert rejects.counts.get("quarantine", 0) >= 1
+        assert rejects.counts["quarantine"] == 1  # the junk, counted once
         assert loop.run(release(client, schema, "engine-f"), 10.0)
         assert not loop.run(release(client, schema, "engine-f"), 10.0)
         deadline = time.monotonic() + 10.0

@@ -136,7 +136,7 @@ def test_quorum_lost_and_restored(cluster_name: str, tmp_path: Path) -> None:
             time.sleep(3 * TTL)
             assert pull_all(c, 1) == [True] * 16  # served from the last mirror all along
             for i in down:
-                etcd.members[i].start(etcd._initial, "existing")  # noqa: SLF001 - restart both, then wait
+                etcd.members[i].start(etcd._initial, "existing")  # restart both, then wait
             etcd.wait_healthy()
             assert wait_until(lambda: read_registration(etcd.endpoints, cluster_name, "a") == (True, 16), 2 * TTL)
             assert wait_until(lambda: metric(a, "lmcache_p2p_lease_up") == 1.0, 2 * TTL)

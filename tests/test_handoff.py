@@ -19,7 +19,7 @@ from vllm_helpers import scrape
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.cli import status
-from lmcache_p2p.index.schema import NodeId
+from lmcache_p2p.ids import NodeId
 from lmcache_p2p.keys import ChunkKey, Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL

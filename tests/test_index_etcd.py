@@ -7,11 +7,12 @@ import time
 from conftest import IndexFactory, make_keys
 
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.ids import TIER_CPU, TIER_DISK, NodeId
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_index import EtcdBlockIndex
 from lmcache_p2p.index.etcd_server import EtcdServer
 from lmcache_p2p.index.mirror import Mirror
-from lmcache_p2p.index.schema import TIER_CPU, TIER_DISK, NodeId, decode_block_key
+from lmcache_p2p.index.schema import decode_block_key
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 

@@ -14,8 +14,8 @@ from index_agent_proc import keys_for
 from test_index_etcd import fresh_read
 
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.ids import TIER_CPU
 from lmcache_p2p.index.etcd_server import EtcdCluster, EtcdServer
-from lmcache_p2p.index.schema import TIER_CPU
 from lmcache_p2p.keys import FingerprintDigest
 
 HELPER = Path(__file__).with_name("index_agent_proc.py")

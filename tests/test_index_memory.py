@@ -6,8 +6,9 @@ import os
 
 from conftest import make_keys
 
+from lmcache_p2p.ids import TIER_CPU, TIER_GPU, NodeId
 from lmcache_p2p.index.protocol import BlockIndex
-from lmcache_p2p.index.schema import TIER_CPU, TIER_GPU, NodeId, NodeRecord, Schema, decode_block_key
+from lmcache_p2p.index.schema import NodeRecord, Schema, decode_block_key
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 

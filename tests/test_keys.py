@@ -35,7 +35,7 @@ def test_keys_identical_across_processes_and_hash_seeds():
 
 @pytest.mark.parametrize("field,value", [
     ("model_id", "other"), ("kv_dtype", "float16"), ("num_layers", 5), ("num_kv_heads", 4), ("head_size", 128),
-    ("block_size", 16), ("kv_layout", "cuda:2,blocks,block,heads,head"), ("model_revision", "abc"),
+    ("block_size", 16), ("kv_layout", "cuda:2,blocks,block,heads,head"),
     ("tp_size", 2), ("tenant_salt", "tenant-b"),
 ])
 def test_every_fingerprint_field_changes_the_keys(field, value):

@@ -3,7 +3,7 @@ from one peer or from pieces of several (pure function, no I/O)."""
 
 from __future__ import annotations
 
-from lmcache_p2p.index.schema import NodeId
+from lmcache_p2p.ids import NodeId
 from lmcache_p2p.keys import ChunkKey, HeadRange
 from lmcache_p2p.plan import LOCAL, HitPlan, Piece, fetch_budget, make_plan
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.estimates import PRIOR_LATENCY_S, PeerEstimates, PrefillRate
-from lmcache_p2p.index.schema import NodeId
+from lmcache_p2p.ids import NodeId
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.plan import DEADLINE_SLACK_S, FIRST_CONTACT_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
 

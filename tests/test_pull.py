@@ -14,14 +14,14 @@ from prometheus_client import CollectorRegistry
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import make_header
 from lmcache_p2p.estimates import PeerEstimates
-from lmcache_p2p.index.schema import WIRE_VERSION, NodeId, NodeRecord
+from lmcache_p2p.ids import WIRE_VERSION, NodeId, PeerAddress
+from lmcache_p2p.index.schema import NodeRecord
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import PlannedChunk, make_plan
 from lmcache_p2p.testing.loopback import LoopbackNet, LoopbackTransport
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 from lmcache_p2p.tiers.cpu_pool import CpuPool
-from lmcache_p2p.transfer.base import PeerAddress
 from lmcache_p2p.transfer.health import PeerHealth
 from lmcache_p2p.transfer.pull import Puller
 

@@ -35,8 +35,9 @@ from prometheus_client import CollectorRegistry
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import EtcdConfig
+from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.client import EtcdClient
-from lmcache_p2p.index.schema import NodeId, Schema
+from lmcache_p2p.index.schema import Schema
 from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens

@@ -77,8 +77,8 @@ def test_score_matches_what_a_load_then_serves(etcd, cluster_name, tmp_path):
         assert rows["c"]["local_tokens"] == {} and sum(rows["c"]["sources"].values()) == TOKENS
         assert set(rows["c"]["sources"]) == {"a", "b"}  # the planner spreads chunks both hold over both
         # what each node's own load then does: same hit length, same sources
-        for node, row in rows.items():
-            target = {"a": a, "b": b, "c": c}[node]
+        for node in ("a", "b", "c"):  # c last: once it loads, it holds the chunks b's plan could take
+            row, target = rows[node], {"a": a, "b": b, "c": c}[node]
             loaded, plan = load_and_check(target, 1)
             assert all(loaded) and plan.hit_tokens == row["matched_tokens"]
             local = sum(ch.end - ch.start for ch in plan.chunks if ch.source == LOCAL)

@@ -12,16 +12,15 @@ from lmcache_p2p.chunk import ChunkHeader, make_header
 from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.errors import MalformedRecord
 from lmcache_p2p.explain import explain
+from lmcache_p2p.ids import TIER_CODES, NodeId, TierCode
 from lmcache_p2p.index.generation import MAX_REVISION, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from lmcache_p2p.index.schema import (
     MAX_GENERATION,
     Generation,
     Invalidation,
-    NodeId,
     NodeRecord,
     Rejects,
     Schema,
-    TierCode,
     decode_block_key,
     decode_generation,
     decode_invalidation,
@@ -32,7 +31,6 @@ from lmcache_p2p.index.schema import (
 )
 from lmcache_p2p.invalidation import matches
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
-from lmcache_p2p.tiers.base import TIER_CODES
 
 GOOD = {"node_id": "n-1", "addresses": {"tcp": "10.0.0.1:7470"}, "transports": ["tcp"],
         "fingerprints": ["ab" * 16], "capacities": {"cpu": 1 << 30}, "wire_version": 1, "started_at": 1.5}
@@ -50,6 +48,7 @@ def test_a_good_record_round_trips() -> None:
 @pytest.mark.parametrize("change", [
     {"addresses": {"tcp": "127.0.0.1:99999"}},  # port out of range: OverflowError in connect() before
     {"addresses": {"tcp": "127.0.0.1:0"}},
+    {"addresses": {"tcp": "127.0.0.1:\u00b2"}},  # a digit to str.isdigit, not to int(): ValueError before
     {"addresses": {"tcp": "no-port"}},
     {"addresses": 7},
     {"addresses": {"tcp": 7470}},

@@ -60,9 +60,9 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
     relay = None
     try:
         assert wait_until(lambda: "a" in c.index.nodes(), 10)
-        host, port = c.index.nodes()["a"].addresses["tcp"].rsplit(":", 1)
-        assert host == "127.0.0.2"
-        relay = ThrottlingRelay(host, int(port), RATE_BPS)
+        owner = c.index.nodes()["a"].peer()
+        assert owner is not None and owner.host == "127.0.0.2"
+        relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
         assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
         chunk_bytes = 5 * c.chunk_bytes  # the prompt's 5 chunks (the tail is smaller): ~2.5 MiB, ~0.6 s here
 

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lmcache_p2p.errors import HandshakeError
+from lmcache_p2p.ids import WIRE_VERSION
 from lmcache_p2p.keys import FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess
 from lmcache_p2p.tiers.cpu_pool import CpuPool
@@ -65,7 +66,7 @@ def frame(msg: object, payload_len: int = 0) -> bytes:
     return struct.pack("<II", len(body), payload_len) + body
 
 
-def hello(version: int = wire.WIRE_VERSION, fp: bytes = FP) -> bytes:
+def hello(version: int = WIRE_VERSION, fp: bytes = FP) -> bytes:
     return frame({"t": "hello", "v": version, "fp": fp, "nc": os.urandom(32), "nixl": False})
 
 
@@ -83,7 +84,7 @@ def good_pull(o: OwnerProcess) -> None:
 
 
 def test_wrong_version_and_fingerprint_are_refused(owner: OwnerProcess) -> None:
-    frames = exchange(owner.port, hello(version=wire.WIRE_VERSION + 1))
+    frames = exchange(owner.port, hello(version=WIRE_VERSION + 1))
     assert frames == [({"t": "error", "why": "version"}, 0)]
     # Before its proof a client learns nothing about the fingerprints served: just a challenge.
     frames = exchange(owner.port, hello(fp=b"x" * 16))

@@ -21,12 +21,13 @@ from relay import Relay
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import ChunkHeader, checksum
 from lmcache_p2p.errors import PeerIdentityError
+from lmcache_p2p.ids import PeerAddress
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.testing.striping import merge, pull_striped
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer import wire
-from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult, Transport, Want
+from lmcache_p2p.transfer.base import MissReason, PullResult, Transport, Want
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 from lmcache_p2p.transfer.nixl import NixlTransport
 from lmcache_p2p.transfer.nixl_engine import NixlEngine, nixl_available

@@ -19,10 +19,11 @@ from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import TransferConfig
 from lmcache_p2p.errors import ConfigError, PeerIdentityError, TransferError
+from lmcache_p2p.ids import PeerAddress
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.tiers.cpu_pool import CpuPool
-from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
+from lmcache_p2p.transfer.base import MissReason, PullResult
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
 from lmcache_p2p.transfer.tls import client_context, server_context
 

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 
 from lmcache_p2p.errors import ProtocolError
+from lmcache_p2p.ids import PeerAddress
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.testing.striping import merge, plan_stripes
 from lmcache_p2p.transfer import wire
-from lmcache_p2p.transfer.base import MissReason, PeerAddress, PullResult
+from lmcache_p2p.transfer.base import MissReason, PullResult
 from lmcache_p2p.transfer.health import PeerHealth
 from lmcache_p2p.transfer.tls import NODE_URI, cert_nodes, names_node
 

@@ -11,10 +11,10 @@ import functools
 from conftest import agent_config, make_keys, node_record
 
 from lmcache_p2p.aio import LoopThread
+from lmcache_p2p.ids import WIRE_VERSION
 from lmcache_p2p.index.reader import IndexReader
-from lmcache_p2p.index.schema import WIRE_VERSION
 from lmcache_p2p.keys import FingerprintDigest
-from lmcache_p2p.peers import compatible, peer_address
+from lmcache_p2p.peers import compatible
 
 OWNERS = {
     "same": {},
@@ -34,7 +34,7 @@ def test_compatible_is_the_rule_both_sides_apply() -> None:
     assert compatible(dataclasses.replace(node_record("t"), tls=True), tls=True, transports=("tcp",))
     assert compatible(dataclasses.replace(node_record("n"), **OWNERS["nixl-only"]),  # type: ignore[arg-type]
                       tls=False, transports=("nixl", "tcp"))
-    address = peer_address(node_record("x"))
+    address = node_record("x").peer()
     assert address is not None and (address.host, address.port, address.node_id) == ("127.0.0.1", 7470, "x")
 
 

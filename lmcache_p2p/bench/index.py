@@ -41,10 +41,11 @@ import psutil
 from ..aio import LoopThread
 from ..config import AgentConfig, EtcdConfig
 from ..errors import LMCacheP2PError
+from ..ids import TIER_CPU, NodeId
 from ..index.client import EtcdClient
 from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdServer
-from ..index.schema import TIER_CPU, NodeId, NodeRecord, Schema
+from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
 
 GOALS = {"publish_chunks_per_s": (">=", 20_000.0), "lookup_us_per_chunk": ("<=", 5.0),

@@ -137,7 +137,7 @@ def run(tokens: int, rounds: int, transport: str, work: Path, ws_docs: int = 24,
 def _prompt(tokens: int, rounds: int, transport: str, work: Path, etcd: EtcdServer) -> dict[str, object]:
     owner_cfg = _config(work / "owner.yaml", "owner", etcd.endpoints, transport, "512MiB")
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
-    owner = subprocess.Popen([sys.executable, "-m", "lmcache_p2p", "agent", "--config", str(owner_cfg),
+    owner = subprocess.Popen([sys.executable, "-m", "lmcache_p2p.testing.preloaded_agent", "--config", str(owner_cfg),
                               "--preload-seed", "1", "--preload-tokens", str(tokens), "--log-level", "WARNING"],
                              stdout=subprocess.PIPE, text=True, env=env)
     try:

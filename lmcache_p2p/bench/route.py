@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from ..ids import NodeId
 from ..index.etcd_server import EtcdServer
-from ..index.schema import NodeId, NodeRecord
+from ..index.schema import NodeRecord
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
 from .common import emit, run_in_workdir

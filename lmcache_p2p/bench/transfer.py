@@ -38,10 +38,11 @@ import psutil
 
 from ..certs import make_certs
 from ..config import TransferConfig, parse_size
+from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..testing.peer_process import OwnerProcess
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import PeerAddress, Transport
+from ..transfer.base import Transport
 from ..transfer.client import TcpTransport
 from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available

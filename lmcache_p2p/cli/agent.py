@@ -1,10 +1,8 @@
 """``lmcache-p2p agent --config FILE``: a standalone cache agent.
 
-A cache-only node that contributes its memory and disk to the mesh, or a node for the demo and
-the tests. ``--preload-seed S --preload-tokens N`` stores the chunks of a synthetic prompt with
-deterministic payloads (see :mod:`lmcache_p2p.testing.synthetic`), so any other process can check that
-what it pulls is byte-exact. Prints one JSON line when ready; stops cleanly on SIGTERM/SIGINT
-(pending stores finish, CPU chunks are written back to disk, the lease is revoked).
+A cache-only node that contributes its memory and disk to the mesh. Prints one JSON line when
+ready; stops cleanly on SIGTERM/SIGINT (pending stores finish, CPU chunks are written back to disk,
+the lease is revoked).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from ..config import cluster_secret, load_config
 from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
 from ..keys import Fingerprint
-from ..testing.synthetic import preload
 from .common import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -32,9 +29,6 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="agent config file (.yaml, .toml, .json)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set transfer.port=7470 (repeatable)")
-    parser.add_argument("--preload-seed", type=int, action="append", default=[],
-                        help="store the chunks of synthetic prompt SEED (repeatable)")
-    parser.add_argument("--preload-tokens", type=int, default=0)
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -53,10 +47,9 @@ def main(argv: list[str]) -> int:
         print(f"lmcache-p2p agent: failed to start: {exc}", file=sys.stderr)
         return 1
     try:
-        stored = sum(preload(agent, seed, args.preload_tokens) for seed in args.preload_seed)
         gc.freeze()  # long-lived objects out of the collector: no full-GC stalls on the loop (measured)
         print(json.dumps({"ready": True, "node_id": agent.node_id, "metrics_port": agent.metrics_port,
-                          "stored": stored, "held": len(agent.tiers.inventory())}), flush=True)
+                          "held": len(agent.tiers.inventory())}), flush=True)
         stop.wait()
     finally:
         agent.stop()

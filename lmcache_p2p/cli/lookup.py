@@ -24,9 +24,10 @@ from ..aio import LoopThread
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError
 from ..explain import explain, recent_evictions
+from ..ids import NodeId
 from ..index.client import EtcdClient
 from ..index.reader import IndexReader
-from ..index.schema import NodeId, Schema, decode_invalidation
+from ..index.schema import Schema, decode_invalidation
 from ..keys import FingerprintDigest, chunk_keys, chunk_spans
 from .common import add_etcd_arguments, read_tokens, tool_config
 

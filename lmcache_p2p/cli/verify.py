@@ -34,7 +34,7 @@ from .common import add_etcd_arguments, read_tokens, tool_config
 
 POLL_S = 0.2
 SETTLE_S = 1.0  # counters unchanged this long after moving: the engine's comparisons are done
-OUTCOMES = ("match", "mismatch", "unavailable")
+OUTCOMES = ("match", "mismatch", "unconfirmed", "unavailable")
 METRIC = "lmcache_p2p_canary_checks_total"
 
 
@@ -99,11 +99,14 @@ def _canary_request(engine: str, tokens: list[int], timeout: float) -> None:
 
 def _print(records: list[QuarantineRecord], counts: dict[str, dict[str, int]], checked: dict[str, int] | None) -> None:
     if checked is not None:
-        print(f"checked now: {checked['match']} copies match, {checked['mismatch']} differ, "
-              f"{checked['unavailable']} unavailable")
-    print(f"{'NODE':<28} {'MATCH':>7} {'MISMATCH':>9} {'UNAVAIL':>8}")
+        print(f"checked now: {checked['match']} copies match, {checked['mismatch']} differ (owner quarantined), "
+              f"{checked['unconfirmed']} differ unconfirmed, {checked['unavailable']} unavailable")
+        if not any(checked.values()):
+            print("  nothing compared: no other node holds the prompt's full chunks, or the engine's own prefix "
+                  "cache held it (a canary is computed only from scratch), or the engine runs without the connector")
+    print(f"{'NODE':<28} {'MATCH':>7} {'MISMATCH':>9} {'UNCONFIRMED':>12} {'UNAVAIL':>8}")
     for node, c in counts.items():
-        print(f"{node:<28} {c['match']:>7} {c['mismatch']:>9} {c['unavailable']:>8}")
+        print(f"{node:<28} {c['match']:>7} {c['mismatch']:>9} {c['unconfirmed']:>12} {c['unavailable']:>8}")
     if not records:
         print("quarantined: none")
     for r in records:

@@ -10,6 +10,6 @@ See ``schema`` for the key layout.
 """
 
 from .protocol import BlockIndex
-from .schema import TIER_CPU, TIER_DISK, TIER_GPU, NodeId, NodeRecord, Schema
+from .schema import NodeRecord, Schema
 
-__all__ = ["TIER_CPU", "TIER_DISK", "TIER_GPU", "BlockIndex", "NodeId", "NodeRecord", "Schema"]
+__all__ = ["BlockIndex", "NodeRecord", "Schema"]

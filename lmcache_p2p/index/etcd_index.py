@@ -29,11 +29,12 @@ from collections.abc import Callable, Iterable, Sequence
 from ..aio import LoopThread, cancel_and_wait
 from ..config import AgentConfig
 from ..errors import IndexError_
+from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .mirror import Mirror
 from .publisher import Publisher
-from .schema import NodeId, NodeRecord, Rejects, Schema
+from .schema import NodeRecord, Rejects, Schema
 from .session import Session
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..errors import MalformedRecord
+from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient, KeyValue, WatchEvent
 from .schema import (
-    NodeId,
     NodeRecord,
     Rejects,
     Schema,

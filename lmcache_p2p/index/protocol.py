@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
-from .schema import NodeId, NodeRecord
+from .schema import NodeRecord
 
 
 class BlockIndex(Protocol):

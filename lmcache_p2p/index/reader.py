@@ -13,11 +13,12 @@ from collections.abc import Callable, Container, Sequence
 
 from ..aio import LoopThread
 from ..config import AgentConfig
+from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from ..quarantine import Quarantine
 from .client import EtcdClient
 from .mirror import Mirror
-from .schema import NodeId, NodeRecord, Rejects, Schema, covers
+from .schema import NodeRecord, Rejects, Schema, covers
 
 
 class IndexReader:

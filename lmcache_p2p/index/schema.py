@@ -26,7 +26,6 @@ can crash an agent or reach an engine as an exception.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import hashlib
 import logging
 import math
@@ -35,37 +34,22 @@ import secrets
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any, NewType
+from typing import Any
 
 import msgpack
 
 from ..errors import MalformedRecord
+from ..ids import NODE_ID_RE, WIRE_VERSION, NodeId, PeerAddress, TierCode, host_port
 from ..keys import ChunkKey, FingerprintDigest
-from ..transfer.wire import WIRE_VERSION
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-NodeId = NewType("NodeId", str)
-
-
-class TierCode(enum.IntEnum):
-    """The tier byte of a block entry; lower is faster."""
-
-    GPU = 0
-    CPU = 1
-    DISK = 2
-
-
-TIER_GPU, TIER_CPU, TIER_DISK = int(TierCode.GPU), int(TierCode.CPU), int(TierCode.DISK)
-TIER_NAMES = {int(t): t.name.lower() for t in TierCode}  # tier byte -> "gpu" | "cpu" | "disk"
 
 _HEX = 32  # hex chars of a 16-byte digest
 _HEX_RE = re.compile(rb"[0-9a-f]{32}")
-_NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
 MAX_RECORD_BYTES = 64 << 10
-__all__ = ["WIRE_VERSION", "SCHEMA_VERSION", "TierCode", "NodeId", "NodeRecord", "Schema", "Invalidation", "Rejects",
-           "Generation", "tenant_digest"]
+__all__ = ["SCHEMA_VERSION", "NodeRecord", "Schema", "Invalidation", "Rejects", "Generation", "tenant_digest"]
 
 
 class Schema:
@@ -123,7 +107,7 @@ def decode_node_key(prefix_len: int, etcd_key: bytes) -> NodeId:
         node = etcd_key[prefix_len:].decode()
     except UnicodeDecodeError as exc:
         raise MalformedRecord("node key", f"not UTF-8: {exc}") from exc
-    if not _NODE_ID_RE.fullmatch(node):
+    if not NODE_ID_RE.fullmatch(node):
         raise MalformedRecord("node key", f"invalid node id {node[:80]!r}")
     return NodeId(node)
 
@@ -171,8 +155,7 @@ def _str_tuple(raw: dict[str, Any], name: str) -> tuple[str, ...]:
 
 
 def _address(name: str, address: str) -> str:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if host_port(address) is None:
         raise MalformedRecord("node record", f"addresses.{name}: expected host:port with port in 1-65535, "
                                              f"got {address[:80]!r}")
     return address
@@ -209,6 +192,11 @@ class NodeRecord:
         if any("tenant_salt" in fields for fields in self.layouts.values()):  # never published: its digest is
             object.__setattr__(self, "layouts", {fp: _public_layout(f) for fp, f in self.layouts.items()})
 
+    def peer(self) -> PeerAddress | None:
+        """Where this node's transfer server listens (its first address), bound to its node id."""
+        parsed = host_port(next(iter(self.addresses.values()), ""))
+        return PeerAddress(*parsed, self.node_id) if parsed is not None else None
+
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
         held = self.heads.get(fp_hex)
@@ -235,7 +223,7 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     if not isinstance(raw, dict):
         raise MalformedRecord("node record", f"expected a map, got {type(raw).__name__}")
     record_id = _field(raw, "node_id", str)
-    if not _NODE_ID_RE.fullmatch(record_id) or (node_id is not None and record_id != node_id):
+    if not NODE_ID_RE.fullmatch(record_id) or (node_id is not None and record_id != node_id):
         raise MalformedRecord("node record", f"node_id {record_id[:80]!r} does not match its key {node_id!r}")
     addresses = {name: _address(name, a) for name, a in _str_map(raw, "addresses").items()}
     fingerprints = _str_tuple(raw, "fingerprints")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ..identity import adapter_identity, model_identity
@@ -65,15 +66,17 @@ def engine_model_id(vllm_config: Any) -> str:
     return f"{identity}+kv:{digest}"
 
 
-def request_identity(request: Any) -> tuple[str, RequestIdentity | None]:
+def request_identity(request: Any, adapter_of: Callable[[Any], str | None] | None = None
+                     ) -> tuple[str, RequestIdentity | None]:
     """What besides its tokens makes ``request``'s KV (vLLM's ``Request``): ("", identity), or
-    (why not, None) when it can't be keyed."""
+    (why not, None) when it can't be keyed. ``adapter_of(lora_request)`` names an adapter (default:
+    its files' digest now; the scheduler pins it per adapter id, as vLLM keeps a loaded adapter)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt_embeds", None
     adapter = ""
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        found = adapter_identity(str(lora.lora_name), str(lora.lora_path or ""))
+        found = (adapter_of or file_adapter)(lora)
         if found is None:
             return "unknown_adapter", None
         adapter = found
@@ -86,3 +89,8 @@ def request_identity(request: Any) -> tuple[str, RequestIdentity | None]:
         items.append(MultiModalItem(str(content), int(position.offset), int(position.length)))
     items.sort(key=lambda m: m.offset)
     return "", RequestIdentity(adapter, str(getattr(request, "cache_salt", None) or ""), tuple(items))
+
+
+def file_adapter(lora: Any) -> str | None:
+    """A LoRA request's adapter identity from its files as they are now."""
+    return adapter_identity(str(lora.lora_name), str(lora.lora_path or ""))

@@ -19,9 +19,10 @@ from collections.abc import Collection, Sequence
 
 from ..chunk import ChunkHeader, slice_heads, verify
 from ..errors import ChunkError, PeerTimeout, TierError, TransferError
+from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import MissReason, PeerAddress, PullResult, Want, wants_of
+from ..transfer.base import MissReason, PullResult, Want, wants_of
 from ..transfer.client import guarded_pull
 from ..transfer.health import PeerHealth
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 
-from ..index.schema import NodeId, NodeRecord
+from ..ids import NodeId
+from ..index.schema import NodeRecord
 from ..keys import ChunkKey, FingerprintDigest
 
 _EMPTY: frozenset[NodeId] = frozenset()

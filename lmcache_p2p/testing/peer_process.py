@@ -31,9 +31,9 @@ from ..aio import LoopThread
 from ..chunk import ChunkHeader, make_header
 from ..config import AgentConfig, TierConfig, TransferConfig
 from ..errors import TransferError
+from ..ids import NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import PeerAddress
 from ..transfer.stack import TransferStack
 
 
@@ -148,7 +148,7 @@ class OwnerProcess:
 
     @property
     def peer(self) -> PeerAddress:
-        return PeerAddress("127.0.0.1", self.port, self.node_id)
+        return PeerAddress("127.0.0.1", self.port, NodeId(self.node_id))
 
     def key(self, index: int) -> ChunkKey:
         return demo_chunk(self.seed, index, 0, self.fingerprint)[0].key

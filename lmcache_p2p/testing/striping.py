@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 
+from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import PeerAddress, PullResult, Transport
+from ..transfer.base import PullResult, Transport
 
 
 def plan_stripes(owners: Mapping[ChunkKey, Sequence[PeerAddress]]) -> dict[PeerAddress, list[ChunkKey]]:

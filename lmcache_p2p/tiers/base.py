@@ -7,11 +7,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..chunk import ChunkHeader
-from ..index.schema import TierCode
 from ..keys import ChunkKey
-
-TIER_CODES = {t.name.lower(): int(t) for t in TierCode}
-"""One byte per block entry in etcd says where an owner holds the chunk."""
 
 
 @dataclasses.dataclass(slots=True)

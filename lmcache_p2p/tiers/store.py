@@ -48,9 +48,9 @@ class TieredStore:
         self._staged: dict[ChunkKey, tuple[ChunkHeader, bytes]] = {}  # evicted, not yet on disk
         self._staged_bytes = 0
         self._staging_lock = threading.Lock()
-        cpu._on_evict = self._on_cpu_evict  # noqa: SLF001 - the store owns both tiers' wiring
+        cpu._on_evict = self._on_cpu_evict  # the store owns both tiers' wiring
         if disk is not None:
-            disk._on_evict = self._on_disk_evict  # noqa: SLF001
+            disk._on_evict = self._on_disk_evict
             self.worker = TierWorker(self._write_back_now, self.ensure_in_cpu)
 
     @classmethod

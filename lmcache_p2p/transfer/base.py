@@ -13,6 +13,7 @@ from collections.abc import Collection, Sequence
 from typing import Protocol
 
 from ..chunk import ChunkHeader
+from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from ..tiers.cpu_pool import CpuPool
 
@@ -30,20 +31,6 @@ class Want:
 
 def wants_of(keys: Sequence[ChunkKey | Want]) -> list[Want]:
     return [k if isinstance(k, Want) else Want(k) for k in keys]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PeerAddress:
-    """Where a peer's transfer server listens, and which node must answer there: the node record
-    (``nodes/<node_id>`` in etcd) it came from. The handshake fails unless the owner proves the
-    cluster secret as ``node_id`` (:class:`~lmcache_p2p.errors.PeerIdentityError`)."""
-
-    host: str
-    port: int
-    node_id: str
-
-    def __str__(self) -> str:
-        return f"{self.node_id}@{self.host}:{self.port}"
 
 
 class MissReason(enum.StrEnum):

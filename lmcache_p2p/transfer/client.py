@@ -14,10 +14,11 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
 from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, TransferError
+from ..ids import WIRE_VERSION, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
-from .base import MissReason, PeerAddress, PullResult, Want, wants_of
+from .base import MissReason, PullResult, Want, wants_of
 from .connection import Connection
 from .health import PeerHealth
 from .netio import set_keepalive
@@ -103,7 +104,7 @@ class ConnectionPool:
                 raise PeerIdentityError(f"{peer}: the owner's certificate names {sorted(named)}, not the node "
                                         f"{peer.node_id!r} this pull was planned from")
         nonce_c = wire.nonce()
-        hello: wire.Message = {"t": "hello", "v": wire.WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
+        hello: wire.Message = {"t": "hello", "v": WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
                                "nixl": self._want_nixl, "mac": self._payload_mac}
         if self._node_id is not None:
             hello["node"] = self._node_id

@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from .base import PeerAddress
+from ..ids import PeerAddress
 
 log = logging.getLogger(__name__)
 

@@ -32,10 +32,11 @@ from collections.abc import Collection, Sequence
 
 from ..chunk import ChunkHeader, verify
 from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
+from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
-from .base import MissReason, PeerAddress, PullResult, Want, wants_of
+from .base import MissReason, PullResult, Want, wants_of
 from .client import ConnectionPool, batch_size, guarded_pull
 from .connection import Connection, answers
 from .health import PeerHealth

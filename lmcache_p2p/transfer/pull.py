@@ -34,13 +34,13 @@ from ..aio import LoopThread
 from ..chunk import ChunkHeader, make_header, verify
 from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
-from ..index.schema import NodeId, NodeRecord
+from ..ids import NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest, piece_key
 from ..metrics import AgentMetrics
-from ..peers import compatible, peer_address
+from ..peers import PeerRecord, compatible
 from ..plan import Piece, PlannedChunk
 from ..tiers.cpu_pool import CpuPool, Pin
-from .base import MissReason, PeerAddress, PullResult, Transport, Want
+from .base import MissReason, PullResult, Transport, Want
 from .health import PeerHealth
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ class Puller:
         transports: Mapping[str, Transport],
         preference: Sequence[str],
         health: PeerHealth,
-        nodes: Callable[[], Mapping[NodeId, NodeRecord]],
+        nodes: Callable[[], Mapping[NodeId, PeerRecord]],
         metrics: AgentMetrics,
         estimates: PeerEstimates,
         loop: LoopThread,
@@ -96,7 +96,7 @@ class Puller:
         self._error_peers: set[NodeId] = set()  # label values of peer_errors, pruned with the peers
 
     # -- which peers -------------------------------------------------------------------------------
-    def transport_for(self, record: NodeRecord | None) -> Transport | None:
+    def transport_for(self, record: PeerRecord | None) -> Transport | None:
         """The most preferred transport both sides speak."""
         if record is None:
             return None
@@ -105,14 +105,12 @@ class Puller:
                 return self.transports[name]
         return None
 
-    peer_address = staticmethod(peer_address)
-
-    def usable(self, record: NodeRecord | None) -> bool:
+    def usable(self, record: PeerRecord | None) -> bool:
         """A peer we can pull from now: compatible (``peers.compatible``, the rule the scheduler side
         counts hits by) over the transports running here, and not backed off."""
         if record is None or not compatible(record, tls=self.tls, transports=self.transports):
             return False
-        peer = peer_address(record)
+        peer = record.peer()
         return peer is not None and self.health.available(peer)
 
     def inflight(self) -> dict[NodeId, int]:
@@ -158,7 +156,7 @@ class Puller:
         """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure."""
         record = self.nodes().get(node)
         transport = self.transport_for(record)
-        peer = self.peer_address(record) if record is not None else None
+        peer = record.peer() if record is not None else None
         if transport is None or peer is None:
             return parts
         with self._inflight_lock:
@@ -255,10 +253,10 @@ class Puller:
         return None if bad else header
 
     # -- bookkeeping -------------------------------------------------------------------------------
-    def live_peers(self, nodes: Mapping[NodeId, NodeRecord]) -> set[PeerAddress]:
-        return {a for r in nodes.values() if r.node_id != self.node_id and (a := self.peer_address(r)) is not None}
+    def live_peers(self, nodes: Mapping[NodeId, PeerRecord]) -> set[PeerAddress]:
+        return {a for r in nodes.values() if r.node_id != self.node_id and (a := r.peer()) is not None}
 
-    def prune(self, nodes: Mapping[NodeId, NodeRecord]) -> None:
+    def prune(self, nodes: Mapping[NodeId, PeerRecord]) -> None:
         """Forget in-flight counts and metric labels of nodes no longer in the index."""
         with self._inflight_lock:
             for node in [n for n, count in self._inflight.items() if count == 0 and n not in nodes]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from ..chunk import ChunkHeader, slice_heads, verify
 from ..errors import ChunkError, HandshakeError, ProtocolError, TierError, TransferError
+from ..ids import WIRE_VERSION
 from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
@@ -246,9 +247,9 @@ class TransferServer:
         hello = await self._recv(s, step)
         if hello["t"] != "hello":
             raise ProtocolError(f"expected hello, got {hello['t']!r}")
-        if wire.field(hello, "v", int) != wire.WIRE_VERSION:
+        if wire.field(hello, "v", int) != WIRE_VERSION:
             await self._refuse(s, "version")
-            raise HandshakeError(f"wire version {hello['v']} != {wire.WIRE_VERSION}")
+            raise HandshakeError(f"wire version {hello['v']} != {WIRE_VERSION}")
         fingerprint = FingerprintDigest(wire.field(hello, "fp", bytes))
         nonce_c = wire.field(hello, "nc", bytes)
         if len(nonce_c) != wire.NONCE_BYTES:

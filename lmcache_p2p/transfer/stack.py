@@ -2,8 +2,8 @@
 
     stack = TransferStack.build(config, pool, [fingerprint.digest])   # secret from cluster_secret()
     await stack.start()                                               # on the agent's loop
-    record["transfer"] = stack.node_record()                          # into nodes/<node_id> in etcd
-    result = await stack.preferred.pull(peer_from_record(node_id, rec["transfer"]), fp, keys, pool, timeout)
+    stack.node_record()                    # host, port, wire version, transports: into nodes/<node_id>
+    result = await stack.transports["tcp"].pull(record.peer(), fp, keys, pool, timeout)  # record: a NodeRecord
     await stack.close()
 """
 
@@ -14,15 +14,16 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from ..config import AgentConfig, cluster_secret
 from ..errors import ConfigError, PeerTimeout, ProtocolError, TransferError
+from ..ids import WIRE_VERSION, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import tls, wire
-from .base import PeerAddress, Transport
+from .base import Transport
 from .client import ConnectionPool, TcpTransport
 from .health import PeerHealth
 from .nixl import NixlTransport
@@ -123,10 +124,6 @@ class TransferStack:
         self.control.forget_except(live)
         self.health.forget_except(live)
 
-    @property
-    def preferred(self) -> Transport:
-        return self.transports[self.config.transfer.transports[0]]
-
     async def start(self) -> None:
         await self.server.start()
 
@@ -136,7 +133,7 @@ class TransferStack:
         host = tc.advertise_host or tc.listen_host
         # Never the NIXL agent metadata: it grants one-sided access to the pool. Peers get it only
         # over the authenticated TCP connection, after the HMAC handshake.
-        return {"host": host, "port": self.server.port, "wire_version": wire.WIRE_VERSION,
+        return {"host": host, "port": self.server.port, "wire_version": WIRE_VERSION,
                 "transports": list(self.transports)}
 
     async def close(self) -> None:
@@ -147,10 +144,3 @@ class TransferStack:
         if self.nixl is not None:
             await self.nixl.close()
 
-
-def peer_from_record(node_id: str, record: Mapping[str, Any]) -> PeerAddress:
-    """A :class:`PeerAddress` from another node's ``node_record()``."""
-    host, port = record.get("host"), record.get("port")
-    if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
-        raise ProtocolError(f"node {node_id}: bad transfer address {host!r}:{port!r}")
-    return PeerAddress(host, port, node_id)

@@ -8,7 +8,7 @@ Only the owner sends payloads (one chunk per ``chunk`` frame). ``header_len`` is
 ``max_frame_bytes``; a payload must be exactly the chunk length its header announces. A frame
 that breaks any rule is a :class:`ProtocolError` and closes that connection only.
 
-Handshake (client C, server S, secret K, ``v`` = WIRE_VERSION, ``fp`` = fingerprint digest)::
+Handshake (client C, server S, secret K, ``v`` = ``ids.WIRE_VERSION``, ``fp`` = fingerprint digest)::
 
     C -> S  hello     {v, fp, nc, node?, nixl, mac}     S checks v (error frame + close)
     S -> C  challenge {ns, node, proof = HMAC(K, "S" v fp nc ns cb owner requester)}
@@ -56,7 +56,6 @@ import dataclasses
 import hashlib
 import hmac
 import os
-import re
 import struct
 from typing import Any
 
@@ -64,10 +63,8 @@ import blake3
 import msgpack
 
 from ..errors import ProtocolError
+from ..ids import NODE_ID_RE, WIRE_VERSION
 
-# 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
-# 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node)
-WIRE_VERSION = 4
 PREFIX = struct.Struct("<II")
 PREFIX_SIZE = PREFIX.size
 NONCE_BYTES = 32
@@ -133,9 +130,6 @@ def head_ranges(msg: Message, n: int) -> list[tuple[int, int] | None]:
         else:
             raise ProtocolError("heads entries must be [first, end) with 0 <= first < end < 65536, or nil")
     return out
-
-
-NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")  # the node ids index/schema.py accepts
 
 
 def node_id(msg: Message, name: str = "node") -> str:

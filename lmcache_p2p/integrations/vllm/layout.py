@@ -32,7 +32,8 @@ def connector_config(vllm_config: Any) -> AgentConfig:
         log.warning("lmcache-p2p: model identity pinned by name %r (the engine's files say %s): every engine "
                     "pinned to it must run the same weights; the canary (canary.rate) checks it", pinned,
                     layout.model_id)
-        layout = dataclasses.replace(layout, model_id=str(pinned))
+        _, plus, options = layout.model_id.partition("+kv:")  # the engine settings still count
+        layout = dataclasses.replace(layout, model_id=str(pinned) + plus + options)
     for name in LayoutConfig.__dataclass_fields__:
         overrides[f"layout.{name}"] = getattr(layout, name)
     # Both connector sides read the same stored cluster config (e.g. chunk_size) at start.

@@ -46,10 +46,11 @@ from ...index.schema import NodeRecord
 from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, chunk_keys, request_root
 from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
-from ..engine_identity import request_identity
+from ..engine_identity import file_adapter, request_identity
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
+ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
 
 
@@ -89,6 +90,7 @@ class P2PScheduler:
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
         self._identities: dict[str, tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None] = {}
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
+        self._adapters: dict[tuple[int, str, str], str | None] = {}  # first identity seen per adapter
         self._canary_rate = config.canary.rate
         self._random = random.Random()
         self._canaries: set[str] = set()  # requests computed to check the mesh's copies against
@@ -98,8 +100,14 @@ class P2PScheduler:
         return (compatible(record, tls=self._tls, transports=self._transports)
                 and not self._index.quarantine.blocked(record.node_id))
 
-    def _canary(self, request: Any, hit: int) -> bool:
-        """Whether ``request`` is computed as a canary (asked for, or sampled among hits)."""
+    def _canary(self, request: Any, hit: int, num_computed_tokens: int) -> bool:
+        """Whether ``request`` is computed as a canary (asked for, or sampled among hits). Only when
+        the engine computes every token itself: blocks from vLLM's own prefix cache may hold KV
+        loaded from the mesh, which would make the reference the very bytes under test; and never
+        for multimodal requests, whose item hashes a client can name (``multi_modal_uuids``)."""
+        identity = self._identities.get(request.request_id)
+        if num_computed_tokens > 0 or (identity is not None and identity[1]):
+            return False
         params = getattr(request, "kv_transfer_params", None)
         asked = isinstance(params, dict) and params.get("lmcache_p2p_canary") is True
         if asked or (hit > 0 and self._canary_rate > 0 and self._random.random() < self._canary_rate):
@@ -113,7 +121,11 @@ class P2PScheduler:
         req_id = request.request_id
         if req_id in self._identities:
             return self._identities[req_id]
-        reason, found = request_identity(request)
+        try:
+            reason, found = request_identity(request, self._adapter)
+        except Exception:  # never into vLLM's scheduler: a request we can't key is computed, not cached
+            log.exception("request %s: its identity could not be read; not cached", req_id)
+            reason, found = "unknown_adapter", None
         if found is None:
             self._uncacheable[reason] = self._uncacheable.get(reason, 0) + 1
             log.debug("request %s: not cached (%s)", req_id, reason)
@@ -122,6 +134,16 @@ class P2PScheduler:
             result = request_root(self._fp, found), found.mm_items
         self._identities[req_id] = result
         return result
+
+    def _adapter(self, lora: Any) -> str | None:
+        """An adapter's identity, fixed the first time this process sees its id: vLLM keeps a loaded
+        adapter in memory, so files changed in place afterwards do not change the KV it computes."""
+        slot = (int(lora.lora_int_id), str(lora.lora_name), str(lora.lora_path or ""))
+        if slot not in self._adapters:
+            if len(self._adapters) >= ADAPTERS_MAX:
+                self._adapters.pop(next(iter(self._adapters)))
+            self._adapters[slot] = file_adapter(lora)
+        return self._adapters[slot]
 
     def _keys(self, tokens: list[int], root: FingerprintDigest, mm_items: tuple[MultiModalItem, ...]) -> list[ChunkKey]:
         return chunk_keys(root, tokens, self._chunk, mm_items=mm_items)
@@ -140,7 +162,7 @@ class P2PScheduler:
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
-        if request.request_id in self._canaries or self._canary(request, n) or n == 0:
+        if request.request_id in self._canaries or self._canary(request, n, num_computed_tokens) or n == 0:
             return 0, False
         needed = keys[num_computed_tokens // self._chunk: -(-hit // self._chunk)]
         load_async = not all(k in self._saved for k in needed)

@@ -38,6 +38,9 @@ from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
 IDLE_STEP_WAIT_S = 0.005  # see get_finished
+INDEX_WAIT_S = 0.5  # at most, per load, for this rank's mirror to reach the scheduler's (one event behind)
+CANARY_MAX_PENDING = 4  # canary checks waiting for the canary thread (the references are held in memory)
+CANARY_MAX_CHUNKS = 16  # full chunks one canary check compares (the reference is copied on the forward thread)
 
 
 class P2PWorker:
@@ -61,6 +64,7 @@ class P2PWorker:
         self._idle_step = False
         self._step_tokens = 0
         self._canary: Canary | None = None
+        self._checks: list[concurrent.futures.Future[Any]] = []  # canary checks submitted, not yet done
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-canary",
                                                               initializer=unpin_thread)
 
@@ -142,7 +146,7 @@ class P2PWorker:
         for n in t.num_tokens:
             spans.append((pos, pos + n))
             pos += n
-        if remote and not agent.wait_for_index(keys, t.index_revision, self._config.transfer.timeout_s):
+        if remote and not agent.wait_for_index(keys, t.index_revision, INDEX_WAIT_S):
             log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                      t.index_revision)
         plan = agent.plan(keys, spans, pos)
@@ -250,18 +254,30 @@ class P2PWorker:
 
     def _check_later(self, t: ChunkTransfer) -> None:
         """Copy what the engine computed for each full chunk of ``t`` (its blocks are reused after
-        this step), then compare every owner's copy with it on the canary thread."""
+        this step), then compare every owner's copy with it on the canary thread. At most
+        ``CANARY_MAX_PENDING`` checks wait, each of at most ``CANARY_MAX_CHUNKS`` chunks: a flood of
+        canary requests is skipped, and a failure here only skips the check."""
         assert self._kv is not None and self._canary is not None
-        chunks, start = [], 0
-        for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
-            if ntok == self._config.chunk_size and blocks:  # a tail's unused block bytes are not KV
-                out = torch.empty(self._kv.payload_nbytes(len(blocks)), dtype=torch.uint8)
-                self._kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
-                chunks.append((ChunkKey(key), start, start + ntok, out.numpy().tobytes()))
-            start += ntok
+        self._checks = [f for f in self._checks if not f.done()]
+        if len(self._checks) >= CANARY_MAX_PENDING:
+            log.warning("request %s: %d canary checks are waiting; this one is skipped", t.req_id, len(self._checks))
+            return
+        chunks: list[tuple[ChunkKey, int, int, bytes]] = []
+        start = 0
+        try:
+            for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
+                if ntok == self._config.chunk_size and blocks and len(chunks) < CANARY_MAX_CHUNKS:
+                    out = torch.empty(self._kv.payload_nbytes(len(blocks)), dtype=torch.uint8)
+                    self._kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
+                    chunks.append((ChunkKey(key), start, start + ntok, out.numpy().tobytes()))
+                start += ntok
+        except Exception as exc:  # a cache problem must never become a serving problem
+            log.warning("request %s: canary gather failed, no check: %s", t.req_id, exc)
+            return
         if chunks:
             future = self._checker.submit(self._canary.check, chunks)
             future.add_done_callback(_log_failure)
+            self._checks.append(future)
 
     def shutdown(self) -> None:
         self._checker.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,63 @@
+"""The names every layer shares: a node's id, where a node's transfer server listens, a tier's code
+and the wire version.
+
+Defined once, here below the index and the transfer layer, so the tiers, the planner, the etcd
+schema and the transports all say the same thing without importing each other. (Not to be
+confused with ``identity.py``: what a *model* is.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+from typing import NewType
+
+NodeId = NewType("NodeId", str)
+"""A node's name in the mesh: ``nodes/<node_id>`` in etcd, the id its handshake proves."""
+
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
+"""The node ids accepted from others (etcd keys and records, handshakes, certificates); a node's own
+``node_id`` is held to config.py's narrower rule."""
+
+# The transfer protocol's version (handshake and frames: transfer/wire.py); every node record carries it,
+# and nodes pull only from owners that speak the same (peers.compatible).
+# 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
+# 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node)
+WIRE_VERSION = 4
+
+
+class TierCode(enum.IntEnum):
+    """The tier byte of a block entry in etcd: where an owner holds the chunk; lower is faster."""
+
+    GPU = 0
+    CPU = 1
+    DISK = 2
+
+
+TIER_GPU, TIER_CPU, TIER_DISK = int(TierCode.GPU), int(TierCode.CPU), int(TierCode.DISK)
+TIER_NAMES = {int(t): t.name.lower() for t in TierCode}  # tier byte -> "gpu" | "cpu" | "disk"
+TIER_CODES = {name: code for code, name in TIER_NAMES.items()}  # "gpu" | "cpu" | "disk" -> tier byte
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where a peer's transfer server listens, and which node must answer there: the node record
+    (``nodes/<node_id>`` in etcd) it came from. The handshake fails unless the owner proves the
+    cluster secret as ``node_id`` (:class:`~lmcache_p2p.errors.PeerIdentityError`)."""
+
+    host: str
+    port: int
+    node_id: NodeId
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{self.host}:{self.port}"
+
+
+def host_port(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``"host:port"`` (split at the last colon, port 1-65535 in ASCII digits);
+    None where it is not one. The one parser of a node record's addresses."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+        return None
+    return host, int(port)
