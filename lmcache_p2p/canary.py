@@ -110,7 +110,6 @@ class Canary:
         is counted (``unconfirmed``) and logged, and quarantines nobody. A held copy that differs
         from what this engine just computed is replaced by it."""
         verdicts: list[Verdict] = []
-        deadline = time.monotonic() + self.timeout_s
         for key, start, end, reference in chunks:
             self.node.replace_if_differs(key, end - start, reference, self._differs)
             owners = [o for o in self.node.owners_of(key) if o != self.node.node_id][: self.max_owners]
@@ -118,7 +117,7 @@ class Canary:
             for owner in owners:
                 planned = PlannedChunk(0, key, start, end, owner, heads=self.node.heads,
                                        pieces=(Piece(owner, self.node.heads),))
-                copy = self.node.fetch_copy(owner, planned, deadline)
+                copy = self.node.fetch_copy(owner, planned, time.monotonic() + self.timeout_s)
                 found.append((owner, None if copy is None else kv_distance(reference, copy, self.kv_dtype)))
             verdicts += self._judge(key, found)
         return verdicts

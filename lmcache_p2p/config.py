@@ -120,7 +120,7 @@ class CanaryConfig:
     mesh could serve is computed by the engine instead, and every owner's copy of their chunks is
     compared with what it computed (a request can also ask, whatever the rate). A copy further than
     ``tolerance`` (relative L2; default by KV dtype: fp32 1e-3, fp16 0.02, bf16 0.05, fp8 0.15)
-    quarantines its owner; ``max_owners`` owners are asked per chunk, within ``timeout_s``."""
+    quarantines its owner; ``max_owners`` owners are asked per chunk, each pull within ``timeout_s``."""
 
     rate: float = 0.0
     tolerance: float | None = None

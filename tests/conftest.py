@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from lmcache_p2p.index.etcd_index import EtcdBlockIndex
 from lmcache_p2p.index.etcd_server import EtcdCluster, EtcdServer
 from lmcache_p2p.index.schema import NodeId, NodeRecord
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
+from lmcache_p2p.testing.trained_model import trained_model_path
 
 IndexFactory = Callable[..., EtcdBlockIndex]
 
@@ -77,3 +79,10 @@ def open_index(loop: LoopThread, etcd: EtcdServer, cluster_name: str) -> Iterato
     yield factory
     for index in opened:
         index.close()
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> Path:
+    """The tiny Llama trained on stdlib text: built once per machine (minutes) in the user's cache
+    directory (``$LMCACHE_P2P_MODEL_CACHE`` to move it), reused by every later run."""
+    return trained_model_path()

@@ -35,7 +35,7 @@ from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 from lmcache_p2p.testing.trained_model import trained_model_path  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start
 DTYPE = "bfloat16"
 PINNED = "tiny-llama-by-name"
 CANARY = {"lmcache_p2p_canary": True}
@@ -90,16 +90,20 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
     try:
         for name, model in (("engine-a", trained), ("engine-f", forged), ("engine-b", trained)):
             engines[name] = EngineProcess(model, cfgs[name], name=name, log_path=tmp_path / f"{name}.log",
-                                          dtype=DTYPE)
+                                          dtype=DTYPE, env={"LMCACHE_P2P_LOG_LEVEL": "DEBUG"})
         for e in engines.values():
             e.wait_ready()
         a, f, b = engines["engine-a"], engines["engine-f"], engines["engine-b"]
         fps = {n: r.fingerprints for n, r in node_records(cfgs["engine-b"]).items()}
         assert fps["engine-a"] == fps["engine-f"] == fps["engine-b"]  # the forged identity matches
-        a.generate(good + bad, max_tokens=1)  # A holds good and bad, F holds bad and lone (5 chunks each)
+        # F holds bad and lone, A holds good and bad (5 chunks a document), each computed by itself: A
+        # computes bad as a canary request (else it would load F's copies, and hold F's KV too).
         f.generate(bad + lone, max_tokens=1)
-        _wait("both owners' chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") >= 25
-              and registered_chunks(cfgs["engine-b"], "engine-f") >= 15)
+        _wait("F's chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-f") >= 15)
+        a.generate(good, max_tokens=1)
+        assert all(r["num_cached_tokens"] == 0 for r in a.request("generate", bad, max_tokens=1,
+                                                                  kv_transfer_params=CANARY))
+        _wait("A's chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") >= 25)
 
         # Healthy: B recomputes A's documents and finds every copy of A's the same KV.
         out = b.request("generate", good, max_tokens=8, kv_transfer_params=CANARY)
@@ -114,7 +118,8 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
 
         # Two against one: B and A agree, F differs: F is quarantined after one sampled document.
         b.request("generate", bad[:1], max_tokens=1, kv_transfer_params=CANARY)
-        records = _wait("F quarantined", lambda: _quarantined(cfgs["engine-b"]))
+        records = _wait(f"F quarantined ({_canary_counts(cfgs['engine-b'], 'engine-b')})",
+                        lambda: _quarantined(cfgs["engine-b"]))
         assert [(r.node, r.by) for r in records] == [("engine-f", "engine-b")]
         assert records[0].distance > 0.5  # other weights: not rounding
         counts = _canary_counts(cfgs["engine-b"], "engine-b")

@@ -65,3 +65,21 @@ def prompts(n: int, length: int, seed: int, vocab: int = 4000) -> list[list[int]
 
 
 scrape = status_scrape
+
+
+def wait_registered(cfg_path: Path, node: str, at_least: int, timeout: float = 20.0) -> int:
+    """Wait until ``node`` has at least ``at_least`` block entries in etcd; return the count.
+
+    A test that expects a peer *miss* must first know the chunks are announced: otherwise it
+    would pass because of propagation delay, not because the keys differ."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while (count := registered_chunks(cfg_path, node)) < at_least and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count
+
+
+def lora(name: str, lora_id: int, path: Path) -> dict:
+    """A request's LoRA adapter, as ``EngineProcess.generate(lora=...)`` takes it."""
+    return {"name": name, "id": lora_id, "path": str(path)}

@@ -23,7 +23,7 @@ class EngineProcess:
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
                  python: str = sys.executable, prefix_caching: bool = False,
-                 prefix: Sequence[str] = (), tensor_parallel_size: int = 1) -> None:
+                 prefix: Sequence[str] = (), tensor_parallel_size: int = 1, max_lora_rank: int = 0) -> None:
         # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
         # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
         if agent_config is not None and kv_transfer_json is not None:
@@ -39,6 +39,8 @@ class EngineProcess:
             cmd.append("--prefix-caching")
         if tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        if max_lora_rank > 0:  # LoRA on: requests may name an adapter (``lora=``)
+            cmd += ["--max-lora-rank", str(max_lora_rank)]
         self.name = name
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -91,8 +93,16 @@ class EngineProcess:
             raise RuntimeError(f"{self.name}: {reply['error']}")
         return list(reply["results"])
 
-    def generate(self, prompts: list[list[int]], max_tokens: int = 16) -> list[dict[str, Any]]:
-        return self.request("generate", prompts, max_tokens=max_tokens)
+    def generate(self, prompts: list[list[int]], max_tokens: int = 16, *, cache_salt: str | None = None,
+                 lora: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+        """Greedy outputs, one request per prompt, each under ``cache_salt`` and the LoRA adapter
+        ``lora`` (``{"name", "id", "path"}``; None: the base model) when given."""
+        extra: dict[str, Any] = {"max_tokens": max_tokens}
+        if cache_salt is not None:
+            extra["cache_salt"] = cache_salt
+        if lora is not None:
+            extra["lora"] = lora
+        return self.request("generate", prompts, **extra)
 
     def concurrent(self, prompts: list[list[int]], stream: list[int], stream_tokens: int = 4000
                    ) -> list[dict[str, Any]]:

