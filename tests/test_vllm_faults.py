@@ -55,8 +55,10 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
         miss = b.concurrent([warm[0]], stream)[0]  # B's own prefill rate, and a plain miss's stall
         first = b.concurrent([docs[3]], stream)[0]  # first contact with A: connection, handshake, estimates
         assert first["tokens"] == reference[3]["tokens"]
-        if first["num_cached_tokens"] == 0:
-            time.sleep(2.5)  # a slow first contact on a loaded machine backed A off (2 s); correct either way
+        if first["num_cached_tokens"] != 1999:
+            # A slow first contact on a loaded machine (seen: 4 of 8 chunks within its 1 s) backed A off
+            # for transfer.backoff_s (2 s): correct either way; the healthy hit needs the backoff over.
+            time.sleep(2.5)
         healthy = b.concurrent([docs[0]], stream)[0]
         assert healthy["num_cached_tokens"] == 1999 and healthy["tokens"] == reference[0]["tokens"]
 
