@@ -41,6 +41,12 @@ def pulls(record) -> dict[str, float]:
                              "lmcache_p2p_index_", "lmcache_p2p_etcd_faults", "lmcache_p2p_degraded"))}
 
 
+def mirrored(records: list, chunks: int) -> bool:
+    """The engines' agents' mirrors hold ``chunks`` keys: the hit is in what the engine under test
+    sees, not only in etcd (its scheduler side follows the same etcd beside them; it exports nothing)."""
+    return all(scrape(r.metrics_url).get("lmcache_p2p_index_chunks", 0) >= chunks for r in records)
+
+
 def share(src: EngineProcess, dst: EngineProcess, doc: list[int], ref_src: dict, ref_dst: dict,
           announced: Callable[[], bool], dst_records: list) -> None:
     """``src`` computes a document, ``dst`` answers it from ``src``'s chunks: a full peer hit, and every
@@ -82,7 +88,8 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
         ranks = [records["engine-b-r0"], records["engine-b-r1"]]
 
         # each rank of B pulls its head of A's chunks
-        share(a, b, docs[0], refs[1][0], refs[2][0], lambda: registered_chunks(cfg_b, "engine-a") >= 5, ranks)
+        share(a, b, docs[0], refs[1][0], refs[2][0],
+              lambda: registered_chunks(cfg_b, "engine-a") >= 5 and mirrored(ranks, 5), ranks)
         for rank in ranks:
             m = scrape(rank.metrics_url)
             assert m['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 5, rank.node_id
@@ -91,7 +98,8 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
         # A assembles each chunk from B's two ranks
         held = {r.node_id: registered_chunks(cfg_a, r.node_id) for r in ranks}
         share(b, a, docs[1], refs[2][1], refs[1][1],
-              lambda: all(registered_chunks(cfg_a, r) >= held[r] + 5 for r in held), [records["engine-a"]])
+              lambda: all(registered_chunks(cfg_a, r) >= held[r] + 5 for r in held)
+              and mirrored([records["engine-a"]], 10), [records["engine-a"]])
         m = scrape(records["engine-a"].metrics_url)
         assert m["lmcache_p2p_assembled_chunks_total"] >= 5
         assert m.get("lmcache_p2p_checksum_failures_total", 0) == 0
