@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from .ids import NodeId
-from .keys import ChunkKey, HeadRange, piece_key
+from .keys import ChunkKey, HeadRange
 from .plan import Piece, PlannedChunk
 from .quarantine import QuarantineRecord
 
@@ -148,8 +148,3 @@ class Canary:
             self._count(outcome)
             out.append(Verdict(owner, key, distance, outcome))
         return out
-
-
-def scratch_key(key: ChunkKey, heads: HeadRange) -> ChunkKey:
-    """Where a canary's copy of ``key`` lands in the pool (never announced, never served)."""
-    return piece_key(key, heads)

@@ -316,13 +316,16 @@ def load_config(
     return dataclasses.replace(config, set_by_node=tuple(sorted(_dotted(merged))))
 
 
-_SECTIONS = ("layout", "tiers", "etcd", "transfer", "handoff", "canary")  # AgentConfig's dataclass fields
+def _sections() -> set[str]:
+    """AgentConfig's fields that are config sections (dataclasses)."""
+    hints = typing.get_type_hints(AgentConfig)
+    return {f.name for f in dataclasses.fields(AgentConfig) if dataclasses.is_dataclass(hints[f.name])}
 
 
 def _dotted(tree: Mapping[str, Any], prefix: str = "") -> list[str]:
     out: list[str] = []
     for key, value in tree.items():
-        if isinstance(value, Mapping) and key in _SECTIONS:
+        if isinstance(value, Mapping) and key in _sections():
             out += _dotted(value, f"{prefix}{key}.")
         else:
             out.append(f"{prefix}{key}")
@@ -348,8 +351,7 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    hints = typing.get_type_hints(AgentConfig)
-    sections = {f.name for f in dataclasses.fields(AgentConfig) if dataclasses.is_dataclass(hints[f.name])}
+    sections = _sections()
     for name, value in env.items():
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "SECRET":
             continue
