@@ -1,8 +1,9 @@
 """The cache agent: tiers + mesh index + transports, behind a small synchronous API.
 
     lookup(token_ids) -> HitPlan          dict probes only: local store, then the index mirror
-    load(plan, dsts)  -> [loaded?]        local tiers, then peers (striped, verified), in parallel
-    load_pinned(plan) -> [Pin | None]     the same, handing out pinned CPU slots instead of copies
+    load_pinned(plan, deadline) -> [Pin | None]   budget, pull, pin verified CPU slots (load.py; the
+                                          engine's path)
+    load(plan, dsts)  -> [loaded?]        the same, then a verified copy into each destination
     store(token_ids, chunks) -> Future    returns at once; checksum, copy and publish run behind
     reserve_chunk / commit_chunk          fill a CPU slot in place (a gather), publish it behind
 
@@ -11,6 +12,7 @@ The agent composes the parts; each concern lives in its own module:
     tiers/            where chunks are held (CPU pool, disk), eviction, admission
     index/            the mesh index: lease, publisher, watch-fed mirror (``BlockIndex``)
     plan.py           which chunks to load from where (and whether pulling beats recomputing)
+    load.py           plan -> budget -> pull -> pinned verified slots, with one absolute deadline
     transfer/pull.py  plan -> pull -> retry -> verify -> metrics (``Puller``), over transfer/'s transports
     handoff.py        hand-off of sole copies and replication
     invalidation.py   mesh-wide invalidation barriers and the chunk TTL
@@ -39,7 +41,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from . import __version__
-from .aio import LoopThread
+from .aio import LoopThread, remaining
 from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig
 from .coordinator import apply as cluster_config_apply
@@ -51,16 +53,17 @@ from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
 from .ids import TIER_CODES, WIRE_VERSION, NodeId
 from .index.protocol import BlockIndex
-from .index.schema import NodeRecord, Rejects, Schema, tenant_digest
+from .index.quarantine import Quarantine, QuarantineRecord
+from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
+from .load import load_pinned
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
-from .quarantine import Quarantine, QuarantineRecord
 from .score import http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
-from .transfer.stack import TransferStack
+from .transfer.stack import ServerHooks, Transfers, TransfersFactory, TransferStack
 
 log = logging.getLogger(__name__)
 IndexFactory = Callable[[LoopThread, NodeRecord], BlockIndex]
@@ -79,6 +82,7 @@ class CacheAgent:
         secret: bytes | None = None,
         heads: HeadRange | None = None,
         role: str = "engine",
+        transfers: TransfersFactory = TransferStack.build,
     ) -> None:
         self.config = config
         self.fingerprint = fingerprint
@@ -89,21 +93,24 @@ class CacheAgent:
         self.node_id = NodeId(config.node_id)
         self.chunk_bytes = chunk_bytes
         self._index_factory = index_factory
+        self._transfers_factory = transfers
         self._secret = secret
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
         self.metrics.on_collect(lambda: self.metrics.mirror(
-            self.tiers, self.index, self._stack.server.stats.chunks_sent if self._stack is not None else None))
+            self.tiers, self.index, self._stack.chunks_sent() if self._stack is not None else None))
         self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
         self.peer_estimates = PeerEstimates()  # pull latency and bandwidth per peer, measured here
         self.prefill = PrefillRate()  # this engine's prefill rate (the worker connector feeds it)
-        self.tiers = TieredStore.from_config(config.tiers, chunk_bytes, admit=self._admit)
+        # The hooks are this agent's methods, over parts made just below (each needs the tiers).
+        self.tiers = TieredStore.from_config(
+            config.tiers, chunk_bytes, admit=self._admit, stamp=self._stamp, listener=self._on_tier_change,
+            evict_first=self._held_elsewhere if config.handoff.evict_copies_first else None)
         self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry,
                                              rejects=self.rejects)
-        self.tiers.cpu.set_stamp(self.invalidation.stamp)  # a peer's epoch is never trusted above ours
         self.metrics.watch_rejects(self.rejects)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
-        self._stack: TransferStack | None = None
+        self._stack: Transfers | None = None
         self._metrics_server: MetricsServer | None = None
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store")
         self.puller: Puller | None = None  # once the transports are up
@@ -118,8 +125,6 @@ class CacheAgent:
         self.config_revision = 0  # of the cluster config applied
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
-        if config.handoff.evict_copies_first:
-            self.tiers.cpu.evict_first = self.handoff.others_hold
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -130,14 +135,12 @@ class CacheAgent:
             set_log_level(self.config.log_level)
         self.loop = LoopThread(f"lmcache-p2p-{self.node_id}")
         try:
-            self._stack = TransferStack.build(self.config, self.tiers.cpu, [self.fp], self._secret,
-                                              prepare=self.tiers.ensure_in_cpu)
-            self._stack.server.on_offer = self.handoff.accept
-            self._stack.server.on_served = self.handoff.on_served
-            self._stack.server.on_recent = self.dropped_ago
+            hooks = ServerHooks(prepare=self.tiers.ensure_in_cpu, on_offer=self.handoff.accept,
+                                on_served=self.handoff.on_served, on_recent=self.dropped_ago)
+            self._stack = self._transfers_factory(self.config, self.tiers.cpu, [self.fp], self._secret, hooks)
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
             self.puller = Puller(self.node_id, self.fp, self.tiers.cpu, self._stack.transports,
-                                 self.config.transfer.transports, self._stack.health, self._nodes, self.metrics,
+                                 list(self._stack.transports), self._stack.health, self._nodes, self.metrics,
                                  self.peer_estimates, self.loop, tls=self.config.transfer.tls,
                                  pin_timeout_s=self.config.tiers.pin_timeout_s,
                                  on_loaded=lambda key: self._on_tier_change(key, "cpu"))
@@ -162,7 +165,6 @@ class CacheAgent:
                 self.loop.run(self.quarantine.start(self.config.etcd.start_wait_s),
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
             recovered = self.invalidation.vet_recovered(self.tiers.recover())
-            self.tiers.set_listener(self._on_tier_change)
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
@@ -190,20 +192,19 @@ class CacheAgent:
             node_id=self.node_id,
             addresses={t: address for t in transfer.get("transports", ())},
             transports=tuple(transfer.get("transports", ())),
-            fingerprints=(self.fp.hex(),),
+            served={self.fp.hex(): Served(
+                model=self.fingerprint.model_id,
+                tenant=tenant_digest(self.fingerprint.tenant_salt) if self.fingerprint.tenant_salt else "",
+                heads=(*self.heads, self.fingerprint.num_kv_heads),
+                layout=dataclasses.asdict(self.fingerprint))},  # a layout's salt is published as its digest
             capacities={"cpu": self.tiers.cpu.capacity_bytes,
                         **({"disk": self.tiers.disk.capacity_bytes} if self.tiers.disk is not None else {})},
             software_version=__version__,
             wire_version=WIRE_VERSION,
             metrics_url=metrics_url,
-            models={self.fp.hex(): self.fingerprint.model_id},
-            tenants={self.fp.hex(): tenant_digest(self.fingerprint.tenant_salt)} if self.fingerprint.tenant_salt
-            else {},  # never the salt itself
             tls=self.config.transfer.tls,
-            heads={self.fp.hex(): [*self.heads, self.fingerprint.num_kv_heads]},
             role=self.role,
             free=self.handoff.free(),
-            layouts={self.fp.hex(): dataclasses.asdict(self.fingerprint)},
             config_revision=self.config_revision,
             config_deviations=dict(self.config_deviations),
         )
@@ -241,7 +242,7 @@ class CacheAgent:
             return [None if (t := self._dropped.get(k)) is None else round(now - t, 3) for k in keys]
 
     @property
-    def transfer_stack(self) -> TransferStack | None:
+    def transfer_stack(self) -> Transfers | None:
         return self._stack
 
     def _nodes(self) -> dict[NodeId, NodeRecord]:
@@ -347,11 +348,18 @@ class CacheAgent:
 
     def _admit(self, header: ChunkHeader) -> bool:
         """The store's admission gate: nothing a standing invalidation covers gets in."""
-        invalidation = getattr(self, "invalidation", None)
-        if invalidation is None or not invalidation.covers(header):
+        if not self.invalidation.covers(header):
             return True
-        invalidation.count_refused(header)
+        self.invalidation.count_refused(header)
         return False
+
+    def _stamp(self, header: ChunkHeader) -> ChunkHeader:
+        """The header an admitted chunk is held under: a peer's epoch is never trusted above ours."""
+        return self.invalidation.stamp(header)
+
+    def _held_elsewhere(self, key: ChunkKey) -> bool:
+        """Another node holds ``key`` too: the pool evicts such copies first (``handoff.evict_copies_first``)."""
+        return self.handoff.others_hold(key)
 
     # -- lookup --------------------------------------------------------------------------------------
     def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
@@ -402,10 +410,10 @@ class CacheAgent:
         return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
                          num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
 
-    def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, timeout: float) -> bool:
-        """Wait (up to ``timeout``) until this node's mirror has seen what a scheduler side saw at
-        ``revision`` (it offered a hit from there), or holds an owner with a node record for every
-        key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
+    def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, deadline: float) -> bool:
+        """Wait (until ``deadline``, on ``time.monotonic()``) until this node's mirror has seen what a
+        scheduler side saw at ``revision`` (it offered a hit from there), or holds an owner with a node
+        record for every key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
         mirror = getattr(self.index, "mirror", None)
         if mirror is None or revision <= 0:
             return True
@@ -419,7 +427,7 @@ class CacheAgent:
             nodes = m.nodes()
             return all(any(n in nodes for n in m.owners(k)) for k in keys)
 
-        return bool(m.wait_for(caught_up, timeout))
+        return bool(m.wait_for(caught_up, remaining(deadline)))
 
     def usable(self, record: NodeRecord | None) -> bool:
         """A peer we can pull from now (see :meth:`Puller.usable`) and not quarantined."""
@@ -487,25 +495,25 @@ class CacheAgent:
         except LMCacheP2PError as exc:
             log.error("canary: writing the quarantine of %s failed: %s", record.node, exc)
 
-    # -- load -----------------------------------------------------------------------------------------
+    # -- load (the path itself is load.py's: one for the engine and for this API) ----------------------
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
-        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified)."""
+        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified). The
+        path the engine takes (:func:`lmcache_p2p.load.load_pinned`), then a verified copy out."""
         if len(dsts) != len(plan.chunks):
             raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
-        remote = [c for c in plan.chunks if c.source != LOCAL and not self.holds(c.key)]
-        if remote:
-            self._pull(remote, timeout if timeout is not None else self.config.transfer.timeout_s)
+        pins = self.load_pinned(plan, self.deadline(timeout))
         loaded = []
-        for chunk, dst in zip(plan.chunks, dsts, strict=True):
-            header = self.tiers.read_into(chunk.key, dst) if self.holds(chunk.key) else None
-            ok = header is not None
-            loaded.append(ok)
-            if ok:
-                self.handoff.on_hit(chunk.key)
-                self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
-            else:
-                self.metrics.load_failures.labels("missing").inc()
+        for pin, dst in zip(pins, dsts, strict=True):
+            try:
+                loaded.append(pin is not None and self.tiers.cpu.copy_verified(pin, dst))
+            finally:
+                if pin is not None:
+                    self.tiers.cpu.unpin(pin)
         return loaded
+
+    def deadline(self, timeout: float | None = None) -> float:
+        """An absolute load deadline ``timeout`` (default ``transfer.timeout_s``) from now."""
+        return time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
 
     def budget(self, plan: HitPlan) -> FetchBudget:
         """Cut ``plan`` to the pulls expected to beat recomputing (see :func:`fetch_budget`)."""
@@ -513,39 +521,43 @@ class CacheAgent:
                             expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
                             max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known)
 
-    def load_pinned(self, plan: HitPlan, timeout: float | None = None, *, remote: bool = True) -> list[Pin | None]:
-        """Like :meth:`load`, but hands out pins on CPU-pool slots instead of copies.
+    def load_pinned(self, plan: HitPlan, deadline: float | None = None, *, remote: bool = True,
+                    label: str = "") -> list[Pin | None]:
+        """Pins on CPU-pool slots holding ``plan``'s chunks, verified (see :mod:`lmcache_p2p.load`).
 
-        The caller reads ``tiers.cpu.slot_view(pin.slot, pin.header.length)`` (e.g. scatters it
-        into the engine's blocks) and must ``unpin_chunk`` every pin it got; pins expire anyway
-        after ``tiers.pin_timeout_s``. A chunk that can't be had is None. With ``remote=False``
-        nothing is pulled and nothing read from disk: only what the CPU pool holds now is pinned
-        (a disk chunk is promoted in the background, for the next request).
+        The caller reads ``tiers.cpu.stage(pin)`` (a private verified copy; e.g. scatters it into the
+        engine's blocks) and must ``unpin_chunk`` every pin it got; pins expire anyway after
+        ``tiers.pin_timeout_s``. ``deadline`` is absolute (``time.monotonic()``; default
+        ``transfer.timeout_s`` from now).
         """
-        remote_chunks = [c for c in plan.chunks if c.source != LOCAL and not self.holds(c.key)]
-        if remote and remote_chunks:
-            self._pull(remote_chunks, timeout if timeout is not None else self.config.transfer.timeout_s)
-        pins: list[Pin | None] = []
-        for chunk in plan.chunks:
+        return load_pinned(self, plan, deadline if deadline is not None else self.deadline(), remote=remote,
+                           label=label)
+
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
+        if self.puller is not None:
+            self.puller.pull(chunks, deadline)
+
+    def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
+        """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With
+        ``remote=False`` nothing is read from disk (a disk chunk is promoted in the background)."""
+        pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
+        if pin is None and not remote:
+            self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
+        elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
             pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-            if pin is None and not remote:
-                self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
-            elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
-                pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-            if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
-                self.tiers.cpu.unpin(pin)
-                pin = None
-            if pin is not None and not (self._admit(pin.header) and self._intact(pin)):
-                self.tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
-                self.tiers.remove(chunk.key)
-                pin = None
-            pins.append(pin)
-            if pin is not None:
-                self.handoff.on_hit(chunk.key)
-                self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
-            else:
-                self.metrics.load_failures.labels("missing").inc()
-        return pins
+        if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
+            self.tiers.cpu.unpin(pin)
+            pin = None
+        if pin is not None and not (self._admit(pin.header) and self._intact(pin)):
+            self.tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
+            self.tiers.remove(chunk.key)
+            pin = None
+        if pin is not None:
+            self.handoff.on_hit(chunk.key)
+            self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
+        else:
+            self.metrics.load_failures.labels("missing").inc()
+        return pin
 
     def _intact(self, pin: Pin) -> bool:
         """Re-verify a slot before the engine reads it: registered memory can be changed after commit
@@ -563,10 +575,6 @@ class CacheAgent:
 
     def chunk_header(self, key: ChunkKey) -> ChunkHeader | None:
         return self.tiers.header(key)
-
-    def _pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
-        if self.puller is not None:
-            self.puller.pull(chunks, timeout)
 
     async def _prune_peers_forever(self) -> None:
         """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -19,6 +20,11 @@ from .errors import PeerTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (``time.monotonic()``, the clock of every deadline here), never negative."""
+    return max(0.0, deadline - time.monotonic())
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:

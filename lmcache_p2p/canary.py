@@ -5,7 +5,7 @@
     worker:    its full prompt chunks are gathered as computed (the reference), then, off the
                forward pass, each owner the index lists is asked for its copy of the same key and
                the two are compared within the KV dtype's tolerance
-    mismatch:  the owner is quarantined (``quarantine.py``: a record every planner obeys,
+    mismatch:  the owner is quarantined (``index/quarantine.py``: a record every planner obeys,
                ``status`` shows) when another owner's copy agrees with the reference (two
                computations against one); else it is counted as ``unconfirmed`` and logged
                (``canary_checks_total{outcome}``); a copy this node holds that differs is replaced
@@ -28,9 +28,9 @@ from typing import Protocol
 import torch
 
 from .ids import NodeId
+from .index.quarantine import QuarantineRecord
 from .keys import ChunkKey, HeadRange
 from .plan import Piece, PlannedChunk
-from .quarantine import QuarantineRecord
 
 log = logging.getLogger(__name__)
 

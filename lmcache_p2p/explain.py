@@ -107,7 +107,8 @@ def _why_missing(v: ChunkVerdict, fp_hex: str, i: int, mine: dict[str, Any] | No
 
 
 def _layout_of(nodes: dict[NodeId, NodeRecord], fp_hex: str) -> dict[str, Any] | None:
-    return next((r.layouts[fp_hex] for r in nodes.values() if fp_hex in r.layouts), None)
+    layouts = (r.served[fp_hex].layout for r in nodes.values() if fp_hex in r.served)
+    return next((layout for layout in layouts if layout), None)  # {}: a record that published none
 
 
 def _alive(record: NodeRecord | None, cache: dict[NodeId, bool], node: NodeId) -> bool:

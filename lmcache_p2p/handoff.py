@@ -37,7 +37,7 @@ from .metrics import AgentMetrics
 from .plan import PlannedChunk
 from .tiers import TieredStore
 from .transfer.pull import Puller
-from .transfer.stack import TransferStack
+from .transfer.stack import Transfers
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Node(Protocol):
     puller: Puller | None
 
     @property
-    def transfer_stack(self) -> TransferStack | None: ...
+    def transfer_stack(self) -> Transfers | None: ...
 
     def holds(self, key: ChunkKey) -> bool: ...
 

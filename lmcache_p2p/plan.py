@@ -169,11 +169,12 @@ def fetch_budget(
         recompute of the pulled tokens (c1..ck) at this engine's measured prefill rate
         keep c0..ck for the largest k with expected <= recompute
 
-    Without a prefill rate yet, every pull is kept. A pull from a peer never measured (``known``
-    false: its first pull also pays for the connection and handshake, and a guess is no basis for
-    a tight deadline) gets the recompute time but at least ``FIRST_CONTACT_S`` (``max_s`` without a
-    prefill rate): a hung peer costs at most that once, then it is backed off and measured peers
-    get deadlines from their estimates.
+    Without a prefill rate (an agent outside an engine, or an engine before its first step) every
+    pull is kept and gets ``max_s``: nothing is known to be faster than waiting for it. A pull from
+    a peer never measured (``known`` false: its first pull also pays for the connection and
+    handshake, and a guess is no basis for a tight deadline) gets the recompute time but at least
+    ``FIRST_CONTACT_S``: a hung peer costs at most that once, then it is backed off and measured
+    peers get deadlines from their estimates.
     """
     per_peer: dict[NodeId, int] = {}
     first_remote: int | None = None
@@ -197,10 +198,13 @@ def fetch_budget(
         # Local chunks after the last pull worth making are only usable if that pull is kept.
         while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
             keep += 1
+    kept = HitPlan(plan.num_tokens, plan.chunks[:keep])
+    sources = {p.source for c in kept.chunks if c.source != LOCAL for p in c.parts()}
+    if sources and kept_recompute is None:  # nothing known to be faster: the pulls get the whole allowance
+        return FetchBudget(kept, max_s, kept_expected, kept_recompute)
+    if kept_recompute is not None and not all(known(source) for source in sources):
+        return FetchBudget(kept, min(max_s, max(kept_recompute, FIRST_CONTACT_S)), kept_expected, kept_recompute)
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
-    if not all(known(p.source) for c in plan.chunks[:keep] if c.source != LOCAL for p in c.parts()):
-        floor = max_s if kept_recompute is None else min(max_s, max(kept_recompute, FIRST_CONTACT_S))
-        return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), floor, kept_expected, kept_recompute)
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
-    return FetchBudget(HitPlan(plan.num_tokens, plan.chunks[:keep]), deadline, kept_expected, kept_recompute)
+    return FetchBudget(kept, deadline, kept_expected, kept_recompute)

@@ -10,9 +10,9 @@
                           MAX_BODY_BYTES; never a crash
 
 Every node serving this agent's fingerprint with all of its KV heads (an engine, not one TP rank)
-is scored from this agent's mirror of the index, the way that node's own planner would plan:
-leading chunks it holds itself (by tier), then chunks a usable peer holds (the least-loaded
-holder, as the planner picks), until the first chunk nobody holds. Estimates use this agent's
+is scored from this agent's mirror of the index with that node's own planner (``plan.make_plan``):
+leading chunks it holds itself (by tier), then chunks usable peers hold (the least-loaded holder;
+pieces from the ranks of a TP engine), until the first chunk nobody holds. Estimates use this agent's
 measurements: its pull-time model per source peer (pulls from several peers overlap), a local
 read rate, and its engine's prefill rate for the tokens left to compute (unknown until it
 prefilled once: then only the load is estimated). Ties (a prompt nobody holds) are broken by
@@ -35,7 +35,8 @@ from .estimates import PeerEstimates, PrefillRate
 from .ids import TIER_NAMES, NodeId
 from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
-from .keys import ChunkKey, Fingerprint, FingerprintDigest, tokens_to_array
+from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, tokens_to_array
+from .plan import LOCAL, HitPlan, make_plan
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
@@ -106,11 +107,15 @@ def score(agent: Node, tokens: list[int]) -> dict[str, Any]:
             usable[node] = record is not None and (node == agent.node_id or agent.usable(record))
         return usable[node]
 
+    def heads_of(node: NodeId) -> HeadRange:  # asked only of nodes can_pull passed: they have a record
+        return nodes[node].heads_of(fp_hex, total)
+
     rows = []
     for node, record in nodes.items():
         if fp_hex not in record.fingerprints or record.heads_of(fp_hex, total) != (0, total):
             continue
-        rows.append(_score_node(agent, node, record.role, keys, spans, owners, can_pull, len(arr)))
+        plan = _plan_of(node, keys, spans, owners, can_pull, heads_of, (0, total), len(arr))
+        rows.append(_score_plan(agent, node, record.role, plan, owners, len(arr)))
     # Ties (a prompt nobody holds) go by rendezvous hashing on the prompt's first chunk: one document
     # keeps going to one node while different documents spread over all of them.
     first = bytes(keys[0]) if keys else b""
@@ -120,31 +125,43 @@ def score(agent: Node, tokens: list[int]) -> dict[str, Any]:
             "chunk_size": agent.config.chunk_size, "nodes": rows, "best": rows[0]["node"] if rows else None}
 
 
-def _score_node(agent: Node, node: NodeId, role: str, keys: list[Any], spans: list[tuple[int, int]],
-                owners: list[dict[NodeId, int]], can_pull: Callable[[NodeId], bool], num_tokens: int) -> dict[str, Any]:
+def _plan_of(node: NodeId, keys: list[ChunkKey], spans: list[tuple[int, int]], owners: list[dict[NodeId, int]],
+             can_pull: Callable[[NodeId], bool], heads_of: Callable[[NodeId], HeadRange], need: HeadRange,
+             num_tokens: int) -> HitPlan:
+    """The plan ``node``'s own planner would make (``CacheAgent.plan``: ``make_plan``): the chunks it
+    holds, then usable peers', nothing in flight; usable as this agent sees its peers."""
+    held = {key: node in holders for key, holders in zip(keys, owners, strict=True)}
+    others = [{n: t for n, t in holders.items() if n != node} for holders in owners]
+    return make_plan(keys, spans, local=held.__getitem__, owners=lambda _keys: others, usable=can_pull,
+                     inflight={}, num_tokens=num_tokens, need=need, heads_of=heads_of)
+
+
+def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, owners: list[dict[NodeId, int]],
+                num_tokens: int) -> dict[str, Any]:
     local: dict[str, int] = {}
-    sources: dict[str, int] = {}
-    pulls: dict[NodeId, int] = {}  # chunks planned per peer (the planner's least-loaded choice)
-    matched = local_bytes = 0
-    for holders, (start, end) in zip(owners, spans, strict=True):
-        if node in holders:
-            tier = TIER_NAMES.get(holders[node], "cpu")
-            local[tier] = local.get(tier, 0) + end - start
+    sources: dict[str, int] = {}  # tokens per peer (each piece of a chunk carries all of its tokens)
+    pulled: dict[NodeId, int] = {}  # bytes per peer
+    local_bytes = peer_tokens = 0
+    for chunk in plan.chunks:
+        tokens = chunk.end - chunk.start
+        if chunk.source == LOCAL:
+            tier = TIER_NAMES.get(owners[chunk.index][node], "cpu")
+            local[tier] = local.get(tier, 0) + tokens
             local_bytes += agent.chunk_bytes
-        else:
-            peers = sorted((pulls.get(p, 0), tier, p) for p, tier in holders.items() if p != node and can_pull(p))
-            if not peers:
-                break
-            peer = peers[0][2]
-            pulls[peer] = pulls.get(peer, 0) + 1
-            sources[peer] = sources.get(peer, 0) + end - start
-        matched = end
-    pull_s = max((agent.peer_estimates.expected_s(p, n * agent.chunk_bytes) for p, n in pulls.items()), default=0.0)
+            continue
+        peer_tokens += tokens
+        width = chunk.heads[1] - chunk.heads[0]
+        for part in chunk.parts():  # a piece is its share of the chunk's bytes
+            share = agent.chunk_bytes * (part.heads[1] - part.heads[0]) // width
+            sources[part.source] = sources.get(part.source, 0) + tokens
+            pulled[part.source] = pulled.get(part.source, 0) + share
+    matched = plan.hit_tokens
+    pull_s = max((agent.peer_estimates.expected_s(p, n) for p, n in pulled.items()), default=0.0)
     load_s = pull_s + local_bytes / (LOCAL_READ_GBPS * 1e9)
     compute_s = agent.prefill.recompute_s(num_tokens - matched) if matched < num_tokens else 0.0
     return {
         "node": node, "role": role, "matched_tokens": matched, "local_tokens": local,
-        "peer_tokens": sum(sources.values()), "sources": sources,
+        "peer_tokens": peer_tokens, "sources": sources,
         "estimated_load_ms": round(1e3 * load_s, 3),
         "estimated_compute_ms": None if compute_s is None else round(1e3 * compute_s, 3),
         "estimated_ttft_ms": round(1e3 * (load_s + (compute_s or 0.0)), 3),

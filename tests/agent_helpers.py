@@ -11,13 +11,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
 from lmcache_p2p.config import AgentConfig, load_config
 
 SECRET = "mesh-test-secret-7f3a9c1e5b2d80461c9e4a7b"
+
+T = TypeVar("T")
 
 
 def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,
@@ -45,6 +47,14 @@ def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return predicate()
+
+
+def wait_for(value: Callable[[], T | None], timeout: float) -> T | None:
+    """Poll ``value()`` until it is not None (or ``timeout`` passes); return the last value."""
+    deadline = time.monotonic() + timeout
+    while (got := value()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return got
 
 
 def stop_process(pid: int, timeout: float = 5.0) -> None:

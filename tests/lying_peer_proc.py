@@ -17,6 +17,7 @@ import threading
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.chunk import ChunkHeader
 from lmcache_p2p.config import cluster_secret, load_config
 from lmcache_p2p.index.generation import MAX_REVISION, make_epoch
 from lmcache_p2p.keys import Fingerprint
@@ -24,12 +25,16 @@ from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 
+class LyingAgent(CacheAgent):
+    def _stamp(self, header: ChunkHeader) -> ChunkHeader:
+        return header  # holds (and serves) chunks under whatever epoch they claim
+
+
 def main(cfg_path: str, num_tokens: str, *stamps: str) -> None:
     config = load_config(cfg_path, env={})
-    agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
+    agent = LyingAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                        metrics=AgentMetrics(CollectorRegistry()), secret=cluster_secret(config))
     agent.start()
-    agent.tiers.cpu.set_stamp(None)
     for item in stamps:
         seed, epoch_text = item.split(":")
         epoch = make_epoch(agent.invalidation.generation, MAX_REVISION) if epoch_text == "top" else int(epoch_text)

@@ -53,16 +53,17 @@ def budgeted(agent: CacheAgent, seed: int, tokens: int, prefill_tokens_per_s: fl
     for _ in range(20):
         agent.prefill.observe(int(prefill_tokens_per_s), 1.0)
     t0 = time.perf_counter()
-    budget = agent.budget(agent.lookup(ids))
-    pins = agent.load_pinned(budget.plan, budget.deadline_s) if budget.plan.chunks else []
+    plan = agent.lookup(ids)
+    planned = len(agent.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
+    pins = agent.load_pinned(plan)
     exact = True
     layout = agent.config.layout
-    for chunk, pin in zip(budget.plan.chunks, pins, strict=True):
+    for chunk, pin in zip(plan.chunks, pins, strict=True):
         if pin is not None:
             view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
             exact &= bytes(view) == synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
             agent.unpin_chunk(pin)
-    return {"planned": len(budget.plan.chunks), "loaded": sum(p is not None for p in pins), "exact": exact,
+    return {"planned": planned, "loaded": sum(p is not None for p in pins), "exact": exact,
             "elapsed_s": time.perf_counter() - t0}
 
 

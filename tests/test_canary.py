@@ -13,10 +13,10 @@ from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.canary import Canary, kv_distance, tolerance_for
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.client import EtcdClient
+from lmcache_p2p.index.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
 from lmcache_p2p.index.schema import Rejects, Schema
 from lmcache_p2p.keys import ChunkKey, HeadRange
 from lmcache_p2p.plan import PlannedChunk
-from lmcache_p2p.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
 
 
 def _kv(seed: int, n: int = 4096, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -84,15 +85,16 @@ def test_a_nixl_read_left_in_flight_holds_its_slots_until_it_ends(side: Side, en
     try:
         peer = o.peer
         keys = [o.key(i) for i in range(N)]
-        assert side.loop.run(side.client.pull(peer, FP, keys[:1], side.pool, 10.0), 20).complete  # wired up
+        wired = side.loop.run(side.client.pull(peer, FP, keys[:1], side.pool, time.monotonic() + 10.0), 20)
+        assert wired.complete  # wired up
         side.pool.remove(keys[0])
 
         stopper = side.loop.submit(side.stop_owner_when_reading(o.pid))
         if ended_by == "cancellation":  # what Puller.pull's loop.run(..., timeout + 1) does: cancel the pull
             with pytest.raises(PeerTimeout):
-                side.loop.run(side.client.pull(peer, FP, keys, side.pool, 30.0), 1.0)
+                side.loop.run(side.client.pull(peer, FP, keys, side.pool, time.monotonic() + 30.0), 1.0)
         else:  # the pull's own deadline: the READ overruns it
-            result = side.loop.run(side.client.pull(peer, FP, keys, side.pool, 1.0), 10.0)
+            result = side.loop.run(side.client.pull(peer, FP, keys, side.pool, time.monotonic() + 1.0), 10.0)
             assert not result.loaded and set(result.missed.values()) == {MissReason.TIMEOUT}
             side.client.health.reset()
         stopper.result(5)
@@ -119,7 +121,7 @@ def test_a_nixl_read_left_in_flight_holds_its_slots_until_it_ends(side: Side, en
 
         for key in side.pool.keys():
             side.pool.remove(key)
-        again = side.loop.run(side.client.pull(peer, FP, keys, side.pool, 20.0), 30)
+        again = side.loop.run(side.client.pull(peer, FP, keys, side.pool, time.monotonic() + 20.0), 30)
         assert again.complete  # the engine and the connection still work
         for i, key in enumerate(keys):
             assert side.pool.read_into(key, out.data) is not None

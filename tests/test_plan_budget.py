@@ -55,6 +55,12 @@ def test_without_a_prefill_rate_every_pull_is_kept_and_the_deadline_is_bounded()
     assert len(b.plan.chunks) == 2 and b.deadline_s == 5.0 and b.recompute_s is None
 
 
+def test_without_a_prefill_rate_a_fast_peer_still_gets_the_whole_allowance() -> None:
+    # nothing is known to be faster than waiting: a scheduling hiccup must not turn a hit into a miss
+    b = budget(plan_of("a", "a"), {"a": 0.001}, None, max_s=5.0)
+    assert len(b.plan.chunks) == 2 and b.deadline_s == 5.0
+
+
 def test_a_peer_never_measured_gets_the_recompute_time() -> None:
     b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
                      recompute_s=lambda t: t / 1000, max_s=5.0, known=lambda peer: False)

@@ -15,7 +15,7 @@ from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import make_header
 from lmcache_p2p.estimates import PeerEstimates
 from lmcache_p2p.ids import WIRE_VERSION, NodeId, PeerAddress
-from lmcache_p2p.index.schema import NodeRecord
+from lmcache_p2p.index.schema import NodeRecord, Served
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import PlannedChunk, make_plan
@@ -59,8 +59,7 @@ class Mesh:
 
     def record(self, node: str, port: int, heads: HeadRange = (0, HEADS), **fields: object) -> NodeRecord:
         base: dict[str, object] = {"node_id": NodeId(node), "addresses": {"loopback": f"127.0.0.1:{port}"},
-                                   "transports": ("loopback",), "fingerprints": (FP.hex(),),
-                                   "heads": {FP.hex(): [*heads, HEADS]}}
+                                   "transports": ("loopback",), "served": {FP.hex(): Served(heads=(*heads, HEADS))}}
         return NodeRecord(**{**base, **fields})  # type: ignore[arg-type]
 
     def owner(self, node: str, keys: list[ChunkKey], heads: HeadRange = (0, HEADS), tier: int = 1) -> PeerAddress:
@@ -116,7 +115,7 @@ def test_planned_chunks_arrive_verified_and_are_announced(mesh: Mesh) -> None:
     mesh.owner("a", KEYS)
     chunks = mesh.plan(KEYS)
     assert [c.source for c in chunks] == ["a"] * 4
-    mesh.puller.pull(chunks, 2.0)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
     assert all(mesh.held(k) == payload(k) for k in KEYS)
     assert mesh.announced == KEYS  # each published as it landed
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="loaded") == 4
@@ -131,7 +130,7 @@ def test_a_dead_owner_is_retried_on_the_alternative_and_backed_off(mesh: Mesh) -
     chunks = mesh.plan(KEYS)  # spread over both owners, each the other's alternative
     from_a = [c for c in chunks if c.source == "a"]
     assert from_a and all(c.alternatives == ("b",) for c in from_a)
-    mesh.puller.pull(chunks, 2.0)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
     assert all(mesh.held(k) == payload(k) for k in KEYS)  # a's share from b, on the retry
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="peer_error") == len(from_a)
     assert mesh.value("peer_errors_total", peer="a") == 1
@@ -146,7 +145,7 @@ def test_a_hung_owner_costs_the_deadline_not_more(mesh: Mesh) -> None:
     hung = mesh.owner("a", KEYS)
     mesh.net.owner(hung).fault = "hang"
     t0 = time.monotonic()
-    mesh.puller.pull(mesh.plan(KEYS), 0.2)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 0.2)
     assert time.monotonic() - t0 < 1.0
     assert not any(mesh.pool.contains(k) for k in KEYS)
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="timeout") == 4
@@ -159,7 +158,7 @@ def test_corrupt_bytes_are_dropped_then_fetched_from_the_alternative(mesh: Mesh)
     mesh.net.owner(liar).fault = "corrupt"
     [chunk] = mesh.plan(KEYS[:1])
     chunk = type(chunk)(chunk.index, chunk.key, chunk.start, chunk.end, NodeId("a"), (NodeId("b"),), chunk.heads)
-    mesh.puller.pull([chunk], 2.0)
+    mesh.puller.pull([chunk], time.monotonic() + 2.0)
     assert mesh.held(KEYS[0]) == payload(KEYS[0])
     assert mesh.value("checksum_failures_total") == 1
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="checksum") == 1
@@ -168,7 +167,7 @@ def test_corrupt_bytes_are_dropped_then_fetched_from_the_alternative(mesh: Mesh)
 def test_a_corrupt_owner_without_alternative_leaves_nothing(mesh: Mesh) -> None:
     liar = mesh.owner("a", KEYS)
     mesh.net.owner(liar).fault = "corrupt"
-    mesh.puller.pull(mesh.plan(KEYS), 2.0)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 2.0)
     assert not any(mesh.pool.contains(k) for k in KEYS) and mesh.announced == []
     assert mesh.value("checksum_failures_total") == 4
 
@@ -178,7 +177,7 @@ def test_pieces_from_two_ranks_are_assembled_into_the_chunk(mesh: Mesh) -> None:
     mesh.owner("r1", KEYS, heads=(1, HEADS))
     chunks = mesh.plan(KEYS)
     assert all([p.source for p in c.pieces] == ["r0", "r1"] for c in chunks)
-    mesh.puller.pull(chunks, 2.0)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
     for key in KEYS:
         assert mesh.held(key) == payload(key)
         assert mesh.pool.header(key).heads == (0, HEADS)  # type: ignore[union-attr]
@@ -192,7 +191,7 @@ def test_a_piece_changed_in_memory_after_it_landed_is_not_assembled(mesh: Mesh, 
     mesh.owner("r0", KEYS, heads=(0, 1))
     mesh.owner("r1", KEYS, heads=(1, HEADS))
     chunks = mesh.plan(KEYS)
-    loop.run(mesh.puller.pull_all(chunks, 2.0), 5)  # the pieces land, verified on arrival
+    loop.run(mesh.puller.pull_all(chunks, time.monotonic() + 2.0), 5)  # the pieces land, verified on arrival
     pin = mesh.pool.pin(piece_key(KEYS[1], (1, HEADS)), 1.0)
     assert pin is not None
     mesh.pool.slot_view(pin.slot, pin.header.length)[pin.header.length // 2] ^= 0x01
@@ -209,7 +208,7 @@ def test_a_missing_piece_means_no_chunk_and_no_leftover_pieces(mesh: Mesh) -> No
     r1 = mesh.owner("r1", KEYS, heads=(2, HEADS))
     chunks = mesh.plan(KEYS)
     mesh.net.owner(r1).fault = "dead"  # dies between the plan and the pull
-    mesh.puller.pull(chunks, 2.0)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
     for key in KEYS:
         assert not mesh.pool.contains(key)
         assert not mesh.pool.contains(piece_key(key, (0, 2)))  # the piece that came is not kept
@@ -230,14 +229,14 @@ def test_a_chunk_planned_from_an_owner_that_left_the_index_is_a_miss(mesh: Mesh)
     mesh.owner("a", KEYS)
     chunks = mesh.plan(KEYS)
     mesh.index_mesh.expire(NodeId("a"))  # lease gone between plan and pull
-    mesh.puller.pull(chunks, 2.0)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
     assert not any(mesh.pool.contains(k) for k in KEYS) and not mesh.transport.pulls
 
 
 def test_prune_forgets_the_labels_and_counts_of_departed_peers(mesh: Mesh) -> None:
     dead = mesh.owner("a", KEYS)
     mesh.net.owner(dead).fault = "dead"
-    mesh.puller.pull(mesh.plan(KEYS), 2.0)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 2.0)
     assert mesh.value("peer_errors_total", peer="a") == 1
     mesh.index_mesh.expire(NodeId("a"))
     nodes = mesh.me.nodes()

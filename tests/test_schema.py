@@ -21,6 +21,7 @@ from lmcache_p2p.index.schema import (
     NodeRecord,
     Rejects,
     Schema,
+    Served,
     decode_block_key,
     decode_generation,
     decode_invalidation,
@@ -33,7 +34,9 @@ from lmcache_p2p.invalidation import matches
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 
 GOOD = {"node_id": "n-1", "addresses": {"tcp": "10.0.0.1:7470"}, "transports": ["tcp"],
-        "fingerprints": ["ab" * 16], "capacities": {"cpu": 1 << 30}, "wire_version": 1, "started_at": 1.5}
+        "served": {"ab" * 16: {"model": "m", "tenant": "", "heads": [0, 2, 4], "layout": {"model_id": "m"}}},
+        "capacities": {"cpu": 1 << 30}, "wire_version": 1, "started_at": 1.5}
+OLD = {**{k: v for k, v in GOOD.items() if k != "served"}, "fingerprints": ["ab" * 16]}  # before ``served``
 
 
 def test_a_good_record_round_trips() -> None:
@@ -54,7 +57,20 @@ def test_a_good_record_round_trips() -> None:
     {"addresses": {"tcp": 7470}},
     {"transports": "tcp"},
     {"transports": [1]},
-    {"fingerprints": ["not-hex"]},
+    {"served": ["ab" * 16]},
+    {"served": {"not-hex": {}}},
+    {"served": {"AB" * 16: {}}},
+    {"served": {"ab" * 16: 7}},
+    {"served": {"ab" * 16: {"model": 7}}},
+    {"served": {"ab" * 16: {"tenant": ["acme"]}}},
+    {"served": {"ab" * 16: {"heads": [0, 2]}}},
+    {"served": {"ab" * 16: {"heads": [2, 2, 4]}}},
+    {"served": {"ab" * 16: {"heads": [0, 2, 1 << 16]}}},
+    {"served": {"ab" * 16: {"heads": [0, True, 4]}}},
+    {"served": {"ab" * 16: {"heads": "all"}}},
+    {"served": {"ab" * 16: {"layout": {"model_id": 1.5}}}},
+    {"served": {"ab" * 16: {"layout": {f"f{i}": 1 for i in range(33)}}}},
+    {"served": {"ab" * 16: {"layout": [1]}}},
     {"capacities": {"cpu": -1}},
     {"capacities": {"cpu": True}},
     {"wire_version": "1"},
@@ -74,6 +90,53 @@ def test_malformed_fields_are_rejected_naming_the_field(change: dict) -> None:
         decode_node_record(msgpack.packb({**GOOD, **change}), decode_node_key(0, b"n-1"))
     assert exc.value.kind == "node record"
     assert next(iter(change)) in str(exc.value)
+
+
+@pytest.mark.parametrize("change", [
+    {"fingerprints": ["not-hex"]},
+    {"fingerprints": "ab" * 16},
+    {"models": {"ab" * 16: 7}},
+    {"tenants": {"ab" * 16: 7}},
+    {"heads": {"ab" * 16: [0, 5, 4]}},
+    {"heads": {"ab" * 16: "all"}},
+    {"layouts": {"ab" * 16: {"model_id": [1]}}},
+    {"layouts": {"ab" * 16: 7}},
+])
+def test_malformed_fields_of_records_before_served_are_rejected_naming_the_field(change: dict) -> None:
+    with pytest.raises(MalformedRecord) as exc:
+        decode_node_record(msgpack.packb({**OLD, **change}), decode_node_key(0, b"n-1"))
+    assert exc.value.kind == "node record" and next(iter(change)) in str(exc.value)
+
+
+def test_served_decodes_to_one_map() -> None:
+    record = decode_node_record(msgpack.packb(GOOD))
+    assert record.served == {"ab" * 16: Served("m", "", (0, 2, 4), {"model_id": "m"})}
+    assert record.fingerprints == ("ab" * 16,) and record.heads_of("ab" * 16, 4) == (0, 2)
+    assert record.heads_of("cd" * 16, 4) == (0, 4)  # a fingerprint not served: every head (as before)
+    every = decode_node_record(msgpack.packb({**GOOD, "served": {"cd" * 16: {"heads": None}, "ab" * 16: {}}}))
+    assert every.served == {"cd" * 16: Served(), "ab" * 16: Served()} and every.fingerprints == ("cd" * 16, "ab" * 16)
+    assert every.heads_of("ab" * 16, 4) == (0, 4) and every.served["ab" * 16].partial_heads is None
+    newer = {**GOOD, "served": {"ab" * 16: {**GOOD["served"]["ab" * 16], "added_by_a_newer_version": 1}}}
+    assert decode_node_record(msgpack.packb(newer)) == record
+    assert NodeRecord.unpack(record.pack()) == record
+    # what a node of the previous release reads during a rolling upgrade: the served list and TP heads
+    legacy = msgpack.unpackb(record.pack())
+    assert legacy["fingerprints"] == ["ab" * 16] and legacy["heads"] == {"ab" * 16: [0, 2, 4]}
+
+
+def test_records_before_served_decode_to_the_same_map() -> None:
+    """A rolling upgrade: an older node's record (four maps beside ``fingerprints``) reads as ``served``."""
+    fp, other = "ab" * 16, "cd" * 16
+    old = {**OLD, "fingerprints": [fp, other], "models": {fp: "m", other: "m2", "ef" * 16: "dropped"},
+           "tenants": {fp: tenant_digest("acme")}, "heads": {fp: [0, 2, 4]},
+           "layouts": {fp: {"model_id": "m", "tenant": tenant_digest("acme")}}}
+    record = decode_node_record(msgpack.packb(old), decode_node_key(0, b"n-1"))
+    assert record.served == {fp: Served("m", tenant_digest("acme"), (0, 2, 4),
+                                        {"model_id": "m", "tenant": tenant_digest("acme")}),
+                             other: Served("m2")}  # no heads entry: every head, as before
+    assert record.fingerprints == (fp, other) and record.heads_of(other, 4) == (0, 4)
+    assert NodeRecord.unpack(record.pack()) == record  # written back as ``served``
+    assert decode_node_record(msgpack.packb(OLD)).served == {fp: Served()}
 
 
 @pytest.mark.parametrize("data", [b"", b"\xc1", msgpack.packb([1, 2]), msgpack.packb({"addresses": {}}),
@@ -130,25 +193,27 @@ def test_chunk_header_carries_the_epoch() -> None:
 def test_node_records_carry_the_tenant_digest_never_the_salt() -> None:
     layout = {"model_id": "m", "kv_dtype": "bfloat16", "tenant_salt": "acme-secret"}
     record = NodeRecord(NodeId("n-1"), {"tcp": "10.0.0.1:7470"}, ("tcp",),
-                        tenants={"ab" * 16: tenant_digest("acme-secret")}, layouts={"ab" * 16: layout})
+                        served={"ab" * 16: Served("m", tenant_digest("acme-secret"), layout=layout)})
     packed = record.pack()
     assert b"acme-secret" not in packed
     digest = tenant_digest("acme-secret")
-    assert record.layouts["ab" * 16] == {"model_id": "m", "kv_dtype": "bfloat16", "tenant": digest}
+    assert record.served["ab" * 16].layout == {"model_id": "m", "kv_dtype": "bfloat16", "tenant": digest}
     assert NodeRecord.unpack(packed) == record
-    no_tenant = NodeRecord(NodeId("n-1"), {}, (), layouts={"ab" * 16: {"model_id": "m", "tenant_salt": ""}})
-    assert no_tenant.layouts["ab" * 16] == {"model_id": "m", "tenant": ""}
+    no_tenant = Served(layout={"model_id": "m", "tenant_salt": ""})
+    assert no_tenant.layout == {"model_id": "m", "tenant": ""}
     # domain-separated: not the bare hash of the salt, and one salt -> one digest
     assert tenant_digest("acme-secret") != hashlib.sha256(b"acme-secret").hexdigest()
     assert len(tenant_digest("x")) == 64 and tenant_digest("x") != tenant_digest("y")
 
 
 def test_old_records_holding_a_raw_salt_decode_to_its_digest() -> None:
-    old = {**GOOD, "tenants": {"ab" * 16: "acme"}, "layouts": {"ab" * 16: {"model_id": "m", "tenant_salt": "acme"}}}
+    old = {**OLD, "tenants": {"ab" * 16: "acme"}, "layouts": {"ab" * 16: {"model_id": "m", "tenant_salt": "acme"}}}
     record = decode_node_record(msgpack.packb(old), decode_node_key(0, b"n-1"))
-    assert record.tenants == {"ab" * 16: tenant_digest("acme")}
-    assert record.layouts == {"ab" * 16: {"model_id": "m", "tenant": tenant_digest("acme")}}
+    assert record.served == {"ab" * 16: Served(tenant=tenant_digest("acme"),
+                                               layout={"model_id": "m", "tenant": tenant_digest("acme")})}
     assert b"acme" not in record.pack()
+    salted = {"ab" * 16: {"tenant": "acme", "layout": {"model_id": "m", "tenant_salt": "acme"}}}
+    assert decode_node_record(msgpack.packb({**GOOD, "served": salted})) == record  # in ``served`` too
     inv = decode_invalidation(b"i1", msgpack.packb({"kind": "tenant", "value": "acme", "issued_at": 1.0}), 9,
                               prefix_len=0)
     assert inv == Invalidation("i1", "tenant", tenant_digest("acme"), 1.0, 9)
@@ -156,13 +221,13 @@ def test_old_records_holding_a_raw_salt_decode_to_its_digest() -> None:
     with pytest.raises(ValueError, match="tenant digest"):
         Invalidation("i2", "tenant", "acme", 0.0)  # what is written is always a digest
     with pytest.raises(MalformedRecord):
-        decode_node_record(msgpack.packb({**GOOD, "tenants": {"ab" * 16: 7}}))
+        decode_node_record(msgpack.packb({**OLD, "tenants": {"ab" * 16: 7}}))
 
 
 def test_explain_names_a_tenant_invalidation_by_its_digest() -> None:
     salt, fp_hex = "acme-secret", "cd" * 16
-    record = NodeRecord(NodeId("n-1"), {"tcp": "10.0.0.1:7470"}, ("tcp",), fingerprints=(fp_hex,),
-                        layouts={fp_hex: {"model_id": "m", "tenant_salt": salt}})
+    record = NodeRecord(NodeId("n-1"), {"tcp": "10.0.0.1:7470"}, ("tcp",),
+                        served={fp_hex: Served("m", layout={"model_id": "m", "tenant_salt": salt})})
     tokens = list(range(600))
     config = AgentConfig(node_id="n-x")
     verdicts = explain(config, fp_hex, tokens, {record.node_id: record}, {fp_hex: [{}, {}, {}]},

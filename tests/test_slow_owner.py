@@ -35,19 +35,20 @@ class ThrottlingRelay(Relay):
 
 
 def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
-    """What the worker does for an asynchronous load: budget, then pull. ``(planned, loaded)``."""
+    """What the worker does for an asynchronous load (budget, pull, pin). ``(planned, loaded)``."""
     tokens = synthetic_tokens(seed, TOKENS)
     for key in agent.keys_for(tokens)[0]:
         agent.tiers.remove(key)
-    budget = agent.budget(agent.lookup(tokens))
-    pins = agent.load_pinned(budget.plan, budget.deadline_s) if budget.plan.chunks else []
+    plan = agent.lookup(tokens)
+    planned = len(agent.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
+    pins = agent.load_pinned(plan)
     layout = agent.config.layout
-    for chunk, pin in zip(budget.plan.chunks, pins, strict=True):
+    for chunk, pin in zip(plan.chunks, pins, strict=True):
         if pin is not None:
             view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
             assert bytes(view) == synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
             agent.unpin_chunk(pin)
-    return len(budget.plan.chunks), sum(p is not None for p in pins)
+    return planned, sum(p is not None for p in pins)
 
 
 def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd, cluster_name, tmp_path: Path):

@@ -68,7 +68,7 @@ def load_and_check(agent: CacheAgent, seed: int, loader_seed: int) -> list[tuple
     kv = PagedKV(mine, heads=h1 - h0)
     n_blocks = -(-TOKENS // layout.block_size)
     dst_ids, src_ids = block_ids(loader_seed, n_blocks), block_ids(seed, n_blocks)
-    pins = agent.load_pinned(plan, 10.0)
+    pins = agent.load_pinned(plan, agent.deadline(10.0))
     try:
         for pin, blocks in zip(pins, chunk_blocks(layout, agent.config.chunk_size, dst_ids, TOKENS), strict=True):
             assert pin is not None and pin.header.heads == (h0, h1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import msgpack
@@ -76,7 +77,7 @@ def good_pull(o: OwnerProcess) -> None:
     async def run() -> int:
         client = TcpTransport(SECRET.encode(), 2.0)
         pool = CpuPool(SIZE * 4, SIZE)
-        result = await client.pull(o.peer, FP, [o.key(0), o.key(1)], pool, 3.0)
+        result = await client.pull(o.peer, FP, [o.key(0), o.key(1)], pool, time.monotonic() + 3.0)
         await client.close()
         return len(result.loaded)
 

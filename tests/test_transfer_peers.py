@@ -59,7 +59,8 @@ class Requester:
 
     def pull(self, transport: str, peer: PeerAddress, keys: list[ChunkKey], timeout: float = 5.0,
              fp: FingerprintDigest = FP) -> PullResult:
-        return self.loop.run(self.clients[transport].pull(peer, fp, keys, self.pool, timeout), timeout + 5)
+        deadline = time.monotonic() + timeout
+        return self.loop.run(self.clients[transport].pull(peer, fp, keys, self.pool, deadline), timeout + 5)
 
     def clear(self) -> None:
         for key in self.pool.keys():
@@ -139,7 +140,8 @@ def test_single_and_batch_pulls_are_byte_exact(requester: Requester, owners: Any
 def test_striped_pull_across_two_owners(requester: Requester, owners: Any, transport: str) -> None:
     a, b = owners
     plan = {peer_of(a): [a.key(i) for i in range(0, N, 2)], peer_of(b): [b.key(i) for i in range(1, N, 2)]}
-    results = requester.loop.run(pull_striped(requester.clients[transport], plan, FP, requester.pool, 5.0), 10)
+    deadline = time.monotonic() + 5.0
+    results = requester.loop.run(pull_striped(requester.clients[transport], plan, FP, requester.pool, deadline), 10)
     loaded, missed = merge(results)
     assert len(loaded) == N and not missed
     for i in range(N):
@@ -171,7 +173,7 @@ def test_wrong_secret_or_fingerprint_gets_nothing(requester: Requester, owners: 
     else:
         assert requester.engine is not None
         bad = NixlTransport(requester.engine, b"wrong-secret", 2.0)
-    result = requester.loop.run(bad.pull(peer_of(a), FP, keys, requester.pool, 3.0), 10)
+    result = requester.loop.run(bad.pull(peer_of(a), FP, keys, requester.pool, time.monotonic() + 3.0), 10)
     assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
     assert len(requester.pool) == 0
     requester.loop.run(bad.close(), 10)
@@ -215,7 +217,7 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
         keys = [o.key(i) for i in range(64)]
 
         async def pull_and_kill() -> PullResult:
-            task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, 3.0))
+            task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, time.monotonic() + 3.0))
             while len(pool) < 2 and not task.done():
                 await asyncio.sleep(0)
             os.kill(o.pid, signal.SIGKILL)
@@ -230,7 +232,7 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
         for key in result.loaded:
             assert_exact(pool, o, keys.index(key), big)
         # The peer is backed off now: the next pull returns at once, asking nobody.
-        again = requester.loop.run(client.pull(peer_of(o), FP, keys[:2], pool, 3.0), 10)
+        again = requester.loop.run(client.pull(peer_of(o), FP, keys[:2], pool, time.monotonic() + 3.0), 10)
         assert set(again.missed.values()) == {MissReason.BACKOFF}
     requester.loop.run(client.close(), 10)
 
@@ -344,7 +346,8 @@ def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
         client = TcpTransport(SECRET.encode(), 3.0, payload_mac=mac)
         try:
             keys = [o.key(i) for i in range(4)]
-            result = loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, o.node_id), FP, keys, pool, 5.0), 10)
+            result = loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, o.node_id), FP, keys, pool,
+                                          time.monotonic() + 5.0), 10)
             assert relay.tampered >= 1
             if mac:
                 assert not result.loaded and set(result.missed.values()) == {MissReason.MAC}
@@ -397,7 +400,7 @@ def test_nixl_bytes_changed_on_the_fabric_are_caught_by_the_session_mac(requeste
         client = NixlTransport(requester.engine, SECRET.encode(), 3.0, payload_mac=mac)
         try:
             result = requester.loop.run(client.pull(PeerAddress("127.0.0.1", relay.port, o.node_id), FP, keys,
-                                                    requester.pool, 5.0), 10)
+                                                    requester.pool, time.monotonic() + 5.0), 10)
             assert relay.tampered == 2
             assert set(result.loaded) == {keys[0], keys[3]} if mac else len(result.loaded) == 4
             if mac:

@@ -8,6 +8,7 @@ import contextlib
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,7 +65,8 @@ def loop() -> Iterator[LoopThread]:
 def pull(loop: LoopThread, client: TcpTransport, port: int, keys: list[ChunkKey], pool: CpuPool,
          timeout: float = 5.0, node: str = "owner") -> PullResult:
     try:
-        return loop.run(client.pull(PeerAddress("127.0.0.1", port, node), FP, keys, pool, timeout), timeout + 10)
+        deadline = time.monotonic() + timeout
+        return loop.run(client.pull(PeerAddress("127.0.0.1", port, node), FP, keys, pool, deadline), timeout + 10)
     finally:
         loop.run(client.close(), 10)
 

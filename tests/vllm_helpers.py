@@ -43,6 +43,12 @@ def node_records(cfg_path: Path) -> dict:
 def registered_chunks(cfg_path: Path, node: str) -> int:
     """Block entries of ``node`` in etcd (every fingerprint), read with an agent config's etcd settings:
     an engine's chunks are a hit elsewhere once they are there."""
+    return registered(cfg_path, node)[0]
+
+
+def registered(cfg_path: Path, node: str) -> tuple[int, int]:
+    """``node``'s block entries in etcd and etcd's revision at that read (what a router that saw them
+    passes as ``lmcache_p2p_index_revision``)."""
     import asyncio
 
     from lmcache_p2p.config import load_config
@@ -51,10 +57,10 @@ def registered_chunks(cfg_path: Path, node: str) -> int:
 
     config = load_config(cfg_path)
 
-    async def count() -> int:
+    async def count() -> tuple[int, int]:
         async with EtcdClient(config.etcd) as client:
-            blocks, _ = await client.get_prefix(Schema(config.cluster).blocks)
-        return sum(1 for kv in blocks if kv.key.endswith(b"/" + node.encode()))
+            blocks, revision = await client.get_prefix(Schema(config.cluster).blocks)
+        return sum(1 for kv in blocks if kv.key.endswith(b"/" + node.encode())), revision
 
     return asyncio.run(count())
 

@@ -86,7 +86,7 @@ async def _pull_gbps(transport: Transport, peer: PeerAddress, keys: list[ChunkKe
     for key in keys:
         dst.remove(key)
     start = time.perf_counter()
-    result = await transport.pull(peer, FP, keys, dst, 30.0)
+    result = await transport.pull(peer, FP, keys, dst, time.monotonic() + 30.0)
     elapsed = time.perf_counter() - start
     if len(result.loaded) != len(keys):
         raise RuntimeError(f"{transport.name}: {len(result.missed)} misses: {set(result.missed.values())}")
@@ -185,7 +185,7 @@ async def _latency(repeat: int, use_nixl: bool) -> dict[str, Any]:
                 key = owner.key(i % n)
                 dst.remove(key)
                 start = time.perf_counter()
-                result = await transport.pull(peer, FP, [key], dst, 10.0)
+                result = await transport.pull(peer, FP, [key], dst, time.monotonic() + 10.0)
                 samples.append((time.perf_counter() - start) * 1e3)
                 if key not in result.loaded:
                     raise RuntimeError(f"{transport.name}: single pull missed: {result.missed}")

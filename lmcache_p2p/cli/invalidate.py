@@ -46,7 +46,7 @@ async def _matching(client: EtcdClient, schema: Schema, kind: str, value: str) -
             record = decode_node_record(kv.value)
         except MalformedRecord:
             continue  # agents skip it too
-        fps.update(fp for fp, digest in record.tenants.items() if digest == value)
+        fps.update(fp for fp, served in record.served.items() if served.tenant == value)
     out: list[KeyValue] = []
     for fp in sorted(fps):
         out += (await client.get_prefix(schema.blocks + fp.encode() + b"/", rev))[0]

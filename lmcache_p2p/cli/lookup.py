@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
             fp = FingerprintDigest(bytes.fromhex(fp_hex))
             keys = chunk_keys(fp, tokens, config.chunk_size)
             owners = owners_under[fp_hex]
-            model = next((n.models.get(fp_hex, "?") for n in nodes.values() if fp_hex in n.models), "?")
+            model = next((n.served[fp_hex].model for n in nodes.values()
+                          if fp_hex in n.served and n.served[fp_hex].model), "?")
             rows = [{"chunk": i, "tokens": f"{s}-{e}", "key": k.hex()[:16], "owners": sorted(o)}
                     for i, (k, (s, e), o) in enumerate(zip(keys, spans, owners, strict=True))]
             prefix = next((i for i, o in enumerate(owners) if not o), len(owners))

@@ -34,9 +34,9 @@ from typing import Any
 from ..config import AgentConfig, EtcdConfig
 from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient, translate
+from ..index.quarantine import read_all as read_quarantine
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
 from ..metrics import SCRAPE_TIMEOUT_S, scrape
-from ..quarantine import read_all as read_quarantine
 from .common import add_etcd_arguments, tool_config
 
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
@@ -116,7 +116,8 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id), role=record.role,
                 free_bytes=dict(record.free), config_revision=record.config_revision,
                 config_deviations=dict(record.config_deviations),
-                heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for h in record.heads.values() if h[1] - h[0] < h[2])), record))
+                heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for s in record.served.values()
+                               if (h := s.partial_heads) is not None)), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
         quarantined = await read_quarantine(client, schema)
     finally:
@@ -162,17 +163,19 @@ def _report(config: AgentConfig, nodes: list[NodeStatus], records: list[NodeReco
     flags: list[str] = []
     by_model: dict[tuple[str, str], set[str]] = defaultdict(set)  # tenants' salts differ on purpose
     for record in records:
-        for fp, model in record.models.items():
-            by_model[(model, record.tenants.get(fp, ""))].add(fp)
+        for fp, served in record.served.items():
+            if served.model:
+                by_model[(served.model, served.tenant)].add(fp)
     for (model, tenant), fps in sorted(by_model.items()):
         if len(fps) > 1:
             flags.append(f"fingerprint-mismatch: model {model!r}{f' (tenant {tenant!r})' if tenant else ''} is "
                          f"served under {len(fps)} fingerprints ({', '.join(sorted(f[:12] for f in fps))}): "
                          "their chunks never match")
-    engines: dict[tuple[str, str], list[list[int]]] = defaultdict(list)  # (engine, fingerprint) -> heads held
+    engines: dict[tuple[str, str], list[tuple[int, int, int]]] = defaultdict(list)  # (engine, fingerprint) -> heads
     for node, record in zip(nodes, records, strict=True):
-        for fp, held in record.heads.items():
-            engines[(node.engine, fp)].append(held)
+        for fp, served in record.served.items():
+            if served.heads is not None:
+                engines[(node.engine, fp)].append(served.heads)
     for (engine, fp), ranges in sorted(engines.items()):
         total = ranges[0][2]
         if not covers([(h[0], h[1]) for h in ranges], (0, total)):

@@ -27,9 +27,9 @@ from typing import Any
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient
+from ..index.quarantine import QuarantineRecord, read_all, release
 from ..index.schema import NodeRecord, Schema, decode_node_record
 from ..metrics import scrape
-from ..quarantine import QuarantineRecord, read_all, release
 from .common import add_etcd_arguments, read_tokens, tool_config
 
 POLL_S = 0.2

@@ -15,9 +15,9 @@ from ..aio import LoopThread
 from ..config import AgentConfig
 from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
-from ..quarantine import Quarantine
 from .client import EtcdClient
 from .mirror import Mirror
+from .quarantine import Quarantine
 from .schema import NodeRecord, Rejects, Schema, covers
 
 
@@ -65,8 +65,8 @@ class IndexReader:
         parts: the ranks of a tensor-parallel engine), or are in ``also_held``. With ``usable``, only
         owners whose node record is in the mirror and passes it count (``peers.compatible``)."""
         nodes = self.mirror.nodes()
-        partial = {n: h for n, r in nodes.items()  # nodes holding some heads: [h0, h1, total]
-                   if (h := r.heads.get(self._fp_hex)) is not None and h[1] - h[0] < h[2]}
+        partial = {n: h for n, r in nodes.items()  # nodes holding some heads: (h0, h1, total)
+                   if (s := r.served.get(self._fp_hex)) is not None and (h := s.partial_heads) is not None}
         refused = None if usable is None else {n for n, r in nodes.items() if not usable(r)}
         if not also_held and not partial and usable is None:
             return self.mirror.longest_prefix(keys)

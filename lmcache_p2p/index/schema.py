@@ -49,7 +49,7 @@ SCHEMA_VERSION = 1
 _HEX = 32  # hex chars of a 16-byte digest
 _HEX_RE = re.compile(rb"[0-9a-f]{32}")
 MAX_RECORD_BYTES = 64 << 10
-__all__ = ["SCHEMA_VERSION", "NodeRecord", "Schema", "Invalidation", "Rejects", "Generation", "tenant_digest"]
+__all__ = ["SCHEMA_VERSION", "NodeRecord", "Served", "Schema", "Invalidation", "Rejects", "Generation", "tenant_digest"]
 
 
 class Schema:
@@ -162,35 +162,55 @@ def _address(name: str, address: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Served:
+    """What a node serves of one fingerprint: its model, tenant, KV heads and public layout fields."""
+
+    model: str = ""  # the model id ("": not published)
+    tenant: str = ""  # tenant_digest(salt), "" without a salt (never the salt)
+    heads: tuple[int, int, int] | None = None  # KV heads [h0, h1) of the model's total held (a
+    # tensor-parallel rank's); None: every head
+    layout: dict[str, Any] = dataclasses.field(default_factory=dict)  # the fingerprint's fields
+    # (what ``lookup --explain`` names when two identities differ); a tenant salt becomes its digest
+
+    def __post_init__(self) -> None:
+        if "tenant_salt" in self.layout:  # never published: its digest is
+            object.__setattr__(self, "layout", _public_layout(self.layout))
+
+    def heads_of(self, num_kv_heads: int) -> tuple[int, int]:
+        return (self.heads[0], self.heads[1]) if self.heads is not None else (0, num_kv_heads)
+
+    @property
+    def partial_heads(self) -> tuple[int, int, int] | None:
+        """``heads`` when it holds some of the model's KV heads but not all (a tensor-parallel rank)."""
+        held = self.heads
+        return held if held is not None and held[1] - held[0] < held[2] else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class NodeRecord:
     """What a node publishes about itself at ``nodes/<node_id>``."""
 
     node_id: NodeId
     addresses: dict[str, str]  # transport name -> "host:port"
     transports: tuple[str, ...]
-    fingerprints: tuple[str, ...] = ()  # hex digests served
+    served: dict[str, Served] = dataclasses.field(default_factory=dict)  # fingerprint hex -> what of it
     capacities: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> bytes
     software_version: str = ""
     wire_version: int = WIRE_VERSION
     started_at: float = dataclasses.field(default_factory=time.time)
     metrics_url: str | None = None
-    models: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> model id
-    tenants: dict[str, str] = dataclasses.field(default_factory=dict)  # fingerprint hex -> tenant_digest(salt)
     tls: bool = False  # its transfer port speaks only TLS (transfer.tls_*): peers must match to pull
-    heads: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> [h0, h1, total]:
-    # KV heads [h0, h1) of the model's total held (a tensor-parallel rank's; absent: every head)
     role: str = "engine"  # "engine" (embedded in vLLM) or "cache" (a cache-only agent: hand-offs go there first)
     free: dict[str, int] = dataclasses.field(default_factory=dict)  # tier name -> free bytes (refreshed, rate-bounded)
-    layouts: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # fingerprint hex -> its fields
     config_revision: int = 0  # etcd revision of the cluster config this node runs (0: none stored / not read)
     # agent config fields where the node does not run the stored cluster config's value: "restart" (it
     # applies at the next start) or "node" (the node's own file, environment or overrides set it)
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)
-    # (what ``lookup --explain`` names when two identities differ)
 
-    def __post_init__(self) -> None:
-        if any("tenant_salt" in fields for fields in self.layouts.values()):  # never published: its digest is
-            object.__setattr__(self, "layouts", {fp: _public_layout(f) for fp, f in self.layouts.items()})
+    @property
+    def fingerprints(self) -> tuple[str, ...]:
+        """The hex digests served, in the order published."""
+        return tuple(self.served)
 
     def peer(self) -> PeerAddress | None:
         """Where this node's transfer server listens (its first address), bound to its node id."""
@@ -199,12 +219,18 @@ class NodeRecord:
 
     def heads_of(self, fp_hex: str, num_kv_heads: int) -> tuple[int, int]:
         """The KV heads this node holds of every chunk of a fingerprint."""
-        held = self.heads.get(fp_hex)
-        return (held[0], held[1]) if held is not None else (0, num_kv_heads)
+        served = self.served.get(fp_hex)
+        return served.heads_of(num_kv_heads) if served is not None else (0, num_kv_heads)
 
     def pack(self) -> bytes:
-        return msgpack.packb(
-            {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, use_bin_type=True)
+        raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        raw["served"] = {fp: {"model": s.model, "tenant": s.tenant, "heads": None if s.heads is None else list(s.heads),
+                              "layout": s.layout} for fp, s in self.served.items()}
+        # For nodes of the previous release during a rolling upgrade (their planners read these two: without
+        # them a TP rank would look like a holder of every head); this release reads ``served`` only.
+        raw["fingerprints"] = list(self.served)
+        raw["heads"] = {fp: list(s.heads) for fp, s in self.served.items() if s.heads is not None}
+        return msgpack.packb(raw, use_bin_type=True)
 
     @classmethod
     def unpack(cls, data: bytes) -> NodeRecord:
@@ -226,9 +252,6 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     if not NODE_ID_RE.fullmatch(record_id) or (node_id is not None and record_id != node_id):
         raise MalformedRecord("node record", f"node_id {record_id[:80]!r} does not match its key {node_id!r}")
     addresses = {name: _address(name, a) for name, a in _str_map(raw, "addresses").items()}
-    fingerprints = _str_tuple(raw, "fingerprints")
-    if not all(re.fullmatch("[0-9a-f]{32}", fp) for fp in fingerprints):
-        raise MalformedRecord("node record", "fingerprints: expected 32 lower-case hex chars each")
     capacities = _sizes(raw, "capacities")
     wire_version = _field(raw, "wire_version", int, WIRE_VERSION)
     started_at = float(_field(raw, "started_at", (int, float), 0.0))
@@ -237,16 +260,69 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
     metrics_url = _field(raw, "metrics_url", (str, type(None)), None)
     return NodeRecord(
         node_id=NodeId(record_id), addresses=addresses, transports=_str_tuple(raw, "transports"),
-        fingerprints=fingerprints, capacities=capacities,
+        served=_served(raw) if "served" in raw else _served_legacy(raw), capacities=capacities,
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
-        started_at=started_at, metrics_url=metrics_url,
-        models=_str_map(raw, "models"), tenants=_tenants(raw), tls=_field(raw, "tls", bool, False),
-        heads=_heads(raw), role=_role(raw), free=_sizes(raw, "free"), layouts=_layouts(raw),
-        config_revision=_field(raw, "config_revision", int, 0), config_deviations=_deviations(raw))
+        started_at=started_at, metrics_url=metrics_url, tls=_field(raw, "tls", bool, False), role=_role(raw),
+        free=_sizes(raw, "free"), config_revision=_field(raw, "config_revision", int, 0),
+        config_deviations=_deviations(raw))
 
 
-def _tenants(raw: dict[str, Any]) -> dict[str, str]:
-    return {fp: tenant_value(value) for fp, value in _str_map(raw, "tenants").items()}
+_FP_HEX_RE = re.compile("[0-9a-f]{32}")
+
+
+def _served(raw: dict[str, Any]) -> dict[str, Served]:
+    """``served``: fingerprint hex -> {model, tenant, heads, layout}."""
+    served = _field(raw, "served", dict)
+    out: dict[str, Served] = {}
+    for fp, entry in served.items():
+        if not (isinstance(fp, str) and _FP_HEX_RE.fullmatch(fp)):
+            raise MalformedRecord("node record", "served: expected 32 lower-case hex chars per fingerprint")
+        if not isinstance(entry, dict):  # fields a newer version adds are ignored, as at the top level
+            raise MalformedRecord("node record", f"served.{fp}: expected a map of model, tenant, heads, layout")
+        model, tenant = entry.get("model", ""), entry.get("tenant", "")
+        if not isinstance(model, str) or not isinstance(tenant, str):
+            raise MalformedRecord("node record", f"served.{fp}: model and tenant must be strings")
+        heads = entry.get("heads")
+        out[fp] = Served(model, tenant_value(tenant) if tenant else "",
+                         None if heads is None else _head_range(f"served.{fp}.heads", heads),
+                         _layout(f"served.{fp}.layout", entry.get("layout", {})))
+    return out
+
+
+def _served_legacy(raw: dict[str, Any]) -> dict[str, Served]:
+    """``served`` from a record an older version wrote (a rolling upgrade): ``fingerprints`` and four
+    maps keyed by them (``models``, ``tenants``, ``heads``, ``layouts``), each validated as it was then;
+    entries for a fingerprint not in ``fingerprints`` are dropped."""
+    fingerprints = _str_tuple(raw, "fingerprints")
+    if not all(_FP_HEX_RE.fullmatch(fp) for fp in fingerprints):
+        raise MalformedRecord("node record", "fingerprints: expected 32 lower-case hex chars each")
+    models = _str_map(raw, "models")
+    tenants = {fp: tenant_value(value) for fp, value in _str_map(raw, "tenants").items()}
+    heads = _field(raw, "heads", dict, {})
+    if not all(isinstance(fp, str) for fp in heads):
+        raise MalformedRecord("node record", "heads: expected fingerprint hex -> [first, end, total] KV heads")
+    held = {fp: _head_range("heads", h) for fp, h in heads.items()}
+    layouts = _field(raw, "layouts", dict, {})
+    if not all(isinstance(fp, str) for fp in layouts):
+        raise MalformedRecord("node record", "layouts: expected fingerprint hex -> {field: str | int}")
+    fields = {fp: _layout("layouts", f) for fp, f in layouts.items()}
+    return {fp: Served(models.get(fp, ""), tenants.get(fp, ""), held.get(fp), fields.get(fp, {}))
+            for fp in fingerprints}
+
+
+def _head_range(name: str, held: Any) -> tuple[int, int, int]:
+    if not (isinstance(held, list) and len(held) == 3
+            and all(isinstance(h, int) and not isinstance(h, bool) for h in held)
+            and 0 <= held[0] < held[1] <= held[2] <= 0xFFFF):
+        raise MalformedRecord("node record", f"{name}: expected [first, end, total] KV heads")
+    return held[0], held[1], held[2]
+
+
+def _layout(name: str, fields: Any) -> dict[str, Any]:
+    if not (isinstance(fields, dict) and len(fields) <= 32
+            and all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in fields.items())):
+        raise MalformedRecord("node record", f"{name}: expected {{field: str | int}}")
+    return dict(fields)
 
 
 def _deviations(raw: dict[str, Any]) -> dict[str, str]:
@@ -254,15 +330,6 @@ def _deviations(raw: dict[str, Any]) -> dict[str, str]:
     if len(deviations) > 64 or not all(v in ("restart", "node") for v in deviations.values()):
         raise MalformedRecord("node record", "config_deviations: expected at most 64 field -> 'restart' | 'node'")
     return deviations
-
-
-def _layouts(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    layouts = _field(raw, "layouts", dict, {})
-    for fp, fields in layouts.items():
-        if not (isinstance(fp, str) and isinstance(fields, dict) and len(fields) <= 32
-                and all(isinstance(k, str) and isinstance(v, (str, int)) for k, v in fields.items())):
-            raise MalformedRecord("node record", "layouts: expected fingerprint hex -> {field: str | int}")
-    return {fp: dict(fields) for fp, fields in layouts.items()}
 
 
 def _role(raw: dict[str, Any]) -> str:
@@ -278,16 +345,6 @@ def _sizes(raw: dict[str, Any], name: str) -> dict[str, int]:
                for k, v in sizes.items()):
         raise MalformedRecord("node record", f"{name}: expected tier name -> bytes >= 0")
     return dict(sizes)
-
-
-def _heads(raw: dict[str, Any]) -> dict[str, list[int]]:
-    heads = _field(raw, "heads", dict, {})
-    for fp, held in heads.items():
-        if not (isinstance(fp, str) and isinstance(held, list) and len(held) == 3
-                and all(isinstance(h, int) and not isinstance(h, bool) for h in held)
-                and 0 <= held[0] < held[1] <= held[2] <= 0xFFFF):
-            raise MalformedRecord("node record", "heads: expected fingerprint hex -> [first, end, total] KV heads")
-    return {fp: list(held) for fp, held in heads.items()}
 
 
 # ---- tenants ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ class ChunkTransfer:
     sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
     generated: bool = False  # saves: chunks filled by generated tokens (not prompt misses)
     index_revision: int = 0  # loads: the scheduler's mirror revision when it offered the hit
+    deadline: float = 0.0  # async loads: when the worker gives up and vLLM recomputes (time.monotonic(); 0: none)
     canary: bool = False  # saves: the engine computed what the mesh holds; compare every owner's copy (canary.py)
 
 

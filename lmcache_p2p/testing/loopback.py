@@ -15,16 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 from collections.abc import Collection, Sequence
+from typing import Any
 
+from ..aio import remaining
 from ..chunk import ChunkHeader, slice_heads, verify
+from ..config import AgentConfig
 from ..errors import ChunkError, PeerTimeout, TierError, TransferError
-from ..ids import PeerAddress
+from ..ids import WIRE_VERSION, NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import MissReason, PullResult, Want, wants_of
+from ..transfer.base import MissReason, PullResult, Transport, Want, wants_of
 from ..transfer.client import guarded_pull
 from ..transfer.health import PeerHealth
+from ..transfer.stack import ServerHooks, TransfersFactory
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,6 +38,7 @@ class Owner:
     fault: str | None = None  # None | "dead" | "hang" | "corrupt"
     delay_s: float = 0.0
     served: int = 0  # chunks sent
+    hooks: ServerHooks = ServerHooks()  # what an agent's transfer server would ask of it
 
 
 class LoopbackNet:
@@ -40,10 +46,15 @@ class LoopbackNet:
 
     def __init__(self) -> None:
         self.owners: dict[tuple[str, int], Owner] = {}
+        self._ports = itertools.count(20000)
 
-    def add(self, peer: PeerAddress, pool: CpuPool) -> Owner:
-        owner = self.owners[(peer.host, peer.port)] = Owner(pool)
+    def add(self, peer: PeerAddress, pool: CpuPool, hooks: ServerHooks | None = None) -> Owner:
+        owner = self.owners[(peer.host, peer.port)] = Owner(pool, hooks=hooks or ServerHooks())
         return owner
+
+    def port(self) -> int:
+        """A port no owner of this net has."""
+        return next(self._ports)
 
     def owner(self, peer: PeerAddress) -> Owner:
         return self.owners[(peer.host, peer.port)]
@@ -57,23 +68,25 @@ class LoopbackTransport:
         self.pulls: list[tuple[PeerAddress, int]] = []  # (peer, chunks asked) per pull, in order
 
     async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
-                   dst: CpuPool, timeout: float) -> PullResult:
+                   dst: CpuPool, deadline: float) -> PullResult:
         wants = wants_of(keys)
         self.pulls.append((peer, len(wants)))
         return await guarded_pull(self.health, peer, wants,
-                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
-                    result: PullResult, timeout: float) -> None:
+                    result: PullResult, deadline: float) -> None:
         owner = self.net.owners.get((peer.host, peer.port))
         if owner is None or owner.fault == "dead":
             raise TransferError(f"{peer}: connection refused")
-        if owner.fault == "hang" or owner.delay_s >= timeout:
-            await asyncio.sleep(timeout)
-            raise PeerTimeout(f"{peer}: pull of {len(wants)} chunks ran past {timeout:.1f}s")
+        if owner.fault == "hang" or owner.delay_s >= remaining(deadline):
+            await asyncio.sleep(remaining(deadline))
+            raise PeerTimeout(f"{peer}: pull of {len(wants)} chunks ran past its deadline")
         if owner.delay_s:
             await asyncio.sleep(owner.delay_s)
         for want in wants:
+            if owner.hooks.prepare is not None:
+                owner.hooks.prepare(want.key)  # from its disk tier, as its transfer server would
             pin = owner.pool.pin(want.key, 5.0)
             if pin is None or pin.header.fingerprint != fp:
                 if pin is not None:
@@ -85,6 +98,8 @@ class LoopbackTransport:
                                               pin.header.length)), want.heads or pin.header.heads)
                 self._land(want, header, payload, dst, result, corrupt=owner.fault == "corrupt")
                 owner.served += 1
+                if owner.hooks.on_served is not None:
+                    owner.hooks.on_served(want.key)
             except ChunkError:  # the owner's own copy is bad, or the heads asked are not all there
                 result.missed[want.key] = MissReason.ABSENT
             finally:
@@ -120,3 +135,52 @@ class LoopbackTransport:
 
     async def close(self) -> None:
         pass
+
+
+class LoopbackStack:
+    """An agent's transfers over a :class:`LoopbackNet`, in place of TCP and NIXL: its pool is served
+    there under an address of its own, and it pulls with a :class:`LoopbackTransport`::
+
+        net = LoopbackNet()
+        agent = CacheAgent(config, fp, chunk_bytes, index_factory=..., transfers=LoopbackStack.factory(net))
+    """
+
+    def __init__(self, net: LoopbackNet, config: AgentConfig, pool: CpuPool, hooks: ServerHooks) -> None:
+        self.net = net
+        self.pool = pool
+        self.hooks = hooks
+        self.health = PeerHealth(config.transfer.backoff_s, max(config.transfer.backoff_s, 30.0))
+        self.transports: dict[str, Transport] = {"loopback": LoopbackTransport(net, self.health)}
+        self.address = PeerAddress(config.transfer.advertise_host or "127.0.0.1", net.port(), NodeId(config.node_id))
+        self.owner: Owner | None = None
+
+    @classmethod
+    def factory(cls, net: LoopbackNet) -> TransfersFactory:
+        def build(config: AgentConfig, pool: CpuPool, fingerprints: Collection[FingerprintDigest],
+                  secret: bytes | None, hooks: ServerHooks) -> LoopbackStack:
+            return cls(net, config, pool, hooks)
+        return build
+
+    async def start(self) -> None:
+        self.owner = self.net.add(self.address, self.pool, self.hooks)
+
+    def node_record(self) -> dict[str, Any]:
+        return {"host": self.address.host, "port": self.address.port, "wire_version": WIRE_VERSION,
+                "transports": list(self.transports)}
+
+    def chunks_sent(self) -> int:
+        return self.owner.served if self.owner is not None else 0
+
+    async def offer(self, peer: PeerAddress, fp: FingerprintDigest, node_id: str, keys: Sequence[ChunkKey],
+                    timeout: float) -> list[bool]:
+        """What the peer's ``on_offer`` takes (it pulls those from us, as over TCP)."""
+        owner = self.net.owners.get((peer.host, peer.port))
+        if owner is None or owner.fault is not None or owner.hooks.on_offer is None:
+            return [False] * len(keys)
+        return owner.hooks.on_offer(node_id, list(keys))
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        self.health.forget_except(live)
+
+    async def close(self) -> None:
+        self.net.owners.pop((self.address.host, self.address.port), None)

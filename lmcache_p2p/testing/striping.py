@@ -26,11 +26,11 @@ async def pull_striped(
     plan: Mapping[PeerAddress, Sequence[ChunkKey]],
     fingerprint: FingerprintDigest,
     dst: CpuPool,
-    timeout: float,
+    deadline: float,
 ) -> dict[PeerAddress, PullResult]:
     """Pull every peer's share at once; each share succeeds or misses on its own."""
     peers = [p for p, keys in plan.items() if keys]
-    results = await asyncio.gather(*(transport.pull(p, fingerprint, plan[p], dst, timeout) for p in peers))
+    results = await asyncio.gather(*(transport.pull(p, fingerprint, plan[p], dst, deadline) for p in peers))
     return dict(zip(peers, results, strict=True))
 
 

@@ -16,7 +16,7 @@ chunk it refuses (one a standing invalidation covers) is never stored, its slot 
 ``commit`` returns False. Pulls, engine stores and promotions all pass this one gate; a chunk
 it admits is held under the header the ``stamp`` hook gives it (the agent caps its epoch at its own).
 
-With ``evict_first`` set (the agent: "another node holds this chunk too"), a full pool looks
+With ``evict_first`` given (the agent: "another node holds this chunk too"), a full pool looks
 among its policy's ``EVICT_FIRST_SCAN`` coldest chunks for one that predicate accepts and evicts
 it before any other: copies go before the only copy in the cluster.
 """
@@ -81,7 +81,11 @@ class CpuPool:
         pin_memory: bool = False,
         admit: Callable[[ChunkHeader], bool] | None = None,
         stamp: Callable[[ChunkHeader], ChunkHeader] | None = None,
+        evict_first: Callable[[ChunkKey], bool] | None = None,
     ) -> None:
+        """``admit(header)`` gates every chunk entering the pool; ``stamp(header)`` is the header an
+        admitted chunk is held under (same key, length and checksum); ``evict_first(key)``: this chunk
+        is held elsewhere too (called under the pool lock: dict probes only)."""
         if slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -93,7 +97,7 @@ class CpuPool:
         self._on_evict = on_evict
         self._admit = admit
         self._stamp = stamp
-        self.evict_first: Callable[[ChunkKey], bool] | None = None  # called under the pool lock: dict probes only
+        self._evict_first = evict_first
         self._clock = clock
         self._entries: dict[ChunkKey, _Entry] = {}
         self._free = list(range(self.num_slots - 1, -1, -1))
@@ -111,10 +115,6 @@ class CpuPool:
         """Evict by ``policy`` from now on (the cluster config changed ``eviction``)."""
         with self._lock:
             self._policy = switch_policy(self._policy, policy)
-
-    def set_stamp(self, stamp: Callable[[ChunkHeader], ChunkHeader] | None) -> None:
-        """``stamp(header)``: the header an admitted chunk is held under (same key, length and checksum)."""
-        self._stamp = stamp
 
     # -- sizes and addresses -------------------------------------------------------------
     @property
@@ -249,7 +249,7 @@ class CpuPool:
             self.stats.misses += 1
             return None
         try:
-            if not self._copy_verified(pin, dst):
+            if not self.copy_verified(pin, dst):
                 return None
             self.stats.hits += 1
             return pin.header
@@ -271,9 +271,9 @@ class CpuPool:
             buf = self._staging.buf = torch.empty(self.slot_bytes, dtype=torch.uint8,
                                                   pin_memory=self.buffer.is_pinned())
         out = buf[: pin.header.length]
-        return out if self._copy_verified(pin, out.numpy().data) else None
+        return out if self.copy_verified(pin, out.numpy().data) else None
 
-    def _copy_verified(self, pin: Pin, dst: memoryview) -> bool:
+    def copy_verified(self, pin: Pin, dst: memoryview) -> bool:
         """Copy the pinned slot into ``dst`` (the caller's private memory), then verify the copy; one
         that does not match drops the chunk, if that slot still holds it."""
         n = pin.header.length
@@ -318,7 +318,7 @@ class CpuPool:
 
     def _copy_victim(self) -> ChunkKey | None:
         """A cold, unpinned chunk ``evict_first`` accepts (held elsewhere too), taken out of the policy."""
-        prefer = self.evict_first
+        prefer = self._evict_first
         if prefer is None:
             return None
         for key in cast("list[ChunkKey]", self._policy.coldest(EVICT_FIRST_SCAN)):

@@ -55,10 +55,14 @@ class TieredStore:
 
     @classmethod
     def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None,
-                    admit: Admit | None = None) -> TieredStore:
+                    admit: Admit | None = None, stamp: Callable[[ChunkHeader], ChunkHeader] | None = None,
+                    evict_first: Callable[[ChunkKey], bool] | None = None) -> TieredStore:
         """``admit(header)`` gates every chunk entering the store (see :class:`CpuPool`) and every
-        chunk recovered from disk."""
-        cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction), admit=admit)
+        chunk recovered from disk; ``listener(key, tier)`` hears every chunk entering or leaving a
+        tier (not those :meth:`recover` finds: their caller announces what it keeps); ``stamp`` and
+        ``evict_first`` go to the CPU pool."""
+        cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction), admit=admit,
+                      stamp=stamp, evict_first=evict_first)
         disk = None
         if config.disk_path:
             disk = DiskTier(config.disk_path, config.disk_capacity, policy=make_policy(config.eviction))
@@ -69,9 +73,6 @@ class TieredStore:
         self.cpu.set_policy(make_policy(name))
         if self.disk is not None:
             self.disk.set_policy(make_policy(name))
-
-    def set_listener(self, listener: Listener | None) -> None:
-        self._listener = listener
 
     def _notify(self, key: ChunkKey, tier: str | None) -> None:
         if self._listener is not None:
@@ -245,7 +246,8 @@ class TieredStore:
 
     def recover(self) -> list[ChunkHeader]:
         """Rescan the disk tier (on start); returns the valid chunks found that the admission
-        hook accepts (the others are deleted)."""
+        hook accepts (the others are deleted). The listener hears none of them: the caller vets and
+        announces what it keeps."""
         if self.disk is None:
             return []
         scratch = memoryview(bytearray(self.cpu.slot_bytes))
@@ -256,7 +258,6 @@ class TieredStore:
                 self.cpu.stats.refused += 1
                 continue
             found.append(header)
-            self._notify(header.key, "disk")
         return found
 
     def flush_to_disk(self) -> int:

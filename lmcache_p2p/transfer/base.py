@@ -72,8 +72,10 @@ class Transport(Protocol):
         fingerprint: FingerprintDigest,
         keys: Sequence[ChunkKey | Want],
         dst: CpuPool,
-        timeout: float,
-    ) -> PullResult: ...
+        deadline: float,
+    ) -> PullResult:
+        """Pull ``keys`` into ``dst``; ``deadline`` is absolute (``time.monotonic()``): what has not
+        landed by then is missed with ``TIMEOUT``."""
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:
         """Drop every per-peer state (connections, remote registrations) of peers not in ``live``."""

@@ -13,6 +13,7 @@ import ssl
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
+from ..aio import remaining
 from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, TransferError
 from ..ids import WIRE_VERSION, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
@@ -188,21 +189,19 @@ class TcpTransport:
 
     async def pull(
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        timeout: float,
+        deadline: float,
     ) -> PullResult:
         wants = wants_of(keys)
         return await guarded_pull(self.health, peer, wants,
-                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
-                    result: PullResult, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        conn = await self._pool.get(peer, fp, timeout)
+                    result: PullResult, deadline: float) -> None:
+        conn = await self._pool.get(peer, fp, remaining(deadline))
         step = batch_size(self._pool.max_frame_bytes)
         requests = [conn.start_get(keys[i : i + step], fp, dst, result) for i in range(0, len(keys), step)]
         try:
-            done, _ = await asyncio.wait([r.future for r in requests], timeout=max(0.0, deadline - loop.time()))
+            done, _ = await asyncio.wait([r.future for r in requests], timeout=remaining(deadline))
         finally:
             if not all(r.future.done() for r in requests):
                 # Close rather than drain: the rest of an overrun answer would hold up every later
@@ -213,7 +212,7 @@ class TcpTransport:
             exc = request.future.exception()
             if exc is not None:
                 if request.future not in done:
-                    raise PeerTimeout(f"{peer}: pull of {len(keys)} chunks ran past {timeout:.1f}s")
+                    raise PeerTimeout(f"{peer}: pull of {len(keys)} chunks ran past its deadline")
                 raise exc
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:

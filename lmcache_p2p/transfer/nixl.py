@@ -30,6 +30,7 @@ import logging
 import ssl
 from collections.abc import Collection, Sequence
 
+from ..aio import remaining
 from ..chunk import ChunkHeader, verify
 from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
 from ..ids import PeerAddress
@@ -65,19 +66,17 @@ class NixlTransport:
 
     async def pull(
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        timeout: float,
+        deadline: float,
     ) -> PullResult:
         if dst is not self.engine.pool:
             raise ValueError("NIXL pulls land only in the pool registered with the engine")
         wants = wants_of(keys)
         return await guarded_pull(self.health, peer, wants,
-                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, timeout))
+                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
-                    result: PullResult, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        conn = await self._pool.get(peer, fp, timeout)
+                    result: PullResult, deadline: float) -> None:
+        conn = await self._pool.get(peer, fp, remaining(deadline))
         if conn.nixl is None:
             raise TransferError(f"{peer} does not serve NIXL")
         remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
@@ -89,7 +88,7 @@ class NixlTransport:
         try:
             for request, batch in zip(requests, batches, strict=True):
                 try:
-                    answer = await asyncio.wait_for(request.future, max(0.0, deadline - loop.time()))
+                    answer = await asyncio.wait_for(request.future, remaining(deadline))
                 except TimeoutError as exc:
                     raise PeerTimeout(f"{conn.peer}: no pin answer before the deadline") from exc
                 finishing.append(await self._read_batch(conn, remote, fp, batch, answer, dst, result, deadline))

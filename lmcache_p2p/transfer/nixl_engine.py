@@ -186,7 +186,6 @@ class NixlEngine:
 
     async def _read_group(self, remote: str, local: Any, far: Any, group: range, deadline: float,
                           abandoned: Quarantine) -> None:
-        loop = asyncio.get_running_loop()
         idx = list(group)
         with _nixl_errors("READ preparation"):
             handle = self._agent.make_prepped_xfer("READ", local, idx, far, idx)
@@ -196,7 +195,7 @@ class NixlEngine:
                 state = self._agent.transfer(handle)
                 polls = 0
                 while state == "PROC":
-                    if loop.time() > deadline:
+                    if time.monotonic() > deadline:
                         raise ReadOverrun(f"NIXL READ from {remote} ran past its deadline")
                     polls += 1
                     await asyncio.sleep(0 if polls < _SPIN_POLLS else _PROGRESS_PERIOD_S)

@@ -1,8 +1,10 @@
 """Pull orchestration: the remote part of a hit plan, into this node's CPU pool.
 
     puller = Puller(node_id, fp, pool, transports, ["nixl", "tcp"], health, index.nodes, metrics, estimates, loop)
-    puller.pull(plan_chunks, timeout)      # blocks the caller up to ``timeout``; never raises for a peer
+    puller.pull(plan_chunks, deadline)     # blocks the caller until ``deadline``; never raises for a peer
     await puller.pull_from(node, chunks, deadline)   # on the loop: whole chunks from one peer (hand-offs)
+
+Every deadline is absolute, on ``time.monotonic()``, and handed down unchanged to the transports.
 
 One pass: the planned chunks are grouped by owner (a chunk assembled from several owners' head
 ranges is one *part* per piece), every group is pulled concurrently over the first transport in
@@ -30,7 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from ..aio import LoopThread
+from ..aio import LoopThread, remaining
 from ..chunk import ChunkHeader, make_header, verify
 from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
@@ -119,20 +121,19 @@ class Puller:
             return {n: c for n, c in self._inflight.items() if c}
 
     # -- pulling -----------------------------------------------------------------------------------
-    def pull(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
-        """Pull ``chunks`` into the pool within ``timeout`` (from any thread but the loop's); what
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
+        """Pull ``chunks`` into the pool by ``deadline`` (from any thread but the loop's); what
         misses is simply not in the pool afterwards: the caller recomputes it."""
         try:
-            self.loop.run(self.pull_all(chunks, timeout), timeout + 1.0)
+            self.loop.run(self.pull_all(chunks, deadline), remaining(deadline) + 1.0)
         except LMCacheP2PError as exc:
             log.warning("pull of %d chunks failed: %s", len(chunks), exc)
         for chunk in chunks:
             if chunk.pieces:
                 self.assemble(chunk)
 
-    async def pull_all(self, chunks: Sequence[PlannedChunk], timeout: float) -> None:
+    async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
         """On the loop: one concurrent pull per owner, then one retry round on the alternatives."""
-        deadline = time.monotonic() + timeout
         groups: dict[NodeId, list[Part]] = {}
         for c in chunks:
             for piece in c.parts():
@@ -163,8 +164,7 @@ class Puller:
             self._inflight[node] = self._inflight.get(node, 0) + len(parts)
         t0 = time.perf_counter()
         try:
-            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool,
-                                          max(deadline - time.monotonic(), 0.01))
+            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool, deadline)
         except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
             # A transport should report failures in its result; whatever escapes is a miss, never the
             # caller's (the engine's) exception.

@@ -15,7 +15,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..config import AgentConfig, cluster_secret
 from ..errors import ConfigError, PeerTimeout, ProtocolError, TransferError
@@ -31,6 +31,42 @@ from .nixl_engine import NixlEngine
 from .server import TransferServer
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerHooks:
+    """What the transfer server asks of its agent (each on the loop, no I/O)."""
+
+    prepare: Callable[[ChunkKey], bool] | None = None  # bring a chunk into the CPU pool before it is served
+    on_offer: Callable[[str, list[ChunkKey]], list[bool]] | None = None  # a peer offers chunks: which we take
+    on_served: Callable[[ChunkKey], None] | None = None  # a chunk was pinned for a peer
+    on_recent: Callable[[list[ChunkKey]], list[float | None]] | None = None  # seconds since each was dropped
+
+
+class Transfers(Protocol):
+    """What an agent runs to serve and pull chunks: :class:`TransferStack` (TCP, NIXL) or, in unit
+    tests, :class:`~lmcache_p2p.testing.loopback.LoopbackStack`."""
+
+    transports: dict[str, Transport]
+    health: PeerHealth
+
+    async def start(self) -> None: ...
+
+    def node_record(self) -> dict[str, Any]: ...
+
+    def chunks_sent(self) -> int: ...
+
+    async def offer(self, peer: PeerAddress, fp: FingerprintDigest, node_id: str, keys: Sequence[ChunkKey],
+                    timeout: float) -> list[bool]: ...
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+TransfersFactory = Callable[[AgentConfig, CpuPool, Collection[FingerprintDigest], bytes | None, ServerHooks],
+                            Transfers]
+"""Builds an agent's transfers: (config, pool, fingerprints served, secret, hooks) -> Transfers."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -49,9 +85,11 @@ class TransferStack:
         pool: CpuPool,
         fingerprints: Collection[FingerprintDigest],
         secret: bytes | None = None,
-        prepare: Callable[[ChunkKey], bool] | None = None,
+        hooks: ServerHooks | None = None,
     ) -> TransferStack:
-        """Create the NIXL engine (if configured), the server and one client per transport."""
+        """Create the NIXL engine (if configured), the server (answering through ``hooks``) and one
+        client per transport."""
+        hooks = hooks if hooks is not None else ServerHooks()
         tc = config.transfer
         secret = secret if secret is not None else cluster_secret(config)
         if not secret:
@@ -80,7 +118,8 @@ class TransferStack:
         server = TransferServer(
             pool, fingerprints, secret, node_id=config.node_id, host=tc.listen_host, port=tc.port,
             timeout_s=tc.timeout_s, max_frame_bytes=tc.max_frame_bytes, pin_timeout_s=config.tiers.pin_timeout_s,
-            nixl=nixl, prepare=prepare, require_mac=mac, tls=server_tls,
+            nixl=nixl, prepare=hooks.prepare, require_mac=mac, tls=server_tls, on_offer=hooks.on_offer,
+            on_served=hooks.on_served, on_recent=hooks.on_recent,
         )
         transports: dict[str, Transport] = {}
         for name in tc.transports:
@@ -126,6 +165,9 @@ class TransferStack:
 
     async def start(self) -> None:
         await self.server.start()
+
+    def chunks_sent(self) -> int:
+        return self.server.stats.chunks_sent
 
     def node_record(self) -> dict[str, Any]:
         """The transfer part of this node's etcd record (msgpack-able)."""

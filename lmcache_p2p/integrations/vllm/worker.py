@@ -2,9 +2,10 @@
 
     start_load_kv:  sync loads (every chunk this engine's own): pin local slots -> a private verified
                     copy -> scatter, inline
-                    async loads: handed to the load thread, which plans (local tiers, then peers,
-                    cut by the fetch-or-recompute budget), pulls with a deadline, scatters the
-                    verified chunks and reports the request through get_finished
+                    async loads: handed to the load thread, which plans (local tiers, then peers)
+                    and loads (``load.py``: the fetch-or-recompute budget, pulls until the deadline
+                    the scheduler side set, pinned verified slots), scatters private verified
+                    copies and reports the request through get_finished
                     a chunk that fails and every later one are reported by block id (no later
                     than the request's get_finished), so vLLM recomputes them (fail closed)
     wait_for_save:  gather each new chunk from the engine's blocks straight into a reserved CPU
@@ -146,26 +147,15 @@ class P2PWorker:
         for n in t.num_tokens:
             spans.append((pos, pos + n))
             pos += n
-        if remote and not agent.wait_for_index(keys, t.index_revision, INDEX_WAIT_S):
+        deadline = self._deadline(t)
+        index_deadline = min(deadline, time.monotonic() + INDEX_WAIT_S)
+        if remote and not agent.wait_for_index(keys, t.index_revision, index_deadline):
             log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                      t.index_revision)
         plan = agent.plan(keys, spans, pos)
         agent.count_lookup(plan, 0)
-        timeout = None
-        if remote:
-            budget = agent.budget(plan)
-            if len(budget.plan.chunks) < len(plan.chunks):
-                agent.metrics.load_failures.labels("recompute_faster").inc(len(plan.chunks) - len(budget.plan.chunks))
-                log.info("request %s: pulling %d of %d chunks, recomputing the rest (expected %.1f ms, recompute "
-                         "%s)", t.req_id, len(budget.plan.chunks), len(plan.chunks), 1e3 * budget.expected_s,
-                         "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
-            log.debug("request %s: budget: %d chunks, expected %.1f ms, recompute %s, deadline %.1f ms", t.req_id,
-                      len(budget.plan.chunks), 1e3 * budget.expected_s,
-                      "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
-                      1e3 * budget.deadline_s)
-            plan, timeout = budget.plan, budget.deadline_s
         t1 = time.perf_counter()
-        pins = agent.load_pinned(plan, timeout, remote=remote) if plan.chunks else []
+        pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
         t2 = time.perf_counter()
         failed: set[int] = set()
         try:
@@ -197,6 +187,13 @@ class P2PWorker:
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
         return failed
+
+    def _deadline(self, t: ChunkTransfer) -> float:
+        """The load's absolute deadline, set by the scheduler side when it offered the hit (one host, one
+        monotonic clock); never more than ``transfer.timeout_s`` from now (a rank on another host, whose
+        clock differs, or a transfer from an older scheduler without one)."""
+        latest = time.monotonic() + self._config.transfer.timeout_s
+        return latest if t.deadline <= 0 else min(t.deadline, latest)
 
     def _scatter(self, staging: torch.Tensor, blocks: list[int], skip: int) -> None:
         assert self._kv is not None

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 
 import msgpack
 
-from .errors import MalformedRecord
-from .ids import NodeId
-from .index.client import EtcdClient, KeyValue, WatchEvent, op_delete
-from .index.schema import Rejects, Schema
-from .index.watch import ResumableWatch
+from ..errors import MalformedRecord
+from ..ids import NodeId
+from .client import EtcdClient, KeyValue, WatchEvent, op_delete
+from .schema import Rejects, Schema
+from .watch import ResumableWatch
 
 log = logging.getLogger(__name__)
 KIND = "quarantine"

@@ -1,0 +1,79 @@
+"""Loading a hit plan: the one path from a plan to verified chunks, for the engine and the agent's API.
+
+    plan ──budget──▶ the leading chunks whose pulls beat recomputing (remote loads only)
+         ──pull────▶ peers' chunks into the CPU pool, verified on arrival, until the deadline
+         ──pin─────▶ one pinned, re-verified CPU slot per chunk (None: not to be had; the caller
+                     recomputes it and everything after it)
+
+The worker connector (``integrations/vllm/worker.py``) scatters the pins into the engine's
+blocks; :meth:`CacheAgent.load` copies them out. Both go through :func:`load_pinned`.
+
+One deadline: absolute, on ``time.monotonic()`` (one clock for every process of a host, so the
+scheduler side sets it when it offers the hit and its workers keep it). The budget may only bring
+it closer (a pull expected to take 5 ms gets ~15 ms, not the request's whole allowance); it then
+goes unchanged to :meth:`Puller.pull` and the transports. Nothing converts it back and forth.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+from .keys import ChunkKey
+from .metrics import AgentMetrics
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk
+from .tiers import Pin
+
+log = logging.getLogger(__name__)
+
+
+class Loading(Protocol):
+    """What a load uses of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+
+    metrics: AgentMetrics
+
+    def budget(self, plan: HitPlan) -> FetchBudget: ...
+
+    def holds(self, key: ChunkKey) -> bool: ...
+
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None: ...
+
+    def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None: ...
+
+
+def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> tuple[HitPlan, float]:
+    """``plan`` cut to the pulls expected to beat recomputing, and ``deadline`` brought as close as
+    the kept pulls' own allowance. Declined chunks are counted (``recompute_faster``)."""
+    budget = node.budget(plan)
+    declined = len(plan.chunks) - len(budget.plan.chunks)
+    if declined:
+        node.metrics.load_failures.labels("recompute_faster").inc(declined)
+        log.info("%spulling %d of %d chunks, recomputing the rest (expected %.1f ms, recompute %s)", label,
+                 len(budget.plan.chunks), len(plan.chunks), 1e3 * budget.expected_s,
+                 "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
+    kept = min(deadline, time.monotonic() + budget.deadline_s)
+    log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,
+              len(budget.plan.chunks), 1e3 * budget.expected_s,
+              "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
+              1e3 * (kept - time.monotonic()))
+    return budget.plan, kept
+
+
+def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool = True,
+                label: str = "") -> list[Pin | None]:
+    """One pin (or None) per chunk of ``plan``; the caller unpins every pin it got.
+
+    ``remote``: budget the plan, pull what peers hold until ``deadline``, read what the disk tier
+    holds. Without it nothing is pulled and no disk is read (the caller is the engine's forward
+    thread): only what the CPU pool holds now is pinned. Chunks the budget declined are None.
+    """
+    kept = plan
+    if remote:
+        kept, deadline = budgeted(node, plan, deadline, label)
+        pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
+        if pulls:
+            node.pull(pulls, deadline)
+    pins = [node.pin_chunk(chunk, remote=remote) for chunk in kept.chunks]
+    return pins + [None] * (len(plan.chunks) - len(kept.chunks))

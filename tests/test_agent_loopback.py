@@ -1,0 +1,122 @@
+"""Whole agents over the shipped fakes: the in-memory index and the loopback transport.
+
+Each agent here is a real :class:`CacheAgent` (tiers, invalidation, hand-offs, the load path the
+engine takes: plan, budget, pull, pinned verified slots) whose index and transfers come from its
+constructor (``index_factory``, ``transfers``). Fast, and never instead of the integration tests
+(``test_agent_mesh.py``: real etcd, agent processes, sockets).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.config import AgentConfig, TierConfig
+from lmcache_p2p.keys import Fingerprint
+from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.plan import LOCAL
+from lmcache_p2p.testing.loopback import LoopbackNet, LoopbackStack
+from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
+from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
+
+TOKENS = 4 * 256 + 100  # 4 full chunks and a partial tail
+
+
+@pytest.fixture
+def fleet() -> Iterator[dict[str, object]]:
+    """``make(name)`` starts an agent on one shared in-memory index and loopback net."""
+    mesh, net, agents = MemoryMesh(), LoopbackNet(), []
+
+    def make(name: str) -> CacheAgent:
+        config = AgentConfig(node_id=name, tiers=TierConfig(cpu_capacity=64 << 20))
+        agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
+                           index_factory=lambda _loop, record: MemoryIndex(mesh, record),
+                           transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
+        agents.append(agent.start())
+        return agent
+
+    yield {"make": make, "net": net, "mesh": mesh}
+    for agent in agents:
+        agent.stop(flush_to_disk=False)
+
+
+def store(agent: CacheAgent, seed: int) -> list[int]:
+    tokens = synthetic_tokens(seed, TOKENS)
+    keys, spans = agent.keys_for(tokens)
+    layout = agent.config.layout
+    payloads = [memoryview(synthetic_payload(k, layout.chunk_bytes(e - s)))
+                for k, (s, e) in zip(keys, spans, strict=True)]
+    assert agent.store(tokens, payloads).result(10) == len(keys)
+    return tokens
+
+
+def load(agent: CacheAgent, tokens: list[int]) -> tuple[list[bool], list[str]]:
+    """Load through ``CacheAgent.load`` (the engine's path, then a copy): which chunks landed, from where;
+    every byte delivered must be the owner's."""
+    plan = agent.lookup(tokens)
+    bufs = [bytearray(agent.chunk_bytes) for _ in plan.chunks]
+    loaded = agent.load(plan, [memoryview(b) for b in bufs])
+    layout = agent.config.layout
+    for ok, chunk, buf in zip(loaded, plan.chunks, bufs, strict=True):
+        if ok:
+            expected = synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
+            assert buf[: len(expected)] == expected, "wrong bytes delivered"
+    return loaded, [c.source for c in plan.chunks]
+
+
+def test_a_peer_hit_lands_verified_and_is_then_local(fleet) -> None:
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    tokens = store(a, 1)
+    loaded, sources = load(b, tokens)
+    assert loaded == [True] * 5 and sources == ["a"] * 5
+    assert b.metrics.loaded_chunks.labels("peer")._value.get() == 5
+    loaded, sources = load(b, tokens)  # pulled chunks are held (and announced) by b now
+    assert loaded == [True] * 5 and sources == [LOCAL] * 5
+
+
+def test_corrupt_bytes_are_dropped_never_delivered(fleet) -> None:
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    tokens = store(a, 2)
+    fleet["net"].owner(a.transfer_stack.address).fault = "corrupt"  # one byte flipped on the way
+    loaded, _ = load(b, tokens)
+    assert loaded == [False] * 5
+    assert not any(b.holds(k) for k in b.keys_for(tokens)[0])
+    assert b.metrics.checksum_failures._value.get() == 5
+
+
+def test_a_dead_owner_is_missed_then_backed_off_and_the_alternative_serves(fleet) -> None:
+    a, b, c = fleet["make"]("a"), fleet["make"]("b"), fleet["make"]("c")
+    tokens = store(a, 3)
+    store(b, 3)  # a second owner of the same chunks
+    fleet["net"].owner(a.transfer_stack.address).fault = "dead"
+    plan = c.lookup(tokens)
+    # the planner spreads chunks over both owners; a's share is retried on b
+    loaded, _ = load(c, tokens)
+    assert loaded == [True] * 5 and {ch.source for ch in plan.chunks} <= {"a", "b"}
+    for key in c.keys_for(tokens)[0]:
+        c.tiers.remove(key)
+    if any(ch.source == "a" for ch in plan.chunks):  # a failed a pull: backed off, not planned
+        assert {ch.source for ch in c.lookup(tokens).chunks} == {"b"}
+
+
+def test_a_known_fast_peer_is_not_abandoned_without_a_prefill_rate(fleet) -> None:
+    """No engine here (no prefill rate): nothing is known to be faster than waiting, so a measured
+    peer's pull gets the whole allowance, not three times its last time."""
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    assert load(b, store(a, 4))[0] == [True] * 5  # b measures a
+    tokens = store(a, 5)
+    fleet["net"].owner(a.transfer_stack.address).delay_s = 0.2  # far slower than measured
+    assert load(b, tokens)[0] == [True] * 5
+
+
+def test_with_a_prefill_rate_a_pull_slower_than_recompute_is_declined(fleet) -> None:
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    load(b, store(a, 6))  # b measures a
+    for _ in range(20):
+        b.prefill.observe(10_000_000, 1.0)  # an engine that recomputes 10M tokens/s: no pull beats it
+    tokens = store(a, 7)
+    assert b.load_pinned(b.lookup(tokens)) == [None] * 5
+    assert b.metrics.load_failures.labels("recompute_faster")._value.get() == 5
