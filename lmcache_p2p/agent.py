@@ -455,8 +455,7 @@ class CacheAgent:
             return None
         scratch = piece_key(chunk.key, chunk.pieces[0].heads)
         try:
-            missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline),
-                                   max(deadline - time.monotonic(), 0.0) + 1.0)
+            missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline), remaining(deadline) + 1.0)
             return None if missed else self._staged_copy(scratch)
         except LMCacheP2PError as exc:
             log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
@@ -504,11 +503,16 @@ class CacheAgent:
         pins = self.load_pinned(plan, self.deadline(timeout))
         loaded = []
         for pin, dst in zip(pins, dsts, strict=True):
+            if pin is None:
+                loaded.append(False)
+                continue
             try:
-                loaded.append(pin is not None and self.tiers.cpu.copy_verified(pin, dst))
+                ok = self.tiers.cpu.copy_verified(pin, dst)  # changed in memory since it was pinned: dropped
             finally:
-                if pin is not None:
-                    self.tiers.cpu.unpin(pin)
+                self.tiers.cpu.unpin(pin)
+            if not ok:
+                self.metrics.checksum_failures.inc()
+            loaded.append(ok)
         return loaded
 
     def deadline(self, timeout: float | None = None) -> float:

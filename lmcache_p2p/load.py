@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+from .aio import remaining
 from .keys import ChunkKey
 from .metrics import AgentMetrics
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk
@@ -73,7 +74,12 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
     if remote:
         kept, deadline = budgeted(node, plan, deadline, label)
         pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
-        if pulls:
+        if pulls and remaining(deadline) <= 0:
+            # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
+            # would only time out and back a healthy peer off. The engine recomputes.
+            node.metrics.load_failures.labels("deadline").inc(len(pulls))
+            log.info("%sdeadline passed before %d pulls started; recomputed", label, len(pulls))
+        elif pulls:
             node.pull(pulls, deadline)
     pins = [node.pin_chunk(chunk, remote=remote) for chunk in kept.chunks]
     return pins + [None] * (len(plan.chunks) - len(kept.chunks))

@@ -8,6 +8,7 @@ constructor (``index_factory``, ``transfers``). Fast, and never instead of the i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -93,13 +94,23 @@ def test_a_dead_owner_is_missed_then_backed_off_and_the_alternative_serves(fleet
     store(b, 3)  # a second owner of the same chunks
     fleet["net"].owner(a.transfer_stack.address).fault = "dead"
     plan = c.lookup(tokens)
-    # the planner spreads chunks over both owners; a's share is retried on b
+    assert {ch.source for ch in plan.chunks} == {"a", "b"}  # the planner spreads chunks over both owners
     loaded, _ = load(c, tokens)
-    assert loaded == [True] * 5 and {ch.source for ch in plan.chunks} <= {"a", "b"}
+    assert loaded == [True] * 5  # a's share was retried on b
     for key in c.keys_for(tokens)[0]:
         c.tiers.remove(key)
-    if any(ch.source == "a" for ch in plan.chunks):  # a failed a pull: backed off, not planned
-        assert {ch.source for ch in c.lookup(tokens).chunks} == {"b"}
+    assert {ch.source for ch in c.lookup(tokens).chunks} == {"b"}  # a failed: backed off, not planned
+
+
+def test_a_load_past_its_deadline_asks_no_peer_and_blames_none(fleet) -> None:
+    """A load that waited past its deadline (queued behind others) recomputes without asking: a pull
+    started that late would only time out and back a healthy owner off."""
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    tokens = store(a, 8)
+    transport = b.transfer_stack.transports["loopback"]
+    assert b.load_pinned(b.lookup(tokens), time.monotonic() - 0.001) == [None] * 5
+    assert transport.pulls == [] and b.metrics.load_failures.labels("deadline")._value.get() == 5
+    assert load(b, tokens)[0] == [True] * 5  # a was not backed off
 
 
 def test_a_known_fast_peer_is_not_abandoned_without_a_prefill_rate(fleet) -> None:

@@ -46,10 +46,10 @@ def share(src: EngineProcess, dst: EngineProcess, doc: list[int], ref_src: dict,
     """``src`` computes a document, ``dst`` answers it from ``src``'s chunks: a full peer hit, and every
     output equal to its layout's recompute.
 
-    ``announced()`` is etcd's revision once every chunk of ``src`` is there (else None); ``dst`` is
-    asked with that revision (``lmcache_p2p_index_revision``, as a router that saw the chunks would
-    pass it), so its scheduler side plans once its mirror has seen them, and its ranks once theirs has
-    seen what the scheduler side saw (the revision a load carries)."""
+    ``announced()`` is the revision of the newest of ``src``'s chunks in etcd once every one is there
+    (else None); ``dst`` is asked with that revision (``lmcache_p2p_index_revision``, as a router that
+    saw the chunks would pass it), so its scheduler side plans once its mirror has followed them, and
+    its ranks once theirs have seen what the scheduler side saw (the revision a load carries)."""
     first = src.generate([doc])[0]
     assert first["num_cached_tokens"] == 0 and first["tokens"] == ref_src["tokens"]
     revision = wait_for(announced, 10)

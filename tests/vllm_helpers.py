@@ -47,8 +47,8 @@ def registered_chunks(cfg_path: Path, node: str) -> int:
 
 
 def registered(cfg_path: Path, node: str) -> tuple[int, int]:
-    """``node``'s block entries in etcd and etcd's revision at that read (what a router that saw them
-    passes as ``lmcache_p2p_index_revision``)."""
+    """``node``'s block entries in etcd, and the newest one's revision (what a router that saw them passes
+    as ``lmcache_p2p_index_revision``)."""
     import asyncio
 
     from lmcache_p2p.config import load_config
@@ -59,8 +59,9 @@ def registered(cfg_path: Path, node: str) -> tuple[int, int]:
 
     async def count() -> tuple[int, int]:
         async with EtcdClient(config.etcd) as client:
-            blocks, revision = await client.get_prefix(Schema(config.cluster).blocks)
-        return sum(1 for kv in blocks if kv.key.endswith(b"/" + node.encode())), revision
+            blocks, _ = await client.get_prefix(Schema(config.cluster).blocks)
+        mine = [kv for kv in blocks if kv.key.endswith(b"/" + node.encode())]
+        return len(mine), max((kv.mod_revision for kv in mine), default=0)
 
     return asyncio.run(count())
 

@@ -119,6 +119,11 @@ class Mirror:
         return min(self._node_watch.revision, self._block_watch.revision)
 
     @property
+    def blocks_revision(self) -> int:
+        """How far the block entries are followed: every chunk announced at or before it is here."""
+        return self._block_watch.revision
+
+    @property
     def resyncs(self) -> int:
         return self._block_watch.resyncs
 

@@ -226,10 +226,12 @@ class NodeRecord:
         raw = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         raw["served"] = {fp: {"model": s.model, "tenant": s.tenant, "heads": None if s.heads is None else list(s.heads),
                               "layout": s.layout} for fp, s in self.served.items()}
-        # For nodes of the previous release during a rolling upgrade (their planners read these two: without
-        # them a TP rank would look like a holder of every head); this release reads ``served`` only.
+        # For nodes of the previous release during a rolling upgrade (their planners read these: without them
+        # a TP rank would look like a holder of every head); this release reads ``served`` only.
         raw["fingerprints"] = list(self.served)
         raw["heads"] = {fp: list(s.heads) for fp, s in self.served.items() if s.heads is not None}
+        raw["models"] = {fp: s.model for fp, s in self.served.items() if s.model}  # and their CLIs: status,
+        raw["tenants"] = {fp: s.tenant for fp, s in self.served.items() if s.tenant}  # invalidate --tenant
         return msgpack.packb(raw, use_bin_type=True)
 
     @classmethod

@@ -133,7 +133,10 @@ class Puller:
                 self.assemble(chunk)
 
     async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
-        """On the loop: one concurrent pull per owner, then one retry round on the alternatives."""
+        """On the loop: one concurrent pull per owner, then one retry round on the alternatives.
+        Nothing is asked once ``deadline`` has passed (a late pull would only back a healthy peer off)."""
+        if remaining(deadline) <= 0:
+            return
         groups: dict[NodeId, list[Part]] = {}
         for c in chunks:
             for piece in c.parts():
@@ -145,7 +148,7 @@ class Puller:
                 alt = next(iter(part.piece.alternatives), None)
                 if alt is not None:
                     retry.setdefault(alt, []).append(part)
-        if retry and time.monotonic() < deadline:
+        if retry and remaining(deadline) > 0:
             await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
 
     async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:

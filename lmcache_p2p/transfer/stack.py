@@ -3,7 +3,7 @@
     stack = TransferStack.build(config, pool, [fingerprint.digest])   # secret from cluster_secret()
     await stack.start()                                               # on the agent's loop
     stack.node_record()                    # host, port, wire version, transports: into nodes/<node_id>
-    result = await stack.transports["tcp"].pull(record.peer(), fp, keys, pool, timeout)  # record: a NodeRecord
+    result = await stack.transports["tcp"].pull(record.peer(), fp, keys, pool, deadline)  # time.monotonic() based
     await stack.close()
 """
 
@@ -35,9 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ServerHooks:
-    """What the transfer server asks of its agent (each on the loop, no I/O)."""
+    """What the transfer server asks of its agent (on the loop, no I/O; ``prepare`` on a thread)."""
 
-    prepare: Callable[[ChunkKey], bool] | None = None  # bring a chunk into the CPU pool before it is served
+    prepare: Callable[[ChunkKey], bool] | None = None  # bring a chunk into the CPU pool (disk I/O) before serving it
     on_offer: Callable[[str, list[ChunkKey]], list[bool]] | None = None  # a peer offers chunks: which we take
     on_served: Callable[[ChunkKey], None] | None = None  # a chunk was pinned for a peer
     on_recent: Callable[[list[ChunkKey]], list[float | None]] | None = None  # seconds since each was dropped

@@ -25,12 +25,12 @@ A canary request (a fraction ``canary.rate`` of those with a hit, or one whose
 ``kv_transfer_params`` say ``{"lmcache_p2p_canary": true}``) is offered no hit: the engine computes
 it, and its worker compares what it computed with every owner's copy (``canary.py``).
 
-A client (a router) that knows the index holds a prompt's chunks at etcd revision R can say so
-(``kv_transfer_params: {"lmcache_p2p_index_revision": R}``): while this side's mirror is behind R
-and does not offer the whole prompt, the request is not scheduled yet (vLLM asks again next step),
-for at most ``FRESHNESS_WAIT_S``; then it is planned with what the mirror holds. Without it, a
-request arriving right after the chunks reached etcd may find the mirror an event behind and be
-computed.
+A client (a router) that saw a prompt's chunks announced at etcd revision R (the entries'
+``mod_revision``) can say so (``kv_transfer_params: {"lmcache_p2p_index_revision": R}``): while this
+side's mirror has not followed the block entries to R and does not offer the whole prompt, the
+request is not scheduled yet (vLLM asks again next step), for at most ``FRESHNESS_WAIT_S``; then it
+is planned with what the mirror holds (``integrations/freshness.py``). Without it, a request arriving right
+after the chunks reached etcd may find the mirror an event behind and be computed.
 
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
@@ -55,13 +55,12 @@ from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, ch
 from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import file_adapter, request_identity
+from ..freshness import Freshness
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
-FRESHNESS_WAIT_S = 2.0  # at most, per request, for the mirror to reach a revision the request names
-REVISION_PARAM = "lmcache_p2p_index_revision"
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,7 +103,7 @@ class P2PScheduler:
         self._canary_rate = config.canary.rate
         self._random = random.Random()
         self._canaries: set[str] = set()  # requests computed to check the mesh's copies against
-        self._held_back: dict[str, float] = {}  # requests waiting for the mirror to reach their revision: since
+        self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
 
     def _usable(self, record: NodeRecord) -> bool:
         """An owner this engine's worker can pull from (the same rule its plan applies)."""
@@ -170,7 +169,8 @@ class P2PScheduler:
             return 0, False
         keys = self._keys(prompt, *identity)
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
-        if held < len(keys) and self._hold_back(request):
+        if held < len(keys) and self._freshness.hold(request.request_id, getattr(request, "kv_transfer_params", None),
+                                                     self._index.mirror.blocks_revision, self._index.connected):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
         hit = min(held * self._chunk, len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
@@ -181,23 +181,6 @@ class P2PScheduler:
         load_async = not all(k in self._saved for k in needed)
         self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
-
-    def _hold_back(self, request: Any) -> bool:
-        """Whether ``request`` names an index revision this side's mirror has not reached yet, and has
-        waited for it less than ``FRESHNESS_WAIT_S`` (see the module's docstring)."""
-        params = getattr(request, "kv_transfer_params", None)
-        wanted = params.get(REVISION_PARAM) if isinstance(params, dict) else None
-        req_id, now = request.request_id, time.monotonic()
-        if (not isinstance(wanted, int) or isinstance(wanted, bool) or not self._index.connected
-                or self._index.mirror.revision >= wanted):
-            self._held_back.pop(req_id, None)
-            return False
-        since = self._held_back.setdefault(req_id, now)
-        if now - since < FRESHNESS_WAIT_S:
-            return True
-        log.info("request %s: the index mirror did not reach revision %d in %.1f s (at %d); planned with what "
-                 "it holds", req_id, wanted, FRESHNESS_WAIT_S, self._index.mirror.revision)
-        return False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
@@ -285,7 +268,7 @@ class P2PScheduler:
         self._local_hit.pop(request.request_id, None)
         self._identities.pop(request.request_id, None)
         self._canaries.discard(request.request_id)
-        self._held_back.pop(request.request_id, None)
+        self._freshness.forget(request.request_id)
 
     def shutdown(self) -> None:
         self._index.close()
