@@ -70,16 +70,17 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
     holds. Without it nothing is pulled and no disk is read (the caller is the engine's forward
     thread): only what the CPU pool holds now is pinned. Chunks the budget declined are None.
     """
-    kept = plan
+    kept, late = plan, set()
     if remote:
         kept, deadline = budgeted(node, plan, deadline, label)
         pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
         if pulls and remaining(deadline) <= 0:
             # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
             # would only time out and back a healthy peer off. The engine recomputes.
-            node.metrics.load_failures.labels("deadline").inc(len(pulls))
-            log.info("%sdeadline passed before %d pulls started; recomputed", label, len(pulls))
+            late = {c.key for c in pulls}
+            node.metrics.load_failures.labels("deadline").inc(len(late))
+            log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
         elif pulls:
             node.pull(pulls, deadline)
-    pins = [node.pin_chunk(chunk, remote=remote) for chunk in kept.chunks]
+    pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote) for chunk in kept.chunks]
     return pins + [None] * (len(plan.chunks) - len(kept.chunks))

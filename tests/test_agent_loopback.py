@@ -15,7 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.config import AgentConfig, TierConfig
+from lmcache_p2p.config import AgentConfig, TierConfig, TransferConfig
 from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
@@ -32,7 +32,9 @@ def fleet() -> Iterator[dict[str, object]]:
     mesh, net, agents = MemoryMesh(), LoopbackNet(), []
 
     def make(name: str) -> CacheAgent:
-        config = AgentConfig(node_id=name, tiers=TierConfig(cpu_capacity=64 << 20))
+        # backoff long enough that a backed-off owner is still backed off when a test looks, however loaded
+        config = AgentConfig(node_id=name, tiers=TierConfig(cpu_capacity=64 << 20),
+                             transfer=TransferConfig(backoff_s=60.0))
         agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                            index_factory=lambda _loop, record: MemoryIndex(mesh, record),
                            transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
@@ -110,6 +112,7 @@ def test_a_load_past_its_deadline_asks_no_peer_and_blames_none(fleet) -> None:
     transport = b.transfer_stack.transports["loopback"]
     assert b.load_pinned(b.lookup(tokens), time.monotonic() - 0.001) == [None] * 5
     assert transport.pulls == [] and b.metrics.load_failures.labels("deadline")._value.get() == 5
+    assert b.metrics.load_failures.labels("missing")._value.get() == 0  # each chunk counted once
     assert load(b, tokens)[0] == [True] * 5  # a was not backed off
 
 

@@ -251,3 +251,12 @@ def test_whole_chunks_from_one_peer_for_a_hand_off(mesh: Mesh, loop: LoopThread)
     missed = loop.run(mesh.puller.pull_from(NodeId("a"), [*mesh.plan(KEYS[:2]), absent], time.monotonic() + 2), 5)
     assert missed == [absent] and all(mesh.held(k) == payload(k) for k in KEYS[:2])
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="absent") == 1
+
+
+def test_nothing_is_asked_once_the_deadline_has_passed(mesh: Mesh) -> None:
+    # a pull started that late would only time out and back a healthy owner off
+    mesh.owner("a", KEYS)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() - 0.001)
+    assert mesh.transport.pulls == [] and not any(mesh.pool.contains(k) for k in KEYS)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 2.0)
+    assert all(mesh.pool.contains(k) for k in KEYS)  # the owner was not backed off

@@ -231,7 +231,8 @@ class NodeRecord:
         raw["fingerprints"] = list(self.served)
         raw["heads"] = {fp: list(s.heads) for fp, s in self.served.items() if s.heads is not None}
         raw["models"] = {fp: s.model for fp, s in self.served.items() if s.model}  # and their CLIs: status,
-        raw["tenants"] = {fp: s.tenant for fp, s in self.served.items() if s.tenant}  # invalidate --tenant
+        raw["tenants"] = {fp: s.tenant for fp, s in self.served.items() if s.tenant}  # invalidate --tenant,
+        raw["layouts"] = {fp: s.layout for fp, s in self.served.items() if s.layout}  # lookup --explain
         return msgpack.packb(raw, use_bin_type=True)
 
     @classmethod

@@ -174,6 +174,7 @@ class P2PWorker:
                 # may write to, so bytes checked in a slot are not the bytes the engine would read.
                 staged = agent.tiers.cpu.stage(pin)
                 if staged is None:
+                    agent.metrics.checksum_failures.inc()
                     failed = blocks_from(t, i)
                     log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
                                 t.req_id, i, len(failed))
