@@ -5,5 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
+# The trained model the quality tests use: built once per machine (minutes; $LMCACHE_P2P_MODEL_CACHE,
+# else ~/.cache/lmcache-p2p/models), here rather than inside a test's timeout, which a build on a busy
+# machine outran.
+.venv/bin/python -c "from lmcache_p2p.testing.trained_model import trained_model_path as p; print('[test] trained model:', p())"
 # pytest exits 5 when it collects no tests, so an empty run fails here too.
 exec .venv/bin/python -m pytest "$@"
