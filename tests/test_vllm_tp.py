@@ -64,7 +64,8 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
     """Engine mode: eager (``enforce_eager``)."""
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
-    docs = prompts(2, 1100, seed=41)  # the first computed on A (TP=1), the second on B (TP=2)
+    # the first document is computed on A (TP=1), the second on B (TP=2)
+    docs = prompts(2, 1100, seed=41)
 
     refs: dict[int, list[dict]] = {}
     for tp in (1, 2):  # what each layout computes with no cache at all
