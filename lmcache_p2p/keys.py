@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, NewType
 
 import msgpack
@@ -198,16 +198,29 @@ def chunk_keys(
     prev = bytes(root)
     end = len(arr) if include_partial else len(arr) - len(arr) % chunk_size
     for start in range(0, end, chunk_size):
-        stop = min(start + chunk_size, end)
-        h = xxhash.xxh3_128(prev)
-        h.update(arr[start:stop].tobytes())
-        items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
-                 if m.offset < stop and m.offset + m.length > start]
-        if items:
-            h.update(msgpack.packb(items, use_bin_type=True))
-        prev = h.digest()
+        prev = bytes(_chunk_key(prev, arr, start, min(start + chunk_size, end), mm_items))
         keys.append(ChunkKey(prev))
     return keys
+
+
+def partial_chunk_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, start: int, longest: int,
+                       mm_items: Sequence[MultiModalItem] = ()) -> Iterator[tuple[int, ChunkKey]]:
+    """``(n, key)`` of the chunk starting at ``start`` cut after ``n`` tokens, for ``n = longest .. 1``:
+    the keys a chunk saved shorter than its span in this prompt would have (a conversation's previous
+    turn ended inside it). ``parent`` is the previous chunk's key (the root for the first chunk).
+    Lazily: a probe stops at the first (longest) one held."""
+    arr = tokens_to_array(token_ids)
+    return ((n, _chunk_key(parent, arr, start, start + n, mm_items)) for n in range(longest, 0, -1))
+
+
+def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Sequence[MultiModalItem]) -> ChunkKey:
+    h = xxhash.xxh3_128(prev)
+    h.update(arr[start:stop].tobytes())
+    items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
+             if m.offset < stop and m.offset + m.length > start]
+    if items:
+        h.update(msgpack.packb(items, use_bin_type=True))
+    return ChunkKey(h.digest())
 
 
 def chunk_spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:

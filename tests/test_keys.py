@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_p2p.errors import ConfigError
-from lmcache_p2p.keys import Fingerprint, chunk_keys, chunk_spans
+from lmcache_p2p.keys import Fingerprint, MultiModalItem, chunk_keys, chunk_spans, partial_chunk_keys
 
 FP = Fingerprint(model_id="tiny-llama", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64,
                  block_size=128, kv_layout="cpu:blocks,heads,block,2*head")
@@ -72,6 +72,22 @@ def test_any_token_change_changes_that_key_and_all_later(toks, data):
     first = i // 64
     assert a[:first] == b[:first]
     assert all(x != y for x, y in zip(a[first:], b[first:], strict=True))
+
+
+@given(tokens, st.integers(min_value=1, max_value=64), st.booleans())
+def test_cut_chunk_keys_are_the_keys_of_the_prompt_cut_there(toks, chunk, image):
+    """What a conversation's previous turn saved (its history cut inside a chunk) is found by the next
+    turn's probe: the key of chunk i cut after n tokens equals the last key of the tokens cut there."""
+    mm = (MultiModalItem("img", len(toks) // 3, 5),) if image else ()
+    keys = chunk_keys(FP.digest, toks, chunk, mm_items=mm)
+    for i in range(len(keys)):
+        start = i * chunk
+        parent = bytes(keys[i - 1]) if i else bytes(FP.digest)
+        longest = min(chunk, len(toks) - start)
+        cuts = list(partial_chunk_keys(parent, toks, start, longest, mm))
+        assert [n for n, _ in cuts] == list(range(longest, 0, -1))
+        for n, key in cuts:
+            assert key == chunk_keys(FP.digest, toks[:start + n], chunk, mm_items=mm)[-1]
 
 
 def test_partial_tail_chunk_is_keyed_and_optional():

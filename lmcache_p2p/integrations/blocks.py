@@ -28,6 +28,7 @@ class ChunkTransfer:
     skip_blocks: int = 0  # leading blocks of the first chunk not to overwrite (loads only)
     sync: bool = False  # loads: every chunk is this engine's own; load inline, never pull
     generated: bool = False  # saves: chunks filled by generated tokens (not prompt misses)
+    finished: bool = False  # saves: a finished request's tail; vLLM frees its blocks once the worker reports it
     index_revision: int = 0  # loads: the scheduler's mirror revision when it offered the hit
     deadline: float = 0.0  # async loads: when the worker gives up and vLLM recomputes (time.monotonic(); 0: none)
     canary: bool = False  # saves: the engine computed what the mesh holds; compare every owner's copy (canary.py)

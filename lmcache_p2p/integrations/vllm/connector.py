@@ -79,9 +79,8 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._scheduler is not None:
-            self._scheduler.request_finished(request)
-        return False, None
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None  # True: its tail is saved, then its blocks freed
 
     # -- worker side ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -115,7 +114,8 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
-        return None, self._worker.get_finished() or None
+        sent, loaded = self._worker.get_finished()
+        return sent or None, loaded or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()

@@ -12,8 +12,12 @@ asynchronously (``(n, True)``): the request waits in WAITING_FOR_REMOTE_KVS whil
 with a deadline, and other requests keep running; the worker reports it through ``get_finished``.
 
 Generated tokens are saved too: every chunk a request's output fills is stored as it fills (keys
-chained on the prompt's), so the next turn of a conversation, on any node, finds the whole history
-up to its last full chunk and recomputes only the rest and the new message.
+chained on the prompt's), and when the request finishes, the rest of what it computed (the tail: a
+chunk cut where its KV ends, one token before its last) is saved from blocks vLLM holds for it until
+the worker has copied them (``request_finished`` delays their freeing; the worker reports the
+request as sent). A prompt whose leading full chunks are held then also probes the next chunk cut
+shorter, every length down to one token (a dict probe each): the next turn of a conversation, on
+any node, loads the whole history and computes only the new message.
 
 Keys cover the request's identity, not only its tokens (``keys.RequestIdentity``): its LoRA
 adapter (name and weights digest), its ``cache_salt`` and its multimodal items at their positions,
@@ -51,7 +55,15 @@ from ...aio import LoopThread
 from ...config import AgentConfig
 from ...index.reader import IndexReader
 from ...index.schema import NodeRecord
-from ...keys import ChunkKey, Fingerprint, FingerprintDigest, MultiModalItem, chunk_keys, request_root
+from ...keys import (
+    ChunkKey,
+    Fingerprint,
+    FingerprintDigest,
+    MultiModalItem,
+    chunk_keys,
+    partial_chunk_keys,
+    request_root,
+)
 from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import file_adapter, request_identity
@@ -104,6 +116,8 @@ class P2PScheduler:
         self._random = random.Random()
         self._canaries: set[str] = set()  # requests computed to check the mesh's copies against
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
+        self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
+        self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
 
     def _usable(self, record: NodeRecord) -> bool:
         """An owner this engine's worker can pull from (the same rule its plan applies)."""
@@ -172,15 +186,39 @@ class P2PScheduler:
         if held < len(keys) and self._freshness.hold(request.request_id, getattr(request, "kv_transfer_params", None),
                                                      self._index.mirror.blocks_revision, self._index.connected):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
-        hit = min(held * self._chunk, len(prompt) - 1)
+        self._tails.pop(request.request_id, None)
+        tail = self._tail(prompt, keys, held, *identity) if held < len(keys) else None
+        hit = min(held * self._chunk + (tail[0] if tail else 0), len(prompt) - 1)
         self._local_hit[request.request_id] = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
         if request.request_id in self._canaries or self._canary(request, n, num_computed_tokens) or n == 0:
             return 0, False
+        if tail is not None:
+            self._tails[request.request_id] = (held, *tail)
+            keys = keys[:held] + [tail[1]]
         needed = keys[num_computed_tokens // self._chunk: -(-hit // self._chunk)]
         load_async = not all(k in self._saved for k in needed)
         self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
+
+    def _tail(self, prompt: list[int], keys: list[ChunkKey], held: int, root: FingerprintDigest,
+              mm_items: tuple[MultiModalItem, ...]) -> tuple[int, ChunkKey] | None:
+        """The longest cut of chunk ``held`` that is held (tokens, key): where an earlier request (a
+        conversation's previous turn) stopped inside it. At most ``chunk - 1`` keys, each a dict probe
+        of the mirror; only an owner the full rule accepts counts."""
+        start = held * self._chunk
+        longest = min(self._chunk, len(prompt) - 1 - start)  # vLLM computes the prompt's last token itself
+        if longest <= 0:
+            return None
+        parent = bytes(keys[held - 1]) if held else bytes(root)
+        saved = () if self._index.connected else self._saved
+        mirror = self._index.mirror
+        for n, key in partial_chunk_keys(parent, prompt, start, longest, mm_items):
+            if n == len(prompt) - start:
+                continue  # the prompt's own tail: keys[held], not held
+            if key in saved or (mirror.owners(key) and self._index.longest_prefix([key], (), self._usable) == 1):
+                return n, key
+        return None
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
@@ -193,7 +231,14 @@ class P2PScheduler:
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
-            load = self._transfer(request.request_id, prompt, keys, list(blocks.get_block_ids()[0]), start, end)
+            block_ids = list(blocks.get_block_ids()[0])
+            tail = self._tails.pop(request.request_id, None)
+            if tail is None:
+                load = self._transfer(request.request_id, prompt, keys, block_ids, start, end)
+            else:  # the hit ends in a chunk held cut short: load it as a chunk of that many tokens
+                held, n, key = tail
+                load = chunk_transfer(request.request_id, held * self._chunk + n, keys[:held] + [key], block_ids,
+                                      start, end, self._chunk, self._block)
             load.sync = not self._async.pop(request.request_id, True)
             load.index_revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
             load.deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
@@ -211,6 +256,7 @@ class P2PScheduler:
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
+        meta.saves, self._finished = self._finished, []  # finished requests' tails: vLLM holds their blocks
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is not None:
@@ -260,15 +306,42 @@ class P2PScheduler:
         while len(saved) > SAVED_KEYS_MAX:
             saved.popitem(last=False)
 
-    def request_finished(self, request: Any) -> None:
+    def request_finished(self, request: Any) -> bool:
+        """Forget ``request``; True when its tail is to be saved: vLLM then keeps its blocks until the
+        worker reports the request as sent (``get_finished``)."""
         self._async.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
-        self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM holds
-        # the request's blocks until the worker reports it finished
+        self._tails.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
+        # holds the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
         self._identities.pop(request.request_id, None)
         self._canaries.discard(request.request_id)
         self._freshness.forget(request.request_id)
+        tail = self._finished_tail(state) if state is not None else None
+        if tail is not None:
+            self._finished.append(tail)
+        return tail is not None
+
+    def _finished_tail(self, state: _Active) -> ChunkTransfer | None:
+        """The chunks a finished request computed that no save covered: from its last saved full chunk
+        to where its KV ends (the last token generated never had its KV computed), the last cut short."""
+        request = state.request
+        tokens = list(request.all_token_ids)
+        done = min(int(request.num_computed_tokens), len(tokens) - 1)
+        covered = max(len(state.prompt), state.full_chunks_saved * self._chunk)
+        if not state.prompt_saved or done <= covered:
+            return None
+        keys = self._keys(tokens[:done], state.root, state.mm_items)
+        save = chunk_transfer(request.request_id, done, keys, state.block_ids, state.full_chunks_saved * self._chunk,
+                              done, self._chunk, self._block)
+        if any(len(b) != -(-n // self._block) for b, n in zip(save.block_ids, save.num_tokens, strict=True)):
+            log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
+                        request.request_id, len(state.block_ids), done)
+            return None
+        save.generated, save.finished = True, True
+        self._remember_saved(keys[state.full_chunks_saved:])
+        return save
 
     def shutdown(self) -> None:
         self._index.close()

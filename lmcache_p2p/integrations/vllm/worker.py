@@ -10,7 +10,9 @@
                     than the request's get_finished), so vLLM recomputes them (fail closed)
     wait_for_save:  gather each new chunk from the engine's blocks straight into a reserved CPU
                     slot (synchronous: the blocks may be reused after the step), then checksum,
-                    commit and publish in the background; a canary save (``canary.py``) also keeps
+                    commit and publish in the background; a finished request's tail is reported
+                    through get_finished once gathered (vLLM held its blocks until then, whether
+                    or not it could be saved); a canary save (``canary.py``) also keeps
                     what the engine computed for each full chunk and, on the canary thread, holds
                     every owner's copy of it against that
 """
@@ -61,6 +63,7 @@ class P2PWorker:
         self._loads_running = 0
         self._load_errors: set[int] = set()
         self._loads_done: set[str] = set()
+        self._tails_saved: set[str] = set()  # finished requests whose tails were gathered: their blocks can go
         self._step_started: float | None = None
         self._idle_step = False
         self._step_tokens = 0
@@ -126,8 +129,9 @@ class P2PWorker:
             self._loads_running -= 1
             self._done_lock.notify_all()
 
-    def get_finished(self) -> set[str]:
-        """Requests whose asynchronous load finished (loaded, or failed blocks already reported)."""
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Finished requests whose tails were gathered, and requests whose asynchronous load finished
+        (loaded, or failed blocks already reported)."""
         with self._done_lock:
             if self._idle_step and self._loads_running and not self._loads_done:
                 # vLLM steps without work while requests wait for their KV: a tight loop that, on a
@@ -135,7 +139,8 @@ class P2PWorker:
                 # to finish instead (never in a step with work to do).
                 self._done_lock.wait(IDLE_STEP_WAIT_S)
             done, self._loads_done = self._loads_done, set()
-        return done
+        sent, self._tails_saved = self._tails_saved, set()
+        return sent, done
 
     def _load(self, t: ChunkTransfer, remote: bool) -> set[int]:
         """Load ``t``'s chunks into its blocks; returns the blocks that must be recomputed."""
@@ -222,7 +227,13 @@ class P2PWorker:
     # -- save ---------------------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheP2PMetadata) -> None:
         for transfer in meta.saves:
-            self._save(transfer)
+            try:
+                self._save(transfer)
+            except Exception:  # a cache problem must never become a serving problem
+                log.exception("request %s: saving its chunks failed", transfer.req_id)
+            finally:
+                if transfer.finished:
+                    self._tails_saved.add(transfer.req_id)
 
     def _save(self, t: ChunkTransfer) -> None:
         agent, kv = self.agent, self._kv
