@@ -31,7 +31,6 @@ from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"
-CHUNK = 256
 ANSWER = 300  # tokens generated per turn
 
 
