@@ -98,6 +98,7 @@ class CacheAgent:
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
         self.metrics.on_collect(lambda: self.metrics.mirror(
             self.tiers, self.index, self._stack.chunks_sent() if self._stack is not None else None))
+        self.metrics.on_collect(self._planner_gauges)
         self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
         self.peer_estimates = PeerEstimates()  # pull latency and bandwidth per peer, measured here
         self.prefill = PrefillRate()  # this engine's prefill rate (the worker connector feeds it)
@@ -268,6 +269,7 @@ class CacheAgent:
 
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
+        t0 = time.monotonic()
         for future in (self._prune, self._handoff_task):
             if future is not None:
                 future.cancel()
@@ -300,6 +302,8 @@ class CacheAgent:
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
+        if self._started:
+            log.info("agent %s stopped in %.2f s", self.node_id, time.monotonic() - t0)
         self._started = False
 
     def _run_quiet(self, coro: object) -> None:
@@ -518,6 +522,14 @@ class CacheAgent:
     def deadline(self, timeout: float | None = None) -> float:
         """An absolute load deadline ``timeout`` (default ``transfer.timeout_s``) from now."""
         return time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+
+    def _planner_gauges(self) -> None:
+        """What the fetch-or-recompute planner believes now (refreshed on each scrape)."""
+        m = self.metrics
+        m.peers_backed_off.set(self._stack.health.backed_off() if self._stack is not None else 0)
+        for peer in self.peer_estimates.snapshot():
+            m.pull_expected.labels(peer).set(self.peer_estimates.expected_s(peer, self.chunk_bytes))
+        m.recompute_chunk.set(self.prefill.recompute_s(self.config.chunk_size) or 0.0)
 
     def budget(self, plan: HitPlan) -> FetchBudget:
         """Cut ``plan`` to the pulls expected to beat recomputing (see :func:`fetch_budget`)."""

@@ -9,20 +9,27 @@ fixed costs included, so pulls of the usual size predict each other well).
 
 Both are exponentially weighted moving averages of what this node measured itself; a peer never
 measured starts from deliberately modest priors, so the first pull from it gets a generous but
-bounded deadline. Thread-safe: pulls are measured on the agent's loop, prefill steps on the
-engine's thread, plans are made on the load worker.
+bounded deadline. A peer's measurement fades back towards the priors while nothing new is measured
+(half-life ``FADE_HALF_LIFE_S``): a peer measured slower than recomputing is no longer asked, so
+without fading one slow pull (a load spike on either host) would keep it out of every plan for
+good; once its estimate has faded below the recompute time it is asked again and measured anew.
+Thread-safe: pulls are measured on the agent's loop, prefill steps on the engine's thread, plans
+are made on the load worker.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
+from collections.abc import Callable
 
 ALPHA = 0.3  # weight of the newest observation
 PRIOR_LATENCY_S = 0.005
 PRIOR_SECONDS_PER_BYTE = 1 / 500e6  # loopback TCP measured 3 GB/s here; a peer unknown yet gets less credit
 SMALL_PULL_BYTES = 256 << 10  # pulls below this mostly measure latency
 MIN_PREFILL_TOKENS = 128  # engine steps with fewer scheduled tokens are decode steps: not a prefill rate
+FADE_HALF_LIFE_S = 10.0  # a peer's measured estimate counts half as much after this long without a new one
 
 
 @dataclasses.dataclass(slots=True)
@@ -31,12 +38,14 @@ class _Peer:
     seconds_per_byte: float = PRIOR_SECONDS_PER_BYTE
     small: int = 0
     large: int = 0
+    measured_at: float = 0.0  # clock time of the newest observation
 
 
 class PeerEstimates:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
+        self._clock = clock
 
     def observe(self, peer: str, nbytes: int, seconds: float) -> None:
         """A pull of ``nbytes`` from ``peer`` that completed in ``seconds``."""
@@ -44,6 +53,8 @@ class PeerEstimates:
             return
         with self._lock:
             p = self._peers.setdefault(peer, _Peer())
+            p.latency_s, p.seconds_per_byte = self._faded(p)  # the new sample blends with what is believed now
+            p.measured_at = self._clock()
             if nbytes < SMALL_PULL_BYTES:
                 p.latency_s = _ewma(p.latency_s, seconds, p.small)
                 p.small += 1
@@ -59,8 +70,16 @@ class PeerEstimates:
 
     def expected_s(self, peer: str, nbytes: int) -> float:
         with self._lock:
-            p = self._peers.get(peer) or _Peer()
-            return max(p.latency_s, nbytes * p.seconds_per_byte)
+            latency, per_byte = self._faded(self._peers.get(peer) or _Peer())
+            return max(latency, nbytes * per_byte)
+
+    def _faded(self, p: _Peer) -> tuple[float, float]:
+        """``p``'s latency and seconds per byte, faded towards the priors since it was last measured."""
+        if p.small + p.large == 0:
+            return p.latency_s, p.seconds_per_byte
+        weight = 0.5 ** (max(self._clock() - p.measured_at, 0.0) / FADE_HALF_LIFE_S)
+        return (weight * p.latency_s + (1 - weight) * PRIOR_LATENCY_S,
+                weight * p.seconds_per_byte + (1 - weight) * PRIOR_SECONDS_PER_BYTE)
 
     def snapshot(self) -> dict[str, tuple[float, float, int]]:
         """peer -> (latency s, bandwidth B/s, samples)."""

@@ -92,6 +92,14 @@ class AgentMetrics:
         self._counts = _LiveCounters()
         registry.register(self._counts)
         self.pins = Gauge("pins", "Live pins on CPU slots", namespace=ns, registry=registry)
+        self.peers_backed_off = Gauge("peers_backed_off", "Peers not asked for chunks until their backoff has passed",
+                                      namespace=ns, registry=registry)
+        self.pull_expected = Gauge("pull_expected_seconds", "Expected time to pull one chunk, per peer measured "
+                                   "(the planner pulls while this beats recompute_chunk_seconds)", ["peer"],
+                                   namespace=ns, registry=registry)
+        self.recompute_chunk = Gauge("recompute_chunk_seconds", "This engine's time to compute one chunk "
+                                     "(from its measured prefill rate; 0 until measured)", namespace=ns,
+                                     registry=registry)
         self.info = Info("agent", "Agent identity and versions", namespace=ns, registry=registry)
 
     def watch_rejects(self, rejects: Rejects) -> None:

@@ -113,7 +113,9 @@ class AgentProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
 
-    def stop(self, timeout: float = 20.0) -> int:
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` s (a bound: a clean stop on a loaded machine, each etcd
+        and transfer step bounded by its own timeout, once took over 20 s). Returns the exit status."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()

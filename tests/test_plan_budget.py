@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_p2p.estimates import PRIOR_LATENCY_S, PeerEstimates, PrefillRate
+from lmcache_p2p.estimates import FADE_HALF_LIFE_S, PRIOR_LATENCY_S, PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.plan import DEADLINE_SLACK_S, FIRST_CONTACT_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
@@ -88,6 +88,22 @@ def test_peer_estimates_learn_from_pulls() -> None:
     assert est.known("x") and est.expected_s("x", 8 * MiB) == pytest.approx(0.004, rel=0.01)
     assert est.expected_s("x", 1024) == pytest.approx(0.0005, rel=0.01)
     assert est.expected_s("y", 8 * MiB) > est.expected_s("x", 8 * MiB)  # unknown peers get less credit
+
+
+def test_a_peer_measured_slow_is_asked_again_once_its_estimate_fades() -> None:
+    """One slow pull (a load spike) must not keep a peer out of every plan: without new measurements its
+    estimate fades back to the prior, so it gets asked (and measured) again."""
+    now = [100.0]
+    est = PeerEstimates(clock=lambda: now[0])
+    est.observe("x", 8 * MiB, 2.0)  # 4 MB/s
+    slow = est.expected_s("x", 8 * MiB)
+    assert slow == pytest.approx(2.0)
+    now[0] += FADE_HALF_LIFE_S
+    assert est.expected_s("x", 8 * MiB) == pytest.approx((slow + est.expected_s("y", 8 * MiB)) / 2)
+    now[0] += 10 * FADE_HALF_LIFE_S
+    assert est.expected_s("x", 8 * MiB) < 0.02 and est.known("x")  # back near the prior
+    est.observe("x", 8 * MiB, 2.0)  # measured slow again: blended with what was believed just before
+    assert 0.5 < est.expected_s("x", 8 * MiB) < 2.0
 
 
 def test_prefill_rate_ignores_decode_steps() -> None:

@@ -54,17 +54,18 @@ def test_proofs_bind_role_secret_nonces_channel_and_both_node_ids() -> None:
 def test_peer_health_backs_off_exponentially() -> None:
     now = [0.0]
     health = PeerHealth(1.0, 4.0, clock=lambda: now[0])
-    assert health.available(A)
+    assert health.available(A) and health.backed_off() == 0
     health.record_failure(A, "boom")
-    assert not health.available(A) and health.available(B)
+    assert not health.available(A) and health.available(B) and health.backed_off() == 1
     now[0] = 1.0
-    assert health.available(A)
+    assert health.available(A) and health.backed_off() == 0
     health.record_failure(A, "boom")
     health.record_failure(A, "boom")
+    health.record_failure(B, "boom")
     now[0] = 4.9
-    assert not health.available(A)
+    assert not health.available(A) and health.backed_off() == 1  # B's first backoff (1 s) has passed
     now[0] = 5.0
-    assert health.available(A)
+    assert health.available(A) and health.backed_off() == 0
     health.record_success(A)
     assert health.failures(A) == 0
 

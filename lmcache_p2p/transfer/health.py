@@ -58,6 +58,11 @@ class PeerHealth:
     def __len__(self) -> int:
         return len(self._peers)
 
+    def backed_off(self) -> int:
+        """Peers not available now (any thread: reads a copy)."""
+        now = self._clock()
+        return sum(1 for state in dict(self._peers).values() if now < state.until)
+
     def record_success(self, peer: PeerAddress) -> None:
         self._peers.pop(peer, None)
 
