@@ -58,22 +58,28 @@ class RopeSpec:
         return angles.cos().float().to(device), angles.sin().float().to(device)
 
 
-def rope_spec(config: dict[str, Any], head_size: int) -> RopeSpec:
-    """The re-rotation spec of a Hugging Face model config (``config.json`` as a dict); raises
-    ``ValueError`` naming the field when keys can't be moved exactly (see the module docstring)."""
-    scaling = config.get("rope_scaling") or {}
+def rope_spec(config: dict[str, Any], head_size: int, *, neox: bool = True) -> RopeSpec:
+    """The re-rotation spec of a Hugging Face model config (``config.json`` as a dict; ``rope_scaling``
+    or the newer ``rope_parameters``; ``rotary_dim``, ``partial_rotary_factor`` or ``rotary_pct``);
+    ``neox``: the pair layout, which the config does not say (vLLM's rotary module does). Raises
+    ``ValueError`` naming the field when keys can't be moved exactly (see the module docstring). One
+    spec for every layer: models whose layers differ (other bases per layer, layers without RoPE)
+    need one per layer, from the engine's own modules."""
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in COMPOSABLE_SCALING:
         raise ValueError(f"rope_scaling: type {kind!r} does not compose (only {sorted(COMPOSABLE_SCALING)} do)")
-    base = float(config.get("rope_theta", 10000.0))
-    partial = float(config.get("partial_rotary_factor", 1.0))
-    rotary_dim = int(head_size * partial)
+    base = float(config.get("rope_theta", scaling.get("rope_theta", 10000.0)))
+    if "rotary_dim" in config:
+        rotary_dim = int(config["rotary_dim"])
+    else:
+        rotary_dim = int(head_size * float(config.get("partial_rotary_factor", config.get("rotary_pct", 1.0))))
     inv = [base ** (-2.0 * i / rotary_dim) for i in range(rotary_dim // 2)]
     if kind == "linear":
         inv = [f / float(scaling["factor"]) for f in inv]
     elif kind == "llama3":
         inv = _llama3(inv, scaling)
-    return RopeSpec(head_size, rotary_dim, tuple(inv), neox=True)
+    return RopeSpec(head_size, rotary_dim, tuple(inv), neox=neox)
 
 
 def _llama3(inv: list[float], s: dict[str, Any]) -> list[float]:
@@ -120,11 +126,18 @@ def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: RopeSpec,
     return out
 
 
+def _check(keys: torch.Tensor, spec: RopeSpec, dims_axis: int) -> None:
+    if not keys.dtype.is_floating_point or keys.element_size() < 2:
+        # fp8 caches (stored as bytes, scaled) would be turned as integers: refused, not approximated
+        raise ValueError(f"keys: dtype {keys.dtype} can't be re-rotated (a 16- or 32-bit float is needed)")
+    if keys.shape[dims_axis] != spec.head_size:
+        raise ValueError(f"keys: axis {dims_axis} has {keys.shape[dims_axis]} entries, head_size is {spec.head_size}")
+
+
 def rerotate_(keys: torch.Tensor, delta: int, spec: RopeSpec, dims_axis: int) -> torch.Tensor:
     """Turn ``keys`` in place from their position to ``position + delta``; ``keys.shape[dims_axis]``
     is ``head_size``. Returns ``keys``."""
-    if keys.shape[dims_axis] != spec.head_size:
-        raise ValueError(f"keys: axis {dims_axis} has {keys.shape[dims_axis]} entries, head_size is {spec.head_size}")
+    _check(keys, spec, dims_axis)
     if delta == 0:
         return keys
     axis = dims_axis % keys.dim()
@@ -140,8 +153,7 @@ def rerotate_triton_(keys: torch.Tensor, delta: int, spec: RopeSpec, dims_axis: 
     """:func:`rerotate_` as one Triton launch over ``keys`` seen as (rows, head_size, cols)."""
     from .triton_rope import rerotate_kernel_launch
 
-    if keys.shape[dims_axis] != spec.head_size:
-        raise ValueError(f"keys: axis {dims_axis} has {keys.shape[dims_axis]} entries, head_size is {spec.head_size}")
+    _check(keys, spec, dims_axis)
     if delta == 0:
         return keys
     axis = dims_axis % keys.dim()

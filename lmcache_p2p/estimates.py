@@ -9,10 +9,12 @@ fixed costs included, so pulls of the usual size predict each other well).
 
 Both are exponentially weighted moving averages of what this node measured itself; a peer never
 measured starts from deliberately modest priors, so the first pull from it gets a generous but
-bounded deadline. A peer's measurement fades back towards the priors while nothing new is measured
-(half-life ``FADE_HALF_LIFE_S``): a peer measured slower than recomputing is no longer asked, so
-without fading one slow pull (a load spike on either host) would keep it out of every plan for
-good; once its estimate has faded below the recompute time it is asked again and measured anew.
+bounded deadline. A peer measured slower than the priors fades back towards them while nothing new
+is measured (half-life ``FADE_HALF_LIFE_S``): a peer measured slower than recomputing is no longer
+asked, so without fading one slow pull (a load spike on either host) would keep it out of every
+plan for good; once its estimate has faded below the recompute time it is asked again and measured
+anew. A peer measured faster than the priors keeps its estimate (fading it towards slower priors
+could push it past a fast engine's recompute time, after which it would never be measured again).
 Thread-safe: pulls are measured on the agent's loop, prefill steps on the engine's thread, plans
 are made on the load worker.
 """
@@ -74,12 +76,16 @@ class PeerEstimates:
             return max(latency, nbytes * per_byte)
 
     def _faded(self, p: _Peer) -> tuple[float, float]:
-        """``p``'s latency and seconds per byte, faded towards the priors since it was last measured."""
+        """``p``'s latency and seconds per byte; each, when worse than its prior, faded towards it since
+        ``p`` was last measured."""
         if p.small + p.large == 0:
             return p.latency_s, p.seconds_per_byte
         weight = 0.5 ** (max(self._clock() - p.measured_at, 0.0) / FADE_HALF_LIFE_S)
-        return (weight * p.latency_s + (1 - weight) * PRIOR_LATENCY_S,
-                weight * p.seconds_per_byte + (1 - weight) * PRIOR_SECONDS_PER_BYTE)
+
+        def fade(measured: float, prior: float) -> float:
+            return measured if measured <= prior else weight * measured + (1 - weight) * prior
+
+        return fade(p.latency_s, PRIOR_LATENCY_S), fade(p.seconds_per_byte, PRIOR_SECONDS_PER_BYTE)
 
     def snapshot(self) -> dict[str, tuple[float, float, int]]:
         """peer -> (latency s, bandwidth B/s, samples)."""

@@ -208,9 +208,22 @@ def partial_chunk_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, sta
     """``(n, key)`` of the chunk starting at ``start`` cut after ``n`` tokens, for ``n = longest .. 1``:
     the keys a chunk saved shorter than its span in this prompt would have (a conversation's previous
     turn ended inside it). ``parent`` is the previous chunk's key (the root for the first chunk).
-    Lazily: a probe stops at the first (longest) one held."""
+    One pass over the tokens (a hash state per length), then the keys lazily, longest first: a probe
+    stops at the first one held."""
     arr = tokens_to_array(token_ids)
-    return ((n, _chunk_key(parent, arr, start, start + n, mm_items)) for n in range(longest, 0, -1))
+    h = xxhash.xxh3_128(parent)
+    states = []
+    for i in range(start, start + longest):
+        h.update(arr[i:i + 1].tobytes())
+        states.append(h.copy())
+    for n in range(longest, 0, -1):
+        state, stop = states[n - 1], start + n
+        items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
+                 if m.offset < stop and m.offset + m.length > start]
+        if items:
+            state = state.copy()
+            state.update(msgpack.packb(items, use_bin_type=True))
+        yield n, ChunkKey(state.digest())
 
 
 def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Sequence[MultiModalItem]) -> ChunkKey:

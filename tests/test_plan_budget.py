@@ -104,6 +104,9 @@ def test_a_peer_measured_slow_is_asked_again_once_its_estimate_fades() -> None:
     assert est.expected_s("x", 8 * MiB) < 0.02 and est.known("x")  # back near the prior
     est.observe("x", 8 * MiB, 2.0)  # measured slow again: blended with what was believed just before
     assert 0.5 < est.expected_s("x", 8 * MiB) < 2.0
+    est.observe("z", 64 * MiB, 0.008)  # 8 GB/s: better than the prior, kept however long it goes unmeasured
+    now[0] += 100 * FADE_HALF_LIFE_S
+    assert est.expected_s("z", 64 * MiB) == pytest.approx(0.008)
 
 
 def test_prefill_rate_ignores_decode_steps() -> None:

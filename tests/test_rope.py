@@ -18,8 +18,7 @@ LLAMA = {"rope_theta": 10000.0}
 
 
 def spec_of(head_size: int = 64, neox: bool = True, partial: float = 1.0, theta: float = 10000.0) -> RopeSpec:
-    s = rope_spec({"rope_theta": theta, "partial_rotary_factor": partial}, head_size)
-    return RopeSpec(s.head_size, s.rotary_dim, s.inv_freq, neox=neox)
+    return rope_spec({"rope_theta": theta, "partial_rotary_factor": partial}, head_size, neox=neox)
 
 
 @pytest.mark.parametrize("neox", [True, False])
@@ -93,11 +92,21 @@ def test_scalings_that_compose_change_only_the_frequencies() -> None:
     assert llama3.inv_freq[-1] == pytest.approx(base.inv_freq[-1] / 8)  # low ones scaled by the factor
 
 
+def test_the_config_spellings_of_a_partial_rotation_and_its_base_agree() -> None:
+    want = rope_spec({"rope_theta": 500.0, "partial_rotary_factor": 0.25}, 64)
+    assert rope_spec({"rotary_dim": 16, "rope_theta": 500.0}, 64) == want  # GPT-J
+    assert rope_spec({"rotary_pct": 0.25, "rope_theta": 500.0}, 64) == want  # GPT-NeoX
+    assert rope_spec({"partial_rotary_factor": 0.25, "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+                     64) == want  # newer transformers
+
+
 def test_bad_arguments_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="rotary_dim"):
         RopeSpec(64, 63, tuple([1.0] * 31))
     with pytest.raises(ValueError, match="head_size"):
         rerotate_(torch.zeros(4, 32), 3, spec_of(64), dims_axis=-1)
+    with pytest.raises(ValueError, match="dtype"):
+        rerotate_(torch.zeros(4, 64, dtype=torch.uint8), 3, spec_of(64), dims_axis=-1)  # an fp8 cache's bytes
 
 
 TRITON_SCRIPT = """

@@ -1,5 +1,8 @@
 """The worker's save path keeps the pool whole when a gather fails: the reserved slot goes back, the
-chunk is just not cached, and later saves still land (a leaked slot per failure would exhaust a pool)."""
+chunk is just not cached, and later saves still land (a leaked slot per failure would exhaust a pool).
+A step whose sync load failed saves none of that request's chunks from the failed one on: the forward
+pass ran over blocks that were never loaded, so their KV (and everything after) is wrong until vLLM
+recomputes it."""
 
 from __future__ import annotations
 
@@ -32,14 +35,25 @@ class FlakyKV:
             raise RuntimeError("gather kernel failed")
         out.fill_(7)
 
+    def scatter(self, payload: torch.Tensor, blocks: torch.Tensor) -> None:
+        pass
 
-def test_a_failed_gather_returns_its_slot() -> None:
+
+def run(case: str) -> None:
     # In a process of its own: the worker imports vLLM, which must not load into the test runner.
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, __file__, case], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
 
 
-def main() -> None:
+def test_a_failed_gather_returns_its_slot() -> None:
+    run("gather")
+
+
+def test_a_failed_sync_load_saves_nothing_computed_over_it() -> None:
+    run("sync-load")
+
+
+def failed_gather() -> None:
     from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
     from lmcache_p2p.integrations.vllm.worker import P2PWorker
 
@@ -70,5 +84,46 @@ def main() -> None:
     print("ok")
 
 
+def failed_sync_load() -> None:
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+    from lmcache_p2p.integrations.vllm.worker import P2PWorker
+
+    config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
+    fingerprint = Fingerprint.of(config.layout)
+    worker = P2PWorker(config, fingerprint, BLOCK)
+    kv = FlakyKV()
+    kv.failing = False
+    chunk, per = config.chunk_size, config.chunk_size // BLOCK
+    mesh = MemoryMesh()
+    worker.agent = CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
+                              index_factory=lambda loop, record: MemoryIndex(mesh, record)).start()
+    worker._kv = kv  # type: ignore[assignment]  # the engine's KV, as register_kv_caches sets it
+    keys = [bytes([i + 1]) * 16 for i in range(3)]
+    blocks = [list(range(i * per, (i + 1) * per)) for i in range(3)]
+
+    def step(meta: LMCacheP2PMetadata) -> set[int]:
+        worker.step_started(meta)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        worker.step_finished()
+        worker.agent._writer.submit(lambda: None).result(10)  # the commits behind the saves are done
+        return worker.get_block_ids_with_load_errors()
+
+    try:
+        pool = worker.agent.tiers.cpu
+        step(LMCacheP2PMetadata(saves=[ChunkTransfer("r0", keys[:1], [chunk], blocks[:1])]))  # held: chunk 0 only
+        # r1's scheduler side counted chunks 0 and 1 as this engine's (e.g. chunk 1 evicted since): a sync load.
+        # In the same step the prompt completes and its save covers all three chunks.
+        failed = step(LMCacheP2PMetadata(loads=[ChunkTransfer("r1", keys[:2], [chunk] * 2, blocks[:2], sync=True)],
+                                         saves=[ChunkTransfer("r1", keys, [chunk] * 3, blocks)]))
+        assert failed == set(blocks[1])
+        assert sorted(pool.keys()) == [ChunkKey(keys[0])]  # chunks 1 and 2 were computed over unloaded blocks
+        step(LMCacheP2PMetadata(saves=[ChunkTransfer("r1", keys, [chunk] * 3, blocks)]))  # recomputed: saved
+        assert sorted(pool.keys()) == sorted(ChunkKey(k) for k in keys)
+    finally:
+        worker.shutdown()
+    print("ok")
+
+
 if __name__ == "__main__":
-    main()
+    {"gather": failed_gather, "sync-load": failed_sync_load}[sys.argv[1]]()

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     time.sleep(args.think_s)
                 got = engines[turn % 2].serve(prompt, max_tokens=args.answer)
                 matches.append(got["tokens"] == answers[turn])
-                history = len(prompts[turn - 1]) + args.answer - 1 if turn else 0
+                history = len(prompts[turn - 1]) + len(answers[turn - 1]) - 1 if turn else 0
                 rows.append({"turn": turn + 1, "engine": engines[turn % 2].name, "prompt_tokens": len(prompt),
                              "history_with_kv": history, "reused_tokens": got["num_cached_tokens"],
                              "ttft_cold_ms": round(1000 * cold_ttft[turn], 1),

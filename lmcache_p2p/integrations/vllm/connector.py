@@ -80,7 +80,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request), None  # True: its tail is saved, then its blocks freed
+        return self._scheduler.request_finished(request, block_ids), None  # True: its tail is saved, then freed
 
     # -- worker side ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -214,8 +214,6 @@ class P2PScheduler:
         saved = () if self._index.connected else self._saved
         mirror = self._index.mirror
         for n, key in partial_chunk_keys(parent, prompt, start, longest, mm_items):
-            if n == len(prompt) - start:
-                continue  # the prompt's own tail: keys[held], not held
             if key in saved or (mirror.owners(key) and self._index.longest_prefix([key], (), self._usable) == 1):
                 return n, key
         return None
@@ -306,9 +304,9 @@ class P2PScheduler:
         while len(saved) > SAVED_KEYS_MAX:
             saved.popitem(last=False)
 
-    def request_finished(self, request: Any) -> bool:
-        """Forget ``request``; True when its tail is to be saved: vLLM then keeps its blocks until the
-        worker reports the request as sent (``get_finished``)."""
+    def request_finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
+        """Forget ``request``; True when its tail is to be saved: vLLM then keeps its blocks (``block_ids``,
+        what vLLM holds for it) until the worker reports the request as sent (``get_finished``)."""
         self._async.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         self._tails.pop(request.request_id, None)
@@ -318,12 +316,16 @@ class P2PScheduler:
         self._identities.pop(request.request_id, None)
         self._canaries.discard(request.request_id)
         self._freshness.forget(request.request_id)
-        tail = self._finished_tail(state) if state is not None else None
+        try:
+            tail = self._finished_tail(state, block_ids) if state is not None else None
+        except Exception:  # never into vLLM's scheduler: the tail is simply not saved
+            log.exception("request %s: its tail could not be planned; not saved", request.request_id)
+            tail = None
         if tail is not None:
             self._finished.append(tail)
         return tail is not None
 
-    def _finished_tail(self, state: _Active) -> ChunkTransfer | None:
+    def _finished_tail(self, state: _Active, block_ids: list[int] | None) -> ChunkTransfer | None:
         """The chunks a finished request computed that no save covered: from its last saved full chunk
         to where its KV ends (the last token generated never had its KV computed), the last cut short."""
         request = state.request
@@ -333,11 +335,12 @@ class P2PScheduler:
         if not state.prompt_saved or done <= covered:
             return None
         keys = self._keys(tokens[:done], state.root, state.mm_items)
-        save = chunk_transfer(request.request_id, done, keys, state.block_ids, state.full_chunks_saved * self._chunk,
-                              done, self._chunk, self._block)
+        blocks = list(block_ids) if block_ids else state.block_ids
+        save = chunk_transfer(request.request_id, done, keys, blocks, state.full_chunks_saved * self._chunk, done,
+                              self._chunk, self._block)
         if any(len(b) != -(-n // self._block) for b, n in zip(save.block_ids, save.num_tokens, strict=True)):
             log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
-                        request.request_id, len(state.block_ids), done)
+                        request.request_id, len(blocks), done)
             return None
         save.generated, save.finished = True, True
         self._remember_saved(keys[state.full_chunks_saved:])

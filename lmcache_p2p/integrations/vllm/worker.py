@@ -7,7 +7,11 @@
                     the scheduler side set, pinned verified slots), scatters private verified
                     copies and reports the request through get_finished
                     a chunk that fails and every later one are reported by block id (no later
-                    than the request's get_finished), so vLLM recomputes them (fail closed)
+                    than the request's get_finished), so vLLM recomputes them (fail closed); a
+                    sync load fails after vLLM planned this very step over it, so the forward
+                    pass computes over the unloaded blocks: that step saves none of the
+                    request's chunks from the first failed one on (their KV is wrong until
+                    vLLM recomputes them)
     wait_for_save:  gather each new chunk from the engine's blocks straight into a reserved CPU
                     slot (synchronous: the blocks may be reused after the step), then checksum,
                     commit and publish in the background; a finished request's tail is reported
@@ -64,6 +68,7 @@ class P2PWorker:
         self._load_errors: set[int] = set()
         self._loads_done: set[str] = set()
         self._tails_saved: set[str] = set()  # finished requests whose tails were gathered: their blocks can go
+        self._unloaded: dict[str, set[int]] = {}  # this step's sync loads that failed: request -> blocks not loaded
         self._step_started: float | None = None
         self._idle_step = False
         self._step_tokens = 0
@@ -101,6 +106,7 @@ class P2PWorker:
                 self.agent.metrics.uncacheable_requests.labels(reason).inc(n)
 
     def step_finished(self) -> None:
+        self._unloaded.clear()
         if self._step_started is not None and self.agent is not None:
             self.agent.prefill.observe(self._step_tokens, time.perf_counter() - self._step_started)
         self._step_started = None
@@ -110,6 +116,8 @@ class P2PWorker:
         for transfer in meta.loads:
             if transfer.sync:
                 failed = self._load(transfer, remote=False)
+                if failed:
+                    self._unloaded[transfer.req_id] = failed
                 with self._done_lock:
                     self._load_errors.update(failed)
             else:
@@ -243,7 +251,11 @@ class P2PWorker:
         if not t.generated:
             computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if not agent.holds(ChunkKey(k))]
             agent.metrics.miss_tokens.inc(sum(computed))  # prompt tokens the engine computed: nothing held them
+        unloaded = self._unloaded.get(t.req_id, set())
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
+            if unloaded.intersection(blocks):
+                log.info("request %s: its load failed this step; its chunks from there on are not saved", t.req_id)
+                return
             if agent.holds(ChunkKey(key)) or not blocks:
                 continue
             nbytes = kv.payload_nbytes(len(blocks))
