@@ -134,7 +134,9 @@ def test_connector_starts_while_etcd_is_down_serves_local_hits_and_joins_later(t
                 reader.close()
             reader = IndexReader.open(loop, config, fp)
             try:
-                assert reader.mirror.wait_for(lambda m: len(m) == 6, 10.0)  # 5 full chunks and the tail
+                # 5 full chunks, the prompt's tail, and the answer's tail (what the request computed,
+                # saved when it finished)
+                assert reader.mirror.wait_for(lambda m: len(m) == 7, 10.0)
             finally:
                 reader.close()
         assert e.generate([doc])[0]["num_cached_tokens"] == 1499
