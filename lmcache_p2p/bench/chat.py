@@ -1,10 +1,10 @@
 """``lmcache-p2p bench chat``: a multi-turn conversation alternating between two engines of one mesh.
 
-Each turn's prompt is the history (every earlier prompt and answer) and a new user message; turn 1
-is a first message (a system prompt and a question). Odd turns go to engine A, even turns to
-engine B (a router without affinity), both with the ``LMCacheP2PConnector``; a plain vLLM engine
-(no connector) answers the same turns first: its answers are the reference and its TTFTs the cold
-baseline. Per turn:
+Each turn's prompt is the history (every earlier prompt and the answer the mesh gave) and a new user
+message; turn 1 is a first message (a system prompt and a question). Odd turns go to engine A, even
+turns to engine B (a router without affinity), both with the ``LMCacheP2PConnector``; then a plain
+vLLM engine (no connector) answers the same prompts: its TTFTs are the cold baseline and its answers
+the reference. Per turn:
 
     prompt_tokens     the turn's prompt
     history_with_kv   what earlier turns computed: every earlier token but the last answer token
@@ -14,7 +14,9 @@ baseline. Per turn:
     ttft_mesh_ms      A or B; ``speedup`` is cold / mesh
 
 ``reused_of_history`` is reused / history_with_kv over turns 2..N (1.0: only the new message was
-computed); ``answers_match_cold`` compares every answer token for token. TTFT is measured inside the
+computed); ``answers_match_cold`` counts answers equal token for token (greedy; in bf16 a random-weight
+model's near-tied logits can flip where the engine computes the new tokens over loaded KV instead of
+in one prefill: the tests compare in fp32). TTFT is measured inside the
 engine (its step loop), greedy decoding, ``--answer`` tokens per turn. The next turn is sent
 ``--think-s`` after the answer (a person reads it; the answer's tail is announced a step after it
 ends). vLLM's own prefix cache is off on every engine, so A's reuse of its own earlier turns also
@@ -49,19 +51,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"model": args.model or args.model_size, "dtype": args.dtype, "turns": args.turns,
                            "first_tokens": args.first, "answer_tokens": args.answer,
                            "message_tokens": args.message, "think_s": args.think_s}
-    prompts, answers, cold_ttft = [first], [], []
-    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
-    try:  # the reference conversation, each engine measured while no other one runs
-        cold.wait_ready()
-        cold.serve(warm[0], max_tokens=args.answer)
-        for turn in range(args.turns):
-            got = cold.serve(prompts[-1], max_tokens=args.answer)
-            answers.append(got["tokens"])
-            cold_ttft.append(got["ttft_s"])
-            if turn + 1 < args.turns:
-                prompts.append(prompts[-1] + got["tokens"] + messages[turn])
-    finally:
-        cold.stop()
+    # The conversation runs on the mesh first, each turn built from the answer the engine gave (what
+    # its user saw); then plain vLLM answers the very same prompts. Each measured with no other running.
+    prompts: list[list[int]] = [first]
+    answers: list[list[int]] = []
     rows: list[dict[str, Any]] = []
     with EtcdServer(base_dir=str(work)) as etcd:
         cfg_a = agent_config(work / "a.yaml", "chat-a", etcd.endpoints, args.transport)
@@ -74,21 +67,32 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 engine.wait_ready()
             for engine, prompt in zip(engines, warm, strict=True):
                 engine.serve(prompt, max_tokens=args.answer)
-            matches = []
-            for turn, prompt in enumerate(prompts):
+            for turn in range(args.turns):
                 if turn:
                     time.sleep(args.think_s)
-                got = engines[turn % 2].serve(prompt, max_tokens=args.answer)
-                matches.append(got["tokens"] == answers[turn])
+                    prompts.append(prompts[-1] + answers[-1] + messages[turn - 1])
+                got = engines[turn % 2].serve(prompts[turn], max_tokens=args.answer)
+                answers.append(got["tokens"])
                 history = len(prompts[turn - 1]) + len(answers[turn - 1]) - 1 if turn else 0
-                rows.append({"turn": turn + 1, "engine": engines[turn % 2].name, "prompt_tokens": len(prompt),
+                rows.append({"turn": turn + 1, "engine": engines[turn % 2].name, "prompt_tokens": len(prompts[turn]),
                              "history_with_kv": history, "reused_tokens": got["num_cached_tokens"],
-                             "ttft_cold_ms": round(1000 * cold_ttft[turn], 1),
-                             "ttft_mesh_ms": round(1000 * got["ttft_s"], 1),
-                             "speedup": round(cold_ttft[turn] / got["ttft_s"], 2)})
+                             "ttft_mesh_ms": round(1000 * got["ttft_s"], 1)})
         finally:
             for engine in engines:
                 engine.stop()
+    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+    matches = []
+    try:
+        cold.wait_ready()
+        cold.serve(warm[0], max_tokens=args.answer)
+        for row, prompt, answer in zip(rows, prompts, answers, strict=True):
+            got = cold.serve(prompt, max_tokens=args.answer)
+            matches.append(got["tokens"] == answer)
+            row["ttft_cold_ms"] = round(1000 * got["ttft_s"], 1)
+            row["speedup"] = round(row["ttft_cold_ms"] / row["ttft_mesh_ms"], 2)
+            row["answer_matches_cold"] = matches[-1]
+    finally:
+        cold.stop()
     later = rows[1:]
     out["per_turn"] = rows
     out["reused_of_history"] = round(sum(r["reused_tokens"] for r in later) / sum(r["history_with_kv"] for r in later),
@@ -99,7 +103,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["ttft_mesh_ms_median_turns_2_on"] = statistics.median(r["ttft_mesh_ms"] for r in later)
         out["ttft_cold_ms_median_turns_2_on"] = statistics.median(r["ttft_cold_ms"] for r in later)
         out["speedup_median_turns_2_on"] = statistics.median(r["speedup"] for r in later)
-    out["answers_match_cold"] = all(matches)
+    out["answers_match_cold"] = f"{sum(matches)} of {len(matches)}"
     return out
 
 
