@@ -4,8 +4,7 @@ The cache-only agent of ``lmcache-p2p agent`` (the same config, the cluster conf
 the same ready line and signals), which stores the chunks of synthetic prompts ``S`` (repeatable)
 of ``N`` tokens before it says it is ready. Their payloads are deterministic
 (:mod:`lmcache_p2p.testing.synthetic`), so any other process can check that what it pulls is
-byte-exact. The ready line adds ``stored``: how many chunks were new, and ``tiers``: how many each tier
-held then (what a test with a short chunk TTL can count on before the first expiry).
+byte-exact. The ready line adds ``stored``: how many chunks were new.
 """
 
 from __future__ import annotations
@@ -45,9 +44,7 @@ def main(argv: list[str]) -> int:
         stored = sum(preload(agent, seed, args.preload_tokens) for seed in args.preload_seed)
         gc.freeze()
         print(json.dumps({"ready": True, "node_id": agent.node_id, "metrics_port": agent.metrics_port,
-                          "stored": stored, "held": len(agent.tiers.inventory()),
-                          "tiers": {t.name: len(t) for t in (agent.tiers.cpu, agent.tiers.disk) if t is not None}}),
-              flush=True)
+                          "stored": stored, "held": len(agent.tiers.inventory())}), flush=True)
         stop.wait()
     finally:
         agent.stop()
