@@ -135,6 +135,20 @@ class CanaryConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class BlendConfig:
+    """Reuse of a request's declared segments (RAG documents) at any position
+    (``integrations/segments.py``): ``enabled`` lets requests that declare segments blend;
+    ``recompute_fraction`` of each loaded segment's tokens (its first ones) is recomputed through the
+    model against the blended context (0: plain concatenation; 1: every token, a full prefill's KV)."""
+
+    enabled: bool = True
+    recompute_fraction: float = 0.15
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.recompute_fraction <= 1.0, "blend.recompute_fraction", "must be in [0, 1]")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EtcdConfig:
     endpoints: tuple[str, ...] = ()
     lease_ttl_s: int = 10
@@ -262,6 +276,7 @@ class AgentConfig:
     transfer: TransferConfig = TransferConfig()
     handoff: HandoffConfig = HandoffConfig()
     canary: CanaryConfig = CanaryConfig()
+    blend: BlendConfig = BlendConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
     # cluster config in etcd never changes them (coordinator/apply.py).

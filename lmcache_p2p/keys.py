@@ -239,3 +239,13 @@ def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Se
 def chunk_spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     """``[start, end)`` token ranges of each chunk, the partial tail included."""
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
+
+
+def segment_root(root: FingerprintDigest, base: Sequence[int] | np.ndarray) -> FingerprintDigest:
+    """The chain root of a request's independent segments (documents reused in any order): the
+    request's root and the tokens before its first segment (the system prompt, "the base"), never
+    what precedes a segment. A segment's chunks chain from here over its own tokens
+    (:func:`chunk_keys`), so the same document after the same base has the same keys at any offset."""
+    h = xxhash.xxh3_128(b"lmcache-p2p segment" + bytes(root))
+    h.update(tokens_to_array(base).tobytes())
+    return FingerprintDigest(h.digest())

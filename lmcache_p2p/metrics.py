@@ -50,6 +50,13 @@ class AgentMetrics:
             "canary_checks", "Owners' copies of chunks compared with what this engine computed (canary.py), by "
             "outcome (match, mismatch: the owner was quarantined, unavailable)", ["outcome"], namespace=ns,
             registry=registry)
+        self.blend_requests = Counter(
+            "blend_requests", "Requests whose declared segments were reused at another position (blended, not "
+            "exact), by outcome (loaded, failed: recomputed by the engine)", ["outcome"], namespace=ns,
+            registry=registry)
+        self.blend_tokens = Counter(
+            "blend_tokens", "Tokens of blended requests, by kind (segment: loaded from segment chunks and moved; "
+            "recomputed: run through the model over the blended cache)", ["kind"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
         self.handoff_chunks = Counter(
             "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "

@@ -113,6 +113,13 @@ class EngineProcess:
     def ttft(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         return self.request("ttft", prompts)
 
+    def score(self, prompts: list[list[int]], max_tokens: int = 8, *, scored: int = 0,
+              kv_transfer_params: dict[str, Any] | None = None, timeout: float = 300.0) -> list[dict[str, Any]]:
+        """Each prompt through the step loop: ``tokens``, ``ttft_s``, ``num_cached_tokens``, the logprobs of
+        its last ``scored`` tokens (``prompt_logprobs``) and of each generated one (``logprobs``)."""
+        return self.request("score", prompts, timeout=timeout, max_tokens=max_tokens, scored=scored,
+                            kv_transfer_params=kv_transfer_params)
+
     def serve(self, prompt: list[int], max_tokens: int = 8, timeout: float = 300.0) -> dict[str, Any]:
         """One greedy request: ``tokens``, ``ttft_s`` (measured in the engine) and ``num_cached_tokens``."""
         return self.request("serve", [prompt], timeout=timeout, max_tokens=max_tokens)[0]

@@ -134,6 +134,9 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
                             "num_cached_tokens": int(out.num_cached_tokens or 0),
                             "tokens": list(out.outputs[0].token_ids)})
         _reply({"results": results})
+    elif req["op"] == "score":
+        _reply({"results": [_score(llm, p, int(req.get("max_tokens", 8)), req.get("kv_transfer_params"),
+                                   int(req.get("scored", 0))) for p in prompts]})
     elif req["op"] == "serve":
         _reply({"results": [_serve_one(llm, p, int(req.get("max_tokens", 8)), lora) for p in prompts]})
     elif req["op"] == "concurrent":
@@ -164,6 +167,42 @@ def _serve_one(llm: Any, prompt: Any, max_tokens: int, lora: Any = None) -> dict
                 out = o
     return {"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
             "num_cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | None, scored: int) -> dict[str, Any]:
+    """One request through the step loop: greedy tokens, TTFT, cached tokens, the logprob of each of the
+    prompt's last ``scored`` tokens (the model's view of a continuation; they must be computed, not
+    loaded) and of each generated token."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    rid = f"score-{time.monotonic_ns()}"
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=0 if scored else None, skip_reading_prefix_cache=False,
+                            extra_args={"kv_transfer_params": kv_params} if kv_params else None)
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt, params)
+    ttft, out = None, None
+    while out is None:
+        for o in engine.step():
+            if o.request_id != rid:
+                continue
+            if ttft is None and o.outputs and o.outputs[0].token_ids:
+                ttft = time.perf_counter() - t0
+            if o.finished:
+                out = o
+    ids = prompt["prompt_token_ids"]
+    prompt_lp: list[float | None] = []
+    if scored:
+        entries = list(out.prompt_logprobs or [])[-scored:]
+        prompt_lp = [None if e is None or tok not in e else float(e[tok].logprob)
+                     for e, tok in zip(entries, ids[-scored:], strict=False)]
+    gen = out.outputs[0]
+    gen_lp = [float(e[t].logprob) if e and t in e else None for e, t in zip(gen.logprobs or [], gen.token_ids,
+                                                                             strict=False)]
+    return {"tokens": list(gen.token_ids), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+            "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lp,
+            "logprobs": gen_lp}
 
 
 def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int) -> dict[str, Any]:

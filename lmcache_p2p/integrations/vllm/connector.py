@@ -28,6 +28,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from ...config import rank_config
 from ...coordinator.apply import set_log_level
 from ...keys import head_range
+from .blend import blend_refusal
 from .layout import connector_config, engine_fingerprint
 from .metadata import LMCacheP2PMetadata
 from .scheduler import P2PScheduler
@@ -61,7 +62,9 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute_on_load_failure(vllm_config)
-            self._scheduler = P2PScheduler(config, fingerprint, block_size)
+            self._scheduler = P2PScheduler(config, fingerprint, block_size,
+                                           prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
+                                           blend_refusal=blend_refusal(vllm_config))
         else:
             self._worker = P2PWorker(config, fingerprint, block_size, heads)
 

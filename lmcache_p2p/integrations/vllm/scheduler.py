@@ -68,6 +68,17 @@ from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import file_adapter, request_identity
 from ..freshness import Freshness
+from ..segments import (
+    BlendPlan,
+    BlendTransfer,
+    SegmentChunks,
+    SegmentError,
+    SegmentSave,
+    plan_blend,
+    read_fraction,
+    read_segments,
+    segment_chunks,
+)
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
@@ -88,10 +99,13 @@ class _Active:
     mm_items: tuple[MultiModalItem, ...] = ()
     prompt_saved: bool = False
     full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
+    segments: list[SegmentChunks] | None = None  # declared segments, saved with the prompt
+    blended: bool = False  # its KV is blended (close to a prefill's, not equal): nothing of it is saved
 
 
 class P2PScheduler:
-    def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int) -> None:
+    def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int, *,
+                 prefix_caching: bool = False, blend_refusal: str | None = "not checked") -> None:
         self._config = config
         self._fp = fingerprint.digest
         self._chunk = config.chunk_size
@@ -118,6 +132,16 @@ class P2PScheduler:
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
+        # Segments (integrations/segments.py): blending needs this engine to place keys exactly and no
+        # prefix cache of vLLM's that would hand blended blocks to other requests as exact hits.
+        self._blend_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
+        self._prefix_caching = prefix_caching
+        self._blend_fraction = config.blend.recompute_fraction
+        self._segments: dict[str, list[SegmentChunks] | None] = {}  # per request: its declared segments
+        self._blends: dict[str, BlendPlan] = {}  # hits offered as blends, until their blocks are allocated
+        self._blend_loads: list[BlendTransfer] = []  # decided this step; handed to the worker in the next meta
+        self._blended: set[str] = set()  # requests whose KV is blended, until they finish: never saved
+        self._told: set[str] = set()  # reasons for not blending already logged
 
     def _usable(self, record: NodeRecord) -> bool:
         """An owner this engine's worker can pull from (the same rule its plan applies)."""
@@ -187,8 +211,11 @@ class P2PScheduler:
                                                      self._index.mirror.blocks_revision, self._index.connected):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
         self._tails.pop(request.request_id, None)
+        self._blends.pop(request.request_id, None)
         tail = self._tail(prompt, keys, held, *identity) if held < len(keys) else None
-        hit = min(held * self._chunk + (tail[0] if tail else 0), len(prompt) - 1)
+        exact = min(held * self._chunk + (tail[0] if tail else 0), len(prompt) - 1)
+        blend = self._blend(request, prompt, identity, max(exact, num_computed_tokens))
+        hit = blend.end if blend is not None else exact
         self._local_hit[request.request_id] = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
         if request.request_id in self._canaries or self._canary(request, n, num_computed_tokens) or n == 0:
@@ -196,10 +223,60 @@ class P2PScheduler:
         if tail is not None:
             self._tails[request.request_id] = (held, *tail)
             keys = keys[:held] + [tail[1]]
-        needed = keys[num_computed_tokens // self._chunk: -(-hit // self._chunk)]
+        needed = keys[num_computed_tokens // self._chunk: -(-exact // self._chunk)]
+        if exact <= num_computed_tokens:
+            needed = []
+        if blend is not None:
+            self._blends[request.request_id] = blend
+            needed += [ChunkKey(k) for seg in blend.segments for k in seg.keys]
         load_async = not all(k in self._saved for k in needed)
         self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
+
+    def _declared(self, request: Any, prompt: list[int],
+                  identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[SegmentChunks] | None:
+        """The segments ``request`` declares, keyed (None: none, malformed, or multimodal)."""
+        req_id = request.request_id
+        if req_id not in self._segments:
+            found = None
+            try:
+                spans = read_segments(getattr(request, "kv_transfer_params", None), len(prompt))
+                if spans is not None and not identity[1]:
+                    found = segment_chunks(identity[0], prompt, spans, self._chunk)
+            except SegmentError as exc:
+                log.warning("request %s: segments ignored (prefix reuse only): %s", req_id, exc)
+            self._segments[req_id] = found
+        return self._segments[req_id]
+
+    def _blend(self, request: Any, prompt: list[int], identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]],
+               exact_end: int) -> BlendPlan | None:
+        """The blend that extends the exact hit (ending at ``exact_end``) over the request's cached
+        segments, or None (no segments declared, none held past it, or this engine can't blend)."""
+        segments = self._declared(request, prompt, identity)
+        if not segments:
+            return None
+        refusal = self._blend_refusal
+        if refusal is None and self._prefix_caching and not getattr(request, "cache_salt", None):
+            refusal = ("vLLM's prefix cache is on and the request has no cache_salt: blended blocks would become "
+                       "other requests' exact prefix hits")
+        if refusal is not None:
+            if refusal not in self._told:
+                self._told.add(refusal)
+                log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", refusal)
+            return None
+        saved = () if self._index.connected else self._saved
+
+        def held(keys: list[bytes]) -> bool:
+            chunk_keys = [ChunkKey(k) for k in keys]
+            return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
+
+        try:
+            fraction = read_fraction(getattr(request, "kv_transfer_params", None), self._blend_fraction)
+        except SegmentError as exc:
+            log.warning("request %s: %s; blend.recompute_fraction (%s) used", request.request_id, exc,
+                        self._blend_fraction)
+            fraction = self._blend_fraction
+        return plan_blend(segments, exact_end, len(prompt), held, fraction)
 
     def _tail(self, prompt: list[int], keys: list[ChunkKey], held: int, root: FingerprintDigest,
               mm_items: tuple[MultiModalItem, ...]) -> tuple[int, ChunkKey] | None:
@@ -226,23 +303,45 @@ class P2PScheduler:
             return  # nothing loaded (no hit was offered), nothing saved
         keys = self._keys(prompt, *identity)
         state = _Active(request, prompt, keys, [], *identity)
+        blend = self._blends.pop(request.request_id, None)
+        # Called again once a pulled load is in place (with no external tokens): a blended request stays so.
+        state.blended = request.request_id in self._blended
+        if blend is None and not state.blended and self._blend_refusal is None:
+            state.segments = self._declared(request, prompt, identity)  # saved once computed
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
             block_ids = list(blocks.get_block_ids()[0])
-            tail = self._tails.pop(request.request_id, None)
-            if tail is None:
-                load = self._transfer(request.request_id, prompt, keys, block_ids, start, end)
-            else:  # the hit ends in a chunk held cut short: load it as a chunk of that many tokens
-                held, n, key = tail
-                load = chunk_transfer(request.request_id, held * self._chunk + n, keys[:held] + [key], block_ids,
-                                      start, end, self._chunk, self._block)
-            load.sync = not self._async.pop(request.request_id, True)
-            load.index_revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
-            load.deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
-            self._loads.append(load)
+            sync = not self._async.pop(request.request_id, True)
+            revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
+            deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
+            if blend is not None and blend.end == end:
+                exact = (self._exact_load(request.request_id, prompt, keys, block_ids, start, blend.exact_end)
+                         if blend.exact_end > start else None)
+                if exact is not None:
+                    exact.sync, exact.index_revision, exact.deadline = sync, revision, deadline
+                self._blend_loads.append(BlendTransfer(
+                    request.request_id, exact, blend.segments, blend.recompute, prompt[:blend.end], block_ids,
+                    max(blend.exact_end, start), blend.end, sync=sync, index_revision=revision, deadline=deadline))
+                state.blended = True
+                self._blended.add(request.request_id)
+            else:
+                load = self._exact_load(request.request_id, prompt, keys, block_ids, start, end)
+                load.sync, load.index_revision, load.deadline = sync, revision, deadline
+                self._loads.append(load)
             self._loaded.add(request.request_id)
         self._requests[request.request_id] = state
+
+    def _exact_load(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int], start: int,
+                    end: int) -> ChunkTransfer:
+        """The prefix chunks covering ``[start, end)``; a hit ending in a chunk held cut short loads it as a
+        chunk of that many tokens."""
+        tail = self._tails.pop(req_id, None)
+        if tail is None:
+            return self._transfer(req_id, prompt, keys, block_ids, start, end)
+        held, n, key = tail
+        return chunk_transfer(req_id, held * self._chunk + n, keys[:held] + [key], block_ids, start, end,
+                              self._chunk, self._block)
 
     def _transfer(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
                   start: int, end: int) -> ChunkTransfer:
@@ -254,6 +353,7 @@ class P2PScheduler:
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
+        meta.blends, self._blend_loads = self._blend_loads, []
         meta.saves, self._finished = self._finished, []  # finished requests' tails: vLLM holds their blocks
         for new in out.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
@@ -270,12 +370,14 @@ class P2PScheduler:
                     state.block_ids.extend(new_ids[0])
         for req_id, state in self._requests.items():
             done = _computed_after_step(out, req_id)
-            if done is None or done < len(state.prompt):
+            if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
                 save = self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0, len(state.prompt))
                 save.canary = req_id in self._canaries
                 meta.saves.append(save)
+                if state.segments:
+                    meta.segment_saves.append(SegmentSave(req_id, state.segments, list(state.block_ids)))
                 self._remember_saved(state.keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
@@ -310,6 +412,9 @@ class P2PScheduler:
         self._async.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
         self._tails.pop(request.request_id, None)
+        self._blends.pop(request.request_id, None)
+        self._segments.pop(request.request_id, None)
+        self._blended.discard(request.request_id)
         state = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
         # holds the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)
@@ -332,7 +437,7 @@ class P2PScheduler:
         tokens = list(request.all_token_ids)
         done = min(int(request.num_computed_tokens), len(tokens) - 1)
         covered = max(len(state.prompt), state.full_chunks_saved * self._chunk)
-        if not state.prompt_saved or done <= covered:
+        if not state.prompt_saved or state.blended or done <= covered:
             return None
         keys = self._keys(tokens[:done], state.root, state.mm_items)
         blocks = list(block_ids) if block_ids else state.block_ids

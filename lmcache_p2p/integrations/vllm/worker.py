@@ -41,6 +41,8 @@ from ...kernels.paged import PagedKV
 from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
 from ...plan import LOCAL
 from ..blocks import ChunkTransfer, blocks_from
+from ..segments import BlendTransfer, SegmentSave
+from .blend import Blender, blend_refusal, find_runner
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
@@ -57,6 +59,7 @@ class P2PWorker:
         self._fingerprint = fingerprint
         self._heads = heads if heads is not None else (0, fingerprint.num_kv_heads)
         self._blocks_per_chunk = config.chunk_size // block_size
+        self._block_size = block_size
         self._kv: PagedKV | None = None
         self.agent: CacheAgent | None = None
         # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
@@ -76,11 +79,14 @@ class P2PWorker:
         self._checks: list[concurrent.futures.Future[Any]] = []  # canary checks submitted, not yet done
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-canary",
                                                               initializer=unpin_thread)
+        self._blender: Blender | None = None
+        self._recompute: list[tuple[BlendTransfer, set[int]]] = []  # pulled blends; recomputed on the forward thread
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
         split = self._heads[1] - self._heads[0] if self._config.layout.kv_layout in HEAD_MAJOR_LAYOUTS else 1
         self._kv = PagedKV(list(kv_caches.values()), heads=split)
+        self._blender = self._find_blender(kv_caches) if self._config.blend.enabled else None
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
         self.agent = CacheAgent(self._config, self._fingerprint, chunk_bytes,
                                 secret=cluster_secret(self._config), heads=self._heads).start()
@@ -96,6 +102,29 @@ class P2PWorker:
             gc.freeze()
         log.info("lmcache-p2p worker: %d layers, chunk %d bytes, agent %s", len(kv_caches), chunk_bytes,
                  self.agent.node_id)
+
+    def _find_blender(self, kv_caches: dict[str, torch.Tensor]) -> Blender | None:
+        """Segment reuse (``blend.py``) where this engine allows it; else declared segments are reused
+        as prefixes only, said once here."""
+        runner = find_runner()
+        try:
+            if runner is None:
+                raise ValueError("vLLM's model runner was not found above register_kv_caches")
+            refusal = blend_refusal(runner.vllm_config)
+            if refusal is not None:
+                raise ValueError(refusal)
+            blender = Blender(runner, kv_caches)
+        except Exception as exc:  # never into vLLM: segments are then reused as prefixes only
+            log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", exc)
+            return None
+        payload = blender.token_nbytes() * self._config.chunk_size
+        assert self._kv is not None
+        if payload > self._kv.payload_nbytes(self._blocks_per_chunk):
+            log.warning("lmcache-p2p: a segment chunk (%d bytes) does not fit a slot; segments are not reused", payload)
+            return None
+        log.info("lmcache-p2p: segments reused at any position (keys %s-major, rotary dim %d)", blender.key_layout,
+                 blender.spec.rotary_dim)
+        return blender
 
     # -- steps: the engine's prefill rate, for the planner ---------------------------------------------
     def step_started(self, meta: LMCacheP2PMetadata) -> None:
@@ -113,6 +142,18 @@ class P2PWorker:
 
     # -- load ------------------------------------------------------------------------------------------
     def start_load_kv(self, meta: LMCacheP2PMetadata) -> None:
+        self._recompute_pulled()
+        for blend in meta.blends:
+            if blend.sync:
+                failed = self._blend(blend, remote=False)
+                if failed:
+                    self._unloaded[blend.req_id] = failed
+                with self._done_lock:
+                    self._load_errors.update(failed)
+            else:
+                with self._done_lock:
+                    self._loads_running += 1
+                self._loader.submit(self._blend_async, blend)
         for transfer in meta.loads:
             if transfer.sync:
                 failed = self._load(transfer, remote=False)
@@ -136,6 +177,106 @@ class P2PWorker:
             self._loads_done.add(t.req_id)
             self._loads_running -= 1
             self._done_lock.notify_all()
+
+    # -- blends (segments.py, blend.py) -------------------------------------------------------------
+    def _blend(self, t: BlendTransfer, remote: bool, recompute: bool = True) -> set[int]:
+        """Make ``t``'s claim true: exact chunks, segment chunks moved into place, then (``recompute``:
+        here, on the forward thread) the recompute runs. Returns the blocks vLLM must recompute."""
+        assert self.agent is not None
+        metrics = self.agent.metrics
+        try:
+            if self._blender is None:
+                raise ValueError("this engine can't blend (see the warning at start)")
+            if t.exact is not None and self._load(t.exact, remote=remote):
+                raise ValueError("its exact prefix did not load")
+            self._load_segments(t, remote)
+            if recompute:
+                self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
+        except Exception as exc:  # a cache problem must never become a serving problem: the engine computes it
+            log.info("request %s: blend failed (%s); %d tokens recomputed by the engine", t.req_id, exc,
+                     t.end - t.exact_end)
+            metrics.blend_requests.labels("failed").inc()
+            return t.blocks(self._block_size) | (
+                blocks_from(t.exact, 0) if t.exact is not None else set())
+        if recompute:
+            self._count_blend(t)
+        return set()
+
+    def _count_blend(self, t: BlendTransfer) -> None:
+        assert self.agent is not None
+        recomputed = sum(e - s for s, e in t.recompute)
+        metrics = self.agent.metrics
+        metrics.blend_requests.labels("loaded").inc()
+        metrics.blend_tokens.labels("recomputed").inc(recomputed)
+        metrics.blend_tokens.labels("segment").inc(t.end - t.exact_end - recomputed)
+
+    def _load_segments(self, t: BlendTransfer, remote: bool) -> None:
+        """Pull (or pin locally) every segment chunk of ``t`` and write the positions it covers; raises on
+        the first chunk not loaded."""
+        assert self.agent is not None and self._blender is not None
+        agent, blender = self.agent, self._blender
+        keys, spans, pos = [], [], 0
+        for seg in t.segments:
+            for k, n in zip(seg.keys, seg.num_tokens, strict=True):
+                keys.append(ChunkKey(k))
+                spans.append((pos, pos + n))
+                pos += n
+        deadline = self._deadline(t)
+        if remote:
+            agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S))
+        plan = agent.plan(keys, spans, pos)
+        pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
+        try:
+            i = 0
+            for seg in t.segments:
+                first = 0  # the chunk's first token in its segment
+                for n in seg.num_tokens:
+                    pin = pins[i] if i < len(pins) else None
+                    if pin is None:
+                        raise ValueError(f"segment chunk {i} of {len(keys)} not loaded")
+                    staged = agent.tiers.cpu.stage(pin)
+                    if staged is None:
+                        agent.metrics.checksum_failures.inc()
+                        raise ValueError(f"segment chunk {i} changed in memory after it was stored")
+                    lo = max(seg.start + first, seg.start + seg.skip)
+                    hi = min(seg.start + first + n, seg.end)
+                    if lo < hi:
+                        kv = blender.decode(staged, n)[:, :, lo - seg.start - first: hi - seg.start - first]
+                        blender.write(kv, t.block_ids, lo, seg.start)
+                    first += n
+                    i += 1
+        finally:
+            for pin in pins:
+                if pin is not None:
+                    agent.unpin_chunk(pin)
+
+    def _blend_async(self, t: BlendTransfer) -> None:
+        """The load thread's part of a pulled blend; the recompute waits for the forward thread."""
+        failed = self._blend(t, remote=True, recompute=False)
+        with self._done_lock:
+            self._recompute.append((t, failed))
+            self._done_lock.notify_all()
+
+    def _recompute_pulled(self) -> None:
+        """Recompute the pulled blends whose bytes are in place (forward thread), then report them."""
+        with self._done_lock:
+            ready, self._recompute = self._recompute, []
+        for t, failed in ready:
+            if not failed:
+                try:
+                    assert self._blender is not None
+                    self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
+                    self._count_blend(t)
+                except Exception as exc:  # the engine computes it
+                    log.warning("request %s: recompute over the blended cache failed (%s); recomputed by the engine",
+                                t.req_id, exc)
+                    assert self.agent is not None
+                    self.agent.metrics.blend_requests.labels("failed").inc()
+                    failed = t.blocks(self._block_size)
+            with self._done_lock:
+                self._load_errors.update(failed)
+                self._loads_done.add(t.req_id)
+                self._loads_running -= 1
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Finished requests whose tails were gathered, and requests whose asynchronous load finished
@@ -202,7 +343,7 @@ class P2PWorker:
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
         return failed
 
-    def _deadline(self, t: ChunkTransfer) -> float:
+    def _deadline(self, t: ChunkTransfer | BlendTransfer) -> float:
         """The load's absolute deadline, set by the scheduler side when it offered the hit (one host, one
         monotonic clock); never more than ``transfer.timeout_s`` from now (a rank on another host, whose
         clock differs, or a transfer from an older scheduler without one)."""
@@ -234,6 +375,11 @@ class P2PWorker:
 
     # -- save ---------------------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheP2PMetadata) -> None:
+        for segments in meta.segment_saves:
+            try:
+                self._save_segments(segments)
+            except Exception:  # a cache problem must never become a serving problem
+                log.exception("request %s: saving its segments failed", segments.req_id)
         for transfer in meta.saves:
             try:
                 self._save(transfer)
@@ -272,6 +418,36 @@ class P2PWorker:
                 log.warning("request %s: gathering a chunk failed: %s", t.req_id, exc)
                 return
             agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
+
+    def _save_segments(self, t: SegmentSave) -> None:
+        """Each declared segment's chunks from the blocks of a request that computed them, keys turned to the
+        segment's position 0 (``blend.py``); chunks held already are skipped."""
+        agent, blender = self.agent, self._blender
+        if agent is None or blender is None:
+            return
+        if t.req_id in self._unloaded:
+            log.info("request %s: its load failed this step; its segments are not saved", t.req_id)
+            return
+        for seg in t.segments:
+            first = 0
+            for key, n in zip(seg.keys, seg.num_tokens, strict=True):
+                start, first = seg.start + first, first + n
+                if agent.holds(ChunkKey(key)):
+                    continue
+                kv = blender.read(t.block_ids, start, start + n, seg.start)
+                nbytes = kv.numel() * kv.element_size()
+                try:
+                    res = agent.reserve_chunk()
+                except Exception as exc:  # a full, pinned pool must not fail the forward pass
+                    log.warning("request %s: no slot to save a segment chunk: %s", t.req_id, exc)
+                    return
+                try:
+                    torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes).copy_(kv.contiguous().view(-1)
+                                                                                        .view(torch.uint8))
+                except Exception:
+                    agent.release_chunk(res)
+                    raise
+                agent.commit_chunk(res, ChunkKey(key), n, nbytes)
 
     def _check_later(self, t: ChunkTransfer) -> None:
         """Copy what the engine computed for each full chunk of ``t`` (its blocks are reused after

@@ -1,0 +1,195 @@
+"""Segments: parts of a prompt whose KV is reused wherever they appear (RAG documents in any order).
+
+A request declares its segments as token spans of its prompt (``kv_transfer_params``)::
+
+    {"lmcache_p2p_segments": [[256, 768], [768, 1280], [1280, 1792]]}
+
+    prompt:  | base (system prompt) | doc B | doc A | doc C | question |
+    keys:    prefix chain (exact, as every prompt)
+             segment chains: root = H(request root, base); each doc's chunks chain over its own tokens
+
+Spans are sorted, disjoint and inside the prompt; the tokens between them ("glue": separators) and
+after the last belong to no segment. Segments must be token-identical across requests: a client
+tokenizes each document alone and concatenates the ids (tokenizing the joined text can merge tokens
+at the seams, and then the keys differ: a miss, never wrong KV).
+
+A request that computed its prompt saves each segment's KV under the segment keys, its keys turned
+back to position 0 (``blend.py``). A later request with the same base and any of those documents, in
+any order, claims the prompt up to the end of its last cached segment as one hit (vLLM counts hits
+as a prefix) and makes that claim true before its forward pass (:func:`plan_blend`):
+
+    exact:      the longest prefix held under prefix keys, loaded as today (bit-exact)
+    segments:   each cached segment after it, its keys turned to the segment's new position
+    recompute:  glue, and the first ``recompute_fraction`` of each loaded segment's tokens, run through
+                the model over the blended cache: the cross-attention a document never saw where it
+                was computed is restored where it matters most (its first tokens)
+
+A blended prompt's KV is close to, not equal to, a full prefill's: such a request saves nothing
+under prefix keys (they promise exact KV), and needs vLLM's own prefix cache off or a
+``cache_salt`` (``blend.py``). Nothing here imports vLLM or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..keys import FingerprintDigest, chunk_keys, chunk_spans, segment_root
+from .blocks import ChunkTransfer
+
+SEGMENTS_PARAM = "lmcache_p2p_segments"
+FRACTION_PARAM = "lmcache_p2p_recompute_fraction"  # a request's own blend.recompute_fraction
+MAX_SEGMENTS = 256
+
+
+class SegmentError(ValueError):
+    """A request's segment spans are malformed (the request is then served prefix-only)."""
+
+
+@dataclasses.dataclass(slots=True)
+class SegmentChunks:
+    """One segment's chunks as a prompt holds them: chunk ``i`` covers the segment's tokens
+    ``[i*C, min((i+1)*C, length))``, at prompt positions from ``start``."""
+
+    keys: list[bytes]
+    num_tokens: list[int]
+    start: int  # where the segment starts in this prompt
+    skip: int = 0  # loads: leading tokens not written (an exact prefix already covers them)
+    end: int = 0  # loads: positions from here on are not written (vLLM computes the prompt's last token)
+
+    @property
+    def length(self) -> int:
+        return sum(self.num_tokens)
+
+
+@dataclasses.dataclass(slots=True)
+class SegmentSave:
+    """Save the segments of a request that computed its prompt (from its blocks)."""
+
+    req_id: str
+    segments: list[SegmentChunks]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class BlendTransfer:
+    """A blended load: the exact prefix chunks, then segment chunks moved into place, then the
+    recompute runs; the worker reports blocks of ``[exact_end, end)`` (all of them) when any part fails."""
+
+    req_id: str
+    exact: ChunkTransfer | None
+    segments: list[SegmentChunks]
+    recompute: list[tuple[int, int]]
+    token_ids: list[int]  # the prompt up to ``end`` (the recompute runs' inputs)
+    block_ids: list[int]  # the request's blocks
+    exact_end: int
+    end: int
+    sync: bool = False
+    index_revision: int = 0
+    deadline: float = 0.0
+
+    def blocks(self, block_size: int) -> set[int]:
+        """The blocks the blend fills (recomputed by the engine when it fails)."""
+        return set(self.block_ids[self.exact_end // block_size: -(-self.end // block_size)])
+
+
+@dataclasses.dataclass(slots=True)
+class BlendPlan:
+    """How the prompt up to ``end`` is made: exact prefix to ``exact_end``, then segments, with the
+    ``recompute`` runs (``[start, end)`` positions) computed through the model afterwards."""
+
+    exact_end: int
+    end: int
+    segments: list[SegmentChunks]
+    recompute: list[tuple[int, int]]
+
+    @property
+    def recomputed_tokens(self) -> int:
+        return sum(e - s for s, e in self.recompute)
+
+
+def read_segments(params: Any, prompt_len: int) -> list[tuple[int, int]] | None:
+    """The spans a request declares (None when it declares none); :class:`SegmentError` naming the
+    problem when they are malformed."""
+    if not isinstance(params, dict) or SEGMENTS_PARAM not in params:
+        return None
+    raw = params[SEGMENTS_PARAM]
+    if not isinstance(raw, (list, tuple)) or not raw:
+        raise SegmentError(f"{SEGMENTS_PARAM}: a non-empty list of [start, end] spans is needed")
+    if len(raw) > MAX_SEGMENTS:
+        raise SegmentError(f"{SEGMENTS_PARAM}: {len(raw)} spans, at most {MAX_SEGMENTS}")
+    spans: list[tuple[int, int]] = []
+    for span in raw:
+        if (not isinstance(span, (list, tuple)) or len(span) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
+            raise SegmentError(f"{SEGMENTS_PARAM}: {span!r} is not a [start, end] pair of token offsets")
+        start, end = span
+        if not 0 <= start < end <= prompt_len:
+            raise SegmentError(f"{SEGMENTS_PARAM}: [{start}, {end}] is empty or outside the {prompt_len}-token prompt")
+        if spans and start < spans[-1][1]:
+            raise SegmentError(f"{SEGMENTS_PARAM}: [{start}, {end}] overlaps or precedes the span before it")
+        spans.append((start, end))
+    return spans
+
+
+def read_fraction(params: Any, default: float) -> float:
+    """The recompute fraction a request asks for (``default``: none); :class:`SegmentError` when invalid."""
+    if not isinstance(params, dict) or FRACTION_PARAM not in params:
+        return default
+    value = params[FRACTION_PARAM]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise SegmentError(f"{FRACTION_PARAM}: {value!r} is not a number in [0, 1]")
+    return float(value)
+
+
+def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[tuple[int, int]],
+                   chunk: int) -> list[SegmentChunks]:
+    """Each declared segment's chunks (keys chained from :func:`~lmcache_p2p.keys.segment_root`)."""
+    base = segment_root(root, prompt[:spans[0][0]])
+    out = []
+    for start, end in spans:
+        tokens = prompt[start:end]
+        keys = chunk_keys(base, tokens, chunk)
+        out.append(SegmentChunks([bytes(k) for k in keys], [e - s for s, e in chunk_spans(len(tokens), chunk)],
+                                 start))
+    return out
+
+
+def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, held: Callable[[list[bytes]], bool],
+               fraction: float) -> BlendPlan | None:
+    """The blend that extends a prompt's exact prefix (``exact_end`` tokens) furthest: every segment
+    after it, in order, whose chunks are all held (``held``), until the first that is not; None when
+    none extends it. Glue before a loaded segment (and the base, when not exactly held) is recomputed,
+    with the first ``ceil(fraction * tokens)`` of each loaded segment; nothing past ``prompt_len - 1``
+    (vLLM computes the last prompt token itself)."""
+    limit = prompt_len - 1
+    end, loads, runs = exact_end, [], []
+    for seg in segments:
+        seg_end = seg.start + seg.length
+        if seg_end <= exact_end:
+            continue
+        if end >= limit or not held(seg.keys):
+            break
+        first = max(seg.start, exact_end)
+        if first > end:
+            runs.append((end, first))  # glue: no KV held for it
+        loads.append(dataclasses.replace(seg, skip=first - seg.start, end=min(seg_end, limit)))
+        n = math.ceil(fraction * (seg_end - first))
+        if n:
+            runs.append((first, min(first + n, seg_end)))
+        end = min(seg_end, limit)
+    if not loads:
+        return None
+    return BlendPlan(exact_end, end, loads, _merge([(s, min(e, end)) for s, e in runs if s < end]))
+
+
+def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(runs):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out

