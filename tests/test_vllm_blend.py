@@ -18,7 +18,11 @@ segments (``kv_transfer_params``). A third engine without any connector gives th
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -33,6 +37,7 @@ from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_pa
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"
 ANSWER = 16
+BLEND_KV = Path(__file__).with_name("blend_kv_proc.py")
 AGREEMENT_FLOOR = 0.5  # of greedy tokens equal to the reference at the default fraction (see the README)
 
 
@@ -107,3 +112,20 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
     finally:
         for engine in (cold, a, b):
             engine.stop()
+
+
+def test_blending_machinery_against_the_engines_own_prefill():
+    """In the engine's own cache (fp32): the recompute reproduces vLLM's prefill whether a prompt runs as one
+    run or several; keys turned to position 0 and back are the bytes they were; a segment moved to another
+    position equals a prefill there at layer 0 (nothing attends before its K/V)."""
+    proc = subprocess.run([sys.executable, str(BLEND_KV), str(trained_model_path())], capture_output=True,
+                          text=True, timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("BLEND_KV ")), None)
+    assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(line.removeprefix("BLEND_KV "))
+    assert got["refusal"] is None and got["layout"] in ("dims", "tokens")
+    assert got["split_vs_one_run"] <= 1e-4 and got["three_runs_vs_one_run"] <= 1e-4
+    assert got["next_token"][0] == got["next_token"][1] and got["next_logprob_diff"] < 1e-3
+    assert got["round_trip"] <= 1e-4 * got["scale"]
+    assert got["moved_layer0_k"] <= 1e-4 * got["scale"] and got["moved_layer0_v"] == 0.0
+    assert got["moved_last_layer"] > 1e-2  # the context differs: what the moved KV alone can't know

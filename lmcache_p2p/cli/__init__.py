@@ -18,6 +18,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "vllm"): ("lmcache_p2p.bench.vllm:main", "TTFT in real vLLM: cold, miss, peer hit, LMCache"),
     ("bench", "route"): ("lmcache_p2p.bench.route:main", "TTFT with /v1/score routing vs round-robin, 3 vLLM engines"),
     ("bench", "chat"): ("lmcache_p2p.bench.chat:main", "a chat across 2 vLLM engines: reuse, TTFT per turn"),
+    ("bench", "blend"): ("lmcache_p2p.bench.blend:main",
+                         "RAG documents in another order on 2 vLLM engines: reuse, TTFT, quality"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
     ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),

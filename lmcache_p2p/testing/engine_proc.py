@@ -179,6 +179,7 @@ def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | N
     rid = f"score-{time.monotonic_ns()}"
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0 if scored else None, skip_reading_prefix_cache=False,
+                            detokenize=False,  # prompt logprobs of loaded positions hold no token to decode
                             extra_args={"kv_transfer_params": kv_params} if kv_params else None)
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, params)

@@ -171,14 +171,15 @@ class Blender:
         return kv.clone()
 
     # -- recompute -----------------------------------------------------------------------------------
-    def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> None:
+    def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> Any:
         """Run the model on positions ``runs`` (sorted, disjoint ``[start, end)``) of a request whose
-        tokens are ``token_ids`` and whose KV is in ``block_ids``; their K/V land in the cache."""
+        tokens are ``token_ids`` and whose KV is in ``block_ids``; their K/V land in the cache. Returns
+        the model's output (hidden states of the run tokens; None when there are none)."""
         from vllm.forward_context import set_forward_context
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         if not runs:
-            return
+            return None
         pos = torch.cat([torch.arange(s, e) for s, e in runs])
         ids = torch.tensor([token_ids[p] for p in pos.tolist()], dtype=torch.int64)
         lens = torch.tensor([e - s for s, e in runs], dtype=torch.int32)
@@ -197,4 +198,4 @@ class Blender:
         with torch.inference_mode(), set_forward_context(
                 {n: metadata for n in self._names}, runner.vllm_config, num_tokens=len(pos),
                 slot_mapping={n: slots for n in self._names}, skip_compiled=True):
-            runner.model(input_ids=ids, positions=pos)
+            return runner.model(input_ids=ids, positions=pos)

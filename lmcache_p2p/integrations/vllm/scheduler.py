@@ -235,13 +235,14 @@ class P2PScheduler:
 
     def _declared(self, request: Any, prompt: list[int],
                   identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[SegmentChunks] | None:
-        """The segments ``request`` declares, keyed (None: none, malformed, or multimodal)."""
+        """The segments ``request`` declares, keyed (None: none, malformed, multimodal, or under a LoRA
+        adapter, which the recompute would not apply)."""
         req_id = request.request_id
         if req_id not in self._segments:
             found = None
             try:
                 spans = read_segments(getattr(request, "kv_transfer_params", None), len(prompt))
-                if spans is not None and not identity[1]:
+                if spans is not None and not identity[1] and getattr(request, "lora_request", None) is None:
                     found = segment_chunks(identity[0], prompt, spans, self._chunk)
             except SegmentError as exc:
                 log.warning("request %s: segments ignored (prefix reuse only): %s", req_id, exc)

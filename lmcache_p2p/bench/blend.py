@@ -1,0 +1,165 @@
+"""``lmcache-p2p bench blend``: RAG prompts whose documents come back in other orders, on two engines.
+
+A prompt is a base (``--base`` tokens: the system prompt), ``--pick`` documents drawn from a pool of
+``--docs`` (``--doc`` tokens each), a question (``--question`` tokens) and a held-out continuation
+(``--continuation`` tokens, scored: the model's perplexity on text it has not seen, given all of the
+prompt before it). Documents, base, question and continuation are held-out text (never trained on).
+
+Engine A answers ``--prompts`` such prompts, declaring the documents as segments (it computes them and
+saves them as segments and prefixes). Engine B (same mesh) then gets the same document sets, each in
+another order, as:
+
+    blend f=F      segments declared, recompute fraction F (each of ``--fractions``; 0 is plain
+                   concatenation, the lower bound that shows what the recompute buys)
+    prefix-only    no segments declared: today's reuse, the exact prefix (the base)
+
+and a plain vLLM engine (no connector) computes the same prompts: ``full`` prefill, the reference.
+Per mode: ``reused`` (prompt tokens not computed by the engine, of all prompt tokens; ``cached`` is
+what the mesh held somewhere: base and documents), median TTFT and its ratio to full prefill and
+to prefix-only, and quality against full prefill: continuation perplexity (and its change),
+greedy agreement over ``--answer`` generated tokens, the largest |Δ logprob| of a continuation token.
+TTFT is measured inside the engine (its step loop), one request at a time. Engine mode: eager
+(``enforce_eager``), vLLM's own prefix cache off (blending needs it off or a ``cache_salt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any
+
+from ..index.etcd_server import EtcdServer
+from ..testing.engine_client import EngineProcess
+from ..testing.trained_model import held_out_prompts, trained_model_path
+from .common import emit, run_in_workdir
+from .vllm import agent_config
+
+
+def pool(model: Path, args: argparse.Namespace) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """The base, the documents, and each prompt's question + continuation (held-out text)."""
+    length = max(args.base, args.doc, args.question + args.continuation) + 1
+    texts = held_out_prompts(model, 1 + args.docs + args.prompts, length)
+    base = texts[0][:args.base]
+    docs = [t[1:args.doc + 1] for t in texts[1:1 + args.docs]]
+    tails = [t[1:args.question + args.continuation + 1] for t in texts[1 + args.docs:]]
+    return base, docs, tails
+
+
+def rag(base: list[int], docs: list[list[int]], order: list[int], tail: list[int]) -> tuple[list[int], list[list[int]]]:
+    prompt, spans = list(base), []
+    for i in order:
+        spans.append([len(prompt), len(prompt) + len(docs[i])])
+        prompt += docs[i]
+    return prompt + tail, spans
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model = Path(args.model) if args.model else trained_model_path()
+    base, docs, tails = pool(model, args)
+    rnd = random.Random(args.seed)
+    sets = [rnd.sample(range(args.docs), args.pick) for _ in range(args.prompts)]
+    again = []
+    for chosen in sets:  # the same documents in another order
+        order = list(chosen)
+        while order == chosen:
+            rnd.shuffle(order)
+        again.append(order)
+    on_a = [rag(base, docs, s, t) for s, t in zip(sets, tails, strict=True)]
+    on_b = [rag(base, docs, s, t) for s, t in zip(again, tails, strict=True)]
+    warm = held_out_prompts(model, 1 + args.docs + args.prompts + 1, 600)[-1]
+    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+
+    def score(engine: EngineProcess, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
+        return engine.score([prompt], max_tokens=args.answer, scored=args.continuation, kv_transfer_params=params)[0]
+
+    with EtcdServer(base_dir=str(work)) as etcd:
+        engines: list[EngineProcess] = []
+        try:
+            for name in ("blend-a", "blend-b"):
+                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
+                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
+            a, b = (e.wait_ready() for e in engines)
+            for engine in (a, b):
+                score(engine, warm, None)
+            for prompt, spans in on_a:
+                score(a, prompt, {"lmcache_p2p_segments": spans})
+            for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
+                for f, mode in zip(args.fractions, modes, strict=False):
+                    results[mode].append(score(b, prompt, {"lmcache_p2p_segments": spans,
+                                                           "lmcache_p2p_recompute_fraction": f}))
+                results["prefix-only"].append(score(b, prompt, None))
+        finally:
+            for engine in engines:
+                engine.stop()
+    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+    try:
+        cold.wait_ready()
+        score(cold, warm, None)
+        full = [score(cold, prompt, None) for prompt, _ in on_b]
+    finally:
+        cold.stop()
+    return report(args, on_b, full, results)
+
+
+def _ppl(rows: list[dict[str, Any]]) -> float:
+    lps = [lp for r in rows for lp in r["prompt_logprobs"] if lp is not None]
+    return math.exp(-sum(lps) / len(lps)) if lps else float("nan")
+
+
+def report(args: argparse.Namespace, prompts: list[tuple[list[int], list[list[int]]]], full: list[dict[str, Any]],
+           results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    tokens = sum(len(p) for p, _ in prompts)
+    cached = sum(spans[-1][1] for _, spans in prompts)
+    full_ms = statistics.median(r["ttft_s"] for r in full) * 1000
+    prefix_ms = statistics.median(r["ttft_s"] for r in results["prefix-only"]) * 1000
+    full_ppl = _ppl(full)
+    out: dict[str, Any] = {
+        "model": args.model or "trained tiny llama (tests')", "dtype": args.dtype, "prompts": args.prompts,
+        "prompt_tokens": round(tokens / len(prompts)), "cached_somewhere": round(cached / tokens, 4),
+        "full_prefill": f"ttft_ms={full_ms:.1f} continuation_ppl={full_ppl:.2f}"}
+    for mode, rows in results.items():
+        ms = statistics.median(r["ttft_s"] for r in rows) * 1000
+        agree = [sum(x == y for x, y in zip(r["tokens"], f["tokens"], strict=True)) / len(f["tokens"])
+                 for r, f in zip(rows, full, strict=True)]
+        deltas = [abs(x - y) for r, f in zip(rows, full, strict=True)
+                  for x, y in zip(r["prompt_logprobs"], f["prompt_logprobs"], strict=True)
+                  if x is not None and y is not None]
+        ppl = _ppl(rows)
+        out[mode] = (f"reused={sum(r['num_cached_tokens'] for r in rows) / tokens:.4f} ttft_ms={ms:.1f} "
+                     f"vs_full={full_ms / ms:.2f}x vs_prefix_only={prefix_ms / ms:.2f}x ppl={ppl:.2f} "
+                     f"({100 * (ppl / full_ppl - 1):+.2f}%) greedy_agree={statistics.mean(agree):.3f} "
+                     f"max_dlogprob={max(deltas, default=float('nan')):.3f}")
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench blend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--docs", type=int, default=6, help="documents in the pool")
+    parser.add_argument("--pick", type=int, default=3, help="documents per prompt")
+    parser.add_argument("--base", type=int, default=256, help="tokens of the system prompt")
+    parser.add_argument("--doc", type=int, default=512, help="tokens per document")
+    parser.add_argument("--question", type=int, default=32)
+    parser.add_argument("--continuation", type=int, default=64, help="held-out tokens after the question, scored")
+    parser.add_argument("--answer", type=int, default=32, help="tokens generated (greedy agreement)")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.0, 1.0],
+                        help="recompute fractions measured (the first is the default under test)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
+    parser.add_argument("--model", help="model directory (default: the tests' trained tiny Llama)")
+    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.pick <= args.docs or args.prompts < 1 or args.pick < 2:
+        parser.error("need 2 <= --pick <= --docs and --prompts >= 1")
+    if any(not 0 <= f <= 1 for f in args.fractions):
+        parser.error("--fractions must be in [0, 1]")
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-blend-")
+    emit(result, args.json, "bench blend (RAG documents in another order: engine B reuses what engine A computed)")
+    return 0

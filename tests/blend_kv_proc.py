@@ -1,0 +1,72 @@
+"""Run by test_vllm_blend.py in a process of its own (vLLM in-process, no connector): the blending
+machinery against the engine's own cache and model. Prints one JSON line of measured differences."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runner in this process
+
+
+def main() -> int:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from lmcache_p2p.integrations.vllm.blend import Blender, blend_refusal
+
+    llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+              max_model_len=2048, seed=0, kv_cache_memory_bytes=256 << 20)
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    layers = runner.vllm_config.compilation_config.static_forward_context
+    caches = {n: layers[n].kv_cache for n in layers if isinstance(getattr(layers[n], "kv_cache", None), torch.Tensor)}
+    blender = Blender(runner, caches)
+    blocks = next(iter(caches.values())).shape[0]
+    per = -(-400 // blender.block_size)
+    free = [list(range(blocks - (i + 1) * per, blocks - i * per)) for i in range(3)]  # unused: nothing runs
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(10, 500, (300,), generator=g).tolist()
+    out: dict[str, object] = {"refusal": blend_refusal(runner.vllm_config), "layout": blender.key_layout}
+
+    def diff(x: torch.Tensor, y: torch.Tensor) -> float:
+        return float((x.float() - y.float()).abs().max())
+
+    hidden = blender.recompute(toks, [(0, 300)], free[0])
+    full = blender.read(free[0], 0, 300, 0)
+    blender.recompute(toks, [(0, 120)], free[1])
+    blender.recompute(toks, [(120, 300)], free[1])
+    out["split_vs_one_run"] = diff(blender.read(free[1], 0, 300, 0), full)
+    blender.recompute(toks, [(0, 60), (60, 130), (130, 300)], free[1])
+    out["three_runs_vs_one_run"] = diff(blender.read(free[1], 0, 300, 0), full)
+
+    # the recompute's next-token logits against vLLM's own prefill of the same prompt
+    logits = runner.model.compute_logits(hidden[-1:])
+    ref = llm.generate([TokensPrompt(prompt_token_ids=toks)], SamplingParams(max_tokens=1, temperature=0, logprobs=0),
+                       use_tqdm=False)[0].outputs[0]
+    out["next_token"] = [int(logits.argmax()), int(ref.token_ids[0])]
+    lp = torch.log_softmax(logits.float(), -1)[0, ref.token_ids[0]]
+    out["next_logprob_diff"] = abs(float(lp) - float(ref.logprobs[0][ref.token_ids[0]].logprob))
+
+    # tokens 120..300 read as a segment (keys to position 0) and written back where they were
+    seg = blender.read(free[0], 120, 300, 120)
+    blender.write(seg.clone(), free[1], 120, 120)
+    out["round_trip"] = diff(blender.read(free[1], 120, 300, 0), full[:, :, 120:300])
+    # ... and written at 200 after other tokens: layer 0 has no attention before its K/V, so it must equal
+    # a prefill of those tokens at 200; deeper layers saw another context (what the recompute restores)
+    moved_toks = [3] * 200 + toks[120:300]
+    blender.write(seg.clone(), free[2], 200, 200)
+    moved = blender.read(free[2], 200, 380, 0)
+    blender.recompute(moved_toks, [(0, 380)], free[2])
+    fresh = blender.read(free[2], 200, 380, 0)
+    out["moved_layer0_k"] = diff(moved[0, 0], fresh[0, 0])
+    out["moved_layer0_v"] = diff(moved[0, 1], fresh[0, 1])
+    out["moved_last_layer"] = diff(moved[-1], fresh[-1])
+    out["scale"] = float(full.float().abs().max())
+    print("BLEND_KV " + json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Segments (``integrations/segments.py``): declared spans, their keys, and the blend plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from lmcache_p2p.integrations.segments import (
+    SegmentError,
+    plan_blend,
+    read_fraction,
+    read_segments,
+    segment_chunks,
+)
+from lmcache_p2p.keys import FingerprintDigest, chunk_keys
+
+ROOT = FingerprintDigest(b"r" * 16)
+C = 256
+
+
+def rag(base: list[int], docs: list[list[int]]) -> tuple[list[int], list[tuple[int, int]]]:
+    prompt, spans = list(base), []
+    for d in docs:
+        spans.append((len(prompt), len(prompt) + len(d)))
+        prompt += d
+    return prompt + [7] * 40, spans
+
+
+BASE = list(range(1000, 1256))
+DOCS = [list(range(2000 + 1000 * i, 2000 + 1000 * i + n)) for i, n in enumerate([512, 300, 700])]
+
+
+def test_read_segments_accepts_sorted_spans_and_names_what_is_wrong():
+    assert read_segments(None, 100) is None
+    assert read_segments({"other": 1}, 100) is None
+    assert read_segments({"lmcache_p2p_segments": [[0, 10], [10, 20], [30, 100]]}, 100) == [(0, 10), (10, 20),
+                                                                                             (30, 100)]
+    for bad, words in [([], "non-empty"), ([[5, 5]], "empty or outside"), ([[0, 101]], "outside"),
+                       ([[10, 20], [15, 30]], "overlaps"), ([[10, 20], [0, 5]], "precedes"), ([[0, "9"]], "pair"),
+                       ([[True, 9]], "pair"), ("0-9", "non-empty list"), ([[0, 1]] * 300, "at most")]:
+        with pytest.raises(SegmentError, match=words):
+            read_segments({"lmcache_p2p_segments": bad}, 100)
+
+
+def test_read_fraction():
+    assert read_fraction(None, 0.15) == 0.15
+    assert read_fraction({"lmcache_p2p_recompute_fraction": 1}, 0.15) == 1.0
+    for bad in (-0.1, 1.5, "0.2", True, None):
+        with pytest.raises(SegmentError, match="recompute_fraction"):
+            read_fraction({"lmcache_p2p_recompute_fraction": bad}, 0.15)
+
+
+def test_segment_keys_do_not_depend_on_what_precedes_the_segment_but_on_the_base():
+    p1, s1 = rag(BASE, DOCS)
+    p2, s2 = rag(BASE, [DOCS[2], DOCS[0], DOCS[1]])
+    k1 = {tuple(seg.keys): seg for seg in segment_chunks(ROOT, p1, s1, C)}
+    k2 = {tuple(seg.keys): seg for seg in segment_chunks(ROOT, p2, s2, C)}
+    assert set(k1) == set(k2)  # the same three documents, found at other offsets
+    assert sorted(seg.start for seg in k1.values()) != sorted(seg.start for seg in k2.values())
+    assert [seg.num_tokens for seg in segment_chunks(ROOT, p1, s1, C)] == [[256, 256], [256, 44], [256, 256, 188]]
+    other_base = segment_chunks(ROOT, rag(BASE[:-1] + [5], DOCS)[0], s1, C)
+    assert not set(k1) & {tuple(seg.keys) for seg in other_base}
+    other_root = segment_chunks(FingerprintDigest(b"s" * 16), p1, s1, C)
+    assert not set(k1) & {tuple(seg.keys) for seg in other_root}
+    prefix = set(chunk_keys(ROOT, p1, C))  # never a prefix key
+    assert not prefix & {k for seg in segment_chunks(ROOT, p1, s1, C) for k in seg.keys}
+
+
+def test_plan_blend_extends_the_exact_prefix_over_held_segments():
+    prompt, spans = rag(BASE, DOCS)
+    segs = segment_chunks(ROOT, prompt, spans, C)
+    everything = plan_blend(segs, 256, len(prompt), lambda keys: True, 0.1)
+    assert everything is not None
+    assert (everything.exact_end, everything.end) == (256, spans[-1][1])
+    assert [(s.start, s.skip, s.end) for s in everything.segments] == [(256, 0, 768), (768, 0, 1068),
+                                                                       (1068, 0, 1768)]
+    # the first ceil(10 %) of each document; adjacent runs stay apart (distinct documents)
+    assert everything.recompute == [(256, 308), (768, 798), (1068, 1138)]
+    assert everything.recomputed_tokens == 52 + 30 + 70
+
+    # the second document is held nowhere: the blend stops before it
+    missing = set(segs[1].keys)
+    partial = plan_blend(segs, 256, len(prompt), lambda keys: not missing & set(keys), 0.0)
+    assert partial is not None and partial.end == 768 and partial.recompute == []
+
+    # an exact prefix into the first document: its rest is loaded from the segment, recomputed from there
+    into = plan_blend(segs, 512, len(prompt), lambda keys: True, 0.5)
+    assert into is not None and into.segments[0].skip == 256 and into.recompute[0] == (512, 640)
+
+    # no base held: the base is recomputed as glue before the first document
+    glue = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.0)
+    assert glue is not None and glue.recompute == [(0, 256)]
+
+    # nothing beyond the exact prefix: no blend
+    assert plan_blend(segs, spans[-1][1], len(prompt), lambda keys: True, 0.1) is None
+    assert plan_blend(segs, 256, len(prompt), lambda keys: False, 0.1) is None
+
+
+def test_plan_blend_leaves_the_last_prompt_token_to_the_engine():
+    prompt = BASE + DOCS[0]  # the document ends the prompt
+    segs = segment_chunks(ROOT, prompt, [(256, 768)], C)
+    plan = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0)
+    assert plan is not None and plan.end == len(prompt) - 1 and plan.segments[0].end == len(prompt) - 1
+    assert plan.recompute == [(256, len(prompt) - 1)]
