@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from types import SimpleNamespace
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runner in this process
 
@@ -29,6 +30,18 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(10, 500, (300,), generator=g).tolist()
     out: dict[str, object] = {"refusal": blend_refusal(runner.vllm_config), "layout": blender.key_layout}
+    cfg = runner.vllm_config
+    parts = {f: getattr(cfg, f) for f in ("cache_config", "parallel_config", "model_config", "lora_config",
+                                          "speculative_config")}
+    refused = {}
+    for name, change in [("prefix_caching", {"cache_config": SimpleNamespace(enable_prefix_caching=True,
+                                                                             cache_dtype="auto")}),
+                         ("fp8", {"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8")}),
+                         ("lora", {"lora_config": object()}), ("spec", {"speculative_config": object()}),
+                         ("tp", {"parallel_config": SimpleNamespace(tensor_parallel_size=2,
+                                                                    pipeline_parallel_size=1)})]:
+        refused[name] = blend_refusal(SimpleNamespace(**{**parts, **change}))
+    out["refused"] = refused
 
     def diff(x: torch.Tensor, y: torch.Tensor) -> float:
         return float((x.float() - y.float()).abs().max())

@@ -13,12 +13,15 @@ segments (``kv_transfer_params``). A third engine without any connector gives th
   prompt up to the question, and its greedy output agrees with the reference on at least
   ``AGREEMENT_FLOOR`` of the tokens (measured: see README); with fraction 1, equal.
 * A request that declares no segments is reused as before: only its exact prefix (the base).
+* A dies (SIGKILL) with its segments still listed: B's pulls fail and the engine computes the documents
+  (the output of a prefill: nothing blended).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +37,7 @@ from vllm_helpers import node_records, scrape, wait_registered, write_agent_conf
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_path  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start on a loaded host
 DTYPE = "float32"
 ANSWER = 16
 BLEND_KV = Path(__file__).with_name("blend_kv_proc.py")
@@ -56,7 +59,8 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
     base = texts[0][:256]
     docs = [t[1:] for t in texts[1:4]]  # 512 tokens each, no BOS
     question = texts[4][1:49]
-    prompts = {order: rag_prompt(base, docs, order, question) for order in [(0, 1, 2), (1, 2, 0), (2, 0, 1)]}
+    prompts = {order: rag_prompt(base, docs, order, question) for order in [(0, 1, 2), (1, 2, 0), (2, 0, 1),
+                                                                                    (0, 2, 1)]}
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
 
@@ -109,6 +113,14 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
         assert metrics.get('lmcache_p2p_blend_requests_total{outcome="failed"}', 0) == 0
         assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 6
+
+        # A dies (SIGKILL) while its entries are still listed: B's pulls fail, the engine computes the
+        # documents itself: a prefill's output, nothing blended
+        a.signal_all(signal.SIGKILL)
+        dead = ask(b, (0, 2, 1))
+        assert dead["tokens"] == ref[(0, 2, 1)]
+        metrics = scrape(nodes["engine-b"].metrics_url)
+        assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
     finally:
         for engine in (cold, a, b):
             engine.stop()
@@ -124,6 +136,7 @@ def test_blending_machinery_against_the_engines_own_prefill():
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(line.removeprefix("BLEND_KV "))
     assert got["refusal"] is None and got["layout"] in ("dims", "tokens")
+    assert all(got["refused"].values()), got["refused"]  # prefix cache on, fp8, LoRA, speculative, TP: refused
     assert got["split_vs_one_run"] <= 1e-4 and got["three_runs_vs_one_run"] <= 1e-4
     assert got["next_token"][0] == got["next_token"][1] and got["next_logprob_diff"] < 1e-3
     assert got["round_trip"] <= 1e-4 * got["scale"]

@@ -29,7 +29,7 @@ from vllm_helpers import prompts, wait_announced, write_agent_config  # noqa: E4
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start on a loaded host
 DTYPE = "float32"
 ANSWER = 300  # tokens generated per turn
 

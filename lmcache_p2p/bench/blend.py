@@ -19,7 +19,7 @@ what the mesh held somewhere: base and documents), median TTFT and its ratio to 
 to prefix-only, and quality against full prefill: continuation perplexity (and its change),
 greedy agreement over ``--answer`` generated tokens, the largest |Δ logprob| of a continuation token.
 TTFT is measured inside the engine (its step loop), one request at a time. Engine mode: eager
-(``enforce_eager``), vLLM's own prefix cache off (blending needs it off or a ``cache_salt``).
+(``enforce_eager``), vLLM's own prefix cache off (blending needs it off).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ as a prefix) and makes that claim true before its forward pass (:func:`plan_blen
                 was computed is restored where it matters most (its first tokens)
 
 A blended prompt's KV is close to, not equal to, a full prefill's: such a request saves nothing
-under prefix keys (they promise exact KV), and needs vLLM's own prefix cache off or a
-``cache_salt`` (``blend.py``). Nothing here imports vLLM or torch.
+under prefix keys (they promise exact KV), and needs vLLM's own prefix cache off (``blend.py``).
+Nothing here imports vLLM or torch.
 """
 
 from __future__ import annotations

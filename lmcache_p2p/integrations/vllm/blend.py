@@ -19,9 +19,10 @@ and then attend over the blended cache (vLLM's own CPU attention). The runs see 
 position order, at every layer, as a prefill would. It runs on the forward thread (the forward
 context is a module global): inline for a sync load, in the next ``start_load_kv`` for a pulled one.
 
-Used only where it can be exact about positions (:func:`blend_refusal`): vLLM 0.32, one rank, no
-pipeline, a 16/32-bit float cache, no sliding window, full attention in one cache group, RoPE whose
-turns compose, checked against the model's own cos/sin table and vLLM's cache layout at start.
+Used only where it can be exact about positions and sure of what it recomputes (:func:`blend_refusal`):
+vLLM 0.32, its prefix cache off, no LoRA, no speculative decoding, one rank, no pipeline, a 16/32-bit
+float cache, no sliding window, full attention in one cache group, RoPE whose turns compose, checked
+against the model's own cos/sin table and vLLM's cache layout at start.
 """
 
 from __future__ import annotations
@@ -46,6 +47,13 @@ def blend_refusal(vllm_config: Any) -> str | None:
 
     if not str(vllm.__version__).startswith(VLLM_SERIES):
         return f"vLLM {vllm.__version__}: blending is written against {VLLM_SERIES}x"
+    if vllm_config.cache_config.enable_prefix_caching:
+        return ("vLLM's prefix cache is on: it would hand blended blocks to later requests as exact prefix hits "
+                "(and their saves would put blended KV under prefix keys); run with --no-enable-prefix-caching")
+    if vllm_config.lora_config is not None:
+        return "LoRA is enabled: the recompute would run under the step's adapter mapping"
+    if vllm_config.speculative_config is not None:
+        return "speculative decoding: the draft model's cache would not be recomputed"
     par = vllm_config.parallel_config
     if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
         return "tensor or pipeline parallel: every rank would have to recompute in lockstep (not built)"

@@ -62,9 +62,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute_on_load_failure(vllm_config)
-            self._scheduler = P2PScheduler(config, fingerprint, block_size,
-                                           prefix_caching=bool(vllm_config.cache_config.enable_prefix_caching),
-                                           blend_refusal=blend_refusal(vllm_config))
+            self._scheduler = P2PScheduler(config, fingerprint, block_size, blend_refusal=blend_refusal(vllm_config))
         else:
             self._worker = P2PWorker(config, fingerprint, block_size, heads)
 

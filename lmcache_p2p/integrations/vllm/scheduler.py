@@ -105,7 +105,7 @@ class _Active:
 
 class P2PScheduler:
     def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int, *,
-                 prefix_caching: bool = False, blend_refusal: str | None = "not checked") -> None:
+                 blend_refusal: str | None = "not checked") -> None:
         self._config = config
         self._fp = fingerprint.digest
         self._chunk = config.chunk_size
@@ -133,9 +133,8 @@ class P2PScheduler:
         self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (integrations/segments.py): blending needs this engine to place keys exactly and no
-        # prefix cache of vLLM's that would hand blended blocks to other requests as exact hits.
+        # prefix cache of vLLM's that would hand blended blocks to other requests as exact hits (blend.py).
         self._blend_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
-        self._prefix_caching = prefix_caching
         self._blend_fraction = config.blend.recompute_fraction
         self._segments: dict[str, list[SegmentChunks] | None] = {}  # per request: its declared segments
         self._blends: dict[str, BlendPlan] = {}  # hits offered as blends, until their blocks are allocated
@@ -257,9 +256,6 @@ class P2PScheduler:
         if not segments:
             return None
         refusal = self._blend_refusal
-        if refusal is None and self._prefix_caching and not getattr(request, "cache_salt", None):
-            refusal = ("vLLM's prefix cache is on and the request has no cache_salt: blended blocks would become "
-                       "other requests' exact prefix hits")
         if refusal is not None:
             if refusal not in self._told:
                 self._told.add(refusal)
@@ -316,7 +312,7 @@ class P2PScheduler:
             sync = not self._async.pop(request.request_id, True)
             revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
             deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
-            if blend is not None and blend.end == end:
+            if blend is not None:  # vLLM grants the whole hit or none: end == blend.end
                 exact = (self._exact_load(request.request_id, prompt, keys, block_ids, start, blend.exact_end)
                          if blend.exact_end > start else None)
                 if exact is not None:
@@ -379,6 +375,7 @@ class P2PScheduler:
                 meta.saves.append(save)
                 if state.segments:
                     meta.segment_saves.append(SegmentSave(req_id, state.segments, list(state.block_ids)))
+                    self._remember_saved([ChunkKey(k) for seg in state.segments for k in seg.keys])
                 self._remember_saved(state.keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gc
 import logging
 import os
@@ -80,7 +81,9 @@ class P2PWorker:
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-canary",
                                                               initializer=unpin_thread)
         self._blender: Blender | None = None
-        self._recompute: list[tuple[BlendTransfer, set[int]]] = []  # pulled blends; recomputed on the forward thread
+        # pulled blends (what loaded, blocks to recompute, whether anything is left to blend): the
+        # recompute runs on the forward thread
+        self._recompute: list[tuple[BlendTransfer, set[int], bool]] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
@@ -145,7 +148,7 @@ class P2PWorker:
         self._recompute_pulled()
         for blend in meta.blends:
             if blend.sync:
-                failed = self._blend(blend, remote=False)
+                _, failed = self._blend(blend, remote=False)
                 if failed:
                     self._unloaded[blend.req_id] = failed
                 with self._done_lock:
@@ -179,40 +182,50 @@ class P2PWorker:
             self._done_lock.notify_all()
 
     # -- blends (segments.py, blend.py) -------------------------------------------------------------
-    def _blend(self, t: BlendTransfer, remote: bool, recompute: bool = True) -> set[int]:
+    def _blend(self, t: BlendTransfer, remote: bool, recompute: bool = True) -> tuple[BlendTransfer, set[int]]:
         """Make ``t``'s claim true: exact chunks, segment chunks moved into place, then (``recompute``:
-        here, on the forward thread) the recompute runs. Returns the blocks vLLM must recompute."""
+        here, on the forward thread) the recompute runs. Returns what was blended (``t`` cut where its
+        segments stopped loading) and the blocks vLLM must recompute (from the cut on; all of them
+        when anything else fails)."""
         assert self.agent is not None
         metrics = self.agent.metrics
+        exact_failed: set[int] = set()
+        failed: set[int] = set()
         try:
             if self._blender is None:
                 raise ValueError("this engine can't blend (see the warning at start)")
-            if t.exact is not None and self._load(t.exact, remote=remote):
-                raise ValueError("its exact prefix did not load")
-            self._load_segments(t, remote)
+            if t.exact is not None:
+                exact_failed = self._load(t.exact, remote=remote)
+                if exact_failed:
+                    raise ValueError("its exact prefix did not load")
+            cut = self._load_segments(t, remote)
+            if cut < t.end:  # a chunk not loaded (a dead owner, a corrupt copy, the planner's budget)
+                log.info("request %s: segments loaded up to position %d of %d; the engine computes the rest",
+                         t.req_id, cut, t.end)
+                failed = set(t.block_ids[cut // self._block_size: -(-t.end // self._block_size)])
+                t = dataclasses.replace(t, end=cut, recompute=[(s, min(e, cut)) for s, e in t.recompute if s < cut])
             if recompute:
                 self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
         except Exception as exc:  # a cache problem must never become a serving problem: the engine computes it
             log.info("request %s: blend failed (%s); %d tokens recomputed by the engine", t.req_id, exc,
                      t.end - t.exact_end)
             metrics.blend_requests.labels("failed").inc()
-            return t.blocks(self._block_size) | (
-                blocks_from(t.exact, 0) if t.exact is not None else set())
+            return t, t.blocks(self._block_size) | exact_failed
         if recompute:
-            self._count_blend(t)
-        return set()
+            self._count_blend(t, partial=bool(failed))
+        return t, failed
 
-    def _count_blend(self, t: BlendTransfer) -> None:
+    def _count_blend(self, t: BlendTransfer, partial: bool) -> None:
         assert self.agent is not None
         recomputed = sum(e - s for s, e in t.recompute)
         metrics = self.agent.metrics
-        metrics.blend_requests.labels("loaded").inc()
+        metrics.blend_requests.labels("partial" if partial else "loaded").inc()
         metrics.blend_tokens.labels("recomputed").inc(recomputed)
-        metrics.blend_tokens.labels("segment").inc(t.end - t.exact_end - recomputed)
+        metrics.blend_tokens.labels("segment").inc(max(t.end - t.exact_end - recomputed, 0))
 
-    def _load_segments(self, t: BlendTransfer, remote: bool) -> None:
-        """Pull (or pin locally) every segment chunk of ``t`` and write the positions it covers; raises on
-        the first chunk not loaded."""
+    def _load_segments(self, t: BlendTransfer, remote: bool) -> int:
+        """Pull (or pin locally) the segment chunks of ``t`` and write the positions they cover, up to the
+        first chunk not loaded; returns where writing stopped (``t.end``: everything)."""
         assert self.agent is not None and self._blender is not None
         agent, blender = self.agent, self._blender
         keys, spans, pos = [], [], 0
@@ -231,20 +244,21 @@ class P2PWorker:
             for seg in t.segments:
                 first = 0  # the chunk's first token in its segment
                 for n in seg.num_tokens:
-                    pin = pins[i] if i < len(pins) else None
-                    if pin is None:
-                        raise ValueError(f"segment chunk {i} of {len(keys)} not loaded")
-                    staged = agent.tiers.cpu.stage(pin)
-                    if staged is None:
-                        agent.metrics.checksum_failures.inc()
-                        raise ValueError(f"segment chunk {i} changed in memory after it was stored")
                     lo = max(seg.start + first, seg.start + seg.skip)
                     hi = min(seg.start + first + n, seg.end)
+                    pin = pins[i] if i < len(pins) else None
+                    staged = agent.tiers.cpu.stage(pin) if pin is not None else None
+                    if pin is not None and staged is None:
+                        agent.metrics.checksum_failures.inc()
+                        log.warning("request %s: segment chunk %d changed in memory after it was stored", t.req_id, i)
+                    if staged is None:
+                        return min(lo, t.end)
                     if lo < hi:
                         kv = blender.decode(staged, n)[:, :, lo - seg.start - first: hi - seg.start - first]
                         blender.write(kv, t.block_ids, lo, seg.start)
                     first += n
                     i += 1
+            return t.end
         finally:
             for pin in pins:
                 if pin is not None:
@@ -252,27 +266,33 @@ class P2PWorker:
 
     def _blend_async(self, t: BlendTransfer) -> None:
         """The load thread's part of a pulled blend; the recompute waits for the forward thread."""
-        failed = self._blend(t, remote=True, recompute=False)
+        try:
+            loaded, failed = self._blend(t, remote=True, recompute=False)
+            left = loaded.end > loaded.exact_end and not failed >= loaded.blocks(self._block_size)
+        except Exception:  # never leave the request waiting: the engine computes it
+            log.exception("request %s: blend failed on the load thread", t.req_id)
+            loaded, left = t, False
+            failed = t.blocks(self._block_size) | (blocks_from(t.exact, 0) if t.exact is not None else set())
         with self._done_lock:
-            self._recompute.append((t, failed))
+            self._recompute.append((loaded, failed, left))
             self._done_lock.notify_all()
 
     def _recompute_pulled(self) -> None:
         """Recompute the pulled blends whose bytes are in place (forward thread), then report them."""
         with self._done_lock:
             ready, self._recompute = self._recompute, []
-        for t, failed in ready:
-            if not failed:
+        for t, failed, left in ready:
+            if left:
                 try:
                     assert self._blender is not None
                     self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
-                    self._count_blend(t)
+                    self._count_blend(t, partial=bool(failed))
                 except Exception as exc:  # the engine computes it
                     log.warning("request %s: recompute over the blended cache failed (%s); recomputed by the engine",
                                 t.req_id, exc)
                     assert self.agent is not None
                     self.agent.metrics.blend_requests.labels("failed").inc()
-                    failed = t.blocks(self._block_size)
+                    failed = failed | t.blocks(self._block_size)
             with self._done_lock:
                 self._load_errors.update(failed)
                 self._loads_done.add(t.req_id)
