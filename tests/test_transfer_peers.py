@@ -292,7 +292,12 @@ def test_idle_unauthenticated_flood_and_descriptor_exhaustion_do_not_lock_peers_
         assert result.complete, result.missed
         for i in range(N):
             assert_exact(requester.pool, o, i)
-        assert o.command({"cmd": "stats"})["preauth_dropped"] >= 900
+        # The owner sheds the flood as it accepts it; connections the kernel queued again (a full accept
+        # backlog) may reach it after the pull did: wait for the count, bounded (a busy host, 861 at once).
+        deadline = time.monotonic() + 30
+        while (dropped := o.command({"cmd": "stats"})["preauth_dropped"]) < 900 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert dropped >= 900
     finally:
         for s in flood:
             s.close()
