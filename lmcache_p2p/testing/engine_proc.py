@@ -151,11 +151,19 @@ def _serve_one(llm: Any, prompt: Any, max_tokens: int, lora: Any = None) -> dict
     cached tokens."""
     from vllm import SamplingParams
 
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    ttft, out = _stepped(llm, "serve", prompt, params, lora)
+    return {"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft,
+            "num_cached_tokens": int(out.num_cached_tokens or 0)}
+
+
+def _stepped(llm: Any, name: str, prompt: Any, params: Any, lora: Any = None) -> tuple[float, Any]:
+    """Add one request and step the engine until it finishes: its TTFT (seconds to its first token,
+    measured in the step loop) and its final output."""
     engine = llm.llm_engine
-    rid = f"serve-{time.monotonic_ns()}"
+    rid = f"{name}-{time.monotonic_ns()}"
     t0 = time.perf_counter()
-    engine.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                       lora_request=lora)
+    engine.add_request(rid, prompt, params, lora_request=lora)
     ttft, out = None, None
     while out is None:
         for o in engine.step():
@@ -165,8 +173,7 @@ def _serve_one(llm: Any, prompt: Any, max_tokens: int, lora: Any = None) -> dict
                 ttft = time.perf_counter() - t0
             if o.finished:
                 out = o
-    return {"tokens": list(out.outputs[0].token_ids), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
-            "num_cached_tokens": int(out.num_cached_tokens or 0)}
+    return (ttft if ttft is not None else time.perf_counter() - t0), out
 
 
 def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | None, scored: int) -> dict[str, Any]:
@@ -175,23 +182,11 @@ def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | N
     loaded) and of each generated token."""
     from vllm import SamplingParams
 
-    engine = llm.llm_engine
-    rid = f"score-{time.monotonic_ns()}"
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
                             prompt_logprobs=0 if scored else None, skip_reading_prefix_cache=False,
                             detokenize=False,  # prompt logprobs of loaded positions hold no token to decode
                             extra_args={"kv_transfer_params": kv_params} if kv_params else None)
-    t0 = time.perf_counter()
-    engine.add_request(rid, prompt, params)
-    ttft, out = None, None
-    while out is None:
-        for o in engine.step():
-            if o.request_id != rid:
-                continue
-            if ttft is None and o.outputs and o.outputs[0].token_ids:
-                ttft = time.perf_counter() - t0
-            if o.finished:
-                out = o
+    ttft, out = _stepped(llm, "score", prompt, params)
     ids = prompt["prompt_token_ids"]
     prompt_lp: list[float | None] = []
     if scored:
@@ -201,7 +196,7 @@ def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | N
     gen = out.outputs[0]
     gen_lp = [float(e[t].logprob) if e and t in e else None for e, t in zip(gen.logprobs or [], gen.token_ids,
                                                                              strict=False)]
-    return {"tokens": list(gen.token_ids), "ttft_s": ttft if ttft is not None else time.perf_counter() - t0,
+    return {"tokens": list(gen.token_ids), "ttft_s": ttft,
             "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lp,
             "logprobs": gen_lp}
 
