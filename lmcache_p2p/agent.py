@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry
 
-from . import __version__
+from . import __version__, cputime
 from .aio import LoopThread, remaining
 from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig
@@ -113,7 +113,8 @@ class CacheAgent:
         self.index: BlockIndex | None = None
         self._stack: Transfers | None = None
         self._metrics_server: MetricsServer | None = None
-        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store")
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-store",
+                                                             initializer=cputime.initializer("store"))
         self.puller: Puller | None = None  # once the transports are up
         self._prune: concurrent.futures.Future[None] | None = None
         self._handoff_task: concurrent.futures.Future[None] | None = None

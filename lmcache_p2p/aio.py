@@ -16,6 +16,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from . import cputime
 from .errors import PeerTimeout
 
 log = logging.getLogger(__name__)
@@ -57,14 +58,17 @@ def unpin_thread() -> None:
 
 
 class LoopThread:
-    def __init__(self, name: str = "lmcache-p2p-loop") -> None:
+    def __init__(self, name: str = "lmcache-p2p-loop", role: str = "loop") -> None:
+        """``role``: the thread's CPU time is accounted under it (``cputime``)."""
         self.loop = asyncio.new_event_loop()
+        self._role = role
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = threading.Event()
         self._thread.start()
         self._started.wait()
 
     def _main(self) -> None:
+        cputime.register(self._role)
         unpin_thread()
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
@@ -77,6 +81,7 @@ class LoopThread:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.run_until_complete(self.loop.shutdown_asyncgens())
         self.loop.close()
+        cputime.finish()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)

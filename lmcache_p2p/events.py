@@ -99,7 +99,7 @@ class EventPublisher:
         self._pub.bind(bind)
         self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._seq = itertools.count()
-        self._loop = LoopThread("lmcache-p2p-events")
+        self._loop = LoopThread("lmcache-p2p-events", role="events")
         self._reader: IndexReader | None = None
         self._thread = threading.Thread(target=self._send_forever, name="lmcache-p2p-events-pub", daemon=True)
         self.published = 0

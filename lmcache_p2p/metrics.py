@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import Metric
 
+from . import cputime
 from .index.protocol import BlockIndex
 from .index.schema import Rejects
 from .tiers import CpuPool, DiskTier, TieredStore
@@ -178,7 +179,7 @@ class _LiveCounters:
     """Counters whose values live in other objects (the index's, shared with non-agent readers)."""
 
     LABELS = {"lmcache_p2p_index_rejected": ("kind",), "lmcache_p2p_lease_losses": (),
-              "lmcache_p2p_etcd_faults": ("kind",)}
+              "lmcache_p2p_etcd_faults": ("kind",), "lmcache_p2p_cpu_seconds": ("thread",)}
 
     def __init__(self) -> None:
         self.rejects: Rejects | None = None
@@ -201,6 +202,12 @@ class _LiveCounters:
         for kind, n in sorted(self.etcd_faults.items()):
             faults.add_metric([kind], n)
         yield faults
+        cpu = CounterMetricFamily("lmcache_p2p_cpu_seconds", "CPU time of this process's lmcache-p2p threads, by "
+                                  "role (loop, load, store, tiers, canary, verify, scheduler, events): what the "
+                                  "cache costs the engine's host, apart from the engine", labels=["thread"])
+        for role, n in sorted(cputime.seconds().items()):
+            cpu.add_metric([role], n)
+        yield cpu
 
 
 class _Quiet(WSGIRequestHandler):

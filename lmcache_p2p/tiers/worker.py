@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from .. import cputime
 from ..errors import LMCacheP2PError
 from ..keys import ChunkKey
 
@@ -65,10 +66,12 @@ class TierWorker:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        cputime.register("tiers")
         while True:
             item = self._queue.get()
             try:
                 if item is None:
+                    cputime.finish()
                     return
                 op, key = item
                 if op == "w":

@@ -30,6 +30,7 @@ import logging
 import ssl
 from collections.abc import Collection, Sequence
 
+from .. import cputime
 from ..aio import remaining
 from ..chunk import ChunkHeader, verify
 from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
@@ -61,7 +62,8 @@ class NixlTransport:
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True, tls=tls,
                                     payload_mac=payload_mac)
         self.health = health if health is not None else PeerHealth(2.0)
-        self._verifier = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="nixl-verify")
+        self._verifier = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="nixl-verify",
+                                                               initializer=cputime.initializer("verify"))
         self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer
 
     async def pull(

@@ -110,7 +110,7 @@ class P2PScheduler:
         self._fp = fingerprint.digest
         self._chunk = config.chunk_size
         self._block = block_size
-        self._loop = LoopThread("lmcache-p2p-scheduler")
+        self._loop = LoopThread("lmcache-p2p-scheduler", role="scheduler")
         try:
             self._index = IndexReader.open(self._loop, config, self._fp)
         except Exception:

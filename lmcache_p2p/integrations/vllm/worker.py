@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ... import cputime
 from ...agent import CacheAgent
 from ...aio import unpin_thread
 from ...canary import Canary
@@ -66,7 +67,7 @@ class P2PWorker:
         # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
         # results are handed over under the lock: a request's failed blocks before its id.
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load",
-                                                             initializer=unpin_thread)
+                                                             initializer=cputime.initializer("load", unpin_thread))
         self._done_lock = threading.Condition()
         self._loads_running = 0
         self._load_errors: set[int] = set()
@@ -79,7 +80,7 @@ class P2PWorker:
         self._canary: Canary | None = None
         self._checks: list[concurrent.futures.Future[Any]] = []  # canary checks submitted, not yet done
         self._checker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-canary",
-                                                              initializer=unpin_thread)
+                                                              initializer=cputime.initializer("canary", unpin_thread))
         self._blender: Blender | None = None
         # pulled blends (what loaded, blocks to recompute, whether anything is left to blend): the
         # recompute runs on the forward thread
