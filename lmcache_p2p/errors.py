@@ -100,3 +100,9 @@ class ProtocolError(TransferError):
 
 class PeerTimeout(TransferError):
     pass
+
+
+class SharedConnectionAborted(TransferError):
+    """The connection this pull shared was closed because another pull on it ran past its deadline. That
+    pull charged the peer; this one is a bystander: its chunks miss (``aborted``), the peer is not charged
+    again (one overrun with N pulls on the connection once backed the peer off 2^N times as long)."""

@@ -258,6 +258,33 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
         o.kill()
 
 
+def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(requester: Requester) -> None:
+    """Two loads pull from a hung owner over the one connection they share; the first overruns its deadline
+    and closes it. The second is cut short with it (``aborted``), and the owner is backed off once."""
+    o = owner(12)
+    health = requester.clients["tcp"].health
+    try:
+        keys = [o.key(i) for i in range(N)]
+        assert requester.pull("tcp", peer_of(o), keys[:1]).complete  # the shared connection is open
+        requester.clear()
+        stop_process(o.pid)
+        client, now = requester.clients["tcp"], time.monotonic()
+
+        async def both() -> list[PullResult]:
+            return list(await asyncio.gather(
+                client.pull(peer_of(o), FP, keys[:8], requester.pool, now + 0.5),
+                client.pull(peer_of(o), FP, keys[8:], requester.pool, now + 3.0)))
+
+        short, long = requester.loop.run(both(), 10)
+        assert set(short.missed.values()) == {MissReason.TIMEOUT}
+        assert set(long.missed.values()) == {MissReason.ABORTED}
+        assert time.monotonic() - now < 2.0  # the bystander did not wait for its own deadline either
+        assert health.failures(peer_of(o)) == 1
+        assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
+    finally:
+        o.kill()
+
+
 @pytest.mark.skipif(not HAS_NIXL, reason="nixl not importable")
 def test_unreleased_nixl_pins_expire(requester: Requester, owners: Any) -> None:
     a, _ = owners

@@ -39,6 +39,7 @@ class MissReason(enum.StrEnum):
     MAC = "mac"  # bytes or header changed on the way (the session's payload MAC did not match): dropped
     INVALIDATED = "invalidated"  # arrived intact, but a standing invalidation covers it: dropped
     TIMEOUT = "timeout"  # the pull ran past its deadline
+    ABORTED = "aborted"  # cut short with its shared connection, which another pull's overrun closed
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
     BACKOFF = "backoff"  # the peer erred recently; not asked
     CAPACITY = "capacity"  # no free slot in the destination pool

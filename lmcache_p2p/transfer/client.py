@@ -14,7 +14,7 @@ from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
 from ..aio import remaining
-from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, TransferError
+from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, SharedConnectionAborted, TransferError
 from ..ids import WIRE_VERSION, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
@@ -164,6 +164,8 @@ async def guarded_pull(
         return result
     try:
         await asyncio.ensure_future(run(result))
+    except SharedConnectionAborted:
+        result.miss_rest(keys, MissReason.ABORTED)
     except PeerTimeout as exc:
         result.miss_rest(keys, MissReason.TIMEOUT)
         health.record_failure(peer, exc)
@@ -207,7 +209,7 @@ class TcpTransport:
                 # Close rather than drain: the rest of an overrun answer would hold up every later
                 # pull to this peer on this connection, and a hung peer may never send it. Closing
                 # stops the kernel from writing into our slots; they go back to the pool.
-                conn.abort(PeerTimeout(f"{peer}: pull abandoned at its deadline"))
+                conn.abort(SharedConnectionAborted(f"{peer}: another pull on this connection ran past its deadline"))
         for request in requests:
             exc = request.future.exception()
             if exc is not None:
