@@ -532,11 +532,12 @@ class CacheAgent:
             m.pull_expected.labels(peer).set(self.peer_estimates.expected_s(peer, self.chunk_bytes))
         m.recompute_chunk.set(self.prefill.recompute_s(self.config.chunk_size) or 0.0)
 
-    def budget(self, plan: HitPlan) -> FetchBudget:
-        """Cut ``plan`` to the pulls expected to beat recomputing (see :func:`fetch_budget`)."""
+    def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:
+        """Cut ``plan`` to the pulls expected to beat recomputing and to finish in ``left_s`` (see
+        :func:`fetch_budget`)."""
         return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
                             expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
-                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known)
+                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s)
 
     def load_pinned(self, plan: HitPlan, deadline: float | None = None, *, remote: bool = True,
                     label: str = "") -> list[Pin | None]:

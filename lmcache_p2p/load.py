@@ -35,7 +35,7 @@ class Loading(Protocol):
 
     metrics: AgentMetrics
 
-    def budget(self, plan: HitPlan) -> FetchBudget: ...
+    def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget: ...
 
     def holds(self, key: ChunkKey) -> bool: ...
 
@@ -45,14 +45,19 @@ class Loading(Protocol):
 
 
 def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> tuple[HitPlan, float]:
-    """``plan`` cut to the pulls expected to beat recomputing, and ``deadline`` brought as close as
-    the kept pulls' own allowance. Declined chunks are counted (``recompute_faster``)."""
-    budget = node.budget(plan)
+    """``plan`` cut to the pulls expected to beat recomputing and to finish before ``deadline`` (the load
+    may have queued behind others), and ``deadline`` brought as close as the kept pulls' own allowance.
+    Declined chunks are counted: ``deadline`` (not expected in the time left), ``recompute_faster``."""
+    budget = node.budget(plan, left_s=remaining(deadline))
     declined = len(plan.chunks) - len(budget.plan.chunks)
+    if budget.late:
+        node.metrics.load_failures.labels("deadline").inc(budget.late)
+    if declined > budget.late:
+        node.metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
     if declined:
-        node.metrics.load_failures.labels("recompute_faster").inc(declined)
-        log.info("%spulling %d of %d chunks, recomputing the rest (expected %.1f ms, recompute %s)", label,
-                 len(budget.plan.chunks), len(plan.chunks), 1e3 * budget.expected_s,
+        log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left; expected "
+                 "%.1f ms, recompute %s)", label, len(budget.plan.chunks), len(plan.chunks), budget.late,
+                 1e3 * remaining(deadline), 1e3 * budget.expected_s,
                  "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
     kept = min(deadline, time.monotonic() + budget.deadline_s)
     log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,

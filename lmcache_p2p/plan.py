@@ -148,6 +148,7 @@ class FetchBudget:
     deadline_s: float
     expected_s: float  # expected time of the pulls kept (0 when all local)
     recompute_s: float | None  # engine time for the tokens pulled (None: prefill rate unknown)
+    late: int = 0  # chunks declined only because their pulls were not expected to finish in ``left_s``
 
 
 def fetch_budget(
@@ -158,6 +159,7 @@ def fetch_budget(
     recompute_s: Callable[[int], float | None],
     max_s: float,
     known: Callable[[NodeId], bool] = lambda _peer: True,
+    left_s: float | None = None,
 ) -> FetchBudget:
     """Keep the longest prefix of ``plan`` whose pulls are expected to finish before the engine
     could recompute the tokens they carry; give them a deadline from that expectation.
@@ -175,14 +177,19 @@ def fetch_budget(
     handshake, and a guess is no basis for a tight deadline) gets the recompute time but at least
     ``FIRST_CONTACT_S``: a hung peer costs at most that once, then it is backed off and measured
     peers get deadlines from their estimates.
+
+    ``left_s``: the time left before the load's own deadline (it may have queued behind other loads).
+    A pull not expected to finish in it is not started (it would overrun, close the connection other
+    pulls share and back a healthy peer off); those chunks are counted apart (``late``).
     """
     per_peer: dict[NodeId, int] = {}
     first_remote: int | None = None
     keep, kept_expected, kept_recompute = 0, 0.0, None
+    worth = 0  # the cut without left_s
     for i, chunk in enumerate(plan.chunks):
         if chunk.source == LOCAL:
             if first_remote is None:
-                keep = i + 1
+                keep = worth = i + 1
             continue
         if first_remote is None:
             first_remote = chunk.start
@@ -193,18 +200,27 @@ def fetch_budget(
         expected = max(expected_s(peer, nbytes) for peer, nbytes in per_peer.items())
         recompute = recompute_s(chunk.end - first_remote)
         if recompute is None or expected <= recompute:
-            keep, kept_expected, kept_recompute = i + 1, expected, recompute
+            worth = i + 1
+            if left_s is None or expected <= left_s:
+                keep, kept_expected, kept_recompute = i + 1, expected, recompute
     if first_remote is not None:
         # Local chunks after the last pull worth making are only usable if that pull is kept.
-        while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
-            keep += 1
+        keep, worth = _with_local_tail(plan, keep), _with_local_tail(plan, worth)
+    late = max(0, worth - keep)
     kept = HitPlan(plan.num_tokens, plan.chunks[:keep])
     sources = {p.source for c in kept.chunks if c.source != LOCAL for p in c.parts()}
     if sources and kept_recompute is None:  # nothing known to be faster: the pulls get the whole allowance
-        return FetchBudget(kept, max_s, kept_expected, kept_recompute)
+        return FetchBudget(kept, max_s, kept_expected, kept_recompute, late)
     if kept_recompute is not None and not all(known(source) for source in sources):
-        return FetchBudget(kept, min(max_s, max(kept_recompute, FIRST_CONTACT_S)), kept_expected, kept_recompute)
+        return FetchBudget(kept, min(max_s, max(kept_recompute, FIRST_CONTACT_S)), kept_expected, kept_recompute,
+                           late)
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
-    return FetchBudget(kept, deadline, kept_expected, kept_recompute)
+    return FetchBudget(kept, deadline, kept_expected, kept_recompute, late)
+
+
+def _with_local_tail(plan: HitPlan, keep: int) -> int:
+    while keep < len(plan.chunks) and plan.chunks[keep].source == LOCAL:
+        keep += 1
+    return keep

@@ -116,6 +116,20 @@ def test_a_load_past_its_deadline_asks_no_peer_and_blames_none(fleet) -> None:
     assert load(b, tokens)[0] == [True] * 5  # a was not backed off
 
 
+def test_a_load_with_less_time_left_than_its_pulls_need_asks_no_peer(fleet) -> None:
+    """A load dequeued late: its pulls, measured at ~0.2 s, would overrun the 20 ms left. None is started
+    (counted ``deadline``), and the owner is not backed off for a timeout it never had."""
+    a, b = fleet["make"]("a"), fleet["make"]("b")
+    fleet["net"].owner(a.transfer_stack.address).delay_s = 0.2
+    assert load(b, store(a, 9))[0] == [True] * 5  # b measures a: slow but working
+    transport = b.transfer_stack.transports["loopback"]
+    pulls = len(transport.pulls)
+    tokens = store(a, 10)
+    assert b.load_pinned(b.lookup(tokens), time.monotonic() + 0.02) == [None] * 5
+    assert len(transport.pulls) == pulls and b.metrics.load_failures.labels("deadline")._value.get() == 5
+    assert load(b, tokens)[0] == [True] * 5  # a was not backed off
+
+
 def test_a_known_fast_peer_is_not_abandoned_without_a_prefill_rate(fleet) -> None:
     """No engine here (no prefill rate): nothing is known to be faster than waiting, so a measured
     peer's pull gets the whole allowance, not three times its last time."""

@@ -79,6 +79,25 @@ def test_the_deadline_never_exceeds_recompute() -> None:
     assert b.deadline_s == pytest.approx(0.0256)
 
 
+def test_a_pull_not_expected_to_finish_in_the_time_left_is_not_started() -> None:
+    """A load that queued behind others has less time left than its deadline once gave: the pulls that
+    would overrun it are declined as late, the ones that fit are kept (recompute would take longer)."""
+    plan = plan_of(LOCAL, "a", "a", "a")
+    rates = {"a": 0.010}  # 10 ms a chunk, one after another; recompute 25.6 ms a chunk
+    assert budget(plan, rates, 10_000.0).late == 0 and len(budget(plan, rates, 10_000.0).plan.chunks) == 4
+    b = fetch_budget(plan, chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.010 * nbytes / MiB,
+                     recompute_s=lambda t: t / 10_000.0, max_s=5.0, left_s=0.025)
+    assert [c.source for c in b.plan.chunks] == [LOCAL, "a", "a"] and b.late == 1
+    # without a prefill rate too: nothing is known to beat waiting, but what cannot finish is not started
+    b = fetch_budget(plan, chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.010 * nbytes / MiB,
+                     recompute_s=lambda t: None, max_s=5.0, left_s=0.015)
+    assert [c.source for c in b.plan.chunks] == [LOCAL, "a"] and b.late == 2
+    # a chunk declined as slower than recompute is not late
+    b = fetch_budget(plan_of(LOCAL, "slow"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 1.0,
+                     recompute_s=lambda t: t / 10_000.0, max_s=5.0, left_s=0.001)
+    assert len(b.plan.chunks) == 1 and b.late == 0
+
+
 def test_peer_estimates_learn_from_pulls() -> None:
     est = PeerEstimates()
     assert est.expected_s("x", 0) == PRIOR_LATENCY_S and not est.known("x")
