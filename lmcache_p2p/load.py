@@ -72,10 +72,12 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
     """One pin (or None) per chunk of ``plan``; the caller unpins every pin it got.
 
     ``remote``: budget the plan, pull what peers hold until ``deadline``, read what the disk tier
-    holds. Without it nothing is pulled and no disk is read (the caller is the engine's forward
-    thread): only what the CPU pool holds now is pinned. Chunks the budget declined are None.
+    holds until ``deadline``. Without it, or past the deadline, nothing is pulled and no disk is read
+    (the caller is the engine's forward thread, or the engine has waited long enough): only what the
+    CPU pool holds now is pinned, and disk chunks are promoted in the background for the next request.
+    Chunks the budget declined are None.
     """
-    kept, late = plan, set()
+    kept, late, load_deadline = plan, set(), deadline
     if remote:
         kept, deadline = budgeted(node, plan, deadline, label)
         pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
@@ -87,5 +89,6 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
             log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
         elif pulls:
             node.pull(pulls, deadline)
-    pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote) for chunk in kept.chunks]
+    pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)
+            for chunk in kept.chunks]
     return pins + [None] * (len(plan.chunks) - len(kept.chunks))

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
@@ -31,10 +33,10 @@ def fleet() -> Iterator[dict[str, object]]:
     """``make(name)`` starts an agent on one shared in-memory index and loopback net."""
     mesh, net, agents = MemoryMesh(), LoopbackNet(), []
 
-    def make(name: str) -> CacheAgent:
+    def make(name: str, cpu: int = 64 << 20, disk: Path | None = None) -> CacheAgent:
         # backoff long enough that a backed-off owner is still backed off when a test looks, however loaded
-        config = AgentConfig(node_id=name, tiers=TierConfig(cpu_capacity=64 << 20),
-                             transfer=TransferConfig(backoff_s=60.0))
+        tiers = TierConfig(cpu_capacity=cpu, disk_path=str(disk) if disk else None)
+        config = AgentConfig(node_id=name, tiers=tiers, transfer=TransferConfig(backoff_s=60.0))
         agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                            index_factory=lambda _loop, record: MemoryIndex(mesh, record),
                            transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
@@ -128,6 +130,22 @@ def test_a_load_with_less_time_left_than_its_pulls_need_asks_no_peer(fleet) -> N
     assert b.load_pinned(b.lookup(tokens), time.monotonic() + 0.02) == [None] * 5
     assert len(transport.pulls) == pulls and b.metrics.load_failures.labels("deadline")._value.get() == 5
     assert load(b, tokens)[0] == [True] * 5  # a was not backed off
+
+
+def test_a_load_past_its_deadline_reads_no_disk_and_promotes_in_the_background(fleet, tmp_path) -> None:
+    """Chunks on this node's own disk, a load whose deadline has passed: nothing is read on the load's
+    thread (the engine recomputes now), the chunks are promoted by the tier worker for the next request."""
+    probe = fleet["make"]("probe")
+    chunk = probe.chunk_bytes
+    a = fleet["make"]("a", cpu=5 * chunk, disk=tmp_path / "disk")
+    first = store(a, 12)
+    store(a, 13)  # evicts the first prompt's chunks to disk
+    keys = a.keys_for(first)[0]
+    assert a.tiers.worker is not None and a.tiers.worker.drain(30)
+    assert not any(a.tiers.cpu.contains(k) for k in keys) and all(a.tiers.disk.contains(k) for k in keys)
+    assert a.load_pinned(a.lookup(first), time.monotonic() - 0.001) == [None] * 5
+    assert wait_until(lambda: all(a.tiers.cpu.contains(k) for k in keys), 30)  # promoted in the background
+    assert load(a, first)[0] == [True] * 5
 
 
 def test_a_known_fast_peer_is_not_abandoned_without_a_prefill_rate(fleet) -> None:
