@@ -187,6 +187,9 @@ class TransferConfig:
     timeout_s: float = 5.0
     max_frame_bytes: int = 1 << 20
     backoff_s: float = 2.0
+    # Asynchronous loads run at once in a worker (each mostly waits on its pulls; scatters touch each
+    # request's own blocks): one slow owner no longer holds every load queued behind it.
+    load_threads: int = 4
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
     # relay from injecting chunks; it costs throughput (README: trust boundary, measured).
@@ -203,6 +206,7 @@ class TransferConfig:
         _check(self.timeout_s > 0, "transfer.timeout_s", "must be > 0")
         _check(self.max_frame_bytes >= 4096, "transfer.max_frame_bytes", "must be >= 4096")
         _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
+        _check(1 <= self.load_threads <= 64, "transfer.load_threads", "must be in [1, 64]")
         if self.secret is not None:
             check_secret(self.secret, "transfer.secret")
         tls = (self.tls_ca_cert, self.tls_cert, self.tls_key)

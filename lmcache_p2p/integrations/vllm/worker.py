@@ -64,9 +64,12 @@ class P2PWorker:
         self._block_size = block_size
         self._kv: PagedKV | None = None
         self.agent: CacheAgent | None = None
-        # One thread runs asynchronous loads, so a hung peer never stalls the forward pass;
-        # results are handed over under the lock: a request's failed blocks before its id.
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lmcache-p2p-load",
+        # Asynchronous loads run on their own threads, so a hung peer never stalls the forward pass, and
+        # several at once (``transfer.load_threads``), so one slow owner never holds the loads queued
+        # behind it; each touches only its request's blocks. Results are handed over under the lock: a
+        # request's failed blocks before its id.
+        self._loader = concurrent.futures.ThreadPoolExecutor(config.transfer.load_threads,
+                                                             thread_name_prefix="lmcache-p2p-load",
                                                              initializer=cputime.initializer("load", unpin_thread))
         self._done_lock = threading.Condition()
         self._loads_running = 0
