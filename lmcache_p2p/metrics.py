@@ -74,6 +74,9 @@ class AgentMetrics:
                                    ["transport", "outcome"], namespace=ns, registry=registry)
         self.pull_seconds = Histogram("pull_seconds", "Latency of one pull request to one peer", ["transport"],
                                       namespace=ns, registry=registry, buckets=_LATENCY_BUCKETS)
+        self.load_queue_seconds = Histogram("load_queue_seconds", "Time an asynchronous load waited for a load "
+                                            "thread (transfer.load_threads) before it started", namespace=ns,
+                                            registry=registry, buckets=_LATENCY_BUCKETS)
         self.served_chunks = Counter("served_chunks", "Chunks served to peers", namespace=ns, registry=registry)
         self.checksum_failures = Counter("checksum_failures", "Chunks dropped because their checksum did not match",
                                          namespace=ns, registry=registry)

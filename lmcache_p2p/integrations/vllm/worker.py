@@ -160,7 +160,7 @@ class P2PWorker:
             else:
                 with self._done_lock:
                     self._loads_running += 1
-                self._loader.submit(self._blend_async, blend)
+                self._loader.submit(self._blend_async, blend, time.monotonic())
         for transfer in meta.loads:
             if transfer.sync:
                 failed = self._load(transfer, remote=False)
@@ -171,9 +171,14 @@ class P2PWorker:
             else:
                 with self._done_lock:
                     self._loads_running += 1
-                self._loader.submit(self._load_async, transfer)
+                self._loader.submit(self._load_async, transfer, time.monotonic())
 
-    def _load_async(self, t: ChunkTransfer) -> None:
+    def _queued(self, submitted: float) -> None:
+        if self.agent is not None:
+            self.agent.metrics.load_queue_seconds.observe(time.monotonic() - submitted)
+
+    def _load_async(self, t: ChunkTransfer, submitted: float) -> None:
+        self._queued(submitted)
         try:
             failed = self._load(t, remote=True)
         except Exception:  # a cache problem must never become a serving problem: recompute it all
@@ -268,8 +273,9 @@ class P2PWorker:
                 if pin is not None:
                     agent.unpin_chunk(pin)
 
-    def _blend_async(self, t: BlendTransfer) -> None:
+    def _blend_async(self, t: BlendTransfer, submitted: float) -> None:
         """The load thread's part of a pulled blend; the recompute waits for the forward thread."""
+        self._queued(submitted)
         try:
             loaded, failed = self._blend(t, remote=True, recompute=False)
             left = loaded.end > loaded.exact_end and not failed >= loaded.blocks(self._block_size)
