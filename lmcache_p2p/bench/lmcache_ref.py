@@ -71,18 +71,23 @@ class LMCacheServer:
     """One ``lmcache server`` process (its own session, so stop() leaves no children behind)."""
 
     def __init__(self, repo_root: str | Path = DEFAULT_REPO_ROOT, *, port: int | None = None,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, l1_size_gb: float = 1.0) -> None:
         self.port = port or _free_port()
         self.http_port = _free_port()  # its HTTP server defaults to 8080: never collide with anything there
         exe = Path(repo_root) / VENV_NAME / "bin" / "lmcache"
         cmd = [str(exe), "server", "--host", "127.0.0.1", "--port", str(self.port), "--chunk-size", "256",
-               "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
+               "--l1-size-gb", f"{l1_size_gb:g}", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
                "--disable-observability", "--disable-metrics",
                "--http-port", str(self.http_port)]
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log or subprocess.DEVNULL,
                                       stderr=subprocess.STDOUT, env={**os.environ, **lmcache_env(repo_root)},
                                       start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        """The server's pid, also its session's id."""
+        return self._proc.pid
 
     def wait_ready(self, timeout: float = SERVER_START_TIMEOUT_S) -> LMCacheServer:
         """Wait until the server's port accepts TCP connections (its ZMQ socket is bound)."""

@@ -20,6 +20,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "chat"): ("lmcache_p2p.bench.chat:main", "a chat across 2 vLLM engines: reuse, TTFT per turn"),
     ("bench", "blend"): ("lmcache_p2p.bench.blend:main",
                          "RAG documents in another order on 2 vLLM engines: reuse, TTFT, quality"),
+    ("bench", "serve"): ("lmcache_p2p.bench.serve:main",
+                         "a fleet of vLLM engines under load from vLLM's own client: mesh, vLLM alone, LMCache"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
     ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),

