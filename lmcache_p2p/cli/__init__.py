@@ -22,6 +22,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
                          "RAG documents in another order on 2 vLLM engines: reuse, TTFT, quality"),
     ("bench", "serve"): ("lmcache_p2p.bench.serve:main",
                          "a fleet of vLLM engines under load from vLLM's own client: mesh, vLLM alone, LMCache"),
+    ("bench", "scale"): ("lmcache_p2p.bench.scale:main",
+                         "the control plane with many simulated agents on a 3-member etcd; 1,000-node extrapolation"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
     ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),
