@@ -103,6 +103,9 @@ class _Member:
             "--initial-cluster-token", f"lmcache-p2p-{os.getpid()}",
             "--heartbeat-interval", "100", "--election-timeout", "1000",
             "--log-level", "warn", "--quota-backend-bytes", str(8 << 30),
+            # Chunk churn makes a revision per announce and withdrawal: without compaction the history
+            # grows until the quota alarm stops every write (as in k8s/etcd.yaml, kept 10 minutes).
+            "--auto-compaction-mode", "periodic", "--auto-compaction-retention", "10m",
         ]
         if self.unsafe_no_fsync:
             args.append("--unsafe-no-fsync")
