@@ -188,8 +188,9 @@ class TransferConfig:
     max_frame_bytes: int = 1 << 20
     backoff_s: float = 2.0
     # Asynchronous loads run at once in a worker (each mostly waits on its pulls; scatters touch each
-    # request's own blocks): one slow owner no longer holds every load queued behind it.
-    load_threads: int = 4
+    # request's own blocks): with more than one, a slow owner no longer holds every load queued behind it.
+    # 1 (one after another, as before) until `bench serve` has measured the others.
+    load_threads: int = 1
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
     # relay from injecting chunks; it costs throughput (README: trust boundary, measured).

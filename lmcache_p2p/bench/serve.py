@@ -270,7 +270,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-chunks", type=int, default=24, help="trace: at most this many 256-token chunks a prompt")
     p.add_argument("--max-concurrency", type=int, default=0, help="client-side cap (0: open loop)")
     p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
-    p.add_argument("--load-threads", type=int, default=4, help="mesh: transfer.load_threads of every agent")
+    p.add_argument("--load-threads", type=int, default=1, help="mesh: transfer.load_threads of every agent")
     p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
