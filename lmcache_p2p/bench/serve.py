@@ -88,7 +88,7 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
         kv: list[dict[str, Any] | None] = [None] * args.engines
         python, env = sys.executable, None
         if system == "mesh":
-            etcd = fleet.stack.enter_context(EtcdServer(base_dir=str(work / "etcd")))
+            etcd = fleet.stack.enter_context(EtcdServer(base_dir=str(work)))
             for i in range(args.engines):
                 port = free_port()
                 fleet.agent_metrics.append(f"http://127.0.0.1:{port}/metrics")
