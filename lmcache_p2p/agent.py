@@ -537,7 +537,8 @@ class CacheAgent:
         :func:`fetch_budget`)."""
         return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
                             expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
-                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s)
+                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
+                            first_contact_s=self.config.transfer.first_contact_s)
 
     def load_pinned(self, plan: HitPlan, deadline: float | None = None, *, remote: bool = True,
                     label: str = "") -> list[Pin | None]:

@@ -191,6 +191,9 @@ class TransferConfig:
     # request's own blocks): with more than one, a slow owner no longer holds every load queued behind it.
     # 1 (one after another, as before) until `bench serve` has measured the others.
     load_threads: int = 1
+    # A pull from a peer never measured (it connects and handshakes too) gets at least this long
+    # (plan.fetch_budget); a hung peer costs it once, then it is backed off.
+    first_contact_s: float = 1.0
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
     # relay from injecting chunks; it costs throughput (README: trust boundary, measured).
@@ -208,6 +211,7 @@ class TransferConfig:
         _check(self.max_frame_bytes >= 4096, "transfer.max_frame_bytes", "must be >= 4096")
         _check(self.backoff_s >= 0, "transfer.backoff_s", "must be >= 0")
         _check(1 <= self.load_threads <= 64, "transfer.load_threads", "must be in [1, 64]")
+        _check(0 < self.first_contact_s <= self.timeout_s, "transfer.first_contact_s", "must be in (0, timeout_s]")
         if self.secret is not None:
             check_secret(self.secret, "transfer.secret")
         tls = (self.tls_ca_cert, self.tls_cert, self.tls_key)

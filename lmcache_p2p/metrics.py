@@ -208,8 +208,8 @@ class _LiveCounters:
         cpu = CounterMetricFamily("lmcache_p2p_cpu_seconds", "CPU time of this process's lmcache-p2p threads, by "
                                   "role (loop, load, store, tiers, canary, verify, scheduler, events): what the "
                                   "cache costs the engine's host, apart from the engine", labels=["thread"])
-        for role, n in sorted(cputime.seconds().items()):
-            cpu.add_metric([role], n)
+        for role, seconds in sorted(cputime.seconds().items()):
+            cpu.add_metric([role], seconds)
         yield cpu
 
 

@@ -160,6 +160,7 @@ def fetch_budget(
     max_s: float,
     known: Callable[[NodeId], bool] = lambda _peer: True,
     left_s: float | None = None,
+    first_contact_s: float = FIRST_CONTACT_S,
 ) -> FetchBudget:
     """Keep the longest prefix of ``plan`` whose pulls are expected to finish before the engine
     could recompute the tokens they carry; give them a deadline from that expectation.
@@ -175,8 +176,8 @@ def fetch_budget(
     pull is kept and gets ``max_s``: nothing is known to be faster than waiting for it. A pull from
     a peer never measured (``known`` false: its first pull also pays for the connection and
     handshake, and a guess is no basis for a tight deadline) gets the recompute time but at least
-    ``FIRST_CONTACT_S``: a hung peer costs at most that once, then it is backed off and measured
-    peers get deadlines from their estimates.
+    ``first_contact_s`` (``transfer.first_contact_s``): a hung peer costs at most that once, then it
+    is backed off and measured peers get deadlines from their estimates.
 
     ``left_s``: the time left before the load's own deadline (it may have queued behind other loads).
     A pull not expected to finish in it is not started (it would overrun, close the connection other
@@ -212,7 +213,7 @@ def fetch_budget(
     if sources and kept_recompute is None:  # nothing known to be faster: the pulls get the whole allowance
         return FetchBudget(kept, max_s, kept_expected, kept_recompute, late)
     if kept_recompute is not None and not all(known(source) for source in sources):
-        return FetchBudget(kept, min(max_s, max(kept_recompute, FIRST_CONTACT_S)), kept_expected, kept_recompute,
+        return FetchBudget(kept, min(max_s, max(kept_recompute, first_contact_s)), kept_expected, kept_recompute,
                            late)
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
     if kept_recompute is not None:
