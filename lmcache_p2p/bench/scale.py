@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import multiprocessing as mp
 import os
 import random
@@ -45,7 +44,7 @@ from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdCluster
 from ..index.schema import NodeRecord
 from ..keys import ChunkKey, FingerprintDigest
-from .common import run_in_workdir
+from .common import emit, run_in_workdir
 
 CLUSTER = "bench-scale"
 PROBE_EVERY_S = 0.5
@@ -342,9 +341,5 @@ def main(argv: list[str]) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-scale-")
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"  {key:<32} {value}")
+    emit(result, args.json, "bench scale (3-member etcd, simulated agents; extrapolation under 'at')")
     return 0
