@@ -9,6 +9,7 @@ import os
 import resource
 import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -26,6 +27,7 @@ from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.testing.striping import merge, pull_striped
 from lmcache_p2p.tiers.cpu_pool import CpuPool
+from lmcache_p2p.transfer import server as server_mod
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PullResult, Transport, Want
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
@@ -330,6 +332,45 @@ def test_idle_unauthenticated_flood_and_descriptor_exhaustion_do_not_lock_peers_
             s.close()
         o.kill()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_dropped_unauthenticated_sessions_do_not_count_as_authenticated(requester: Requester,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backlog of idle connections drained in one burst: the ones dropped to admit newer ones are still
+    running their cancelled tasks, and must not count towards the authenticated-connection cap (they once
+    did, and a legitimate pull arriving in the same burst was refused: a CI failure of the flood test)."""
+    monkeypatch.setattr(server_mod, "MAX_CONNECTIONS", 40)
+    loop = LoopThread("frozen-owner")
+    pool = CpuPool(SIZE * 4, SIZE)
+    header, payload = demo_chunk(5, 0, SIZE, FP)
+    pool.put(header, payload.data)
+    server = server_mod.TransferServer(pool, [FP], SECRET.encode(), node_id="frozen-owner", timeout_s=3.0)
+    flood: list[socket.socket] = []
+    try:
+        loop.run(server.start(), 10)
+        thaw = threading.Event()
+        loop.loop.call_soon_threadsafe(thaw.wait, 10.0)  # the owner's loop stops; the kernel queues connections
+        for _ in range(100):  # fewer than the listen backlog (128): all of them queue
+            flood.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        peer = PeerAddress("127.0.0.1", server.port, "frozen-owner")
+        pulled = requester.loop.submit(requester.clients["tcp"].pull(peer, FP, [header.key], requester.pool,
+                                                                     time.monotonic() + 8.0))
+        time.sleep(0.3)  # its connection and hello queue behind the flood
+        thaw.set()
+        result = pulled.result(15)
+        assert result.complete, result.missed
+        out = np.empty(SIZE, np.uint8)
+        assert requester.pool.read_into(header.key, out.data) == header
+        np.testing.assert_array_equal(out, payload)
+        assert server.stats.preauth_dropped >= 100 - server_mod.PREAUTH_PER_SOURCE
+        assert server.authenticated_connections == 1
+    finally:
+        thaw.set()
+        for s in flood:
+            s.close()
+        loop.run(server.close(), 10)
+        loop.stop()
+        requester.clear()
 
 
 class TamperingRelay(Relay):

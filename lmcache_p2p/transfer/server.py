@@ -115,6 +115,9 @@ class TransferServer:
         self._accept_task: asyncio.Task[None] | None = None
         self._sessions: set[asyncio.Task[None]] = set()
         self._preauth: dict[asyncio.Task[None], _Session] = {}  # insertion order = age
+        # Sessions past their handshake. Counted on their own: a dropped unauthenticated session stays in
+        # _sessions until its cancelled task runs, which a flood drained in one go can delay past 512 drops.
+        self._authenticated: set[asyncio.Task[None]] = set()
         self._leases = itertools.count(1)
         self.stats = ServerStats()
 
@@ -162,9 +165,9 @@ class TransferServer:
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.01
-            if len(self._sessions) - len(self._preauth) >= MAX_CONNECTIONS:
+            if len(self._authenticated) >= MAX_CONNECTIONS:
                 log.warning("refusing connection from %s: %d authenticated connections open", addr,
-                            len(self._sessions) - len(self._preauth))
+                            len(self._authenticated))
                 conn.close()
                 continue
             source = str(addr[0])
@@ -180,10 +183,16 @@ class TransferServer:
             self._sessions.add(task)
             self._preauth[task] = session
             task.add_done_callback(self._forget)
+            await asyncio.sleep(0)  # a backlog drained without yielding would starve the sessions it admits
+
+    @property
+    def authenticated_connections(self) -> int:
+        return len(self._authenticated)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self._sessions.discard(task)
         self._preauth.pop(task, None)
+        self._authenticated.discard(task)
 
     def _drop_oldest_preauth(self, source: str | None) -> None:
         for task, session in self._preauth.items():
@@ -200,7 +209,10 @@ class TransferServer:
         try:
             await self._handshake(s)
             s.authenticated = True
-            self._preauth.pop(asyncio.current_task(), None)  # type: ignore[arg-type]
+            task = asyncio.current_task()
+            assert task is not None
+            self._preauth.pop(task, None)
+            self._authenticated.add(task)
             while True:
                 msg = await self._recv(s, IDLE_TIMEOUT_S)
                 await self._dispatch(s, msg)
