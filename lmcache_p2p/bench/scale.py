@@ -24,6 +24,7 @@ which limit is reached first (README, "The control plane at scale").
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import multiprocessing as mp
 import os
@@ -36,13 +37,15 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from .. import cputime
 from ..aio import LoopThread
 from ..config import AgentConfig, EtcdConfig
 from ..ids import TIER_CPU, NodeId
 from ..index.client import EtcdClient
 from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdCluster
-from ..index.schema import NodeRecord
+from ..index.mirror import Mirror
+from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
 from .common import emit, run_in_workdir
 
@@ -95,6 +98,8 @@ def _worker(conn: Connection, endpoints: tuple[str, ...], names: list[str], fp: 
                 send(("churned", events))
             elif cmd[0] == "mirrors":
                 send(("mirrors", [(len(m), m.memory_bytes()) for m in mirrors]))
+            elif cmd[0] == "events":
+                send(("events", sum(m.events_total for m in mirrors)))
             elif cmd[0] == "stop":
                 stop.set()
                 for agent in agents:
@@ -144,6 +149,43 @@ def _poll_probes(mirrors: list[Any], send: Any, stop: threading.Event) -> None:
         if mirrors and any(seen):
             send(("seen", i, seen))
         i += 1
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (``/proc/<pid>/stat``)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+class _Watchers:
+    """Bare watch streams on the fingerprint's block prefix that only count what they receive: extra
+    deliveries for etcd to make, so its cost per delivery can be told apart from its cost per write."""
+
+    def __init__(self, loop: LoopThread, endpoints: tuple[str, ...], prefix: bytes, n: int) -> None:
+        self.events = 0
+        self._loop = loop
+        self._stop = asyncio.Event()
+        # Spread over the members as the agents' clients are (each starts from a different endpoint).
+        rotations = [endpoints[i % len(endpoints):] + endpoints[: i % len(endpoints)] for i in range(n)]
+        self._tasks = [loop.submit(self._watch(eps, prefix)) for eps in rotations]
+
+    async def _watch(self, endpoints: tuple[str, ...], prefix: bytes) -> None:
+        async with EtcdClient(EtcdConfig(endpoints=endpoints)) as client:
+            _, revision = await client.get(prefix)  # no such key: the store's revision
+            stream = client.watch(prefix, revision + 1)
+            with contextlib.suppress(asyncio.CancelledError):
+                async for batch in stream:
+                    self.events += len(batch.events)
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                task.result(10)
 
 
 def _status(loop: LoopThread, endpoints: tuple[str, ...]) -> tuple[int, int, int]:
@@ -221,50 +263,64 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             pipes.append(ours)
             procs.append(proc)
         try:
-            out.update(_measure(args, loop, eps, FingerprintDigest(fp), _Workers(pipes), procs, nodes))
+            etcd_pids = [m.proc.pid for m in etcd.members if m.proc is not None]
+            out.update(_measure(args, loop, eps, FingerprintDigest(fp), _Workers(pipes), procs, nodes, etcd_pids))
         finally:
             for proc in procs:
                 proc.kill()
-    out.update(extrapolate(out, args.target_nodes, args.target_chunks))
+    out.update(extrapolate(out, args.target_nodes, args.target_chunks, args.member_cores))
     return out
 
 
 def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], fp: FingerprintDigest,
-             workers: _Workers, procs: list[Any], nodes: int) -> dict[str, Any]:
+             workers: _Workers, procs: list[Any], nodes: int, etcd_pids: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     every = range(len(procs))
     t0 = time.monotonic()
     ready = [workers.expect(i, "ready", 1800)[1] for i in every]
     out["join_s"] = round(time.monotonic() - t0, 2)
     out["publish_chunks_per_s"] = round(nodes * args.chunks / max(ready), 1)
-    size0, _, rev0 = _status(loop, eps)
     probe = open_index(loop, eps, "scale-probe", args.ttl)
-    workers.send(("churn", args.seconds, args.churn))
-    t_churn = time.monotonic()
-    probes = _probes(probe, fp, workers, args.seconds)
-    churned = [workers.expect(i, "churned", args.seconds + 600)[1] for i in every]
-    elapsed = time.monotonic() - t_churn
-    time.sleep(1.0)
-    workers.drain()
-    size1, used1, rev1 = _status(loop, eps)
+    # One more mirror, on a loop thread of its own, whose CPU time is read: a node's cost per event.
+    observer_loop = LoopThread("scale-observer", role="scale-observer")
+    observer = open_index(observer_loop, eps, "scale-observer", args.ttl)
+    observed = observer.follow(fp)
+    size0, _, _ = _status(loop, eps)
+    plain = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, 0, observed)
+    extra = None
+    if args.extra_watchers:
+        watchers = _Watchers(loop, eps, Schema(CLUSTER).blocks_of(fp), args.extra_watchers)
+        try:
+            extra = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, int(plain["probes"]), observed,
+                                 watchers)
+        finally:
+            watchers.close()
+    observer.close()
+    observer_loop.stop()
+    size1, used1, _ = _status(loop, eps)
+    events = plain["events"] + (extra["events"] if extra else 0)
     lat = workers.latencies
     out.update({
-        "etcd_writes_per_s": round((rev1 - rev0) / elapsed, 1),
-        "etcd_writes_per_node_s": round((rev1 - rev0) / elapsed / nodes, 3),
-        "churn_events_per_s": round(sum(churned) / elapsed, 1),
+        "etcd_writes_per_s": round(plain["writes_per_s"], 1),
+        "etcd_writes_per_node_s": round(plain["writes_per_s"] / nodes, 3),
+        "churn_events_per_s": round(plain["events_per_s"], 1),
         "etcd_db_bytes": size1, "etcd_db_in_use_bytes": used1,
-        "etcd_db_growth_bytes_per_event": round((size1 - size0) / max(1, sum(churned)), 1),
-        "probes": probes, "probe_sightings": len(lat),
+        "etcd_db_growth_bytes_per_event": round((size1 - size0) / max(1, events), 1),
+        "probes": plain["probes"] + (extra["probes"] if extra else 0), "probe_sightings": len(lat),
         "fanout_p50_ms": round(1e3 * statistics.median(lat), 2) if lat else None,
         "fanout_p99_ms": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
+        "etcd_cpu_cores": round(plain["etcd_cpu_per_s"], 3),
+        "watch_deliveries_per_s": round(plain["deliveries_per_s"], 1),
+        "mirror_cpu_us_per_event": round(1e6 * plain["observer_cpu_s"] / max(1, plain["observer_events"]), 2),
     })
+    out.update(_etcd_costs(plain, extra, args.extra_watchers))
     counts: list[tuple[int, int]] = []
     workers.send(("mirrors",))
     for i in every:
         counts += workers.expect(i, "mirrors", 120)[1]
     held = sum(n for n, _ in counts)
     out["mirror_bytes_per_chunk"] = round(sum(b for _, b in counts) / held, 1) if held else None
-    total = nodes * args.chunks + probes  # churn keeps each agent's count
+    total = nodes * args.chunks + out["probes"]  # churn keeps each agent's count
     t0 = time.monotonic()
     fresh = open_index(loop, eps, "scale-newcomer", args.ttl)
     mirror = fresh.follow(fp)
@@ -291,9 +347,53 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
     return out
 
 
-def _probes(probe: EtcdBlockIndex, fp: FingerprintDigest, workers: _Workers, seconds: float) -> int:
-    """Announce a probe chunk every PROBE_EVERY_S while the workers churn; returns how many."""
-    start, i = time.monotonic(), 0
+def _churn_phase(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], probe: EtcdBlockIndex,
+                 fp: FingerprintDigest, workers: _Workers, etcd_pids: list[int], first_probe: int,
+                 observed: Mirror, watchers: _Watchers | None = None) -> dict[str, float]:
+    """One churn phase of ``args.seconds`` with probes: what etcd wrote, spent and delivered meanwhile."""
+    def deliveries() -> int:  # events received by every mirror and bare watcher we can count
+        workers.send(("events",))
+        return sum(workers.expect(i, "events", 120)[1] for i in range(len(workers.pipes))) + observed.events_total \
+            + (watchers.events if watchers else 0)
+
+    d0, obs_events0 = deliveries(), observed.events_total
+    obs_cpu0, cpu0, (_, _, rev0) = cputime.seconds().get("scale-observer", 0.0), _cpu_seconds(etcd_pids), \
+        _status(loop, eps)
+    t0 = time.monotonic()
+    workers.send(("churn", args.seconds, args.churn))
+    probes = _probes(probe, fp, workers, args.seconds, first_probe)
+    churned = [workers.expect(i, "churned", args.seconds + 600)[1] for i in range(len(workers.pipes))]
+    elapsed = time.monotonic() - t0
+    cpu1, (_, _, rev1) = _cpu_seconds(etcd_pids), _status(loop, eps)
+    obs_cpu1, d1 = cputime.seconds().get("scale-observer", 0.0), deliveries()
+    time.sleep(1.0)  # the last probes' sightings
+    workers.drain()
+    return {"seconds": elapsed, "writes_per_s": (rev1 - rev0) / elapsed, "events": sum(churned),
+            "events_per_s": sum(churned) / elapsed, "probes": probes, "etcd_cpu_per_s": (cpu1 - cpu0) / elapsed,
+            "deliveries_per_s": (d1 - d0) / elapsed, "observer_cpu_s": obs_cpu1 - obs_cpu0,
+            "observer_events": observed.events_total - obs_events0}
+
+
+def _etcd_costs(plain: dict[str, float], extra: dict[str, float] | None, watchers: int) -> dict[str, Any]:
+    """etcd's CPU per watch delivery: the second phase adds ``watchers`` bare watch streams to the same
+    churn, so the extra CPU over the extra deliveries is the marginal cost of one delivery. What is left
+    of the first phase's CPU (raft, fsync'd writes, leases) is charged per node."""
+    if extra is None or extra["deliveries_per_s"] <= plain["deliveries_per_s"]:
+        return {"etcd_cpu_us_per_delivery": None}
+    per_delivery = (extra["etcd_cpu_per_s"] - plain["etcd_cpu_per_s"]) / (
+        extra["deliveries_per_s"] - plain["deliveries_per_s"])
+    return {"extra_watchers": watchers, "extra_phase_writes_per_s": round(extra["writes_per_s"], 1),
+            "extra_phase_deliveries_per_s": round(extra["deliveries_per_s"], 1),
+            "extra_phase_etcd_cpu_cores": round(extra["etcd_cpu_per_s"], 3),
+            "etcd_cpu_us_per_delivery": round(1e6 * per_delivery, 3) if per_delivery > 0 else None,
+            "etcd_cpu_cores_without_deliveries": round(
+                max(0.0, plain["etcd_cpu_per_s"] - max(0.0, per_delivery) * plain["deliveries_per_s"]), 3)}
+
+
+def _probes(probe: EtcdBlockIndex, fp: FingerprintDigest, workers: _Workers, seconds: float, first: int) -> int:
+    """Announce a probe chunk every PROBE_EVERY_S while the workers churn, numbered from ``first``;
+    returns how many."""
+    start, i = time.monotonic(), first
     while time.monotonic() - start < seconds:
         probe.add(fp, probe_key(i), TIER_CPU)
         probe.flush(timeout=30.0)
@@ -301,7 +401,7 @@ def _probes(probe: EtcdBlockIndex, fp: FingerprintDigest, workers: _Workers, sec
         i += 1
         workers.drain()
         time.sleep(PROBE_EVERY_S)
-    return i
+    return i - first
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -309,20 +409,39 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def extrapolate(m: dict[str, Any], nodes: int, chunks: int) -> dict[str, Any]:
-    """Each measured cost at ``nodes`` nodes holding ``chunks`` chunks in all, and the first limit reached."""
-    per_node_writes = m["etcd_writes_per_node_s"]
-    writes = per_node_writes * nodes
-    fanout = writes * nodes  # every write is delivered to every node's mirror
+def extrapolate(m: dict[str, Any], nodes: int, chunks: int, member_cores: float = 16.0,
+                node_cores: float = 1.0) -> dict[str, Any]:
+    """Each measured cost at ``nodes`` nodes holding ``chunks`` chunks in all, and the first limit reached.
+
+    Writes, chunk events and etcd's CPU without deliveries grow with the nodes; deliveries with the events
+    times the nodes (every node mirrors every chunk event of its model); a node's mirror CPU with the
+    fleet's event rate.
+    Limits: ETCD_WRITES_PER_S, the 8 GiB quota, ``member_cores`` per etcd member (the 3 members share the
+    watchers; each applies every write), and ``node_cores`` of a node spent following the index."""
+    measured_nodes = m["nodes"]
+    writes = m["etcd_writes_per_node_s"] * nodes
+    events = m["churn_events_per_s"] / measured_nodes * nodes  # one write (a batch) carries several events
+    deliveries = events * nodes
     db = m["etcd_bytes_per_chunk"] * chunks
     mirror = (m["mirror_bytes_per_chunk"] or 0) * chunks
     sync_s = m["new_node_sync_s"] * chunks / max(1, m["new_node_mirror_chunks"])
-    limits = {"etcd write rate": writes / ETCD_WRITES_PER_S, "etcd quota (8 GiB)": db / QUOTA_BYTES}
+    node_cpu = m["mirror_cpu_us_per_event"] * 1e-6 * events
+    limits = {"etcd write rate": writes / ETCD_WRITES_PER_S, "etcd quota (8 GiB)": db / QUOTA_BYTES,
+              f"node CPU following the index ({node_cores:g} core)": node_cpu / node_cores}
+    at: dict[str, Any] = {"nodes": nodes, "chunks": chunks, "etcd_writes_per_s": round(writes),
+                          "chunk_events_per_s": round(events),
+                          "watch_deliveries_per_s": round(deliveries), "etcd_db_bytes": round(db),
+                          "mirror_bytes_per_node": round(mirror), "new_node_sync_s": round(sync_s, 1),
+                          "node_cpu_cores_following_index": round(node_cpu, 3)}
+    if m.get("etcd_cpu_us_per_delivery") is not None:
+        base = m["etcd_cpu_cores_without_deliveries"] / measured_nodes * nodes
+        member = (base + m["etcd_cpu_us_per_delivery"] * 1e-6 * deliveries) / 3
+        at["etcd_cpu_cores_per_member"] = round(member, 1)
+        limits[f"etcd member CPU ({member_cores:g} cores)"] = member / member_cores
     first = max(limits, key=lambda k: limits[k])
-    return {"at": {"nodes": nodes, "chunks": chunks, "etcd_writes_per_s": round(writes),
-                   "watch_deliveries_per_s": round(fanout), "etcd_db_bytes": round(db),
-                   "mirror_bytes_per_node": round(mirror), "new_node_sync_s": round(sync_s, 1),
-                   "share_of_limit": {k: round(v, 3) for k, v in limits.items()}, "first_limit": first}}
+    at["share_of_limit"] = {k: round(v, 3) for k, v in limits.items()}
+    at["first_limit"] = first
+    return {"at": at}
 
 
 def main(argv: list[str]) -> int:
@@ -337,6 +456,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ttl", type=int, default=5, help="lease TTL of the simulated agents")
     p.add_argument("--target-nodes", type=int, default=1000)
     p.add_argument("--target-chunks", type=int, default=1_000_000)
+    p.add_argument("--extra-watchers", type=int, default=32,
+                   help="bare watch streams added in a second churn phase (etcd's CPU per delivery); 0: no phase")
+    p.add_argument("--member-cores", type=float, default=16.0, help="CPU cores of one etcd member (extrapolation)")
     p.add_argument("--workdir", help="keep etcd's data and logs here (default: a temp dir)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
