@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import socket
+import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -13,6 +17,7 @@ from lmcache_p2p.testing.striping import merge, plan_stripes
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PullResult
 from lmcache_p2p.transfer.health import PeerHealth
+from lmcache_p2p.transfer.netio import connect_tcp, staggered_connect
 from lmcache_p2p.transfer.tls import NODE_URI, cert_nodes, names_node
 
 A, B = PeerAddress("127.0.0.1", 1, "a"), PeerAddress("127.0.0.1", 2, "b")
@@ -90,3 +95,58 @@ def test_a_certificate_name_covers_its_node_and_that_nodes_tp_ranks() -> None:
     assert names_node({"eng"}, "eng") and names_node({"eng"}, "eng-r0") and names_node({"eng"}, "eng-r12")
     for other in ("en", "engx", "eng-r", "eng-rx", "eng-r1-r2", "x-eng", "other"):
         assert not names_node({"eng"}, other), other
+
+
+def test_staggered_connect_takes_the_first_attempt_that_answers_and_closes_the_rest() -> None:
+    """A first attempt whose SYN was lost hangs; a fresh one a stagger later wins; the rest are cancelled."""
+    started: list[int] = []
+    closed: list[int] = []
+
+    def attempts(outcomes: list[float | BaseException | None]) -> Callable[[], Awaitable[int]]:
+        async def attempt() -> int:
+            n = len(started)
+            started.append(n)
+            outcome = outcomes[n] if n < len(outcomes) else None
+            if isinstance(outcome, BaseException):
+                raise outcome
+            await asyncio.sleep(3600 if outcome is None else outcome)  # None: a SYN that never arrives
+            return n
+
+        return attempt
+
+    async def main() -> None:
+        # Lost, lost, then a path that works: the third attempt (started at ~2 x every_s) wins.
+        t0 = time.monotonic()
+        assert await staggered_connect(attempts([None, None, 0.0]), closed.append, 5.0, every_s=0.05) == 2
+        assert time.monotonic() - t0 < 1.0 and started == [0, 1, 2] and closed == []
+        # An answer (refused) ends it at once; the hung attempt is cancelled, nothing leaks.
+        started.clear()
+        with pytest.raises(ConnectionRefusedError):
+            await staggered_connect(attempts([None, ConnectionRefusedError()]), closed.append, 5.0, every_s=0.05)
+        # Nothing answers: TimeoutError at the deadline, at most ``most`` attempts in flight.
+        started.clear()
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await staggered_connect(attempts([]), closed.append, 0.5, every_s=0.02, most=4)
+        assert 0.45 <= time.monotonic() - t0 < 2.0 and len(started) == 4
+        # A slow first attempt loses to a fresh one and is cancelled, not left connecting.
+        started.clear()
+        assert await staggered_connect(attempts([0.5, 0.0]), closed.append, 5.0, every_s=0.05) == 1
+        await asyncio.sleep(0.6)
+        assert closed == []
+
+    asyncio.run(main())
+
+
+def test_connect_tcp_refused_is_an_answer_not_a_wait() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # bound, never listening: connections are refused
+
+        async def main() -> None:
+            t0 = time.monotonic()
+            with pytest.raises(ConnectionRefusedError):
+                await connect_tcp("127.0.0.1", port, 5.0)
+            assert time.monotonic() - t0 < 2.0
+
+        asyncio.run(main())

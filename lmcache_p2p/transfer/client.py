@@ -22,7 +22,7 @@ from . import wire
 from .base import MissReason, PullResult, Want, wants_of
 from .connection import Connection
 from .health import PeerHealth
-from .netio import set_keepalive
+from .netio import connect_tcp, set_keepalive
 from .tls import names_node, peer_binding, peer_nodes
 
 log = logging.getLogger(__name__)
@@ -74,11 +74,16 @@ class ConnectionPool:
     async def _connect(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: Connection(str(peer), self.max_frame_bytes), peer.host, peer.port,
-                                       ssl=self._tls, ssl_handshake_timeout=timeout if self._tls else None),
-                timeout,
-            )
+            async with asyncio.timeout(timeout):
+                sock = await connect_tcp(peer.host, peer.port, timeout)
+                try:
+                    _, conn = await loop.create_connection(
+                        lambda: Connection(str(peer), self.max_frame_bytes), sock=sock, ssl=self._tls,
+                        server_hostname=peer.host if self._tls else None,
+                        ssl_handshake_timeout=timeout if self._tls else None)
+                except BaseException:
+                    sock.close()
+                    raise
         except TimeoutError as exc:
             raise PeerTimeout(f"{peer}: connect timed out") from exc
         except ssl.SSLError as exc:
