@@ -72,6 +72,9 @@ class AgentMetrics:
                                   registry=registry)
         self.pull_chunks = Counter("pull_chunks", "Chunks requested from peers, by outcome",
                                    ["transport", "outcome"], namespace=ns, registry=registry)
+        self.pull_coalesced = Counter("pull_coalesced", "Chunks a load did not ask a peer for: another load was "
+                                      "pulling them into the pool already (it waited for that pull)",
+                                      namespace=ns, registry=registry)
         self.pull_seconds = Histogram("pull_seconds", "Latency of one pull request to one peer", ["transport"],
                                       namespace=ns, registry=registry, buckets=_LATENCY_BUCKETS)
         self.load_queue_seconds = Histogram("load_queue_seconds", "Time an asynchronous load waited for a load "

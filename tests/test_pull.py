@@ -4,6 +4,7 @@ against real owner processes over TCP and NIXL in test_transfer_peers, test_agen
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -260,3 +261,62 @@ def test_nothing_is_asked_once_the_deadline_has_passed(mesh: Mesh) -> None:
     assert mesh.transport.pulls == [] and not any(mesh.pool.contains(k) for k in KEYS)
     mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 2.0)
     assert all(mesh.pool.contains(k) for k in KEYS)  # the owner was not backed off
+
+
+def test_concurrent_loads_of_the_same_chunks_pull_each_once(mesh: Mesh) -> None:
+    """Requests sharing a prefix arrive together: the second load waits for the first one's pull of the
+    shared chunks instead of asking the owner again, and pulls only what it alone needs."""
+    more = chunk_keys(FP, list(range(6 * CHUNK)), CHUNK)
+    owner = mesh.owner("a", more)
+    mesh.net.owner(owner).delay_s = 0.2  # the first pull is still on the wire when the second load plans
+    first, second = mesh.plan(more[:4]), mesh.plan(more)
+    deadline = time.monotonic() + 3.0
+    waits = [threading.Thread(target=mesh.puller.pull, args=(first, deadline))]
+    waits[0].start()
+    time.sleep(0.05)
+    mesh.puller.pull(second, deadline)
+    waits[0].join()
+    assert all(mesh.held(k) == payload(k) for k in more)
+    assert mesh.net.owner(owner).served == 6  # not 4 + 6
+    assert mesh.transport.pulls == [(owner, 4), (owner, 2)]
+    assert mesh.value("pull_coalesced_total") == 4
+
+
+def test_a_load_waiting_on_another_loads_pull_keeps_its_own_deadline(mesh: Mesh) -> None:
+    owner = mesh.owner("a", KEYS)
+    mesh.net.owner(owner).delay_s = 0.5
+    slow = threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), time.monotonic() + 3.0))
+    slow.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 0.1)  # gives up on the shared pull at its deadline
+    assert time.monotonic() - t0 < 0.4
+    slow.join()
+    assert all(mesh.held(k) == payload(k) for k in KEYS)  # the first load's pull landed them all
+    assert mesh.net.owner(owner).served == 4
+
+
+def test_a_shared_pull_that_fails_fails_every_load_waiting_on_it(mesh: Mesh) -> None:
+    owner = mesh.owner("a", KEYS)
+    mesh.net.owner(owner).fault = "hang"
+    loads = [threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), time.monotonic() + 0.3))
+             for _ in range(2)]
+    for t in loads:
+        t.start()
+        time.sleep(0.02)
+    for t in loads:
+        t.join()
+    assert not any(mesh.pool.contains(k) for k in KEYS)
+    assert len(mesh.transport.pulls) == 1  # one pull asked the owner, the other load waited on it
+    assert mesh.puller._landing == {}  # nothing left behind
+
+
+def test_a_load_with_time_left_pulls_itself_what_a_shorter_shared_pull_missed(mesh: Mesh) -> None:
+    owner = mesh.owner("a", KEYS)
+    mesh.net.owner(owner).delay_s = 0.3  # longer than the first load's deadline, shorter than the second's
+    short = threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), time.monotonic() + 0.15))
+    short.start()
+    time.sleep(0.05)
+    mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 3.0)
+    short.join()
+    assert all(mesh.held(k) == payload(k) for k in KEYS)

@@ -14,8 +14,10 @@ deadline allows; pieces are then concatenated into their chunk, each checked aga
 (a piece changed in memory since it landed is dropped, the chunk recomputed). Metrics (pull
 latency, bytes, outcome per chunk, checksum failures, peer errors) and the per-peer latency
 model are fed here.
-Which peers are worth asking (``usable``) and how many chunks each is already sending us
-(``inflight``, for the planner) are answered here too.
+A chunk another load is pulling into the pool already (requests sharing a prefix, arriving together)
+is not asked for twice: the later load waits for that pull, within its own deadline, and asks itself
+only if it missed (``pull_coalesced_total``). Which peers are worth asking (``usable``) and how many
+chunks each is already sending us (``inflight``, for the planner) are answered here too.
 
 Nothing in this module knows about etcd or the engine: the index comes in as ``nodes()`` (the
 mirror's live node records), the transports as a mapping by name, so the unit tests drive it with
@@ -47,6 +49,8 @@ from .health import PeerHealth
 
 log = logging.getLogger(__name__)
 
+JOIN_SLACK_S = 0.25  # a load joins another's pull of a chunk if that pull's deadline is at most this much earlier
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Part:
@@ -60,6 +64,11 @@ class Part:
         if not self.chunk.pieces:
             return Want(self.chunk.key, self.chunk.heads)
         return Want(self.chunk.key, self.piece.heads, piece_key(self.chunk.key, self.piece.heads))
+
+    @property
+    def pool_key(self) -> ChunkKey:
+        """The key the part lands under in the pool (the chunk's, or its piece's)."""
+        return self.want.store_as or self.chunk.key
 
 
 class Puller:
@@ -96,6 +105,8 @@ class Puller:
         self._inflight: dict[NodeId, int] = {}
         self._inflight_lock = threading.Lock()  # the planner reads it from the engine's threads
         self._error_peers: set[NodeId] = set()  # label values of peer_errors, pruned with the peers
+        # Being pulled now (on the loop): that pull's deadline, and whether the part landed.
+        self._landing: dict[ChunkKey, tuple[float, asyncio.Future[bool]]] = {}
 
     # -- which peers -------------------------------------------------------------------------------
     def transport_for(self, record: PeerRecord | None) -> Transport | None:
@@ -157,7 +168,52 @@ class Puller:
         return [p.chunk for p in missed]
 
     async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
-        """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure."""
+        """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure.
+
+        A part already being pulled into the pool by another load (concurrent requests sharing a prefix)
+        is not asked for again: this load waits for that pull's outcome, within its own deadline."""
+        loop = asyncio.get_running_loop()
+        own: list[Part] = []
+        joined: list[tuple[Part, asyncio.Future[bool]]] = []
+        for part in parts:
+            pulling = self._landing.get(part.pool_key)
+            # Joined only if that pull may run about as long as this load would: a load with much more
+            # time than the load that started it (a tight budget) pulls on its own.
+            if pulling is not None and pulling[0] >= deadline - JOIN_SLACK_S:
+                joined.append((part, pulling[1]))
+            else:
+                own.append(part)
+        mine: dict[ChunkKey, tuple[float, asyncio.Future[bool]]] = {}
+        for part in own:
+            if part.pool_key not in self._landing:
+                mine[part.pool_key] = self._landing[part.pool_key] = (deadline, loop.create_future())
+        missed: list[Part] = list(own)
+        try:
+            if own:
+                missed = await self._pull_own(node, own, deadline)
+        finally:
+            lost = {p.pool_key for p in missed}
+            for key, entry in mine.items():
+                del self._landing[key]
+                entry[1].set_result(key not in lost)
+        if joined:
+            self.metrics.pull_coalesced.inc(len(joined))
+            again: list[Part] = []
+            for part, shared in joined:
+                try:
+                    async with asyncio.timeout(remaining(deadline)):
+                        landed = await asyncio.shield(shared)
+                except TimeoutError:
+                    landed = False
+                if not landed:
+                    # That pull missed (its load's deadline may have been shorter than ours): ask once
+                    # more ourselves while time is left (a peer it found dead is backed off: no wait).
+                    (again if remaining(deadline) > 0 else missed).append(part)
+            if again:
+                missed += await self._pull_own(node, again, deadline)
+        return missed
+
+    async def _pull_own(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
         record = self.nodes().get(node)
         transport = self.transport_for(record)
         peer = record.peer() if record is not None else None
