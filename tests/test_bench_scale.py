@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_a_ci_sized_control_plane_run_measures_every_phase(tmp_path):
     cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "scale", "--processes", "2", "--agents", "10",
-           "--mirrors", "2", "--chunks", "50", "--churn", "10", "--seconds", "5", "--ttl", "3", "--extra-watchers", "8",
+           "--mirrors", "2", "--chunks", "50", "--churn", "10", "--seconds", "5", "--ttl", "3", "--extra-watchers", "8", "--lookups-per-s", "20",
            "--workdir", str(tmp_path / "work"), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -32,6 +32,9 @@ def test_a_ci_sized_control_plane_run_measures_every_phase(tmp_path):
     assert r["watch_deliveries_per_s"] > 0 and r["extra_phase_deliveries_per_s"] > r["watch_deliveries_per_s"]
     assert r["etcd_cpu_cores"] > 0 and r["mirror_cpu_us_per_event"] > 0
     assert r["at"]["first_limit"] in r["at"]["share_of_limit"]
+    # The third phase: owner lookups straight from etcd while the agents churn; half the keys are held.
+    assert r["lookups_per_s"] > 0 and r["lookups_failed"] == 0 and r["lookup_p50_ms"] is not None
+    assert r["lookup_held_share"] == 0.5
 
 
 def test_the_extrapolation_scales_each_cost_by_what_drives_it():
@@ -39,7 +42,8 @@ def test_the_extrapolation_scales_each_cost_by_what_drives_it():
 
     m = {"nodes": 10, "etcd_writes_per_node_s": 2.0, "churn_events_per_s": 100.0, "etcd_bytes_per_chunk": 500.0,
          "mirror_bytes_per_chunk": 100.0, "new_node_sync_s": 1.0, "new_node_mirror_chunks": 1000,
-         "mirror_cpu_us_per_event": 50.0, "etcd_cpu_us_per_delivery": 2.0, "etcd_cpu_cores_without_deliveries": 0.1}
+         "mirror_cpu_us_per_event": 50.0, "etcd_cpu_us_per_delivery": 2.0, "etcd_cpu_cores_without_deliveries": 0.1,
+         "lookup_etcd_cpu_us": 150.0, "lookup_p50_ms": 2.0}
     at = extrapolate(m, 1000, 1_000_000, member_cores=16.0)["at"]
     assert at["etcd_writes_per_s"] == 2000 and at["chunk_events_per_s"] == 10_000
     assert at["watch_deliveries_per_s"] == 10_000_000  # every node receives every node's events
@@ -47,3 +51,6 @@ def test_the_extrapolation_scales_each_cost_by_what_drives_it():
     assert at["etcd_cpu_cores_per_member"] == round((0.1 * 100 + 2e-6 * 10_000_000) / 3, 1)  # 10.0
     assert at["etcd_db_bytes"] == 500_000_000 and at["new_node_sync_s"] == 1000.0
     assert at["first_limit"] == "etcd member CPU (16 cores)"  # 0.625 of it, ahead of node CPU (0.5)
+    alt = at["lookup_design"]  # no block watch: 10 lookups a second per node instead
+    assert alt["lookups_per_s"] == 10_000 and alt["etcd_cpu_cores_per_member"] == round((10 + 1.5) / 3, 1)
+    assert alt["first_limit"] == "etcd member CPU (16 cores)" and alt["share_of_limit"]["etcd write rate"] == 0.2

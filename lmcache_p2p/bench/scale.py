@@ -11,6 +11,11 @@ would measure this machine's memory, not the design: the others are sampled). Th
    (revisions/s, from ``Maintenance.Status``), its DB growth; every 0.5 s the coordinator announces a probe
    chunk and each mirror notes when it sees it: **watch fan-out** latency p50/p99 (from etcd's commit, as the
    coordinator's flush returns, to each mirror; one monotonic clock on this host).
+   A second phase adds ``--extra-watchers`` bare watch streams to the same churn: the extra etcd CPU over
+   the extra deliveries is its **CPU per watch delivery** (etcd's CPU from ``/proc``); one more mirror on a
+   thread of its own gives a node's **CPU per chunk event** it follows. A third phase measures the
+   alternative to a mirror on every node: ``--lookups-per-s`` owner lookups (one read-only txn of 8 chunk
+   prefixes each) during the churn: **lookup latency** p50/p99 and etcd's **CPU per lookup**.
 3. ``mirror_bytes_per_chunk`` (``Mirror.memory_bytes``), ``new_node_sync_s``: a fresh client follows the
    fingerprint until its mirror holds every chunk.
 4. **death**: one worker process is SIGKILLed; ``death_seen_s``: until the coordinator's mirror holds none of
@@ -18,7 +23,8 @@ would measure this machine's memory, not the design: the others are sampled). Th
 5. **compaction**: etcd compacted to its current revision: the DB's size in use before and after.
 
 The result extrapolates each per-node or per-chunk cost to ``--target-nodes`` x ``--target-chunks`` and says
-which limit is reached first (README, "The control plane at scale").
+which limit is reached first, for the design as built (every node mirrors every chunk event) and for the
+lookup alternative (README, "The control plane at scale").
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -40,6 +47,7 @@ from typing import Any
 from .. import cputime
 from ..aio import LoopThread
 from ..config import AgentConfig, EtcdConfig
+from ..errors import IndexError_
 from ..ids import TIER_CPU, NodeId
 from ..index.client import EtcdClient
 from ..index.etcd_index import EtcdBlockIndex
@@ -51,6 +59,7 @@ from .common import emit, run_in_workdir
 
 CLUSTER = "bench-scale"
 PROBE_EVERY_S = 0.5
+LOOKUP_KEYS = 8  # chunk keys per lookup (a 2,048-token prompt)
 PROBE_WAIT_S = 10.0
 TICK_S = 0.1
 ETCD_WRITES_PER_S = 10_000  # sustained fsync'd writes of one etcd cluster on good SSDs (etcd's own guidance)
@@ -188,6 +197,49 @@ class _Watchers:
                 task.result(10)
 
 
+class _Lookups:
+    """The alternative to mirroring every chunk event on every node: ask etcd for a prompt's owners when a
+    request arrives. ``clients`` connections (spread over the members) issue, at ``rate`` lookups a second
+    in all, one read-only serializable txn of ``LOOKUP_KEYS`` chunk-owner prefixes each (half of them probe
+    chunks that are held, half random ones that are not), while the agents churn."""
+
+    def __init__(self, loop: LoopThread, endpoints: tuple[str, ...], schema: Schema, fp: FingerprintDigest,
+                 rate: float, held: Callable[[], int], clients: int = 4) -> None:
+        self.latencies: list[float] = []
+        self.found = 0
+        self.failed = 0
+        self._prefix = schema.blocks_of(fp)
+        self._held = held  # how many probe chunks are announced so far
+        rotations = [endpoints[i % len(endpoints):] + endpoints[: i % len(endpoints)] for i in range(clients)]
+        self._tasks = [loop.submit(self._run(eps, rate / clients, seed)) for seed, eps in enumerate(rotations)]
+
+    async def _run(self, endpoints: tuple[str, ...], rate: float, seed: int) -> None:
+        rng = random.Random(seed)
+        async with EtcdClient(EtcdConfig(endpoints=endpoints)) as client:
+            next_at = time.monotonic()
+            while True:
+                n = max(1, self._held())
+                keys = [probe_key(rng.randrange(n)) for _ in range(LOOKUP_KEYS // 2)]
+                keys += [ChunkKey(rng.randbytes(16)) for _ in range(LOOKUP_KEYS - len(keys))]
+                t0 = time.monotonic()
+                try:
+                    owners, _ = await client.get_prefixes([self._prefix + k.hex().encode() + b"/" for k in keys])
+                except IndexError_:
+                    self.failed += 1
+                else:
+                    self.latencies.append(time.monotonic() - t0)
+                    self.found += sum(1 for o in owners if o)
+                next_at = max(next_at + 1.0 / rate, time.monotonic() - 1.0)  # open loop, no burst after a stall
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(BaseException):
+                task.result(10)
+
+
 def _status(loop: LoopThread, endpoints: tuple[str, ...]) -> tuple[int, int, int]:
     async def status() -> tuple[int, int, int]:
         async with EtcdClient(EtcdConfig(endpoints=endpoints)) as client:
@@ -268,7 +320,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         finally:
             for proc in procs:
                 proc.kill()
-    out.update(extrapolate(out, args.target_nodes, args.target_chunks, args.member_cores))
+    out.update(extrapolate(out, args.target_nodes, args.target_chunks, args.member_cores,
+                           lookups_per_node_s=args.target_lookups_per_node_s))
     return out
 
 
@@ -295,10 +348,19 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
                                  watchers)
         finally:
             watchers.close()
+    looked = None
+    if args.lookups_per_s:
+        first = int(plain["probes"] + (extra["probes"] if extra else 0))
+        lookups = _Lookups(loop, eps, Schema(CLUSTER), fp, args.lookups_per_s, lambda: first)
+        try:
+            looked = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, first, observed)
+        finally:
+            lookups.close()
+        looked.update(_lookup_costs(lookups, looked, plain))
     observer.close()
     observer_loop.stop()
     size1, used1, _ = _status(loop, eps)
-    events = plain["events"] + (extra["events"] if extra else 0)
+    events = sum(phase["events"] for phase in (plain, extra, looked) if phase)
     lat = workers.latencies
     out.update({
         "etcd_writes_per_s": round(plain["writes_per_s"], 1),
@@ -306,7 +368,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
         "churn_events_per_s": round(plain["events_per_s"], 1),
         "etcd_db_bytes": size1, "etcd_db_in_use_bytes": used1,
         "etcd_db_growth_bytes_per_event": round((size1 - size0) / max(1, events), 1),
-        "probes": plain["probes"] + (extra["probes"] if extra else 0), "probe_sightings": len(lat),
+        "probes": sum(phase["probes"] for phase in (plain, extra, looked) if phase), "probe_sightings": len(lat),
         "fanout_p50_ms": round(1e3 * statistics.median(lat), 2) if lat else None,
         "fanout_p99_ms": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
         "etcd_cpu_cores": round(plain["etcd_cpu_per_s"], 3),
@@ -314,6 +376,8 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
         "mirror_cpu_us_per_event": round(1e6 * plain["observer_cpu_s"] / max(1, plain["observer_events"]), 2),
     })
     out.update(_etcd_costs(plain, extra, args.extra_watchers))
+    if looked is not None:
+        out.update({k: v for k, v in looked.items() if k.startswith("lookup")})
     counts: list[tuple[int, int]] = []
     workers.send(("mirrors",))
     for i in every:
@@ -390,6 +454,18 @@ def _etcd_costs(plain: dict[str, float], extra: dict[str, float] | None, watcher
                 max(0.0, plain["etcd_cpu_per_s"] - max(0.0, per_delivery) * plain["deliveries_per_s"]), 3)}
 
 
+def _lookup_costs(lookups: _Lookups, phase: dict[str, float], plain: dict[str, float]) -> dict[str, Any]:
+    """What the lookup phase measured: latency, rate, and etcd's CPU per lookup over the plain phase's."""
+    lat = lookups.latencies
+    rate = len(lat) / phase["seconds"]
+    per_lookup = (phase["etcd_cpu_per_s"] - plain["etcd_cpu_per_s"]) / rate if rate else 0.0
+    return {"lookups_per_s": round(rate, 1), "lookup_keys": LOOKUP_KEYS, "lookups_failed": lookups.failed,
+            "lookup_p50_ms": round(1e3 * statistics.median(lat), 2) if lat else None,
+            "lookup_p99_ms": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
+            "lookup_held_share": round(lookups.found / max(1, len(lat) * LOOKUP_KEYS), 3),
+            "lookup_etcd_cpu_us": round(1e6 * per_lookup, 1) if per_lookup > 0 else None}
+
+
 def _probes(probe: EtcdBlockIndex, fp: FingerprintDigest, workers: _Workers, seconds: float, first: int) -> int:
     """Announce a probe chunk every PROBE_EVERY_S while the workers churn, numbered from ``first``;
     returns how many."""
@@ -410,14 +486,17 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def extrapolate(m: dict[str, Any], nodes: int, chunks: int, member_cores: float = 16.0,
-                node_cores: float = 1.0) -> dict[str, Any]:
+                node_cores: float = 1.0, lookups_per_node_s: float = 10.0) -> dict[str, Any]:
     """Each measured cost at ``nodes`` nodes holding ``chunks`` chunks in all, and the first limit reached.
 
     Writes, chunk events and etcd's CPU without deliveries grow with the nodes; deliveries with the events
     times the nodes (every node mirrors every chunk event of its model); a node's mirror CPU with the
     fleet's event rate.
     Limits: ETCD_WRITES_PER_S, the 8 GiB quota, ``member_cores`` per etcd member (the 3 members share the
-    watchers; each applies every write), and ``node_cores`` of a node spent following the index."""
+    watchers; each applies every write), and ``node_cores`` of a node spent following the index.
+
+    ``lookup_design`` (when the lookup phase ran): the same fleet with no block watch, each node asking
+    etcd for its requests' owners, ``lookups_per_node_s`` a second."""
     measured_nodes = m["nodes"]
     writes = m["etcd_writes_per_node_s"] * nodes
     events = m["churn_events_per_s"] / measured_nodes * nodes  # one write (a batch) carries several events
@@ -441,6 +520,19 @@ def extrapolate(m: dict[str, Any], nodes: int, chunks: int, member_cores: float 
     first = max(limits, key=lambda k: limits[k])
     at["share_of_limit"] = {k: round(v, 3) for k, v in limits.items()}
     at["first_limit"] = first
+    if m.get("lookup_etcd_cpu_us") is not None and m.get("etcd_cpu_cores_without_deliveries") is not None:
+        # The alternative: no block watch; each request's lookup is one read-only txn to any member.
+        lookups = lookups_per_node_s * nodes
+        base = m["etcd_cpu_cores_without_deliveries"] / measured_nodes * nodes
+        member = (base + m["lookup_etcd_cpu_us"] * 1e-6 * lookups) / 3
+        alt = {"etcd write rate": writes / ETCD_WRITES_PER_S, "etcd quota (8 GiB)": db / QUOTA_BYTES,
+               f"etcd member CPU ({member_cores:g} cores)": member / member_cores}
+        at["lookup_design"] = {
+            "lookups_per_s": round(lookups), "lookups_per_node_s": lookups_per_node_s,
+            "etcd_cpu_cores_per_member": round(member, 1), "node_cpu_cores_following_index": 0.0,
+            "mirror_bytes_per_node": 0, "request_latency_added_ms": m["lookup_p50_ms"],
+            "share_of_limit": {k: round(v, 3) for k, v in alt.items()},
+            "first_limit": max(alt, key=lambda k: alt[k])}
     return {"at": at}
 
 
@@ -459,6 +551,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--extra-watchers", type=int, default=32,
                    help="bare watch streams added in a second churn phase (etcd's CPU per delivery); 0: no phase")
     p.add_argument("--member-cores", type=float, default=16.0, help="CPU cores of one etcd member (extrapolation)")
+    p.add_argument("--lookups-per-s", type=float, default=200.0,
+                   help="a third churn phase with this many owner lookups a second (the no-watch alternative); 0: none")
+    p.add_argument("--target-lookups-per-node-s", type=float, default=10.0,
+                   help="requests a node looks up a second, for the alternative's extrapolation")
     p.add_argument("--workdir", help="keep etcd's data and logs here (default: a temp dir)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -346,6 +346,17 @@ class EtcdClient:
     def _page(self, ep: _Endpoint, start: bytes, end: bytes, revision: int) -> Awaitable[_rpc.RangeResponse]:
         return ep.kv.get(start, end, revision=revision, limit=RANGE_PAGE, timeout=self.timeout * 4)
 
+    async def get_prefixes(self, prefixes: Sequence[bytes], *, serializable: bool = True
+                           ) -> tuple[list[list[KeyValue]], int]:
+        """Every key under each of ``prefixes`` in one read-only txn: one round trip, one revision.
+        Not paged: for small prefixes (one chunk's owners). ``serializable``: any member answers from
+        its own store (no quorum round; it may lag the leader by what it has not applied yet)."""
+        ops = [KVService.txn_op_get(p, range_end=prefix_range_end(p), serializable=serializable) for p in prefixes]
+        resp = await self._unary("KV.Txn", lambda ep: ep.kv.txn([], ops, timeout=self.timeout))
+        out = [[KeyValue(kv.key, kv.value, kv.mod_revision, kv.lease) for kv in r.response_range.kvs]
+               for r in resp.responses]
+        return out, int(resp.header.revision)
+
     async def count_prefix(self, prefix: bytes) -> int:
         resp = await self._unary("KV.Range", lambda ep: ep.kv.get(prefix, prefix_range_end(prefix), count_only=True,
                                                                    timeout=self.timeout))
