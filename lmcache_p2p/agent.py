@@ -425,6 +425,7 @@ class CacheAgent:
         m = mirror(self.fp)
         if not m.connected:  # etcd unreachable: neither mirror moves; plan with what is here
             return False
+        m.prefetch(keys, revision)  # etcd.index lookup: read them as of that revision or later
 
         def caught_up(m: Any) -> bool:
             if m.revision >= revision:

@@ -83,6 +83,11 @@ class LoopThread:
         self.loop.close()
         cputime.finish()
 
+    @property
+    def in_loop_thread(self) -> bool:
+        """The caller runs on this loop's thread (where blocking on the loop would deadlock)."""
+        return threading.current_thread() is self._thread
+
     def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 

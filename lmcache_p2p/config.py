@@ -160,6 +160,11 @@ class EtcdConfig:
     timeout_s: float = 5.0
     start_wait_s: float = 2.0  # how long start-up waits for etcd before going on degraded
     allow_plaintext_password: bool = False  # a password over plain HTTP is refused unless this is set
+    # "watch": every node mirrors every chunk entry of its model (reads are dict probes); "lookup": only
+    # node records are followed, a request's owners are read from etcd when it arrives (index/lookup.py).
+    index: str = "watch"
+    lookup_cache_s: float = 1.0  # lookup: how long an answer is reused
+    lookup_timeout_s: float = 0.25  # lookup: a read that takes longer is a miss (the engine computes)
 
     def __post_init__(self) -> None:
         for ep in self.endpoints:
@@ -175,6 +180,9 @@ class EtcdConfig:
                "cert_cert and cert_key go together")
         _check(self.timeout_s > 0, "etcd.timeout_s", "must be > 0")
         _check(self.start_wait_s >= 0, "etcd.start_wait_s", "must be >= 0")
+        _check(self.index in ("watch", "lookup"), "etcd.index", f"must be watch or lookup, not {self.index!r}")
+        _check(self.lookup_cache_s >= 0, "etcd.lookup_cache_s", "must be >= 0")
+        _check(self.lookup_timeout_s > 0, "etcd.lookup_timeout_s", "must be > 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

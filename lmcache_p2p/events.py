@@ -106,7 +106,10 @@ class EventPublisher:
 
     def start(self) -> EventPublisher:
         self._thread.start()
-        self._reader = IndexReader.open(self._loop, self._config, self._fp)
+        # Events are every owner change: this reader follows the block entries even where the agents
+        # only look up (etcd.index: lookup).
+        watching = dataclasses.replace(self._config, etcd=dataclasses.replace(self._config.etcd, index="watch"))
+        self._reader = IndexReader.open(self._loop, watching, self._fp)
         self._reader.mirror.on_block = self._on_block  # from now on; the state at start is replayed below
         for key, owners in self._reader.mirror.snapshot().items():
             for node, tier in owners.items():

@@ -32,6 +32,7 @@ from ..errors import IndexError_
 from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
+from .lookup import LookupMirror
 from .mirror import Mirror
 from .publisher import Publisher
 from .schema import NodeRecord, Rejects, Schema
@@ -40,6 +41,15 @@ from .session import Session
 log = logging.getLogger(__name__)
 
 _EMPTY: frozenset[NodeId] = frozenset()
+
+
+def make_mirror(loop: LoopThread, config: AgentConfig, client: EtcdClient, schema: Schema, fp: FingerprintDigest,
+                rejects: Rejects) -> Mirror:
+    """The reader of ``fp``'s block entries ``etcd.index`` asks for: a watch-fed mirror, or lookups."""
+    if config.etcd.index == "lookup":
+        return LookupMirror(client, schema, fp, loop, cache_s=config.etcd.lookup_cache_s,
+                            timeout_s=config.etcd.lookup_timeout_s, rejects=rejects)
+    return Mirror(client, schema, fp, rejects=rejects)
 
 
 class EtcdBlockIndex:
@@ -102,7 +112,8 @@ class EtcdBlockIndex:
     async def _follow(self, fp: FingerprintDigest, wait_s: float) -> Mirror:
         mirror = self._mirrors.get(fp)
         if mirror is None:
-            mirror = self._mirrors[fp] = Mirror(self.client, self.schema, fp, rejects=self.rejects)
+            mirror = self._mirrors[fp] = make_mirror(self._loop, self._config, self.client, self.schema, fp,
+                                                     self.rejects)
             await mirror.start(wait_s)
         return mirror
 
@@ -152,11 +163,17 @@ class EtcdBlockIndex:
 
     def lookup(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
         mirror = self._mirrors.get(fp)
-        return mirror.lookup(keys) if mirror is not None else [_EMPTY] * len(keys)
+        if mirror is None:
+            return [_EMPTY] * len(keys)
+        mirror.prefetch(keys)
+        return mirror.lookup(keys)
 
     def longest_prefix(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> int:
         mirror = self._mirrors.get(fp)
-        return mirror.longest_prefix(keys) if mirror is not None else 0
+        if mirror is None:
+            return 0
+        mirror.prefetch(keys)
+        return mirror.longest_prefix(keys)
 
     def nodes(self) -> dict[NodeId, NodeRecord]:
         for mirror in self._mirrors.values():
@@ -166,7 +183,10 @@ class EtcdBlockIndex:
     def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
         """Per key, the nodes holding it with their tier byte (lower is faster)."""
         mirror = self._mirrors.get(fp)
-        return [mirror.owners(k) for k in keys] if mirror is not None else [{} for _ in keys]
+        if mirror is None:
+            return [{} for _ in keys]
+        mirror.prefetch(keys)
+        return [mirror.owners(k) for k in keys]
 
     def stats(self) -> dict[str, float]:
         """Gauges for the agent's metrics: mirror size, publish backlog and lag, lease state."""

@@ -55,7 +55,10 @@ class Owners:
 
 class Mirror:
     def __init__(self, client: EtcdClient, schema: Schema, fp: FingerprintDigest,
-                 on_change: Callable[[], None] | None = None, rejects: Rejects | None = None) -> None:
+                 on_change: Callable[[], None] | None = None, rejects: Rejects | None = None,
+                 follow_blocks: bool = True) -> None:
+        """``follow_blocks`` False: only the node records are followed (:class:`~.lookup.LookupMirror`
+        asks for block entries instead)."""
         self.fp = fp
         self._nodes_prefix = schema.nodes
         self._blocks_prefix = schema.blocks_of(fp)
@@ -72,16 +75,20 @@ class Mirror:
         short = fp.hex()[:8]
         self._node_watch = ResumableWatch(client, self._nodes_prefix, load=self._load_nodes, apply=self._apply_nodes,
                                           name=f"nodes-{short}")
-        self._block_watch = ResumableWatch(client, self._blocks_prefix, load=self._load_blocks,
-                                           apply=self._apply_blocks, name=f"blocks-{short}")
+        self._block_watch = None if not follow_blocks else ResumableWatch(
+            client, self._blocks_prefix, load=self._load_blocks, apply=self._apply_blocks, name=f"blocks-{short}")
         self.events_total = 0
 
     def faults(self) -> dict[str, int]:
         """Control-plane faults its watches met so far (``lmcache_p2p_etcd_faults_total{kind}``)."""
-        watches = (self._node_watch, self._block_watch)
+        watches = self._watches
         return {"watch_interrupted": sum(w.interruptions for w in watches),
                 "watch_resynced": sum(max(w.resyncs - 1, 0) for w in watches),  # after the first sync
                 "watch_callback_failed": sum(w.callback_errors for w in watches)}
+
+    def prefetch(self, keys: Sequence[ChunkKey], min_revision: int = 0) -> None:
+        """Make the readers' answers for ``keys`` current (any thread but the loop's). Nothing to do
+        here: the watch keeps every key current; :class:`~.lookup.LookupMirror` asks etcd."""
 
     # ---- readers: any thread, no I/O ---------------------------------------------------------
     def lookup(self, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
@@ -115,27 +122,31 @@ class Mirror:
         return len(self._blocks)
 
     @property
+    def _watches(self) -> tuple[ResumableWatch, ...]:
+        return (self._node_watch,) if self._block_watch is None else (self._node_watch, self._block_watch)
+
+    @property
     def revision(self) -> int:
-        return min(self._node_watch.revision, self._block_watch.revision)
+        return min(w.revision for w in self._watches)
 
     @property
     def blocks_revision(self) -> int:
         """How far the block entries are followed: every chunk announced at or before it is here."""
-        return self._block_watch.revision
+        return self._watches[-1].revision
 
     @property
     def resyncs(self) -> int:
-        return self._block_watch.resyncs
+        return self._watches[-1].resyncs
 
     @property
     def synced(self) -> bool:
         """Both prefixes have been read at least once (etcd answered since start)."""
-        return self._node_watch.synced.is_set() and self._block_watch.synced.is_set()
+        return all(w.synced.is_set() for w in self._watches)
 
     @property
     def connected(self) -> bool:
         """Both watches are following etcd right now."""
-        return self._node_watch.connected and self._block_watch.connected
+        return all(w.connected for w in self._watches)
 
     def memory_bytes(self) -> int:
         """Estimate of the block map's memory: the dict, its keys and the interned owner sets."""
@@ -160,14 +171,16 @@ class Mirror:
     async def start(self, wait_s: float) -> bool:
         """Start following; wait up to ``wait_s`` for the first sync. False: etcd did not answer in
         time, and the mirror fills in the background when it does."""
-        self._node_watch.start()
-        self._block_watch.start()
+        for watch in self._watches:
+            watch.start()
         nodes_ok = await self._node_watch.wait_synced(wait_s)
+        if self._block_watch is None:
+            return nodes_ok
         return await self._block_watch.wait_synced(wait_s if nodes_ok else 0.0) and nodes_ok
 
     async def stop(self) -> None:
-        await self._node_watch.stop()
-        await self._block_watch.stop()
+        for watch in self._watches:
+            await watch.stop()
 
     def _load_nodes(self, kvs: list[KeyValue], revision: int) -> None:
         nodes: dict[NodeId, NodeRecord] = {}

@@ -16,7 +16,7 @@ from ..config import AgentConfig
 from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
-from .mirror import Mirror
+from .etcd_index import make_mirror
 from .quarantine import Quarantine
 from .schema import NodeRecord, Rejects, Schema, covers
 
@@ -29,7 +29,7 @@ class IndexReader:
         self._wait_s = config.etcd.start_wait_s
         self.client = EtcdClient(config.etcd)
         self.schema = Schema(config.cluster)
-        self.mirror = Mirror(self.client, self.schema, fp, rejects=rejects)
+        self.mirror = make_mirror(loop, config, self.client, self.schema, fp, rejects or Rejects())
         self.quarantine = Quarantine(self.client, self.schema, rejects=rejects)  # owners never counted
         self._fp_hex = fp.hex()
 
@@ -64,6 +64,7 @@ class IndexReader:
         """How many leading keys are held, every KV head of them (by one node, or by nodes that hold
         parts: the ranks of a tensor-parallel engine), or are in ``also_held``. With ``usable``, only
         owners whose node record is in the mirror and passes it count (``peers.compatible``)."""
+        self.mirror.prefetch([k for k in keys if k not in also_held])
         nodes = self.mirror.nodes()
         partial = {n: h for n, r in nodes.items()  # nodes holding some heads: (h0, h1, total)
                    if (s := r.served.get(self._fp_hex)) is not None and (h := s.partial_heads) is not None}
@@ -86,6 +87,7 @@ class IndexReader:
         return len(keys)
 
     def owners(self, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+        self.mirror.prefetch(keys)
         return [self.mirror.owners(k) for k in keys]
 
     def nodes(self) -> dict[NodeId, NodeRecord]:
