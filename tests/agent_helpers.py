@@ -25,13 +25,14 @@ T = TypeVar("T")
 def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...], ttl: int = 3,
                disk: Path | None = None, cpu: str = "64MiB", transports: tuple[str, ...] = ("tcp",),
                timeout_s: float = 3.0, transfer: dict[str, Any] | None = None,
-               layout: dict[str, Any] | None = None, handoff: dict[str, Any] | None = None) -> Path:
+               layout: dict[str, Any] | None = None, handoff: dict[str, Any] | None = None,
+               etcd_extra: dict[str, Any] | None = None) -> Path:
     tiers: dict[str, Any] = {"cpu_capacity": cpu}
     if disk is not None:
         tiers.update(disk_path=str(disk), disk_capacity="256MiB")
     path.write_text(yaml.safe_dump({
         "node_id": node, "cluster": cluster, "metrics_port": 0, "tiers": tiers,
-        "etcd": {"endpoints": list(endpoints), "lease_ttl_s": ttl, "timeout_s": 3.0},
+        "etcd": {"endpoints": list(endpoints), "lease_ttl_s": ttl, "timeout_s": 3.0, **(etcd_extra or {})},
         "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": timeout_s,
                      "backoff_s": 0.2, **(transfer or {})},
         **({"layout": layout} if layout else {}),

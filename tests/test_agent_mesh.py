@@ -20,6 +20,7 @@ from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import HandshakeError
 from lmcache_p2p.index.client import EtcdClient, KeyValue
+from lmcache_p2p.index.lookup import LookupMirror
 from lmcache_p2p.index.schema import Schema, decode_node_record
 from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
@@ -32,9 +33,10 @@ TOKENS = 1024 + 100  # 4 full chunks and a partial tail
 
 
 def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str = "c",
-              transfer: dict[str, str] | None = None, handoff: dict[str, int] | None = None) -> CacheAgent:
+              transfer: dict[str, str] | None = None, handoff: dict[str, int] | None = None,
+              etcd_extra: dict[str, object] | None = None) -> CacheAgent:
     cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints,
-                            transfer=transfer, handoff=handoff))
+                            transfer=transfer, handoff=handoff, etcd_extra=etcd_extra))
     metrics = AgentMetrics(CollectorRegistry())
     return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                       metrics=metrics).start()
@@ -90,6 +92,31 @@ def test_pull_from_peer_then_owner_dies(etcd, cluster_name, tmp_path):
         c.stop()
         a.stop()
         b.stop()
+
+
+def test_a_lookup_mode_mesh_pulls_from_peers_whose_chunks_it_never_mirrored(etcd, cluster_name, tmp_path):
+    """``etcd.index: lookup`` on both sides: the requester reads a prompt's owners when it plans, pulls them
+    byte-exact, keeps only what it asked, and sees a dead owner's chunks go with its lease."""
+    lookup = {"index": "lookup", "lookup_cache_s": 0.2}
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints,
+                                etcd_extra=lookup), seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints, etcd_extra=lookup)
+    try:
+        mirror = c.index.mirror(c.fp)
+        assert isinstance(mirror, LookupMirror)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        loaded, plan = load_and_check(c, 1)
+        assert loaded == [True] * 5 and {ch.source for ch in plan.chunks} == {"a"}
+        assert len(mirror) == 5  # the prompt's chunks: nothing else of the fleet's index is held here
+        keys = c.keys_for(synthetic_tokens(2, TOKENS))[0]
+        assert c.index.owners(c.fp, keys) == [{}] * 5  # a prompt nobody computed
+        a.kill(signal.SIGKILL)
+        keys = c.keys_for(synthetic_tokens(1, TOKENS))[0]
+        assert wait_until(lambda: all("c" in o for o in c.index.owners(c.fp, keys)), 5)  # c announced its pulls
+        assert wait_until(lambda: all("a" not in o for o in c.index.owners(c.fp, keys)), 3 + 5)  # a's lease ran out
+    finally:
+        c.stop()
+        a.stop()
 
 
 def test_restarted_agent_republishes_and_serves_its_disk(etcd, cluster_name, tmp_path):

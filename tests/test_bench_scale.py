@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 def test_a_ci_sized_control_plane_run_measures_every_phase(tmp_path):
     cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "scale", "--processes", "2", "--agents", "10",
-           "--mirrors", "2", "--chunks", "50", "--churn", "10", "--seconds", "5", "--ttl", "3", "--extra-watchers", "8", "--lookups-per-s", "20",
+           "--mirrors", "2", "--chunks", "50", "--churn", "10", "--seconds", "5", "--ttl", "3",
+           "--extra-watchers", "8", "--lookups-per-s", "20",
            "--workdir", str(tmp_path / "work"), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
     assert out.returncode == 0, out.stderr[-4000:]

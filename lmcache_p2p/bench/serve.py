@@ -95,7 +95,8 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
                 cfg = work / f"mesh-{i}.yaml"
                 cfg.write_text(yaml.safe_dump({
                     "node_id": f"serve-{i}", "cluster": "bench-serve", "metrics_port": port,
-                    "tiers": {"cpu_capacity": args.capacity}, "etcd": {"endpoints": list(etcd.endpoints)},
+                    "tiers": {"cpu_capacity": args.capacity},
+                    "etcd": {"endpoints": list(etcd.endpoints), "index": args.index},
                     "transfer": {"transports": ["tcp"], "secret": SECRET, "load_threads": args.load_threads}}))
                 kv[i] = {"kv_connector": "LMCacheP2PConnector", "kv_role": "kv_both",
                          "kv_connector_module_path": "lmcache_p2p.integrations.vllm",
@@ -177,6 +178,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "model": str(args.model or args.model_size),
                            "workload": _describe(workload), "rates": rates, "slo_ttft_ms": args.slo_ttft_ms,
                            "capacity_per_engine": args.capacity, "load_threads": args.load_threads,
+                           "index": args.index,
                            "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "systems": {}}
     texts: dict[str, list[list[str]]] = {}
     for system in args.systems.split(","):
@@ -271,6 +273,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-concurrency", type=int, default=0, help="client-side cap (0: open loop)")
     p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
     p.add_argument("--load-threads", type=int, default=1, help="mesh: transfer.load_threads of every agent")
+    p.add_argument("--index", default="watch", choices=["watch", "lookup"], help="mesh: etcd.index of every agent")
     p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
