@@ -110,6 +110,30 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
                 engine.stop()
 
 
+def test_lookup_mode_peer_hits_through_vllm(tiny_model, etcd, cluster_name, tmp_path):
+    """``etcd.index: lookup`` end to end: B's scheduler side reads the owners of each prompt from etcd
+    (no block watch anywhere), offers the hit, its worker plans from its own lookup, and B's greedy
+    outputs equal A's, computed cold."""
+    cfgs = [write_agent_config(tmp_path / f"{n}.yaml", node=f"lookup-{n}", cluster=cluster_name,
+                               endpoints=etcd.endpoints, index="lookup") for n in ("a", "b")]
+    docs = prompts(2, 1100, seed=21)
+    a = EngineProcess(tiny_model, cfgs[0], name="lookup-a", log_path=tmp_path / "a.log", dtype=DTYPE)
+    b = EngineProcess(tiny_model, cfgs[1], name="lookup-b", log_path=tmp_path / "b.log", dtype=DTYPE)
+    try:
+        a.wait_ready()
+        b.wait_ready()
+        on_a = a.generate(docs)
+        assert all(r["num_cached_tokens"] == 0 for r in on_a)
+        on_b = b.generate(docs)
+        assert [r["tokens"] for r in on_b] == [r["tokens"] for r in on_a]
+        assert [r["num_cached_tokens"] for r in on_b] == [1099, 1099]
+        metrics = scrape(node_records(cfgs[1])["lookup-b"].metrics_url)
+        assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 2 * 5
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_connector_starts_while_etcd_is_down_serves_local_hits_and_joins_later(tiny_model, cluster_name, tmp_path):
     """Engine mode: eager (``enforce_eager``), like every engine these tests start."""
     etcd = EtcdServer(unsafe_no_fsync=True)  # ports chosen, nothing listening yet
