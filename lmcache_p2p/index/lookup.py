@@ -32,6 +32,7 @@ from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .mirror import EMPTY, Mirror, Owners
+from .publisher import TXN_MAX_OPS
 from .schema import Rejects, Schema, decode_block_key, decode_tier
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ MAX_CACHED = 1 << 17  # keys whose owners are remembered (LRU): ~130k chunks, ~3
 
 
 class LookupMirror(Mirror):
+    reads_etcd = True
+
     def __init__(self, client: EtcdClient, schema: Schema, fp: FingerprintDigest, loop: LoopThread, *,
                  cache_s: float, timeout_s: float, on_change: Callable[[], None] | None = None,
                  rejects: Rejects | None = None) -> None:
@@ -78,8 +81,12 @@ class LookupMirror(Mirror):
 
     async def _read(self, keys: list[ChunkKey], linearizable: bool) -> None:
         prefixes = [self._blocks_prefix + k.hex().encode() + b"/" for k in keys]
+        batches = [prefixes[i : i + TXN_MAX_OPS] for i in range(0, len(prefixes), TXN_MAX_OPS)]  # etcd's txn limit
         async with asyncio.timeout(self._timeout_s):
-            found, revision = await self._client.get_prefixes(prefixes, serializable=not linearizable)
+            answers = await asyncio.gather(*(self._client.get_prefixes(b, serializable=not linearizable)
+                                             for b in batches))
+        found = [kvs for batch, _ in answers for kvs in batch]
+        revision = min(rev for _, rev in answers)
         now = time.monotonic()
         entries: list[tuple[ChunkKey, tuple[float, Owners | None]]] = []
         for key, kvs in zip(keys, found, strict=True):

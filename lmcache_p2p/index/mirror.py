@@ -54,6 +54,8 @@ class Owners:
 
 
 class Mirror:
+    reads_etcd = False  # readers answer from the watch-fed map; LookupMirror reads etcd in prefetch
+
     def __init__(self, client: EtcdClient, schema: Schema, fp: FingerprintDigest,
                  on_change: Callable[[], None] | None = None, rejects: Rejects | None = None,
                  follow_blocks: bool = True) -> None:

@@ -49,6 +49,7 @@ import logging
 import random
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 from ...aio import LoopThread
@@ -279,7 +280,8 @@ class P2PScheduler:
               mm_items: tuple[MultiModalItem, ...]) -> tuple[int, ChunkKey] | None:
         """The longest cut of chunk ``held`` that is held (tokens, key): where an earlier request (a
         conversation's previous turn) stopped inside it. At most ``chunk - 1`` keys, each a dict probe
-        of the mirror; only an owner the full rule accepts counts."""
+        of the mirror (``etcd.index: lookup``: all of them read first, in one round trip); only an owner
+        the full rule accepts counts."""
         start = held * self._chunk
         longest = min(self._chunk, len(prompt) - 1 - start)  # vLLM computes the prompt's last token itself
         if longest <= 0:
@@ -287,7 +289,11 @@ class P2PScheduler:
         parent = bytes(keys[held - 1]) if held else bytes(root)
         saved = () if self._index.connected else self._saved
         mirror = self._index.mirror
-        for n, key in partial_chunk_keys(parent, prompt, start, longest, mm_items):
+        candidates: Iterable[tuple[int, ChunkKey]] = partial_chunk_keys(parent, prompt, start, longest, mm_items)
+        if mirror.reads_etcd:  # etcd.index lookup: one read for them all, not one per probe
+            candidates = list(candidates)
+            mirror.prefetch([key for _, key in candidates])
+        for n, key in candidates:
             if key in saved or (mirror.owners(key) and self._index.longest_prefix([key], (), self._usable) == 1):
                 return n, key
         return None
