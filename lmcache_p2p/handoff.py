@@ -112,11 +112,12 @@ class Handoff:
             self.agent.metrics.handoff_chunks.labels("dropped").inc()
 
     def others_hold(self, key: ChunkKey) -> bool:
-        """Another node announces ``key`` (a dict probe of the mirror: safe under tier locks)."""
+        """Another node announces ``key`` (a dict probe of the mirror, no etcd read in lookup mode: safe
+        under tier locks)."""
         index = self.agent.index
         if index is None:
             return False
-        owners = index.owners(self.agent.fp, [key])[0]
+        owners = index.owners(self.agent.fp, [key], ask=False)[0]
         return any(n != self.agent.node_id for n in owners)
 
     # -- free space in the node record --------------------------------------------------------------------

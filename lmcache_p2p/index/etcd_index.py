@@ -180,12 +180,14 @@ class EtcdBlockIndex:
             return mirror.nodes()
         return {}
 
-    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
-        """Per key, the nodes holding it with their tier byte (lower is faster)."""
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey], *, ask: bool = True) -> list[dict[NodeId, int]]:
+        """Per key, the nodes holding it with their tier byte (lower is faster); ``ask`` False: no etcd
+        read even in lookup mode (a caller under tier locks)."""
         mirror = self._mirrors.get(fp)
         if mirror is None:
             return [{} for _ in keys]
-        mirror.prefetch(keys)
+        if ask:
+            mirror.prefetch(keys)
         return [mirror.owners(k) for k in keys]
 
     def stats(self) -> dict[str, float]:

@@ -51,7 +51,8 @@ class LookupMirror(Mirror):
         self._loop = loop
         self._cache_s = cache_s
         self._timeout_s = timeout_s
-        # key -> (monotonic time read, owners or None: nobody); the dict is replaced, never mutated by readers
+        # key -> (monotonic time read, owners or None: nobody). Written on the loop under the lock; readers
+        # probe it without one (single C-level dict operations under the GIL), iterations take the lock.
         self._asked: OrderedDict[ChunkKey, tuple[float, Owners | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._read_revision = 0
@@ -139,7 +140,8 @@ class LookupMirror(Mirror):
         return {k: dict(o.tiers) for k, (_, o) in items if o is not None}
 
     def __len__(self) -> int:
-        return sum(1 for _, o in list(self._asked.values()) if o is not None)
+        with self._lock:
+            return sum(1 for _, o in self._asked.values() if o is not None)
 
     @property
     def blocks_revision(self) -> int:

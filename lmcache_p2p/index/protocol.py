@@ -3,8 +3,10 @@
 Two implementations: :class:`~lmcache_p2p.index.etcd_index.EtcdBlockIndex` (etcd: session,
 publisher, mirrors) and :class:`~lmcache_p2p.testing.memory_index.MemoryIndex` (in-process fake for unit
 tests). Every method is thread-safe and returns without network I/O: writes are queued and
-published in the background, reads probe an in-memory mirror. The index is a hint: an owner may
-have evicted a chunk since it was announced, and the pull protocol confirms with the owner.
+published in the background, reads probe an in-memory mirror; with ``etcd.index: lookup`` a read of
+keys not asked lately makes one bounded etcd round trip first (``owners(..., ask=False)`` never does).
+The index is a hint: an owner may have evicted a chunk since it was announced, and the pull protocol
+confirms with the owner.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ class BlockIndex(Protocol):
     def lookup(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
         """Owners of each key, this node included."""
 
-    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
-        """Per key, the nodes holding it (this node included) with their tier byte (lower is faster)."""
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey], *, ask: bool = True) -> list[dict[NodeId, int]]:
+        """Per key, the nodes holding it (this node included) with their tier byte (lower is faster).
+        ``ask`` False: only what is known here now, whatever the index mode (callers holding locks)."""
 
     def longest_prefix(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> int:
         """How many leading keys are held by at least one node."""

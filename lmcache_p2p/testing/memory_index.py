@@ -88,7 +88,7 @@ class MemoryIndex:
                     return i
             return len(keys)
 
-    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+    def owners(self, fp: FingerprintDigest, keys: Sequence[ChunkKey], *, ask: bool = True) -> list[dict[NodeId, int]]:
         with self._mesh.lock:
             held = self._mesh.blocks.get(fp, {})
             return [dict(held.get(k, {})) for k in keys]
