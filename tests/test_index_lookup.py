@@ -91,7 +91,9 @@ def test_a_planner_past_the_last_read_gets_a_fresh_read(open_lookup: Factory, lo
     _, revision = loop.run(a.client.get(b"/"), 10.0)
     assert b.owners(fp, keys) == [{}] * 3  # still the cached answer
     m = b.mirror(fp)
-    m.prefetch(keys, revision)
+    b.owners(fp, make_keys(2))  # a later read of other keys: this mirror's latest read is past `revision`
+    assert m.blocks_revision >= revision and b.owners(fp, keys) == [{}] * 3
+    m.prefetch(keys, revision)  # these keys were read below it: read again
     assert m.blocks_revision >= revision and b.owners(fp, keys) == [{"a": TIER_CPU}] * 3
 
 
@@ -130,7 +132,7 @@ def test_on_the_loop_thread_a_lookup_answers_from_memory_without_blocking(open_l
     assert b.longest_prefix(fp, keys) == 2  # from another thread: read
 
 
-def test_etcd_gone_means_misses_within_the_lookup_timeout(open_lookup: Factory, loop: LoopThread,
+def test_etcd_gone_means_misses_within_the_lookup_timeout_then_no_waiting(open_lookup: Factory, loop: LoopThread,
                                                           fp: FingerprintDigest, cluster_name: str) -> None:
     """A private etcd that is then killed: a lookup costs at most its timeout and answers nobody."""
     with EtcdServer(unsafe_no_fsync=True) as own:
@@ -148,3 +150,8 @@ def test_etcd_gone_means_misses_within_the_lookup_timeout(open_lookup: Factory, 
         held = b.longest_prefix(fp, make_keys(3))  # never asked before: nothing to fall back on
         assert time.monotonic() - t0 < 0.25 + 1.0  # etcd.lookup_timeout_s, with room for a busy host
         assert held == 0 and m.lookup_failures == failures + 1
+        # Right after a failure, lookups answer from what is known instead of waiting again (a scheduler
+        # asks for every waiting request on every step).
+        t0 = time.monotonic()
+        assert b.longest_prefix(fp, make_keys(3)) == 0 and m.lookup_failures == failures + 1
+        assert time.monotonic() - t0 < 0.2

@@ -320,3 +320,21 @@ def test_a_load_with_time_left_pulls_itself_what_a_shorter_shared_pull_missed(me
     mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 3.0)
     short.join()
     assert all(mesh.held(k) == payload(k) for k in KEYS)
+
+
+def test_two_loads_sharing_pieces_both_get_the_chunk_and_leave_no_pieces(mesh: Mesh) -> None:
+    """Two loads of a chunk assembled from two ranks' pieces, the second joining the first's pulls: the
+    first to assemble must not drop pieces the second still needs; the last one drops them."""
+    r0 = mesh.owner("r0", KEYS, heads=(0, 1))
+    mesh.owner("r1", KEYS, heads=(1, HEADS))
+    mesh.net.owner(r0).delay_s = 0.2
+    deadline = time.monotonic() + 3.0
+    first = threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), deadline))
+    first.start()
+    time.sleep(0.05)
+    mesh.puller.pull(mesh.plan(KEYS), deadline)
+    first.join()
+    for key in KEYS:
+        assert mesh.held(key) == payload(key)
+        assert not mesh.pool.contains(piece_key(key, (0, 1))) and not mesh.pool.contains(piece_key(key, (1, HEADS)))
+    assert mesh.net.owner(r0).served == 4 and mesh.puller._piece_users == {}

@@ -150,3 +150,28 @@ def test_connect_tcp_refused_is_an_answer_not_a_wait() -> None:
             assert time.monotonic() - t0 < 2.0
 
         asyncio.run(main())
+
+
+def test_connect_tcp_tries_the_next_address_when_one_refuses() -> None:
+    """A name that resolves to an address nobody listens on first (``::1`` of a dual-stack ``localhost``
+    when the owner listens on IPv4): refused there, connected at the next."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            stream = (socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "")
+
+            async def resolve(*_: object, **__: object) -> list[tuple[object, ...]]:
+                return [(*stream, ("127.0.0.2", port)), (*stream, ("127.0.0.1", port))]  # 127.0.0.2: refused
+
+            loop.getaddrinfo = resolve  # this loop only: the test resolves the name itself
+            sock = await connect_tcp("dual-stack.example", port, 5.0)
+            try:
+                assert sock.getpeername() == ("127.0.0.1", port)
+            finally:
+                sock.close()
+
+        asyncio.run(main())

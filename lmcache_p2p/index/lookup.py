@@ -19,6 +19,7 @@ held elsewhere sees only keys asked lately (unknown: treated as a sole copy, han
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import sys
 import threading
@@ -27,7 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ..aio import LoopThread
-from ..errors import IndexError_, MalformedRecord, PeerTimeout
+from ..errors import MalformedRecord
 from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
@@ -51,34 +52,40 @@ class LookupMirror(Mirror):
         self._loop = loop
         self._cache_s = cache_s
         self._timeout_s = timeout_s
-        # key -> (monotonic time read, owners or None: nobody). Written on the loop under the lock; readers
-        # probe it without one (single C-level dict operations under the GIL), iterations take the lock.
-        self._asked: OrderedDict[ChunkKey, tuple[float, Owners | None]] = OrderedDict()
+        # key -> (monotonic time read, etcd revision read at, owners or None: nobody). Written on the loop
+        # under the lock; readers probe it without one (single C-level dict operations under the GIL),
+        # iterations take the lock.
+        self._asked: OrderedDict[ChunkKey, tuple[float, int, Owners | None]] = OrderedDict()
         self._lock = threading.Lock()
         self._read_revision = 0
+        self._quiet_until = 0.0  # after a failed read: answer from what is known until then
         self.lookups_total = 0
         self.lookup_failures = 0
 
     # ---- the one reading call ------------------------------------------------------------------
     def prefetch(self, keys: Sequence[ChunkKey], min_revision: int = 0) -> None:
-        """Read the owners of ``keys`` not asked within ``lookup_cache_s`` (all of them if the last read
-        is older than ``min_revision``: a scheduler planned from a newer state). Bounded; never raises."""
-        if self._loop.in_loop_thread or not keys:
-            return  # on the loop: answer from what is known
+        """Read the owners of ``keys`` not asked within ``lookup_cache_s``, and of those last read below
+        ``min_revision`` (a scheduler or a router saw that state: read linearizably). Bounded by
+        ``lookup_timeout_s``; after a failed read, answers come from what is known for ``lookup_cache_s``
+        (etcd unreachable must not cost every scheduler step a timeout). Never raises."""
         now = time.monotonic()
-        stale = min_revision > self._read_revision
+        if self._loop.in_loop_thread or not keys or now < self._quiet_until:
+            return  # on the loop, or etcd just failed us: answer from what is known
         with self._lock:
             asked = self._asked
+            behind = [k for k in dict.fromkeys(keys) if (e := asked.get(k)) is not None and e[1] < min_revision]
             want = [k for k in dict.fromkeys(keys)
-                    if stale or (e := asked.get(k)) is None or now - e[0] > self._cache_s]
+                    if (e := asked.get(k)) is None or now - e[0] > self._cache_s or e[1] < min_revision]
         if not want:
             return
         self.lookups_total += 1
         try:
-            self._loop.run(self._read(want, linearizable=stale), self._timeout_s)
-        except (PeerTimeout, IndexError_, OSError) as exc:
+            self._loop.run(self._read(want, linearizable=bool(behind) or min_revision > self._read_revision),
+                           self._timeout_s)
+        except (Exception, concurrent.futures.CancelledError) as exc:  # timeout, etcd down, the loop stopping
             self.lookup_failures += 1
-            log.debug("lookup of %d keys failed: %s", len(want), exc)
+            self._quiet_until = time.monotonic() + max(self._cache_s, self._timeout_s)
+            log.debug("lookup of %d keys failed: %s: %s", len(want), type(exc).__name__, exc)
 
     async def _read(self, keys: list[ChunkKey], linearizable: bool) -> None:
         prefixes = [self._blocks_prefix + k.hex().encode() + b"/" for k in keys]
@@ -89,7 +96,7 @@ class LookupMirror(Mirror):
         found = [kvs for batch, _ in answers for kvs in batch]
         revision = min(rev for _, rev in answers)
         now = time.monotonic()
-        entries: list[tuple[ChunkKey, tuple[float, Owners | None]]] = []
+        entries: list[tuple[ChunkKey, tuple[float, int, Owners | None]]] = []
         for key, kvs in zip(keys, found, strict=True):
             tiers: dict[NodeId, int] = {}
             for kv in kvs:
@@ -101,7 +108,7 @@ class LookupMirror(Mirror):
                     continue
                 if chunk == key:
                     tiers[node] = tier
-            entries.append((key, (now, self._interned(tuple(sorted(tiers.items()))) if tiers else None)))
+            entries.append((key, (now, revision, self._interned(tuple(sorted(tiers.items()))) if tiers else None)))
         with self._lock:
             asked = self._asked
             for key, entry in entries:
@@ -115,7 +122,7 @@ class LookupMirror(Mirror):
     # ---- readers: any thread, no I/O ---------------------------------------------------------
     def _get(self, key: ChunkKey) -> Owners | None:
         entry = self._asked.get(key)
-        return entry[1] if entry is not None else None
+        return entry[2] if entry is not None else None
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[frozenset[NodeId]]:
         return [o.nodes if (o := self._get(k)) is not None else EMPTY for k in keys]
@@ -137,15 +144,20 @@ class LookupMirror(Mirror):
         """What was asked lately (not the fleet's index: that is what this mode does not keep)."""
         with self._lock:
             items = list(self._asked.items())
-        return {k: dict(o.tiers) for k, (_, o) in items if o is not None}
+        return {k: dict(o.tiers) for k, (_, _, o) in items if o is not None}
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(1 for _, o in self._asked.values() if o is not None)
+            return sum(1 for _, _, o in self._asked.values() if o is not None)
 
     @property
     def blocks_revision(self) -> int:
-        """The revision of the latest read: a planner asking for a newer one gets a fresh read."""
+        """The revision of the latest read (the scheduler passes it on: its worker re-reads the keys it
+        last read below it)."""
+        return self._read_revision
+
+    @property
+    def revision(self) -> int:
         return self._read_revision
 
     def memory_bytes(self) -> int:

@@ -19,6 +19,12 @@ FRESHNESS_WAIT_S = 2.0  # at most, per request, for the mirror to reach a revisi
 REVISION_PARAM = "lmcache_p2p_index_revision"
 
 
+def named_revision(params: Any) -> int:
+    """The index revision a request's ``kv_transfer_params`` name (0: none, or not an integer)."""
+    wanted = params.get(REVISION_PARAM) if isinstance(params, dict) else None
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else 0
+
+
 class Freshness:
     """Which requests wait for the mirror to reach the index revision they name, and since when."""
 
@@ -33,9 +39,8 @@ class Freshness:
         """Whether ``req_id``, whose ``kv_transfer_params`` are ``params``, waits: it names an index
         revision above ``revision`` (how far the mirror has followed the block entries), the mirror is
         following etcd, and the request has waited less than ``wait_s``."""
-        wanted = params.get(REVISION_PARAM) if isinstance(params, dict) else None
-        if (not isinstance(wanted, int) or isinstance(wanted, bool) or not following or revision >= wanted
-                or req_id in self._expired):
+        wanted = named_revision(params)
+        if not wanted or not following or revision >= wanted or req_id in self._expired:
             return False
         now = self._clock()
         if req_id not in self._since:

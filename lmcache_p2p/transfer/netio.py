@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from ..errors import PeerTimeout
 
@@ -100,7 +100,7 @@ def set_keepalive(sock: socket.socket | None) -> None:
 
 
 CONNECT_STAGGER_S = 0.25  # a connect attempt not answered by then gets a fresh one beside it
-CONNECT_ATTEMPTS = 8
+CONNECT_ATTEMPTS = 4  # in flight at once: each one the owner may accept, then see closed unused
 
 
 async def staggered_connect(attempt: Callable[[], Awaitable[T]], discard: Callable[[T], None], timeout: float,
@@ -147,16 +147,25 @@ async def connect_tcp(host: str, port: int, timeout: float) -> socket.socket:
     """A connected non-blocking TCP socket: :func:`staggered_connect` attempts, so a lost SYN costs
     ``CONNECT_STAGGER_S``, not the kernel's 1 s retransmission timeout."""
     loop = asyncio.get_running_loop()
-    family, kind, proto, _, address = (await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM))[0]
+    deadline = loop.time() + timeout
+    refused: OSError | None = None
+    for family, kind, proto, _, address in await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM):
 
-    async def attempt() -> socket.socket:
-        sock = socket.socket(family, kind, proto)
-        sock.setblocking(False)
+        async def attempt(family: int = family, kind: int = kind, proto: int = proto,
+                          address: Any = address) -> socket.socket:
+            sock = socket.socket(family, kind, proto)
+            sock.setblocking(False)
+            try:
+                await loop.sock_connect(sock, address)
+            except BaseException:
+                sock.close()
+                raise
+            return sock
+
         try:
-            await loop.sock_connect(sock, address)
-        except BaseException:
-            sock.close()
+            return await staggered_connect(attempt, socket.socket.close, max(0.0, deadline - loop.time()))
+        except TimeoutError:
             raise
-        return sock
-
-    return await staggered_connect(attempt, socket.socket.close, timeout)
+        except OSError as exc:  # refused or unreachable at this address (::1 of a dual-stack name): the next
+            refused = exc
+    raise refused if refused is not None else OSError(f"{host}: no address to connect to")

@@ -107,6 +107,8 @@ class Puller:
         self._error_peers: set[NodeId] = set()  # label values of peer_errors, pruned with the peers
         # Being pulled now (on the loop): that pull's deadline, and whether the part landed.
         self._landing: dict[ChunkKey, tuple[float, asyncio.Future[bool]]] = {}
+        self._piece_users: dict[ChunkKey, int] = {}  # piece key -> loads that will assemble from it
+        self._pieces_lock = threading.Lock()
 
     # -- which peers -------------------------------------------------------------------------------
     def transport_for(self, record: PeerRecord | None) -> Transport | None:
@@ -135,13 +137,20 @@ class Puller:
     def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
         """Pull ``chunks`` into the pool by ``deadline`` (from any thread but the loop's); what
         misses is simply not in the pool afterwards: the caller recomputes it."""
+        pieced = [c for c in chunks if c.pieces]
+        pieces = [piece_key(c.key, p.heads) for c in pieced for p in c.pieces]
+        with self._pieces_lock:  # another load may share them (a joined pull): dropped by the last one
+            for key in pieces:
+                self._piece_users[key] = self._piece_users.get(key, 0) + 1
         try:
-            self.loop.run(self.pull_all(chunks, deadline), remaining(deadline) + 1.0)
-        except LMCacheP2PError as exc:
-            log.warning("pull of %d chunks failed: %s", len(chunks), exc)
-        for chunk in chunks:
-            if chunk.pieces:
-                self.assemble(chunk)
+            try:
+                self.loop.run(self.pull_all(chunks, deadline), remaining(deadline) + 1.0)
+            except LMCacheP2PError as exc:
+                log.warning("pull of %d chunks failed: %s", len(chunks), exc)
+            for chunk in pieced:
+                self.assemble(chunk, drop_pieces=False)
+        finally:
+            self._drop_pieces(pieces)
 
     async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
         """On the loop: one concurrent pull per owner, then one retry round on the alternatives.
@@ -163,8 +172,9 @@ class Puller:
             await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
 
     async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
-        """Pull whole ``chunks`` (this node's heads) from ``node`` into the pool; those that missed."""
-        missed = await self._pull_parts(node, [Part(c, c.parts()[0]) for c in chunks], deadline)
+        """Pull whole ``chunks`` (this node's heads) from ``node`` into the pool; those that missed. Always
+        asked of ``node`` itself (hand-offs, a canary's copy of one owner), never joined to another pull."""
+        missed = await self._pull_own(node, [Part(c, c.parts()[0]) for c in chunks], deadline)
         return [p.chunk for p in missed]
 
     async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
@@ -197,7 +207,6 @@ class Puller:
                 del self._landing[key]
                 entry[1].set_result(key not in lost)
         if joined:
-            self.metrics.pull_coalesced.inc(len(joined))
             again: list[Part] = []
             for part, shared in joined:
                 try:
@@ -205,7 +214,9 @@ class Puller:
                         landed = await asyncio.shield(shared)
                 except TimeoutError:
                     landed = False
-                if not landed:
+                if landed:
+                    self.metrics.pull_coalesced.inc()
+                else:
                     # That pull missed (its load's deadline may have been shorter than ours): ask once
                     # more ourselves while time is left (a peer it found dead is backed off: no wait).
                     (again if remaining(deadline) > 0 else missed).append(part)
@@ -240,11 +251,16 @@ class Puller:
                     self.on_loaded(part.chunk.key)
         return [p for p in parts if p.chunk.key not in result.loaded]
 
-    def assemble(self, chunk: PlannedChunk) -> bool:
+    def assemble(self, chunk: PlannedChunk, drop_pieces: bool = True) -> bool:
         """Concatenate a chunk's pieces (head ranges pulled from several peers) into one slot under
-        the chunk's key; the pieces go either way. True if it landed."""
+        the chunk's key; the pieces go either way (``drop_pieces`` False: the caller drops them, when
+        no other load still needs them). True if it landed (or another load had assembled it)."""
         pool = self.pool
         keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
+        if pool.contains(chunk.key):
+            if drop_pieces:
+                self._drop_pieces(keys)
+            return True
         pins = [pool.pin(k, self.pin_timeout_s) for k in keys]
         try:
             got = [p for p in pins if p is not None]
@@ -277,8 +293,22 @@ class Puller:
             for pin in pins:
                 if pin is not None:
                     pool.unpin(pin)
+            if drop_pieces:
+                self._drop_pieces(keys)
+
+    def _drop_pieces(self, keys: list[ChunkKey]) -> None:
+        """Remove pieces from the pool unless another load holds them for its own assembly."""
+        with self._pieces_lock:
+            gone = []
             for key in keys:
-                pool.remove(key)
+                users = self._piece_users.get(key, 0) - 1
+                if users > 0:
+                    self._piece_users[key] = users
+                else:
+                    self._piece_users.pop(key, None)
+                    gone.append(key)
+        for key in gone:
+            self.pool.remove(key)
 
     def _fill(self, chunk: PlannedChunk, pieces: list[Pin], view: memoryview) -> ChunkHeader | None:
         """Copy ``pieces`` into ``view`` and return the chunk's header, or None if a piece's copy does

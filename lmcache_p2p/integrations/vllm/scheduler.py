@@ -68,7 +68,7 @@ from ...keys import (
 from ...peers import compatible
 from ..blocks import ChunkTransfer, chunk_transfer
 from ..engine_identity import file_adapter, request_identity
-from ..freshness import Freshness
+from ..freshness import Freshness, named_revision
 from ..segments import (
     BlendPlan,
     BlendTransfer,
@@ -206,6 +206,9 @@ class P2PScheduler:
         if identity is None:
             return 0, False
         keys = self._keys(prompt, *identity)
+        wanted = named_revision(getattr(request, "kv_transfer_params", None))
+        if wanted:  # etcd.index lookup: read these keys as of that revision (the watch: nothing to do)
+            self._index.mirror.prefetch(keys, wanted)
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
         if held < len(keys) and self._freshness.hold(request.request_id, getattr(request, "kv_transfer_params", None),
                                                      self._index.mirror.blocks_revision, self._index.connected):
