@@ -209,6 +209,8 @@ class CacheAgent:
             free=self.handoff.free(),
             config_revision=self.config_revision,
             config_deviations=dict(self.config_deviations),
+            engine_url=self.config.engine_url,
+            engine_pool=self.config.engine_pool,
         )
 
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:

@@ -30,6 +30,7 @@ import socket
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,21 @@ class LayoutConfig:
         return self.num_layers * blocks * self.block_bytes()
 
 
+ENGINE_POOLS = ("mixed", "prefill", "decode")
+
+
+def valid_engine_url(url: str) -> bool:
+    """An engine's base URL as the router accepts it: http(s), a host, no query or fragment, <= 512 chars."""
+    if not isinstance(url, str) or len(url) > 512:
+        return False
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not parts.query and not parts.fragment
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentConfig:
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -295,6 +311,10 @@ class AgentConfig:
     canary: CanaryConfig = CanaryConfig()
     blend: BlendConfig = BlendConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
+    # The OpenAI-compatible URL of the engine this agent runs in (e.g. ``http://10.0.0.5:8000``),
+    # published in the node record for ``lmcache-p2p router``; and which of the router's pools it is in.
+    engine_url: str | None = None
+    engine_pool: str = "mixed"
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
     # cluster config in etcd never changes them (coordinator/apply.py).
     set_by_node: tuple[str, ...] = ()
@@ -312,6 +332,9 @@ class AgentConfig:
         _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")
         _check(self.chunk_size % self.layout.block_size == 0, "chunk_size",
                f"must be a multiple of layout.block_size ({self.layout.block_size})")
+        _check(self.engine_url is None or valid_engine_url(self.engine_url), "engine_url",
+               "must be an http(s)://host[:port] URL")
+        _check(self.engine_pool in ENGINE_POOLS, "engine_pool", f"must be one of {ENGINE_POOLS}")
 
 
 def rank_config(config: AgentConfig, rank: int, tp_size: int) -> AgentConfig:

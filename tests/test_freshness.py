@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_p2p.integrations.freshness import REVISION_PARAM, Freshness
+from lmcache_p2p.integrations.freshness import EXPECT_PARAM, REVISION_PARAM, Freshness, expected_chunks
 
 
 class Clock:
@@ -61,3 +61,21 @@ def test_an_aborted_request_leaves_nothing_behind() -> None:
     for i in range(100):
         gate.forget(f"r{i}")
     assert len(gate) == 0 and gate.held == 100
+
+
+def test_a_disaggregated_decode_waits_for_the_chunks_its_prefill_engine_saved() -> None:
+    clock = Clock()
+    gate = Freshness(2.0, clock)
+    params = {EXPECT_PARAM: 4}
+    assert gate.hold("d", params, revision=10, following=True, held=0)  # the prefill's saves not announced yet
+    clock.now += 0.3
+    assert gate.hold("d", params, revision=11, following=True, held=3)
+    assert not gate.hold("d", params, revision=12, following=True, held=4)  # all there: planned now
+    assert not gate.hold("e", params, revision=12, following=False, held=0)  # etcd not followed: no wait
+    assert gate.hold("f", params, 12, True, held=1)
+    clock.now += 2.0
+    assert not gate.hold("f", params, 12, True, held=1)  # bounded: the decode engine computes the rest
+    assert gate.held == 2 and gate.gave_up == 1
+    for bad in (None, {}, {EXPECT_PARAM: "4"}, {EXPECT_PARAM: True}, {EXPECT_PARAM: -2}, [EXPECT_PARAM]):
+        assert expected_chunks(bad) == 0
+        assert not gate.hold("g", bad, 12, True, held=0)

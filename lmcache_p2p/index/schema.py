@@ -38,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from ..config import ENGINE_POOLS, valid_engine_url
 from ..errors import MalformedRecord
 from ..ids import NODE_ID_RE, WIRE_VERSION, NodeId, PeerAddress, TierCode, host_port
 from ..keys import ChunkKey, FingerprintDigest
@@ -206,6 +207,8 @@ class NodeRecord:
     # agent config fields where the node does not run the stored cluster config's value: "restart" (it
     # applies at the next start) or "node" (the node's own file, environment or overrides set it)
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)
+    engine_url: str | None = None  # the engine's OpenAI-compatible base URL (config engine_url), for the router
+    engine_pool: str = "mixed"  # the router's pool: mixed, prefill or decode
 
     @property
     def fingerprints(self) -> tuple[str, ...]:
@@ -267,7 +270,8 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         software_version=_field(raw, "software_version", str, ""), wire_version=wire_version,
         started_at=started_at, metrics_url=metrics_url, tls=_field(raw, "tls", bool, False), role=_role(raw),
         free=_sizes(raw, "free"), config_revision=_field(raw, "config_revision", int, 0),
-        config_deviations=_deviations(raw))
+        config_deviations=_deviations(raw), engine_url=_engine_url(raw),
+        engine_pool=_one_of(raw, "engine_pool", ENGINE_POOLS, "mixed"))
 
 
 _FP_HEX_RE = re.compile("[0-9a-f]{32}")
@@ -336,10 +340,21 @@ def _deviations(raw: dict[str, Any]) -> dict[str, str]:
 
 
 def _role(raw: dict[str, Any]) -> str:
-    role = _field(raw, "role", str, "engine")
-    if role not in ("engine", "cache"):
-        raise MalformedRecord("node record", f"role: expected 'engine' or 'cache', got {role[:20]!r}")
-    return role
+    return _one_of(raw, "role", ("engine", "cache"), "engine")
+
+
+def _one_of(raw: dict[str, Any], name: str, allowed: tuple[str, ...], default: str) -> str:
+    value = _field(raw, name, str, default)
+    if value not in allowed:
+        raise MalformedRecord("node record", f"{name}: expected one of {allowed}, got {value[:20]!r}")
+    return value
+
+
+def _engine_url(raw: dict[str, Any]) -> str | None:
+    url = _field(raw, "engine_url", (str, type(None)), None)
+    if url is not None and not valid_engine_url(url):
+        raise MalformedRecord("node record", f"engine_url: not an http(s) base URL: {url[:80]!r}")
+    return url
 
 
 def _sizes(raw: dict[str, Any], name: str) -> dict[str, int]:

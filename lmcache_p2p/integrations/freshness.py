@@ -5,6 +5,11 @@ passes ``kv_transfer_params: {"lmcache_p2p_index_revision": R}``. The scheduler 
 :meth:`Freshness.hold` before it counts a hit that is not the whole prompt: while its mirror has not
 followed the block entries to R, the request is not scheduled yet (vLLM asks again next step), for at
 most ``wait_s``; then it is planned with what the mirror holds. No vLLM import: unit-testable anywhere.
+
+Disaggregated prefill: the router sends the decode engine ``{"lmcache_p2p_expect_chunks": N}`` after a
+prefill engine answered the prompt. The prefill engine's saves reach etcd a moment later; until the
+index shows the prompt's first N chunks held somewhere, the request waits the same way (bounded by
+``wait_s``), so the decode engine loads them instead of computing what was just computed.
 """
 
 from __future__ import annotations
@@ -17,11 +22,18 @@ from typing import Any
 log = logging.getLogger(__name__)
 FRESHNESS_WAIT_S = 2.0  # at most, per request, for the mirror to reach a revision the request names
 REVISION_PARAM = "lmcache_p2p_index_revision"
+EXPECT_PARAM = "lmcache_p2p_expect_chunks"
 
 
 def named_revision(params: Any) -> int:
     """The index revision a request's ``kv_transfer_params`` name (0: none, or not an integer)."""
     wanted = params.get(REVISION_PARAM) if isinstance(params, dict) else None
+    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else 0
+
+
+def expected_chunks(params: Any) -> int:
+    """How many leading chunks of the prompt a request's ``kv_transfer_params`` expect in the mesh (0: none)."""
+    wanted = params.get(EXPECT_PARAM) if isinstance(params, dict) else None
     return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else 0
 
 
@@ -35,12 +47,14 @@ class Freshness:
         self._expired: set[str] = set()  # held back for wait_s already: never again
         self.held = self.gave_up = 0  # requests held back at least once; of those, planned after wait_s
 
-    def hold(self, req_id: str, params: Any, revision: int, following: bool) -> bool:
+    def hold(self, req_id: str, params: Any, revision: int, following: bool, held: int = 0) -> bool:
         """Whether ``req_id``, whose ``kv_transfer_params`` are ``params``, waits: it names an index
-        revision above ``revision`` (how far the mirror has followed the block entries), the mirror is
-        following etcd, and the request has waited less than ``wait_s``."""
-        wanted = named_revision(params)
-        if not wanted or not following or revision >= wanted or req_id in self._expired:
+        revision above ``revision`` (how far the mirror has followed the block entries) or expects more
+        leading chunks than the ``held`` ones, the mirror is following etcd, and the request has waited
+        less than ``wait_s``."""
+        wanted, expected = named_revision(params), expected_chunks(params)
+        behind = (wanted and revision < wanted) or (expected and held < expected)
+        if not behind or not following or req_id in self._expired:
             return False
         now = self._clock()
         if req_id not in self._since:
@@ -52,8 +66,8 @@ class Freshness:
         del self._since[req_id]
         self._expired.add(req_id)
         self.gave_up += 1
-        log.info("request %s: the index mirror did not reach revision %d in %.1f s (at %d); planned with what it "
-                 "holds", req_id, wanted, self.wait_s, revision)
+        log.info("request %s: the index mirror did not reach revision %d or %d leading chunks in %.1f s (at %d, "
+                 "%d chunks); planned with what it holds", req_id, wanted, expected, self.wait_s, revision, held)
         return False
 
     def forget(self, req_id: str) -> None:

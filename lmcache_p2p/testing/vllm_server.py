@@ -49,11 +49,12 @@ def session_cpu_seconds(sid: int) -> float:
 class VllmServer:
     def __init__(self, model: str | Path, *, name: str, log_path: Path, kv_transfer_config: dict[str, Any] | None,
                  prefix_caching: bool = True, kv_cache_bytes: int = 1 << 30, max_model_len: int = 8192,
-                 dtype: str = "bfloat16",
-                 python: str = sys.executable, env: dict[str, str] | None = None) -> None:
-        """``kv_transfer_config``: the connector (None: vLLM alone). ``python`` may be another venv's (LMCache's)."""
+                 dtype: str = "bfloat16", python: str = sys.executable, env: dict[str, str] | None = None,
+                 port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        """``kv_transfer_config``: the connector (None: vLLM alone). ``python`` may be another venv's (LMCache's).
+        ``port``: fixed (its agent's ``engine_url`` names it), else a free one; ``extra_args`` go to vLLM."""
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--host", "127.0.0.1", "--port", str(self.port),
@@ -62,6 +63,7 @@ class VllmServer:
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        cmd += list(extra_args)
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,

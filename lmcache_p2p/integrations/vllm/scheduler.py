@@ -211,7 +211,8 @@ class P2PScheduler:
             self._index.mirror.prefetch(keys, wanted)
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
         if held < len(keys) and self._freshness.hold(request.request_id, getattr(request, "kv_transfer_params", None),
-                                                     self._index.mirror.blocks_revision, self._index.connected):
+                                                     self._index.mirror.blocks_revision, self._index.connected,
+                                                     held):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
         self._tails.pop(request.request_id, None)
         self._blends.pop(request.request_id, None)

@@ -1,0 +1,403 @@
+"""``lmcache-p2p router``: an OpenAI-compatible front for a fleet of vLLM engines (aiohttp).
+
+    POST /v1/completions, /v1/chat/completions   routed (streaming or not), the engine's answer as it is
+    GET  /v1/models                              a healthy engine's
+    GET  /health                                 200 while an engine can take requests (every pool
+                                                 disaggregated serving needs), else 503
+    GET  /metrics                                the router's Prometheus metrics
+    GET  /router/engines                         what the router believes of each engine (JSON)
+
+Every routed answer names its engine in ``X-LMCache-P2P-Engine`` (its agent's node id, else its URL).
+
+A request is tokenized once (an engine's ``/tokenize``, with the chat template for chat: the exact
+tokens that engine will see), scored once (an agent's ``/v1/score``), and sent to the engine the
+policy picks (``policy.py``). Until the engine's first byte of answer reaches the router nothing has
+reached the client: an engine that refuses the connection, answers 5xx, is taken out by the health
+checks or says nothing within ``first_byte_timeout_s`` is charged and the request goes to the next
+best engine (at most ``attempts`` engines). After that the stream is the engine's; if it breaks, a
+streaming client gets an error event and the end of the stream, a non-streaming one a 502. Every wait
+is bounded: tokenize and score by ``route_timeout_s`` (the request is routed without them past it),
+an answer by ``request_timeout_s``.
+
+Disaggregated prefill (``--disaggregated``): the request first goes to a prefill-pool engine with
+``max_tokens`` 1 (its chunks land in the mesh), then to a decode-pool engine with
+``kv_transfer_params.lmcache_p2p_expect_chunks``: that engine's scheduler waits, bounded, until its
+index shows those chunks (the prefill engine's saves announced) before planning the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import json
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import xxhash
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .engines import Engine, Fleet
+from .policy import Choice, Policy
+
+log = logging.getLogger(__name__)
+
+ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY_BYTES = 32 << 20
+CHUNK_TOKENS = 256
+EXPECT_PARAM = "lmcache_p2p_expect_chunks"
+FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
+ENGINE_HEADER = "X-LMCache-P2P-Engine"  # on every routed answer: the engine that gave it
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "score_load"
+    disaggregated: bool = False
+    attempts: int = 3  # engines tried per request before the client gets an error
+    first_byte_timeout_s: float = 60.0  # an engine silent this long (before its first byte) is given up
+    request_timeout_s: float = 600.0  # a whole answer
+    route_timeout_s: float = 0.5  # tokenize + score, each
+    chunk_tokens: int = CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.attempts < 1:
+            raise ValueError("attempts must be >= 1")
+
+
+class UpstreamFailed(Exception):
+    """An engine failed before its first byte: the request may go elsewhere."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("lmcache_p2p_router_requests", "requests answered, by engine and outcome",
+                                ["engine", "outcome"], registry=r)
+        self.retries = Counter("lmcache_p2p_router_retries", "requests sent to another engine after one failed "
+                               "before its first byte, by reason", ["reason"], registry=r)
+        self.route_seconds = Histogram("lmcache_p2p_router_route_seconds", "tokenize + score + choice, per "
+                                       "request", registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
+                                                                       .5, 1))
+        self.ttft_seconds = Histogram("lmcache_p2p_router_first_byte_seconds", "request in to the engine's first "
+                                      "byte out (streaming: first token)", registry=r,
+                                      buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.prefill_seconds = Histogram("lmcache_p2p_router_disagg_prefill_seconds", "disaggregated: the "
+                                         "prefill engine's answer", registry=r,
+                                         buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+        self.engines = Gauge("lmcache_p2p_router_engines", "engines known, by state", ["state"], registry=r)
+        self.score_failures = Counter("lmcache_p2p_router_score_failures", "tokenize or score calls that failed "
+                                      "or ran out of time (routed without)", ["call"], registry=r)
+
+
+class Router:
+    def __init__(self, fleet: Fleet, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+        self.fleet = fleet
+        self.config = config
+        self.session = session
+        self.policy = Policy(config.policy)
+        self.metrics = Metrics()
+        self._ids = itertools.count()
+        self._rotate = itertools.count()
+        fleet.on_change = self._engines_changed
+
+    def _engines_changed(self) -> None:
+        for state, n in self.fleet.healthy_counts().items():
+            self.metrics.engines.labels(state).set(n)
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app.router.add_post("/v1/completions", self.handle_routed)
+        app.router.add_post("/v1/chat/completions", self.handle_routed)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_get("/router/engines", self.handle_engines)
+        return app
+
+    # -- small endpoints ------------------------------------------------------------------------
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        pools = ("prefill", "decode") if self.config.disaggregated else ("mixed",)
+        ready = all(self.fleet.candidates(pool) for pool in pools)
+        return web.json_response({"ready": ready, **self.fleet.healthy_counts()}, status=200 if ready else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def handle_engines(self, request: web.Request) -> web.Response:
+        return web.json_response({"policy": self.config.policy, "disaggregated": self.config.disaggregated,
+                                  "mean_prefill_s": round(self.fleet.mean_prefill_s, 4),
+                                  "prefill_s_per_token": self.fleet.prefill_s_per_token,
+                                  "engines": self.fleet.describe()})
+
+    async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        for engine in self._any_engines():
+            try:
+                async with self.session.get(engine.url + "/v1/models", timeout=self._short()) as resp:
+                    body = await resp.read()
+                    if resp.status == 200:
+                        return web.Response(body=body, status=200, content_type="application/json")
+            except (TimeoutError, aiohttp.ClientError):
+                continue
+        return _error(503, "no engine answered /v1/models", "service_unavailable")
+
+    def _any_engines(self) -> list[Engine]:
+        engines = [e for e in self.fleet.engines.values() if e.healthy]
+        k = next(self._rotate)
+        return engines[k % len(engines):] + engines[:k % len(engines)] if engines else []
+
+    def _short(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.config.route_timeout_s)
+
+    # -- routing --------------------------------------------------------------------------------
+
+    async def handle_routed(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        try:
+            payload = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return _error(400, f"body is not JSON: {exc}", "invalid_request_error")
+        if not isinstance(payload, dict):
+            return _error(400, "body must be a JSON object", "invalid_request_error")
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        chat = request.path == "/v1/chat/completions"
+        tokens = await self._tokens(payload, chat)
+        if self.config.disaggregated:
+            expect = await self._prefill(request.path, payload, tokens, headers)
+            if expect:
+                params = payload.get("kv_transfer_params")
+                params = dict(params) if isinstance(params, dict) else {}
+                params[EXPECT_PARAM] = expect
+                payload = {**payload, "kv_transfer_params": params}
+                body = json.dumps(payload).encode()
+            pool = "decode"
+        else:
+            pool = "mixed"
+        return await self._serve(request, request.path, body, payload, tokens, pool, headers, started)
+
+    async def _serve(self, request: web.Request, path: str, body: bytes, payload: dict[str, Any],
+                     tokens: list[int] | None, pool: str, headers: dict[str, str],
+                     started: float) -> web.StreamResponse:
+        score = await self._score(tokens) if tokens and self.config.policy != "round_robin" else None
+        hash_key = _hash_key(tokens, payload, self.config.chunk_tokens)
+        tried: list[str] = []
+        last = "no healthy engine"
+        for _ in range(self.config.attempts):
+            choice = self.policy.choose(self.fleet.candidates(pool, tried), tokens=len(tokens or ()),
+                                        hash_key=hash_key, score=score, mean_prefill_s=self.fleet.mean_prefill_s,
+                                        s_per_token=self.fleet.prefill_s_per_token)
+            if choice is None:
+                break
+            if not tried:
+                self.metrics.route_seconds.observe(time.monotonic() - started)
+            tried.append(choice.engine.url)
+            try:
+                return await self._forward(request, path, body, bool(payload.get("stream")), choice, tokens,
+                                           headers, started)
+            except UpstreamFailed as exc:
+                last = f"{choice.engine.name}: {exc}"
+                log.warning("request to %s failed before its first byte (%s): %s", choice.engine.name, exc.reason,
+                            exc)
+                self.metrics.requests.labels(choice.engine.name, exc.reason).inc()
+                self.metrics.retries.labels(exc.reason).inc()
+        return _error(503, f"no engine could take the request ({len(tried)} tried; last: {last})",
+                      "service_unavailable")
+
+    async def _forward(self, request: web.Request, path: str, body: bytes, stream: bool, choice: Choice,
+                       tokens: list[int] | None, headers: dict[str, str], started: float) -> web.StreamResponse:
+        engine, rid = choice.engine, next(self._ids)
+        engine.prefilling[rid] = choice.expected_prefill_s
+        engine.inflight += 1
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s,
+                                            connect=min(5.0, self.config.first_byte_timeout_s))
+            async with contextlib.AsyncExitStack() as stack:
+                resp, first, complete = await self._first_byte(stack, engine, path, body, headers, timeout)
+                uncached = max(0, len(tokens or ()) - choice.matched_tokens)
+                self.fleet.first_token(engine, rid, uncached, time.monotonic() - started)
+                self.metrics.ttft_seconds.observe(time.monotonic() - started)
+                if not stream or resp.status != 200:
+                    rest = b"" if complete else await resp.read()
+                    self.metrics.requests.labels(engine.name, "ok" if resp.status < 400 else f"http_{resp.status}"
+                                                 ).inc()
+                    return web.Response(body=first + rest, status=resp.status, headers={ENGINE_HEADER: engine.name},
+                                        content_type=resp.content_type or "application/json")
+                out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get(
+                    "Content-Type", "text/event-stream"), "Cache-Control": "no-cache", ENGINE_HEADER: engine.name})
+                await out.prepare(request)
+                await out.write(first)
+                try:
+                    async for piece in resp.content.iter_any():
+                        await out.write(piece)
+                except (TimeoutError, aiohttp.ClientError) as exc:
+                    log.warning("stream from %s broke after its first token: %s", engine.name, exc)
+                    self.metrics.requests.labels(engine.name, "broken_stream").inc()
+                    event = {"error": {"message": f"the engine's stream broke: {type(exc).__name__}",
+                                       "type": "upstream_error", "code": 502}}
+                    await out.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                    await out.write_eof()
+                    return out
+                await out.write_eof()
+                self.metrics.requests.labels(engine.name, "ok").inc()
+                return out
+        finally:
+            engine.prefilling.pop(rid, None)
+            engine.inflight -= 1
+
+    async def _first_byte(self, stack: contextlib.AsyncExitStack, engine: Engine, path: str, body: bytes,
+                          headers: dict[str, str], timeout: aiohttp.ClientTimeout
+                          ) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+        """The engine's response, its first bytes and whether they are all of it (a non-streaming
+        answer is read whole), raced against the engine being taken out and ``first_byte_timeout_s``."""
+
+        async def first() -> tuple[aiohttp.ClientResponse, bytes, bool]:
+            resp = await stack.enter_async_context(self.session.post(
+                engine.url + path, data=body, headers={"Content-Type": "application/json", **headers},
+                timeout=timeout))
+            if resp.status >= 500:
+                text = (await resp.read())[:300].decode(errors="replace")
+                raise UpstreamFailed("http_5xx", f"HTTP {resp.status}: {text}")
+            if resp.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return resp, await resp.content.readany(), False
+            return resp, await resp.read(), True
+
+        task = asyncio.ensure_future(first())
+        down = asyncio.ensure_future(engine.down.wait())
+        try:
+            done, _ = await asyncio.wait({task, down}, timeout=self.config.first_byte_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+        if task in done:
+            try:
+                return task.result()
+            except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
+                raise UpstreamFailed("connect" if isinstance(exc, aiohttp.ClientConnectorError) else "io",
+                                     f"{type(exc).__name__}: {exc}") from exc
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        if down in done:
+            raise UpstreamFailed("engine_down", "taken out by health checks before its first byte")
+        raise UpstreamFailed("first_byte_timeout", f"no answer within {self.config.first_byte_timeout_s:g} s")
+
+    async def _prefill(self, path: str, payload: dict[str, Any], tokens: list[int] | None,
+                       headers: dict[str, str]) -> int:
+        """Disaggregated: the prompt prefilled on a prefill engine (one output token, its chunks saved to
+        the mesh); the number of whole chunks the decode engine should find (0: the prefill failed,
+        the decode engine computes)."""
+        started = time.monotonic()
+        prefill = {**payload, "max_tokens": 1, "stream": False}
+        prefill.pop("stream_options", None)
+        if "max_completion_tokens" in prefill:
+            prefill["max_completion_tokens"] = 1
+        score = await self._score(tokens) if tokens and self.config.policy != "round_robin" else None
+        choice = self.policy.choose(self.fleet.candidates("prefill"), tokens=len(tokens or ()),
+                                    hash_key=_hash_key(tokens, payload, self.config.chunk_tokens), score=score,
+                                    mean_prefill_s=self.fleet.mean_prefill_s,
+                                    s_per_token=self.fleet.prefill_s_per_token)
+        if choice is None:
+            log.warning("disaggregated: no prefill engine; the decode engine computes the prompt")
+            return 0
+        engine, rid = choice.engine, next(self._ids)
+        engine.prefilling[rid] = choice.expected_prefill_s
+        engine.inflight += 1
+        ok = False
+        try:
+            async with self.session.post(engine.url + path, json=prefill, headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_s)
+                                         ) as resp:
+                await resp.read()
+                ok = resp.status == 200
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("disaggregated prefill on %s failed: %s", engine.name, exc)
+            ok = False
+        finally:
+            if ok:
+                self.fleet.first_token(engine, rid, len(tokens or ()) - choice.matched_tokens,
+                                       time.monotonic() - started)
+            engine.prefilling.pop(rid, None)
+            engine.inflight -= 1
+        self.metrics.requests.labels(engine.name, "prefill_ok" if ok else "prefill_failed").inc()
+        self.metrics.prefill_seconds.observe(time.monotonic() - started)
+        return len(tokens) // self.config.chunk_tokens if ok and tokens else 0
+
+    async def _tokens(self, payload: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids as an engine will see them; None when unknown (routed without a score)."""
+        if not chat:
+            prompt = payload.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+                prompt = prompt[0]  # a batch: routed by its first prompt
+            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+                return [int(t) for t in prompt]
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                return None
+            ask: dict[str, Any] = {"prompt": prompt}
+            if "add_special_tokens" in payload:
+                ask["add_special_tokens"] = payload["add_special_tokens"]
+        else:
+            if not isinstance(payload.get("messages"), list):
+                return None
+            ask = {k: payload[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
+                                           "chat_template", "chat_template_kwargs", "add_special_tokens",
+                                           "tools") if k in payload}
+        if "model" in payload:
+            ask["model"] = payload["model"]
+        for engine in self._any_engines()[:1]:
+            try:
+                async with self.session.post(engine.url + "/tokenize", json=ask, timeout=self._short()) as resp:
+                    data = await resp.json() if resp.status == 200 else None
+                tokens = data.get("tokens") if isinstance(data, dict) else None
+                if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
+                    return tokens
+            except (TimeoutError, aiohttp.ClientError, ValueError):
+                pass
+        self.metrics.score_failures.labels("tokenize").inc()
+        return None
+
+    async def _score(self, tokens: list[int]) -> dict[str, Any] | None:
+        # One agent's mirror scores every engine: ask one (in turn), never spend the budget on a second.
+        url = next((e.score_url for e in self._any_engines() if e.score_url), None)
+        if url is None:
+            return None
+        try:
+            async with self.session.post(url, json={"tokens": tokens}, timeout=self._short()) as resp:
+                data = await resp.json() if resp.status == 200 else None
+            if isinstance(data, dict):
+                return data
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            pass
+        self.metrics.score_failures.labels("score").inc()
+        return None
+
+
+def _hash_key(tokens: list[int] | None, payload: dict[str, Any], chunk: int) -> bytes:
+    """What rendezvous hashing hashes: the prompt's first chunk of tokens (or of its text)."""
+    if tokens:
+        return b"t" + xxhash.xxh3_128_digest(json.dumps(tokens[:chunk]).encode())
+    text = json.dumps(payload.get("messages") or payload.get("prompt") or "")[:4 * chunk]
+    return b"s" + xxhash.xxh3_128_digest(text.encode())
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "code": status}}, status=status)

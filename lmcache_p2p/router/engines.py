@@ -1,0 +1,217 @@
+"""The engines a router sends requests to, how healthy and how busy each one is.
+
+An :class:`Engine` is one vLLM OpenAI server: its base URL, the node id of its agent (the score API
+names engines by it), and its pool (``mixed``, or ``prefill`` / ``decode`` for disaggregated serving).
+Engines come from the node records in etcd (``engine_url`` / ``engine_pool``, published by each agent)
+or from a static list. :class:`Fleet` keeps them fresh in the background: every ``interval_s`` it
+re-reads the records, asks each engine's ``/health`` and reads its ``/metrics`` (running and waiting
+requests, KV-cache usage), each call bounded by ``timeout_s``. ``fails_down`` failed checks in a row
+take an engine out (requests waiting on it before their first byte are retried elsewhere); one good
+check brings it back.
+
+Load as the router sees it is what it sent: each request in flight on an engine carries the seconds
+its prefill is expected to take (from the score, else from the prompt length at the prefill rate the
+router observed) until its first token; their sum is the engine's queue. Requests that came from
+elsewhere show up in vLLM's waiting count and are charged at the engine's mean prefill time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+POOLS = ("mixed", "prefill", "decode")
+DEFAULT_PREFILL_S_PER_TOKEN = 2e-4  # until the router has seen a first token (CPU engines run ~0.1-1 ms)
+KV_FULL = 0.95  # KV usage above which an engine's next request is likely to wait for or cause a preemption
+MAX_METRICS_BYTES = 4 << 20
+
+
+@dataclasses.dataclass
+class Engine:
+    url: str  # base URL, no trailing slash
+    node: str | None = None  # its agent's node id (score rows name engines by it)
+    pool: str = "mixed"
+    score_url: str | None = None  # its agent's /v1/score (from the node record's metrics URL)
+    healthy: bool = False
+    checked: bool = False  # at least one health check answered (or failed)
+    fails: int = 0  # failed health checks in a row
+    running: float = 0.0  # vLLM's gauges, last read
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefilling: dict[int, float] = dataclasses.field(default_factory=dict)  # request -> expected prefill s
+    inflight: int = 0  # requests sent and not finished
+    down: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while taken out
+
+    @property
+    def name(self) -> str:
+        return self.node or self.url
+
+    def queue_s(self, mean_prefill_s: float) -> float:
+        """Seconds a request sent now waits before its own prefill starts (see the module docstring)."""
+        outside = max(0.0, self.waiting - len(self.prefilling))
+        penalty = mean_prefill_s if self.kv_usage >= KV_FULL else 0.0
+        return sum(self.prefilling.values()) + outside * mean_prefill_s + penalty
+
+
+@dataclasses.dataclass(frozen=True)
+class FleetSource:
+    """Where engines come from: static URLs per pool, and/or a function returning node records."""
+
+    static: tuple[tuple[str, str, str | None], ...] = ()  # (url, pool, node id)
+    records: Callable[[], Iterable[Any]] | None = None  # -> NodeRecords (an etcd mirror's nodes)
+    score_url: str | None = None  # static: the agent asked for scores
+
+
+class Fleet:
+    """The engines, refreshed in the background (``start``/``stop``); see the module docstring."""
+
+    def __init__(self, source: FleetSource, session: aiohttp.ClientSession, *, interval_s: float = 1.0,
+                 timeout_s: float = 1.0, fails_down: int = 2) -> None:
+        self.source = source
+        self.session = session
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.fails_down = fails_down
+        self.engines: dict[str, Engine] = {}
+        self.prefill_s_per_token = DEFAULT_PREFILL_S_PER_TOKEN  # learned from first tokens (EWMA)
+        self.mean_prefill_s = 0.1
+        self._task: asyncio.Task[None] | None = None
+        self.on_change: Callable[[], None] = lambda: None
+        self._discover()
+
+    def _discover(self) -> None:
+        found: dict[str, tuple[str, str | None, str | None]] = {}
+        for url, pool, node in self.source.static:
+            found[url.rstrip("/")] = (pool, node, self.source.score_url)
+        if self.source.records is not None:
+            try:
+                records = list(self.source.records())
+            except Exception as exc:  # the mirror is local memory; a bug there must not stop routing
+                log.warning("reading node records failed: %s", exc)
+                records = []
+            for record in records:
+                if record.role != "engine" or not record.engine_url:
+                    continue
+                score = record.metrics_url.rsplit("/metrics", 1)[0] + "/v1/score" if record.metrics_url else None
+                found[record.engine_url.rstrip("/")] = (record.engine_pool, record.node_id, score)
+        for url in list(self.engines):
+            if url not in found:
+                log.info("engine %s left (its node record is gone)", self.engines[url].name)
+                self.engines.pop(url).down.set()
+        for url, (pool, node, score) in found.items():
+            engine = self.engines.get(url)
+            if engine is None:
+                self.engines[url] = engine = Engine(url, node, pool, score)
+                engine.down.set()  # until its first health check
+                log.info("engine %s at %s (pool %s)", engine.name, url, pool)
+            engine.node, engine.pool, engine.score_url = node, pool, score
+
+    def candidates(self, pool: str, exclude: Iterable[str] = ()) -> list[Engine]:
+        """Healthy engines able to serve ``pool`` (mixed engines serve every pool)."""
+        skip = set(exclude)
+        return [e for e in self.engines.values()
+                if e.healthy and e.url not in skip and (e.pool == pool or e.pool == "mixed")]
+
+    def by_node(self) -> dict[str, Engine]:
+        return {e.node: e for e in self.engines.values() if e.node}
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="router-fleet")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # one bad round must not end health checking
+                log.exception("engine health round failed")
+
+    async def refresh(self) -> None:
+        self._discover()
+        await asyncio.gather(*(self._check(e) for e in list(self.engines.values())))
+        self.on_change()
+
+    async def _check(self, engine: Engine) -> None:
+        try:
+            async with self.session.get(engine.url + "/health", timeout=self._timeout()) as resp:
+                ok = resp.status == 200
+                await resp.read()
+            if ok:
+                await self._read_load(engine)
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            ok = False
+        engine.checked = True
+        if ok:
+            if not engine.healthy:
+                log.info("engine %s is up", engine.name)
+            engine.healthy, engine.fails = True, 0
+            engine.down.clear()
+            return
+        engine.fails += 1
+        if engine.healthy and engine.fails >= self.fails_down:
+            log.warning("engine %s: %d health checks failed; taken out", engine.name, engine.fails)
+            engine.healthy = False
+        if not engine.healthy:
+            engine.down.set()
+
+    async def _read_load(self, engine: Engine) -> None:
+        """vLLM's running/waiting gauges and KV usage; a scrape that fails leaves the last values."""
+        try:
+            async with self.session.get(engine.url + "/metrics", timeout=self._timeout()) as resp:
+                if resp.status != 200:
+                    return
+                text = (await resp.content.read(MAX_METRICS_BYTES)).decode(errors="replace")
+        except (TimeoutError, aiohttp.ClientError):
+            return
+        wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+                  "vllm:kv_cache_usage_perc": "kv_usage"}
+        values: dict[str, float] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                attr = wanted.get(family.name)
+                if attr is not None:
+                    values[attr] = sum(s.value for s in family.samples)
+        except ValueError:
+            return
+        for attr, value in values.items():
+            setattr(engine, attr, value)
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.timeout_s)
+
+    def first_token(self, engine: Engine, request: int, uncached_tokens: int, seconds: float) -> None:
+        """``request`` got its first token after ``seconds``: no longer in ``engine``'s queue; an
+        engine that had nothing else queued teaches the prefill rate."""
+        expected = engine.prefilling.pop(request, None)
+        if expected is None:
+            return
+        self.mean_prefill_s = 0.8 * self.mean_prefill_s + 0.2 * seconds
+        if not engine.prefilling and uncached_tokens >= 64:
+            self.prefill_s_per_token = 0.8 * self.prefill_s_per_token + 0.2 * seconds / uncached_tokens
+
+    def healthy_counts(self) -> dict[str, int]:
+        out = {"healthy": 0, "unhealthy": 0}
+        for e in self.engines.values():
+            out["healthy" if e.healthy else "unhealthy"] += 1
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"url": e.url, "node": e.node, "pool": e.pool, "healthy": e.healthy, "running": e.running,
+                 "waiting": e.waiting, "kv_usage": round(e.kv_usage, 4), "inflight": e.inflight,
+                 "queue_s": round(e.queue_s(self.mean_prefill_s), 4)} for e in self.engines.values()]
