@@ -517,6 +517,53 @@ def test_standalone_agent_runs_the_agent_command():
     assert c["command"][1:] == ["agent", "--config", CONFIG_PATH]
 
 
+def router_problems(docs: list[Doc]) -> list[str]:
+    """The router Deployment runs ``lmcache-p2p router`` on the mounted agent config, its probes ask paths
+    the router serves, its Service reaches its port, and the vLLM pods publish an engine URL on their
+    API port (the router finds them by it)."""
+    from lmcache_p2p.cli.router import parser
+    from lmcache_p2p.router.app import GET_PATHS
+
+    problems = []
+    dep = one(docs, "Deployment", "lmcache-router")
+    c = dep["spec"]["template"]["spec"]["containers"][0]
+    if c["command"][:2] != ["lmcache-p2p", "router"] or ("router",) not in COMMANDS:
+        problems.append(f"router command: {c['command'][:2]}")
+    args = parser().parse_args(c["command"][2:])
+    problems += mounted_config_path_problems(dep, c, args.config or "")
+    port = container_port(dep, "http")
+    if port != args.port:
+        problems.append(f"router listens on {args.port}, its container port is {port}")
+    served = set(GET_PATHS)
+    for probe in ("readinessProbe", "livenessProbe"):
+        path = c[probe]["httpGet"]["path"]
+        if path not in served:
+            problems.append(f"router {probe} asks {path}, which it does not serve")
+    svc = one(docs, "Service", "lmcache-router")
+    if not pods_selected(docs, svc["spec"]["selector"]) == [dep]:
+        problems.append("Service lmcache-router selects other pods than the router's")
+    for p in svc["spec"]["ports"]:
+        if container_port(dep, p["targetPort"]) is None:
+            problems.append(f"Service lmcache-router targets {p['targetPort']}, no such container port")
+    vllm = one(docs, "StatefulSet", "lmcache-vllm")
+    vc = vllm["spec"]["template"]["spec"]["containers"][0]
+    url = env_of(vc).get("LMCACHE_P2P_ENGINE_URL", {}).get("value", "")
+    api = int(flag(vc["args"], "--port") or 8000)
+    if not url.endswith(f":{api}") or "$(POD_IP)" not in url or "POD_IP" not in env_of(vc):
+        problems.append(f"vLLM pods publish engine_url {url!r}, not http://$(POD_IP):{api}")
+    return problems
+
+
+def test_the_router_deployment_agrees_with_the_router_and_the_engines():
+    assert router_problems(DOCS) == []
+    broken = copy.deepcopy(DOCS)
+    c = one(broken, "Deployment", "lmcache-router")["spec"]["template"]["spec"]["containers"][0]
+    c["readinessProbe"]["httpGet"]["path"] = "/healthz"
+    vc = one(broken, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
+    next(e for e in vc["env"] if e["name"] == "LMCACHE_P2P_ENGINE_URL")["value"] = "http://$(POD_IP):9000"
+    assert len(router_problems(broken)) == 2
+
+
 # --------------------------------------------------------------------------- etcd
 
 def etcd_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:

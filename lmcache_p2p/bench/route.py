@@ -1,134 +1,195 @@
-"""``lmcache-p2p bench route``: score-based routing against round-robin, 3 vLLM engines on CPU.
+"""``lmcache-p2p bench route``: open-loop load through ``lmcache-p2p router`` on a fleet with the mesh.
 
-Three engines with the connector share a private etcd. A tiny router sends each request either
-round-robin or to the engine ``POST /v1/score`` names best (asked of one agent: its mirror scores
-every engine; the score call is counted in the request's TTFT). The workload: ``--docs`` long
-documents, each asked ``--repeats`` times with a different short question appended, in one seeded
-order; each policy gets its own documents (same sizes and order), so neither inherits the other's
-cache. Reported per policy: mean and p99 TTFT over all requests and over the repeats only (the
-first request of a document is a miss under both), the hit tokens, and where the hits came from
-(engine-local vs pulled from a peer). Engine mode eager (``enforce_eager``), vLLM's prefix cache
-off, one warm-up request per engine.
+N ``vllm serve`` engines with the connector on a private etcd (as ``bench serve`` starts them: eager,
+the reserved-CPU setting pinned, vLLM's prefix cache on), each publishing its OpenAI URL in its node
+record. For each mode, a ``lmcache-p2p router`` process finds them in etcd and vLLM's own benchmark
+client (``vllm bench serve``) sends every request to the router, Poisson arrivals at each rate:
+
+    round_robin     the engines in turn
+    score           where the score API expects the cache to answer first; load ignored
+    score_load      expected TTFT = queue + the score's load/prefill estimate (the router's default)
+    disaggregated   score_load over a prefill pool (the first ``--prefill-engines``) and a decode pool:
+                    the prompt prefilled with one output token, the decode engine pulls its chunks
+
+Each mode and rate gets prompts of its own (same sizes, another seed), so no mode inherits another's
+cache. Per run: mean, p50 and p99 TTFT and ITL, the share within the TTFT SLO (failed requests count as
+misses), output tokens/s, the fleet's hit rate (vLLM's ``prompt_tokens_by_source``) and how the requests
+spread over the engines. Goodput: the highest rate with >= 99 % within the SLO. Ratios against
+round-robin at each rate: ``<mode>_vs_round_robin`` = mean TTFT and p99 TTFT.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import statistics
+import subprocess
+import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from ..ids import NodeId
-from ..index.etcd_server import EtcdServer
-from ..index.schema import NodeRecord
-from ..testing.engine_client import EngineProcess
+from ..index.etcd_server import free_port
 from ..testing.tiny_model import create_tiny_model
 from .common import emit, run_in_workdir
-from .vllm import MODEL_SIZES, agent_config, bench_prompts
+from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
+from .vllm import MODEL_SIZES
+from .workloads import Workload
 
-ENGINES = ("route-a", "route-b", "route-c")
+MODES = ("round_robin", "score", "score_load", "disaggregated")
 
 
-def _records(work: Path, endpoints: tuple[str, ...]) -> dict[NodeId, NodeRecord]:
-    from ..aio import LoopThread
-    from ..config import load_config
-    from ..index.reader import IndexReader
-
-    config = load_config(agent_config(work / "probe.yaml", "probe", endpoints, "tcp", cluster="bench-route"), env={})
-    with LoopThread() as loop:
-        reader = IndexReader.open(loop, config, b"\0" * 16)  # type: ignore[arg-type]
+@contextlib.contextmanager
+def router_process(fleet: Fleet, mode: str, args: argparse.Namespace, work: Path) -> Iterator[str]:
+    """A ``lmcache-p2p router`` for ``mode`` over the fleet; yields its URL once every engine is healthy."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "lmcache_p2p", "router", "--port", str(port), "--log-level", "WARNING"]
+    if mode == "disaggregated":
+        score = fleet.agent_metrics[0].replace("/metrics", "/v1/score")
+        for i, url in enumerate(fleet.urls):
+            pool = "--prefill-engine" if i < args.prefill_engines else "--decode-engine"
+            cmd += [pool, f"serve-{i}={url}"]
+        cmd += ["--disaggregated", "--score-url", score, "--policy", "score_load"]
+    else:
+        cmd += ["--etcd", fleet.etcd_endpoints, "--cluster", "bench-serve", "--policy", mode]
+    with open(work / f"router-{mode}.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
         try:
-            return reader.nodes()
+            deadline = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"router exited with {proc.returncode} (log {log.name})")
+                with contextlib.suppress(OSError, ValueError):
+                    with urllib.request.urlopen(url + "/router/engines", timeout=2) as resp:  # noqa: S310 - loopback
+                        if sum(e["healthy"] for e in json.loads(resp.read())["engines"]) == len(fleet.urls):
+                            break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"router not ready (log {log.name})")
+                time.sleep(0.3)
+            yield url
         finally:
-            reader.close()
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(15)
+            proc.kill()
 
 
-def _score(url: str, tokens: list[int]) -> dict[str, Any]:
-    req = urllib.request.Request(url.replace("/metrics", "/v1/score"), data=json.dumps({"tokens": tokens}).encode(),
-                                 method="POST", headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as resp:  # noqa: S310 - the agents of this run
-        return dict(json.loads(resp.read()))
-
-
-def workload(docs: int, repeats: int, tokens: int, seed: int) -> list[list[int]]:
-    bodies = bench_prompts(docs, tokens, seed)
-    questions = bench_prompts(docs * repeats, 24, seed + 50_000)
-    order = np.random.default_rng(seed).permutation(docs * repeats).tolist()
-    return [bodies[i % docs] + questions[i] for i in order]
-
-
-def _policy(name: str, prompts: list[list[int]], engines: dict[str, EngineProcess], score_url: str) -> dict[str, Any]:
-    ttft, cached, seen, sent = [], [], set(), []
-    for i, prompt in enumerate(prompts):
-        t0 = time.perf_counter()
-        if name == "score":
-            answer = _score(score_url, prompt)
-            best = answer["best"] if answer["best"] in engines else ENGINES[i % len(ENGINES)]
-        else:
-            best = ENGINES[i % len(ENGINES)]
-        routing_s = time.perf_counter() - t0
-        result = engines[best].ttft([prompt])[0]
-        doc = tuple(prompt[:64])
-        ttft.append((routing_s + result["ttft_s"], doc in seen))
-        cached.append(result["num_cached_tokens"])
-        seen.add(doc)
-        sent.append(best)
-    every = [t for t, _ in ttft]
-    repeat = [t for t, again in ttft if again]
-    return {
-        f"{name}_ttft_mean_ms": round(1e3 * statistics.mean(every), 2),
-        f"{name}_ttft_p99_ms": round(1e3 * _p99(every), 2),
-        f"{name}_repeat_ttft_mean_ms": round(1e3 * statistics.mean(repeat), 2) if repeat else None,
-        f"{name}_repeat_ttft_p99_ms": round(1e3 * _p99(repeat), 2),
-        f"{name}_hit_tokens": int(sum(cached)),
-        f"{name}_requests_per_engine": {e: sent.count(e) for e in ENGINES},
-    }
-
-
-def _p99(xs: list[float]) -> float:
-    return float(np.percentile(xs, 99)) if xs else 0.0
-
-
-def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    model = create_tiny_model(work / f"{args.model_size}-llama", **MODEL_SIZES[args.model_size])
-    out: dict[str, Any] = {"model": args.model_size, "docs": args.docs, "repeats": args.repeats,
-                           "doc_tokens": args.tokens, "dtype": args.dtype, "engine_mode": "eager"}
-    with EtcdServer(base_dir=str(work)) as etcd:
-        engines: dict[str, EngineProcess] = {}
-        try:
-            for name in ENGINES:
-                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, "tcp", cluster="bench-route")
-                engines[name] = EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype)
-            for i, engine in enumerate(engines.values()):
-                engine.wait_ready().ttft(bench_prompts(1, args.tokens, 90_000 + i))
-            score_url = _records(work, etcd.endpoints)[NodeId(ENGINES[0])].metrics_url or ""
-            for seed, name in ((1000, "round_robin"), (2000, "score")):
-                out.update(_policy(name, workload(args.docs, args.repeats, args.tokens, seed), engines, score_url))
-        finally:
-            for engine in engines.values():
-                engine.stop()
-    for what in ("ttft_mean_ms", "ttft_p99_ms", "repeat_ttft_mean_ms", "repeat_ttft_p99_ms"):
-        rr, sc = out[f"round_robin_{what}"], out[f"score_{what}"]
-        out[f"score_vs_round_robin_{what.removesuffix('_ms')}"] = round(sc / rr, 3) if rr and sc else None
+def _router_counts(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # noqa: S310 - loopback
+        for line in resp.read().decode().splitlines():
+            if line.startswith("lmcache_p2p_router_requests_total{"):
+                labels, value = line.rsplit(" ", 1)
+                engine = labels.split('engine="', 1)[1].split('"', 1)[0]
+                outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
+                out[f"{engine}:{outcome}"] = out.get(f"{engine}:{outcome}", 0.0) + float(value)
     return out
 
 
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    workload = Workload("prefix", args.num_prompts, args.output_len, prefix_len=args.prefix_len,
+                        suffix_len=args.suffix_len, num_prefixes=args.num_prefixes)
+    model = Path(args.model) if args.model else create_tiny_model(work / "model", **MODEL_SIZES[args.model_size])
+    rates = sorted(float(r) for r in args.rates.split(","))
+    modes = [m for m in args.modes.split(",") if m]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"bench route: unknown mode {m!r} (choose from {', '.join(MODES)})")
+    args.systems, args.index = "mesh", "watch"
+    capacity_chunks = args.engines * _capacity_bytes(args.capacity) // _chunk_bytes(model, args.dtype)
+    out: dict[str, Any] = {"engines": args.engines, "engine_mode": "eager", "dtype": args.dtype,
+                           "model": str(args.model or args.model_size), "slo_ttft_ms": args.slo_ttft_ms,
+                           "workload": {"kind": "prefix", "num_prompts": args.num_prompts,
+                                        "prefix_len": args.prefix_len, "suffix_len": args.suffix_len,
+                                        "num_prefixes": args.num_prefixes, "output_len": args.output_len},
+                           "rates": rates, "prefill_engines": args.prefill_engines,
+                           "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "modes": {}}
+    fleet = start_fleet("mesh", args, model, work)
+    with fleet.stack:
+        for m, mode in enumerate(modes):
+            rows = []
+            with router_process(fleet, mode, args, work) as url:
+                for k, rate in enumerate(rates):
+                    run_id = 100 * (m + 1) + k  # prompts of its own per mode and rate
+                    before, sent_before = fleet.counters(), _router_counts(url)
+                    res = run_client(fleet, workload, rate, run_id, args, model, work, urls=[url],
+                                     label=f"route-{mode}-{k}")
+                    row = row_of(rate, res, before, fleet.counters(), args.slo_ttft_ms)
+                    sent = _router_counts(url)
+                    row["answered_by"] = {key: int(v - sent_before.get(key, 0.0)) for key, v in sent.items()
+                                          if v - sent_before.get(key, 0.0) > 0}
+                    rows.append(row)
+            out["modes"][mode] = {"goodput_rps": goodput(rows), "rows": rows}
+    base = out["modes"].get("round_robin")
+    if base:
+        for mode, res in out["modes"].items():
+            if mode == "round_robin":
+                continue
+            res["vs_round_robin"] = [
+                {"rate": r["rate"], "ttft_mean": _ratio(r["ttft_mean_ms"], b["ttft_mean_ms"]),
+                 "ttft_p99": _ratio(r["ttft_p99_ms"], b["ttft_p99_ms"])}
+                for r, b in zip(res["rows"], base["rows"], strict=True)]
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
+def _capacity_bytes(text: str) -> int:
+    from ..config import parse_size
+
+    return parse_size(text, "--capacity")
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"bench route: {result['engines']} engines ({result['engine_mode']}, {result['dtype']}), "
+          f"workload {result['workload']}; TTFT SLO {result['slo_ttft_ms']:g} ms; ideal hit rate "
+          f"{result['ideal_hit_rate']}")
+    cols = ["rate", "slo_met", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+            "output_tok_s", "hit_rate", "failed"]
+    print("  " + " ".join(f"{c:>13}" for c in ["mode", *cols]))
+    for mode, res in result["modes"].items():
+        for r in res["rows"]:
+            print("  " + " ".join(f"{v!s:>13}" for v in [mode, *(r[c] for c in cols)]))
+        print(f"  {mode:>13} goodput (>= 99 % within SLO): {res['goodput_rps']} req/s"
+              + (f"; vs round-robin {res['vs_round_robin']}" if "vs_round_robin" in res else ""))
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench route", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--docs", type=int, default=6)
-    parser.add_argument("--repeats", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--model-size", default="mid", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
+    p = argparse.ArgumentParser(prog="lmcache-p2p bench route", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", type=int, default=3)
+    p.add_argument("--prefill-engines", type=int, default=0, help="disaggregated: engines in the prefill pool "
+                   "(default: half, rounded up)")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
+    p.add_argument("--rates", default="0.5,1", help="requests/s, comma-separated")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=16)
+    p.add_argument("--prefix-len", type=int, default=2048)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--capacity", default="512MiB", help="each agent's CPU tier")
+    p.add_argument("--load-threads", type=int, default=1)
+    p.add_argument("--max-concurrency", type=int, default=0)
+    p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
+    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    if args.engines < 2:
+        p.error("--engines must be >= 2")
+    args.prefill_engines = args.prefill_engines or (args.engines + 1) // 2
+    if not 0 < args.prefill_engines < args.engines:
+        p.error("--prefill-engines must leave at least one engine for each pool")
     result = run_in_workdir(run, args, "lmcache-p2p-bench-route-")
-    emit(result, args.json, "bench route (TTFT incl. the routing call; 3 engines)")
+    if args.json:
+        emit(result, True, "")
+    else:
+        print_table(result)
     return 0

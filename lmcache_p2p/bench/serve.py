@@ -56,6 +56,7 @@ class Fleet:
     servers: list[VllmServer] = field(default_factory=list)
     agent_metrics: list[str] = field(default_factory=list)  # mesh: each agent's /metrics URL
     cache_sid: int | None = None  # lmcache: the server's session
+    etcd_endpoints: str = ""  # mesh: the private etcd, comma-separated
     stack: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     @property
@@ -86,15 +87,18 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
     fleet = Fleet(system)
     try:
         kv: list[dict[str, Any] | None] = [None] * args.engines
+        ports = [free_port() for _ in range(args.engines)]
         python, env = sys.executable, None
         if system == "mesh":
             etcd = fleet.stack.enter_context(EtcdServer(base_dir=str(work)))
+            fleet.etcd_endpoints = ",".join(etcd.endpoints)
             for i in range(args.engines):
                 port = free_port()
                 fleet.agent_metrics.append(f"http://127.0.0.1:{port}/metrics")
                 cfg = work / f"mesh-{i}.yaml"
                 cfg.write_text(yaml.safe_dump({
                     "node_id": f"serve-{i}", "cluster": "bench-serve", "metrics_port": port,
+                    "engine_url": f"http://127.0.0.1:{ports[i]}",
                     "tiers": {"cpu_capacity": args.capacity},
                     "etcd": {"endpoints": list(etcd.endpoints), "index": args.index},
                     "transfer": {"transports": ["tcp"], "secret": SECRET, "load_threads": args.load_threads}}))
@@ -110,7 +114,7 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
             python, env = str(venv_python(REPO)), lmcache_env(REPO)
         for i in range(args.engines):
             server_i = VllmServer(model, name=f"{system}-{i}", log_path=work / f"{system}-{i}.log",
-                                  kv_transfer_config=kv[i], python=python, env=env, dtype=args.dtype)
+                                  kv_transfer_config=kv[i], python=python, env=env, dtype=args.dtype, port=ports[i])
             fleet.servers.append(server_i)
             fleet.stack.callback(server_i.stop)
         for server_i in fleet.servers:
@@ -125,19 +129,22 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
 
 
 def run_client(fleet: Fleet, workload: Workload, rate: float, run: int, args: argparse.Namespace, model: Path,
-               work: Path) -> dict[str, Any]:
-    """One ``vllm bench serve`` run; its detailed result JSON."""
-    name = f"{fleet.system}-{run}.json"
+               work: Path, *, urls: list[str] | None = None, label: str | None = None) -> dict[str, Any]:
+    """One ``vllm bench serve`` run against the fleet's engines round-robin (or ``urls``: a router);
+    its detailed result JSON."""
+    label = label or f"{fleet.system}-{run}"
+    name = f"{label}.json"
+    urls = urls or fleet.urls
     wl_args, wl_env = workload.client_args(rate, run, work)
-    cmd = [sys.executable, "-m", "lmcache_p2p.testing.bench_client", "--urls", ",".join(fleet.urls),
-           "--assign", str(work / f"{fleet.system}-{run}.assign"),
-           "--backend", "vllm", "--base-url", fleet.urls[0], "--model", str(model), "--temperature", "0",
+    cmd = [sys.executable, "-m", "lmcache_p2p.testing.bench_client", "--urls", ",".join(urls),
+           "--assign", str(work / f"{label}.assign"),
+           "--backend", "vllm", "--base-url", urls[0], "--model", str(model), "--temperature", "0",
            "--num-warmups", "0", "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
            "--metric-percentiles", "50,99", "--goodput", f"ttft:{args.slo_ttft_ms:g}",
            "--save-result", "--save-detailed", "--result-dir", str(work), "--result-filename", name, *wl_args]
     if args.max_concurrency:
         cmd += ["--max-concurrency", str(args.max_concurrency)]
-    with open(work / f"client-{fleet.system}-{run}.log", "w") as log:
+    with open(work / f"client-{label}.log", "w") as log:
         subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=CLIENT_TIMEOUT_S,
                        env={**os.environ, **wl_env, "PYTHONPATH": str(REPO)})
     return dict(json.loads((work / name).read_text()))
@@ -151,6 +158,7 @@ def row_of(rate: float, res: dict[str, Any], before: dict[str, float], after: di
     met = sum(1 for t, e in zip(res["ttfts"], res["errors"], strict=True) if not e and 0 < t and 1000 * t <= slo_ms)
     return {
         "rate": rate, "completed": done, "failed": failed, "slo_met": round(met / max(1, done + failed), 4),
+        "ttft_mean_ms": round(res["mean_ttft_ms"], 1),
         "ttft_p50_ms": round(res["p50_ttft_ms"], 1), "ttft_p99_ms": round(res["p99_ttft_ms"], 1),
         "itl_p50_ms": round(res["p50_itl_ms"], 1), "itl_p99_ms": round(res["p99_itl_ms"], 1),
         "output_tok_s": round(res["output_throughput"], 1), "req_s": round(res["request_throughput"], 3),

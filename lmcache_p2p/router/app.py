@@ -48,6 +48,7 @@ from .policy import Choice, Policy
 log = logging.getLogger(__name__)
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+GET_PATHS = ("/v1/models", "/health", "/metrics", "/router/engines")
 MAX_BODY_BYTES = 32 << 20
 CHUNK_TOKENS = 256
 EXPECT_PARAM = "lmcache_p2p_expect_chunks"
@@ -119,12 +120,12 @@ class Router:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
-        app.router.add_post("/v1/completions", self.handle_routed)
-        app.router.add_post("/v1/chat/completions", self.handle_routed)
-        app.router.add_get("/v1/models", self.handle_models)
-        app.router.add_get("/health", self.handle_health)
-        app.router.add_get("/metrics", self.handle_metrics)
-        app.router.add_get("/router/engines", self.handle_engines)
+        for path in ROUTED_PATHS:
+            app.router.add_post(path, self.handle_routed)
+        handlers = {"/v1/models": self.handle_models, "/health": self.handle_health, "/metrics": self.handle_metrics,
+                    "/router/engines": self.handle_engines}
+        for path in GET_PATHS:
+            app.router.add_get(path, handlers[path])
         return app
 
     # -- small endpoints ------------------------------------------------------------------------
