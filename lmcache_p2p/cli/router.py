@@ -78,7 +78,7 @@ def _records(args: argparse.Namespace) -> Iterator[Any]:
     with LoopThread() as loop:
         reader = IndexReader.open(loop, config, FingerprintDigest(b"\0" * 16))
         try:
-            yield reader.nodes
+            yield lambda: list(reader.nodes().values())
         finally:
             reader.close()
 
