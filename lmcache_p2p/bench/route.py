@@ -82,7 +82,12 @@ def _router_counts(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:  # noqa: S310 - loopback
         for line in resp.read().decode().splitlines():
-            if line.startswith("lmcache_p2p_router_requests_total{"):
+            if line.startswith(("lmcache_p2p_router_route_seconds_sum", "lmcache_p2p_router_route_seconds_count")):
+                out[line.split(" ", 1)[0]] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("lmcache_p2p_router_score_failures_total{"):
+                call = line.split('call="', 1)[1].split('"', 1)[0]
+                out[f"score_failures:{call}"] = float(line.rsplit(" ", 1)[1])
+            elif line.startswith("lmcache_p2p_router_requests_total{"):
                 labels, value = line.rsplit(" ", 1)
                 engine = labels.split('engine="', 1)[1].split('"', 1)[0]
                 outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
@@ -96,7 +101,7 @@ def announce_gap(fleet: Fleet, args: argparse.Namespace, samples: int = 5) -> di
     scheduler plans from) scores all 4 chunks as loadable. Polled every 5 ms, at most 5 s."""
     prefill, decode = 0, args.prefill_engines
     score_url = fleet.agent_metrics[decode].replace("/metrics", "/v1/score")
-    gaps = []
+    gaps: list[float | None] = []
     for prompt in bench_prompts(samples, 4 * 256 + 40, seed=77_000):
         fleet.servers[prefill].complete(prompt, max_tokens=1)
         t0 = time.monotonic()
@@ -148,8 +153,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                      label=f"route-{mode}-{k}")
                     row = row_of(rate, res, before, fleet.counters(), args.slo_ttft_ms)
                     sent = _router_counts(url)
-                    row["answered_by"] = {key: int(v - sent_before.get(key, 0.0)) for key, v in sent.items()
-                                          if v - sent_before.get(key, 0.0) > 0}
+                    delta = {key: v - sent_before.get(key, 0.0) for key, v in sent.items()}
+                    routed = delta.pop("lmcache_p2p_router_route_seconds_count", 0.0)
+                    row["route_ms_mean"] = round(1e3 * delta.pop("lmcache_p2p_router_route_seconds_sum", 0.0)
+                                                 / routed, 2) if routed else None
+                    row["answered_by"] = {key: int(v) for key, v in delta.items() if v > 0}
                     rows.append(row)
             out["modes"][mode] = {"goodput_rps": goodput(rows), "rows": rows}
     base = out["modes"].get("round_robin")
