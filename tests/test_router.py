@@ -20,7 +20,7 @@ from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord
 from lmcache_p2p.router.app import ENGINE_HEADER, EXPECT_PARAM, Router, RouterConfig
 from lmcache_p2p.router.engines import Engine, Fleet, FleetSource
-from lmcache_p2p.router.policy import Policy
+from lmcache_p2p.router.policy import Pending, Policy
 
 
 class FakeEngine:
@@ -272,10 +272,10 @@ def test_score_load_weighs_the_cache_against_the_queue():
     assert Policy("score_load").choose([a, b], score=score, **kw).engine is a  # idle: the cache wins
     a.prefilling[1] = 2.0  # a is busy for 2 s: b's 0.9 s prefill answers first
     choice = Policy("score_load").choose([a, b], score=score, **kw)
-    assert choice.engine is b and choice.expected_ttft_s == pytest.approx(0.9)
+    assert choice.engine is b and choice.expected_ttft_s == pytest.approx(0.9)  # 2.05 + 2 x 0.025 > 2 x 0.9
     assert Policy("score").choose([a, b], score=score, **kw).engine is a  # score only ignores the queue
     a.prefilling.clear()
-    a.waiting = 3  # requests from elsewhere, charged at the mean prefill time
+    a.waiting = 4  # requests from elsewhere, charged at the mean prefill time: 2.0 + 0.05 > 1.8
     assert Policy("score_load").choose([a, b], score=score, **kw).engine is b
     # an engine the score does not list is estimated from the prompt at the observed rate
     c = engine("c")
@@ -339,3 +339,23 @@ def test_engine_url_and_pool_are_checked_in_config_and_in_records():
             NodeRecord.unpack(msgpack.packb({**raw, field: value}))
     older = {k: v for k, v in raw.items() if k not in ("engine_url", "engine_pool")}  # a node of the last release
     assert NodeRecord.unpack(msgpack.packb(older)).engine_url is None
+
+
+def test_a_document_still_being_prefilled_waits_for_its_engine_instead_of_being_computed_twice():
+    pending = Pending(chunk=256, ttl_s=10.0)
+    doc = list(range(2048))
+    first, other = doc + [1] * 52, doc[:1024] + [7] * 1076
+    a, b = engine("a"), engine("b")
+    kw: dict[str, Any] = {"tokens": 2100, "hash_key": b"k", "score": None, "mean_prefill_s": 0.5,
+                          "s_per_token": 1e-3}
+    choice = Policy("score_load").choose([a, b], pending=pending.lookup(pending.prefixes(first), 0.0), **kw)
+    assert choice is not None
+    pending.add(pending.prefixes(first), choice.engine.url, now=0.0)
+    choice.engine.prefilling[1] = choice.expected_prefill_s  # 2.1 s: that engine is busy with it
+    again = Policy("score_load").choose([a, b], pending=pending.lookup(pending.prefixes(first), 1.0), **kw)
+    assert again is not None and again.engine is choice.engine  # 2.1 + 2 x 0.052 s there beats 2 x 2.1 s elsewhere
+    assert again.matched_tokens == 2048
+    assert pending.lookup(pending.prefixes(other), 1.0) == {choice.engine.url: 1024}  # the shared chunks only
+    assert pending.lookup(pending.prefixes(first), 11.0) == {}  # expired: by now the index knows
+    blind = Policy("score_load").choose([a, b], pending={}, **kw)
+    assert blind is not None and blind.engine is not choice.engine  # what it did before: computed twice

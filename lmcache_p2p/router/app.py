@@ -43,7 +43,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .engines import Engine, Fleet
-from .policy import Choice, Policy
+from .policy import Choice, Pending, Policy
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class Router:
         self.config = config
         self.session = session
         self.policy = Policy(config.policy)
+        self.pending = Pending(config.chunk_tokens)  # score_load: prompts routed moments ago, by prefix
         self.metrics = Metrics()
         self._ids = itertools.count()
         self._rotate = itertools.count()
@@ -199,14 +200,17 @@ class Router:
                      started: float) -> web.StreamResponse:
         score = await self._score(tokens) if tokens and self.config.policy != "round_robin" else None
         hash_key = _hash_key(tokens, payload, self.config.chunk_tokens)
+        prefixes = self.pending.prefixes(tokens) if tokens and self.config.policy == "score_load" else []
         tried: list[str] = []
         last = "no healthy engine"
         for _ in range(self.config.attempts):
             choice = self.policy.choose(self.fleet.candidates(pool, tried), tokens=len(tokens or ()),
                                         hash_key=hash_key, score=score, mean_prefill_s=self.fleet.mean_prefill_s,
-                                        s_per_token=self.fleet.prefill_s_per_token)
+                                        s_per_token=self.fleet.prefill_s_per_token,
+                                        pending=self.pending.lookup(prefixes, time.monotonic()))
             if choice is None:
                 break
+            self.pending.add(prefixes, choice.engine.url, time.monotonic())
             if not tried:
                 self.metrics.route_seconds.observe(time.monotonic() - started)
             tried.append(choice.engine.url)
