@@ -18,7 +18,7 @@ from aiohttp import web
 
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord
-from lmcache_p2p.router.app import ENGINE_HEADER, EXPECT_PARAM, Router, RouterConfig
+from lmcache_p2p.router.app import ENGINE_HEADER, EXPECT_PARAM, Router, RouterConfig, client_session
 from lmcache_p2p.router.engines import Engine, Fleet, FleetSource
 from lmcache_p2p.router.policy import Pending, Policy
 
@@ -61,7 +61,8 @@ class FakeEngine:
         return web.Response(status=200 if self.health == "ok" else 503)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        return web.Response(text=f'vllm:num_requests_running{{engine="0"}} 0\n'
+        padding = "".join(f"# HELP other_{i} a series the router does not read\n" for i in range(5000))  # ~250 KB
+        return web.Response(text=padding + f'vllm:num_requests_running{{engine="0"}} 0\n'
                                  f'vllm:num_requests_waiting{{engine="0"}} {self.waiting}\n'
                                  f'vllm:kv_cache_usage_perc{{engine="0"}} 0.1\n')
 
@@ -78,6 +79,8 @@ class FakeEngine:
         self.bodies.append(body)
         if self.mode == "hang":
             await asyncio.sleep(3600)
+        if self.mode == "slow":  # a long non-streaming answer: nothing until it is complete
+            await asyncio.sleep(3.0)
         if self.mode == "fail":
             return web.json_response({"error": "boom"}, status=500)
         if not isinstance(body.get("max_tokens", 1), int) or body.get("max_tokens", 1) < 0:
@@ -116,11 +119,11 @@ def run_router(n: int, scenario: Scenario, *, config: RouterConfig | None = None
         await web.TCPSite(score_runner, "127.0.0.1", 0).start()
         score_url = f"http://127.0.0.1:{score_runner.addresses[0][1]}/v1/score"
         static = tuple((e.url, (pools or ("mixed",) * n)[i], e.name) for i, e in enumerate(engines))
-        async with aiohttp.ClientSession() as session:
+        async with client_session() as session:
             fleet = Fleet(FleetSource(static=static, score_url=score_url), session, interval_s=0.1, timeout_s=0.3)
             router = Router(fleet, config or RouterConfig(first_byte_timeout_s=2.0), session)
             await fleet.start()
-            runner = web.AppRunner(router.app())
+            runner = router.runner()
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0).start()
             try:
@@ -359,3 +362,47 @@ def test_a_document_still_being_prefilled_waits_for_its_engine_instead_of_being_
     assert pending.lookup(pending.prefixes(first), 11.0) == {}  # expired: by now the index knows
     blind = Policy("score_load").choose([a, b], pending={}, **kw)
     assert blind is not None and blind.engine is not choice.engine  # what it did before: computed twice
+
+
+def test_a_long_non_streaming_answer_is_not_a_first_byte_timeout_and_load_is_read_from_a_large_metrics_page():
+    async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+        engines[0].mode = "slow"  # 3 s, past the 2 s first-byte timeout: its first byte is its last
+        engines[0].waiting = 3
+        status, headers, _ = await post(url + "/v1/completions", {"prompt": "p", "max_tokens": 500})
+        assert status == 200 and headers[ENGINE_HEADER] == "e0" and len(engines[0].bodies) == 1
+        assert router.metrics.retries.labels("first_byte_timeout")._value.get() == 0
+        await router.fleet.refresh()
+        assert router.fleet.engines[engines[0].url].waiting == 3  # parsed past ~250 KB of other series
+
+    run_router(1, scenario, config=RouterConfig(first_byte_timeout_s=2.0))
+
+
+def test_disaggregated_round_robin_takes_each_pool_in_turn():
+    async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+        for i in range(4):
+            status, _, _ = await post(url + "/v1/completions", {"prompt": f"p{i}", "max_tokens": 2})
+            assert status == 200
+        assert [len(e.bodies) for e in engines] == [2, 2, 2, 2]
+
+    run_router(4, scenario, config=RouterConfig(policy="round_robin", disaggregated=True),
+               pools=("prefill", "prefill", "decode", "decode"))
+
+
+def test_a_failed_read_of_the_node_records_keeps_the_engines_known():
+    records = [NodeRecord(node_id=NodeId("a"), addresses={}, transports=(), engine_url="http://a:8000")]
+    broken = False
+
+    def read() -> list[NodeRecord]:
+        if broken:
+            raise RuntimeError("mirror bug")
+        return records
+
+    async def main() -> None:
+        nonlocal broken
+        async with client_session() as session:
+            fleet = Fleet(FleetSource(records=read), session)
+            broken = True
+            fleet._discover()
+            assert list(fleet.engines) == ["http://a:8000"]
+
+    asyncio.run(main())

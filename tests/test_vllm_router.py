@@ -198,7 +198,7 @@ def test_a_repeated_document_keeps_going_where_its_cache_is(fleet, router):
                                                                   "max_tokens": 2, "temperature": 0})
         assert status == 200
         seen.append(headers[ENGINE_HEADER])
-    assert len(set(seen)) == 1, seen  # an idle fleet: the engine holding the document answers it again
+    assert len(set(seen)) == 1, seen  # idle: the holder and the rendezvous pick agree
     state = json.loads(get(router.url + "/router/engines"))
     assert state["policy"] == "score_load" and {e["node"] for e in state["engines"]} == {"ra", "rb"}
 

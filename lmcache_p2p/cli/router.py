@@ -45,6 +45,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-engine", action="append", default=[], metavar="[NODE=]URL")
     p.add_argument("--decode-engine", action="append", default=[], metavar="[NODE=]URL")
     p.add_argument("--score-url", help="static engines: an agent's /v1/score")
+    p.add_argument("--chunk-size", type=int, help="tokens per chunk (default: the config's chunk_size, else 256)")
     p.add_argument("--policy", default="score_load", choices=POLICIES)
     p.add_argument("--disaggregated", action="store_true", help="prefill on the prefill pool, decode on the decode "
                    "pool, the KV through the mesh")
@@ -85,19 +86,17 @@ def _records(args: argparse.Namespace) -> Iterator[Any]:
 
 async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, str, str | None], ...],
                 records: Any) -> None:
-    import aiohttp
     from aiohttp import web
 
-    from ..router.app import Router
+    from ..router.app import Router, client_session
     from ..router.engines import Fleet, FleetSource
 
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+    async with client_session() as session:
         fleet = Fleet(FleetSource(static=static, records=records, score_url=args.score_url), session,
                       interval_s=args.health_interval, timeout_s=args.health_timeout)
         router = Router(fleet, config, session)
         await fleet.start()
-        runner = web.AppRunner(router.app(), access_log=None)
+        runner = router.runner()
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
@@ -133,12 +132,14 @@ def main(argv: list[str]) -> int:
     if args.disaggregated and args.engine:
         print(f"{PROG}: --disaggregated takes --prefill-engine and --decode-engine, not --engine", file=sys.stderr)
         return 2
-    from ..router.app import RouterConfig
+    from ..router.app import CHUNK_TOKENS, RouterConfig
 
     try:
+        chunk = args.chunk_size or (tool_config(args, PROG, require_endpoints=False).chunk_size if args.config
+                                    else CHUNK_TOKENS)
         config = RouterConfig(policy=args.policy, disaggregated=args.disaggregated, attempts=args.attempts,
                               first_byte_timeout_s=args.first_byte_timeout, request_timeout_s=args.request_timeout,
-                              route_timeout_s=args.route_timeout)
+                              route_timeout_s=args.route_timeout, chunk_tokens=chunk)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -74,6 +74,13 @@ class RouterConfig:
             raise ValueError("attempts must be >= 1")
 
 
+def client_session() -> aiohttp.ClientSession:
+    """The router's client: no connection limit, bodies as sent (``identity``: a compressed answer would
+    otherwise be relayed without its ``Content-Encoding``)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=60), auto_decompress=False,
+                                 headers={"Accept-Encoding": "identity"})
+
+
 class UpstreamFailed(Exception):
     """An engine failed before its first byte: the request may go elsewhere."""
 
@@ -118,6 +125,10 @@ class Router:
     def _engines_changed(self) -> None:
         for state, n in self.fleet.healthy_counts().items():
             self.metrics.engines.labels(state).set(n)
+
+    def runner(self) -> web.AppRunner:
+        """The app as served: a handler is cancelled when its client leaves (its engine request with it)."""
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=10.0)
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -231,13 +242,12 @@ class Router:
         engine, rid = choice.engine, next(self._ids)
         engine.prefilling[rid] = choice.expected_prefill_s
         engine.inflight += 1
+        sent = time.monotonic()
         try:
-            timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s,
-                                            connect=min(5.0, self.config.first_byte_timeout_s))
             async with contextlib.AsyncExitStack() as stack:
-                resp, first, complete = await self._first_byte(stack, engine, path, body, headers, timeout)
-                uncached = max(0, len(tokens or ()) - choice.matched_tokens)
-                self.fleet.first_token(engine, rid, uncached, time.monotonic() - started)
+                # A non-streaming answer's first byte is its last: it may take the whole request time.
+                wait = self.config.first_byte_timeout_s if stream else self.config.request_timeout_s
+                resp, first, complete = await self._first_byte(stack, engine, path, body, headers, wait)
                 self.metrics.ttft_seconds.observe(time.monotonic() - started)
                 if not stream or resp.status != 200:
                     rest = b"" if complete else await resp.read()
@@ -245,33 +255,49 @@ class Router:
                                                  ).inc()
                     return web.Response(body=first + rest, status=resp.status, headers={ENGINE_HEADER: engine.name},
                                         content_type=resp.content_type or "application/json")
+                # only a streamed first token times a prefill
+                self.fleet.first_token(engine, rid, max(0, len(tokens or ()) - choice.matched_tokens),
+                                       time.monotonic() - sent)
                 out = web.StreamResponse(status=200, headers={"Content-Type": resp.headers.get(
                     "Content-Type", "text/event-stream"), "Cache-Control": "no-cache", ENGINE_HEADER: engine.name})
                 await out.prepare(request)
-                await out.write(first)
-                try:
-                    async for piece in resp.content.iter_any():
-                        await out.write(piece)
-                except (TimeoutError, aiohttp.ClientError) as exc:
-                    log.warning("stream from %s broke after its first token: %s", engine.name, exc)
-                    self.metrics.requests.labels(engine.name, "broken_stream").inc()
-                    event = {"error": {"message": f"the engine's stream broke: {type(exc).__name__}",
-                                       "type": "upstream_error", "code": 502}}
-                    await out.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
-                    await out.write_eof()
-                    return out
-                await out.write_eof()
-                self.metrics.requests.labels(engine.name, "ok").inc()
-                return out
+                return await self._relay(resp, out, first, engine, started)
         finally:
             engine.prefilling.pop(rid, None)
             engine.inflight -= 1
 
+    async def _relay(self, resp: aiohttp.ClientResponse, out: web.StreamResponse, first: bytes, engine: Engine,
+                     started: float) -> web.StreamResponse:
+        """The engine's stream to the client, within what is left of ``request_timeout_s``; a client that
+        stops reading or leaves ends it (the engine's request with it), a broken engine stream ends with
+        an error event."""
+        try:
+            async with asyncio.timeout(max(0.0, started + self.config.request_timeout_s - time.monotonic())):
+                await out.write(first)
+                async for piece in resp.content.iter_any():
+                    await out.write(piece)
+                await out.write_eof()
+        except ConnectionResetError:  # the client left (aiohttp's ClientConnectionResetError is one too)
+            self.metrics.requests.labels(engine.name, "client_gone").inc()
+            return out
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            log.warning("stream from %s broke after its first token: %s", engine.name, exc)
+            self.metrics.requests.labels(engine.name, "broken_stream").inc()
+            event = {"error": {"message": f"the engine's stream broke: {type(exc).__name__}",
+                               "type": "upstream_error", "code": 502}}
+            with contextlib.suppress(ConnectionResetError, TimeoutError):
+                async with asyncio.timeout(5.0):
+                    await out.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                    await out.write_eof()
+            return out
+        self.metrics.requests.labels(engine.name, "ok").inc()
+        return out
+
     async def _first_byte(self, stack: contextlib.AsyncExitStack, engine: Engine, path: str, body: bytes,
-                          headers: dict[str, str], timeout: aiohttp.ClientTimeout
-                          ) -> tuple[aiohttp.ClientResponse, bytes, bool]:
+                          headers: dict[str, str], wait_s: float) -> tuple[aiohttp.ClientResponse, bytes, bool]:
         """The engine's response, its first bytes and whether they are all of it (a non-streaming
-        answer is read whole), raced against the engine being taken out and ``first_byte_timeout_s``."""
+        answer is read whole), raced against the engine being taken out and ``wait_s``."""
+        timeout = aiohttp.ClientTimeout(total=self.config.request_timeout_s, connect=min(5.0, wait_s))
 
         async def first() -> tuple[aiohttp.ClientResponse, bytes, bool]:
             resp = await stack.enter_async_context(self.session.post(
@@ -287,22 +313,22 @@ class Router:
         task = asyncio.ensure_future(first())
         down = asyncio.ensure_future(engine.down.wait())
         try:
-            done, _ = await asyncio.wait({task, down}, timeout=self.config.first_byte_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({task, down}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             down.cancel()
+            if not task.done():  # given up (or this handler cancelled): the engine's request goes too
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if task in done:
             try:
                 return task.result()
             except (TimeoutError, aiohttp.ClientError, ConnectionError) as exc:
                 raise UpstreamFailed("connect" if isinstance(exc, aiohttp.ClientConnectorError) else "io",
                                      f"{type(exc).__name__}: {exc}") from exc
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
         if down in done:
             raise UpstreamFailed("engine_down", "taken out by health checks before its first byte")
-        raise UpstreamFailed("first_byte_timeout", f"no answer within {self.config.first_byte_timeout_s:g} s")
+        raise UpstreamFailed("first_byte_timeout", f"no answer within {wait_s:g} s")
 
     async def _prefill(self, path: str, payload: dict[str, Any], tokens: list[int] | None,
                        headers: dict[str, str]) -> int:
@@ -327,18 +353,13 @@ class Router:
         engine.inflight += 1
         ok = False
         try:
-            async with self.session.post(engine.url + path, json=prefill, headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=self.config.first_byte_timeout_s)
-                                         ) as resp:
-                await resp.read()
+            async with contextlib.AsyncExitStack() as stack:
+                resp, _, _ = await self._first_byte(stack, engine, path, json.dumps(prefill).encode(), headers,
+                                                    self.config.first_byte_timeout_s)
                 ok = resp.status == 200
-        except (TimeoutError, aiohttp.ClientError) as exc:
-            log.warning("disaggregated prefill on %s failed: %s", engine.name, exc)
-            ok = False
+        except UpstreamFailed as exc:
+            log.warning("disaggregated prefill on %s failed (%s): %s", engine.name, exc.reason, exc)
         finally:
-            if ok:
-                self.fleet.first_token(engine, rid, len(tokens or ()) - choice.matched_tokens,
-                                       time.monotonic() - started)
             engine.prefilling.pop(rid, None)
             engine.inflight -= 1
         self.metrics.requests.labels(engine.name, "prefill_ok" if ok else "prefill_failed").inc()

@@ -95,9 +95,9 @@ class Fleet:
         if self.source.records is not None:
             try:
                 records = list(self.source.records())
-            except Exception as exc:  # the mirror is local memory; a bug there must not stop routing
-                log.warning("reading node records failed: %s", exc)
-                records = []
+            except Exception as exc:  # a bug there must not stop routing: keep the engines known so far
+                log.warning("reading node records failed (engines kept as they were): %s", exc)
+                return
             for record in records:
                 if record.role != "engine" or not record.engine_url:
                     continue
@@ -176,7 +176,12 @@ class Fleet:
             async with self.session.get(engine.url + "/metrics", timeout=self._timeout()) as resp:
                 if resp.status != 200:
                     return
-                text = (await resp.content.read(MAX_METRICS_BYTES)).decode(errors="replace")
+                body = bytearray()
+                async for piece in resp.content.iter_chunked(1 << 16):
+                    body += piece
+                    if len(body) > MAX_METRICS_BYTES:
+                        return
+            text = body.decode(errors="replace")
         except (TimeoutError, aiohttp.ClientError):
             return
         wanted = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",

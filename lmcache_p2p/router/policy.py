@@ -48,7 +48,7 @@ class Policy:
         if name not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {name!r}")
         self.name = name
-        self._turn = itertools.count()
+        self._turns: dict[frozenset[str], itertools.count[int]] = {}
 
     def choose(self, engines: list[Engine], *, tokens: int, hash_key: bytes, score: dict[str, Any] | None,
                mean_prefill_s: float, s_per_token: float, pending: dict[str, int] | None = None) -> Choice | None:
@@ -73,8 +73,9 @@ class Policy:
                 compute = 1e3 * (tokens - matched) * s_per_token
             return (load + float(compute)) / 1e3, matched
 
-        if self.name == "round_robin":
-            engine = engines[next(self._turn) % len(engines)]
+        if self.name == "round_robin":  # in turn within each pool (the candidates' pools)
+            turn = self._turns.setdefault(frozenset(e.pool for e in engines), itertools.count())
+            engine = engines[next(turn) % len(engines)]
             prefill, matched = own(engine)
             return Choice(engine, prefill, engine.queue_s(mean_prefill_s) + prefill, matched)
         ranked = []
