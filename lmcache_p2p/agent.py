@@ -15,6 +15,7 @@ The agent composes the parts; each concern lives in its own module:
     load.py           plan -> budget -> pull -> pinned verified slots, with one absolute deadline
     transfer/pull.py  plan -> pull -> retry -> verify -> metrics (``Puller``), over transfer/'s transports
     handoff.py        hand-off of sole copies and replication
+    objects/          the object tier: uploads behind eviction, loads planned like a slow peer
     invalidation.py   mesh-wide invalidation barriers and the chunk TTL
     coordinator/      the cluster config in etcd, and which of its fields apply live (apply.py)
     score.py          ``/v1/score`` next to ``/metrics``
@@ -35,7 +36,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -43,7 +45,7 @@ from prometheus_client import CollectorRegistry
 from . import __version__, cputime
 from .aio import LoopThread, remaining
 from .chunk import ChunkHeader, make_header, verify
-from .config import AgentConfig
+from .config import AgentConfig, cluster_secret
 from .coordinator import apply as cluster_config_apply
 from .coordinator.apply import set_log_level
 from .coordinator.cluster_config import ClusterConfig
@@ -51,7 +53,7 @@ from .coordinator.store import ConfigWatcher
 from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
-from .ids import TIER_CODES, WIRE_VERSION, NodeId
+from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeId
 from .index.protocol import BlockIndex
 from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
@@ -64,6 +66,9 @@ from .score import http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
 from .transfer.stack import ServerHooks, Transfers, TransfersFactory, TransferStack
+
+if TYPE_CHECKING:
+    from .objects.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 IndexFactory = Callable[[LoopThread, NodeRecord], BlockIndex]
@@ -127,6 +132,7 @@ class CacheAgent:
         self.config_revision = 0  # of the cluster config applied
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
+        self.objects: ObjectTier | None = None  # the object tier, when ``objects.url`` is set
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -166,6 +172,8 @@ class CacheAgent:
                 self.quarantine = Quarantine(client, self.index_schema, rejects=self.rejects)
                 self.loop.run(self.quarantine.start(self.config.etcd.start_wait_s),
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
+            if self.config.objects.url is not None:
+                self._start_objects(client)
             recovered = self.invalidation.vet_recovered(self.tiers.recover())
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
@@ -182,6 +190,46 @@ class CacheAgent:
                  self.node_id, len(recovered), len(mine), self.node_record().addresses,
                  "" if getattr(self.index, "online", True) else " (degraded: etcd not reachable yet)")
         return self
+
+    def _start_objects(self, client: Any) -> None:
+        """The object tier (``objects/``): loads at once; uploads of what this node evicts from here on."""
+        from .objects.store import ObjectStore
+        from .objects.tier import ObjectTier
+
+        assert self.loop is not None
+        spill_dir = None
+        if self.config.tiers.disk_path:  # a disk victim's file is moved aside until its upload is confirmed
+            spill_dir = Path(self.config.tiers.disk_path) / ".objects-spill"
+            spill_dir.mkdir(parents=True, exist_ok=True)
+        secret = self._secret if self._secret is not None else cluster_secret(self.config)
+        objects = ObjectTier(self, ObjectStore(self.config.objects), client, secret=secret, spill_dir=spill_dir,
+                             rejects=self.rejects)
+
+        async def start() -> None:
+            objects.start()
+
+        self.loop.run(start(), self.config.etcd.timeout_s)
+        self.objects = objects
+        self.tiers.set_spill(objects.offer)
+        log.info("object tier: %s bucket %s prefix %s", objects.store.url, self.config.objects.bucket,
+                 self.config.objects.prefix)
+
+    # -- the object tier's hooks (objects/tier.py) ----------------------------------------------------------
+    def wants_upload(self, header: ChunkHeader) -> bool:
+        """A chunk leaving this node that is worth keeping in the object store: this agent's, with every
+        head, hit ``objects.min_hits`` times, and no other node (nor the store) holds it. Dict probes
+        only (called under tier locks)."""
+        return (header.fingerprint == self.fp and header.heads == (0, self.fingerprint.num_kv_heads)
+                and self.handoff.hits.get(header.key, 0) >= self.config.objects.min_hits
+                and not self.handoff.others_hold(header.key))
+
+    def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
+        """A standing invalidation covers a chunk ``holder`` made (an object's uploader)."""
+        return self.invalidation.covers_held_by(header, holder)
+
+    def observe_objects(self, nbytes: int, seconds: float) -> None:
+        """An object read of ``nbytes`` took ``seconds``: the planner's estimate of the store."""
+        self.peer_estimates.observe(OBJECTS, nbytes, seconds)
 
     def node_record(self) -> NodeRecord:
         stack = self._stack
@@ -287,6 +335,12 @@ class CacheAgent:
             self.quarantine = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
+        if self.objects is not None:
+            self.tiers.set_spill(None)
+            if self.loop is not None:
+                with contextlib.suppress(LMCacheP2PError, RuntimeError):
+                    self.loop.run(self.objects.stop(), self.config.etcd.timeout_s)
+            self.objects = None
         self.tiers.close()  # the tier worker finishes the write-backs queued so far
         if flush_to_disk and self._started:
             self.tiers.flush_to_disk()
@@ -383,7 +437,10 @@ class CacheAgent:
         """Hit tokens by source and tier, and miss tokens, for one prompt."""
         hits: dict[tuple[str, str], int] = {}
         for c in plan.chunks:
-            label = ("local", self.tiers.where(c.key) or "cpu") if c.source == LOCAL else ("peer", "peer")
+            if c.source == LOCAL:
+                label = ("local", self.tiers.where(c.key) or "cpu")
+            else:
+                label = ("objects", "object") if c.source == OBJECTS else ("peer", "peer")
             hits[label] = hits.get(label, 0) + c.end - c.start
         self.metrics.lookups.inc()
         for (source, tier), n in hits.items():
@@ -410,7 +467,10 @@ class CacheAgent:
         def usable(node: NodeId) -> bool:
             verdict = verdicts.get(node)
             if verdict is None:
-                verdict = verdicts[node] = self.usable(nodes.get(node))
+                if node == OBJECTS:  # the object store: no node record, its own backoff
+                    verdict = verdicts[node] = self.objects is not None and self.objects.usable()
+                else:
+                    verdict = verdicts[node] = self.usable(nodes.get(node))
             return verdict
 
         inflight = self.puller.inflight() if self.puller is not None else {}
@@ -556,8 +616,22 @@ class CacheAgent:
                            label=label)
 
     def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
-        if self.puller is not None:
-            self.puller.pull(chunks, deadline)
+        """Pull ``chunks`` into the CPU pool by ``deadline``: from peers, and from the object store those
+        planned there (at the same time) or, while time is left, those a peer failed to send and the store
+        also holds."""
+        objects, loop = self.objects, self.loop
+        stored = [c for c in chunks if c.source == OBJECTS]
+        peers = [c for c in chunks if c.source != OBJECTS]
+        reading = loop.submit(objects.fetch(stored, deadline)) if stored and objects and loop else None
+        if peers and self.puller is not None:
+            self.puller.pull(peers, deadline)
+        if reading is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError, LMCacheP2PError):
+                reading.result(timeout=remaining(deadline) + 1.0)
+        fallback = [c for c in peers if OBJECTS in c.alternatives and not c.pieces and not self.holds(c.key)]
+        if fallback and objects is not None and loop is not None and remaining(deadline) > 0:
+            with contextlib.suppress(LMCacheP2PError):
+                loop.run(objects.fetch(fallback, deadline), remaining(deadline) + 1.0)
 
     def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
         """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With
@@ -576,7 +650,8 @@ class CacheAgent:
             pin = None
         if pin is not None:
             self.handoff.on_hit(chunk.key)
-            self.metrics.loaded_chunks.labels("local" if chunk.source == LOCAL else "peer").inc()
+            source = "local" if chunk.source == LOCAL else "objects" if chunk.source == OBJECTS else "peer"
+            self.metrics.loaded_chunks.labels(source).inc()
         else:
             self.metrics.load_failures.labels("missing").inc()
         return pin

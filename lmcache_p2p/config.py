@@ -88,6 +88,47 @@ class TierConfig:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ObjectsConfig:
+    """The object tier (``lmcache_p2p/objects/``): an S3-compatible store under disk, shared by the cluster.
+
+    ``url`` is the store's endpoint (``http://10.0.0.9:8333``, ``https://s3.eu-west-1.amazonaws.com``);
+    None turns the tier off. Chunks are objects ``<prefix>/<fingerprint>/<key>`` in ``bucket``.
+    A chunk leaving this node's last tier is uploaded when no other node (nor the store) holds it and it
+    was hit at least ``min_hits`` times (0: every sole copy); at most ``budget_bytes_per_s`` and
+    ``max_inflight`` uploads at once; the bytes wait in memory (at most ``spill_bytes``, else the chunk is
+    dropped and counted) until the store confirmed them. Uploads, deletes and listings get ``timeout_s``
+    each; a load's object reads get what is left of the load's own deadline. The cleanup pass (every
+    ``cleanup_interval_s``; 0: off) deletes objects an invalidation covers or older than
+    ``tiers.chunk_ttl_s``. Credentials: the AWS environment variables or shared credentials file.
+    """
+
+    url: str | None = None
+    bucket: str = "lmcache-p2p"
+    prefix: str = "chunks"
+    region: str = "us-east-1"
+    min_hits: int = 1
+    budget_bytes_per_s: int = 64 << 20
+    max_inflight: int = 4
+    spill_bytes: int = 256 << 20
+    timeout_s: float = 10.0
+    cleanup_interval_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        _check(self.url is None or re.match(r"^https?://[^/\s]+/?$", self.url) is not None, "objects.url",
+               "must be an http(s)://host[:port] endpoint")
+        _check(re.match(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$", self.bucket) is not None, "objects.bucket",
+               "must be an S3 bucket name (3-63 chars of [a-z0-9.-])")
+        _check(re.match(r"^[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*$", self.prefix) is not None, "objects.prefix",
+               "must be path segments of [A-Za-z0-9_.-] separated by /")
+        _check(self.min_hits >= 0, "objects.min_hits", "must be >= 0")
+        _check(self.budget_bytes_per_s >= 0, "objects.budget_bytes_per_s", "must be >= 0")
+        _check(self.max_inflight >= 1, "objects.max_inflight", "must be >= 1")
+        _check(self.spill_bytes >= 0, "objects.spill_bytes", "must be >= 0")
+        _check(self.timeout_s > 0, "objects.timeout_s", "must be > 0")
+        _check(self.cleanup_interval_s >= 0, "objects.cleanup_interval_s", "must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class HandoffConfig:
     """The cluster's memory as one cache (``lmcache_p2p/handoff.py``).
 
@@ -308,6 +349,7 @@ class AgentConfig:
     etcd: EtcdConfig = EtcdConfig()
     transfer: TransferConfig = TransferConfig()
     handoff: HandoffConfig = HandoffConfig()
+    objects: ObjectsConfig = ObjectsConfig()
     canary: CanaryConfig = CanaryConfig()
     blend: BlendConfig = BlendConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)

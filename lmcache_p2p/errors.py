@@ -106,3 +106,11 @@ class SharedConnectionAborted(TransferError):
     """The connection this pull shared was closed because another pull on it ran past its deadline. That
     pull charged the peer; this one is a bystander: its chunks miss (``aborted``), the peer is not charged
     again (one overrun with N pulls on the connection once backed the peer off 2^N times as long)."""
+
+
+class ObjectStoreError(LMCacheP2PError):
+    """The object store did not answer in time, refused, or failed (``lmcache_p2p/objects/``): a miss."""
+
+
+class ObjectMissing(ObjectStoreError):
+    """The object store does not hold the object asked for."""

@@ -16,6 +16,10 @@ from typing import NewType
 NodeId = NewType("NodeId", str)
 """A node's name in the mesh: ``nodes/<node_id>`` in etcd, the id its handshake proves."""
 
+OBJECTS = NodeId("@objects")
+"""The owner the index lists for a chunk the object store holds (``blocks/<fp>/<key>/@objects``,
+written by the uploader without a lease). No node can take the name: node ids have no ``@``."""
+
 NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
 """The node ids accepted from others (etcd keys and records, handshakes, certificates); a node's own
 ``node_id`` is held to config.py's narrower rule."""
@@ -33,9 +37,11 @@ class TierCode(enum.IntEnum):
     GPU = 0
     CPU = 1
     DISK = 2
+    OBJECT = 3  # the cluster's object store (owner ``OBJECTS``)
 
 
 TIER_GPU, TIER_CPU, TIER_DISK = int(TierCode.GPU), int(TierCode.CPU), int(TierCode.DISK)
+TIER_OBJECT = int(TierCode.OBJECT)
 TIER_NAMES = {int(t): t.name.lower() for t in TierCode}  # tier byte -> "gpu" | "cpu" | "disk"
 TIER_CODES = {name: code for code, name in TIER_NAMES.items()}  # "gpu" | "cpu" | "disk" -> tier byte
 

@@ -158,6 +158,14 @@ class MeshInvalidation:
         tenant, generation = self._tenants.get(header.fingerprint), self.generation
         return any(matches(inv, header, tenant, self._node_id, generation) for inv in active.values())
 
+    def covers_held_by(self, header: ChunkHeader, holder: str) -> bool:
+        """Whether a standing invalidation covers a chunk ``holder`` made (an object its uploader wrote)."""
+        active = self._active
+        if not active:
+            return False
+        tenant, generation = self._tenants.get(header.fingerprint), self.generation
+        return any(matches(inv, header, tenant, holder, generation) for inv in active.values())
+
     def stamp(self, header: ChunkHeader) -> ChunkHeader:
         """The header an admitted chunk is held under: its epoch capped at this node's own."""
         epoch = cap_epoch(header.epoch, self.epoch)

@@ -157,11 +157,11 @@ def test_keys_and_tier_bytes() -> None:
             decode_block_key(len(prefix), bad)
     with pytest.raises(MalformedRecord):
         decode_node_key(0, b"\xff\xfe")
-    assert [decode_tier(bytes((t,))) for t in TierCode] == [0, 1, 2]
-    for bad_value in (b"", b"\x03", b"\x01\x01"):
+    assert [decode_tier(bytes((t,))) for t in TierCode] == [0, 1, 2, 3]
+    for bad_value in (b"", b"\x04", b"\x01\x01"):
         with pytest.raises(MalformedRecord):
             decode_tier(bad_value)
-    assert TIER_CODES == {"gpu": 0, "cpu": 1, "disk": 2}
+    assert TIER_CODES == {"gpu": 0, "cpu": 1, "disk": 2, "object": 3}
 
 
 def test_invalidation_records() -> None:

@@ -7,6 +7,8 @@ All keys live under ``/lmcache-p2p/v1/<cluster>/``::
     nodes/<node_id>                          msgpack NodeRecord            on the node's lease
     blocks/<fp_hex:32>/<key_hex:32>/<node>   one tier byte                 on the node's lease
     invalidate/<id>                          msgpack Invalidation          standing (optionally a lease)
+    blocks/<fp_hex:32>/<key_hex:32>/@objects one tier byte (3)             permanent: the object store holds it
+    objects/<fp_hex:32>/<key_hex:32>         msgpack ObjectMeta            permanent, with the entry above
 
 A tenant salt never enters etcd: node records and invalidations carry its one-way digest
 (:func:`tenant_digest`); values written by older versions that hold a raw salt decode to its digest.
@@ -50,7 +52,8 @@ SCHEMA_VERSION = 1
 _HEX = 32  # hex chars of a 16-byte digest
 _HEX_RE = re.compile(rb"[0-9a-f]{32}")
 MAX_RECORD_BYTES = 64 << 10
-__all__ = ["SCHEMA_VERSION", "NodeRecord", "Served", "Schema", "Invalidation", "Rejects", "Generation", "tenant_digest"]
+__all__ = ["SCHEMA_VERSION", "NodeRecord", "ObjectMeta", "Served", "Schema", "Invalidation", "Rejects", "Generation",
+           "tenant_digest"]
 
 
 class Schema:
@@ -63,6 +66,7 @@ class Schema:
         self.nodes = self.root + b"nodes/"
         self.blocks = self.root + b"blocks/"
         self.invalidations = self.root + b"invalidate/"  # see lmcache_p2p.invalidation
+        self.objects = self.root + b"objects/"  # see lmcache_p2p.objects
 
     def node(self, node_id: NodeId) -> bytes:
         return self.nodes + node_id.encode()
@@ -73,6 +77,9 @@ class Schema:
 
     def block(self, fp: FingerprintDigest, key: ChunkKey, node_id: NodeId) -> bytes:
         return b"%s%s/%s/%s" % (self.blocks, fp.hex().encode(), key.hex().encode(), node_id.encode())
+
+    def object_meta(self, fp: FingerprintDigest, key: ChunkKey) -> bytes:
+        return b"%s%s/%s" % (self.objects, fp.hex().encode(), key.hex().encode())
 
 
 class Rejects:
@@ -455,6 +462,52 @@ def decode_invalidation(etcd_key: bytes, data: bytes, revision: int, *, prefix_l
         return Invalidation(id_, kind, value, float(issued_at), revision)
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise MalformedRecord("invalidation", f"{etcd_key[-40:]!r}: {exc}") from exc
+
+
+# ---- objects in the object store ---------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """``objects/<fp>/<key>``: what the cleanup needs to know of an object without reading it: its size,
+    when it was uploaded (wall clock), by which node, and the chunk's epoch, tokens and heads."""
+
+    fp: FingerprintDigest
+    key: ChunkKey
+    size: int
+    uploaded_at: float
+    node: NodeId
+    epoch: int
+    num_tokens: int
+    heads: tuple[int, int]
+
+    def pack(self) -> bytes:
+        return msgpack.packb({"size": self.size, "at": self.uploaded_at, "node": self.node, "epoch": self.epoch,
+                              "tokens": self.num_tokens, "heads": list(self.heads)})
+
+
+def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> ObjectMeta:
+    """An ``objects/<fp>/<key>`` record under a prefix of ``prefix_len``."""
+    fp_hex, key_hex = etcd_key[prefix_len:prefix_len + _HEX], etcd_key[prefix_len + _HEX + 1:]
+    if not (_HEX_RE.fullmatch(fp_hex) and _HEX_RE.fullmatch(key_hex)
+            and etcd_key[prefix_len + _HEX:prefix_len + _HEX + 1] == b"/"):
+        raise MalformedRecord("object meta", f"{etcd_key[-80:]!r}: expected <32 hex>/<32 hex>")
+    if len(data) > MAX_RECORD_BYTES:
+        raise MalformedRecord("object meta", f"{len(data)} bytes")
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected a map, got {type(raw).__name__}")
+        size, at, node, epoch, tokens, heads = (raw["size"], raw["at"], raw["node"], raw["epoch"], raw["tokens"],
+                                                raw["heads"])
+        if not (isinstance(size, int) and isinstance(at, (int, float)) and isinstance(node, str)
+                and isinstance(epoch, int) and isinstance(tokens, int) and isinstance(heads, list)
+                and len(heads) == 2 and all(isinstance(h, int) for h in heads)):
+            raise TypeError("size, epoch, tokens: ints; at: a number; node: a string; heads: two ints")
+        if not NODE_ID_RE.fullmatch(node) or size < 0 or epoch < 0 or not 0 <= heads[0] < heads[1]:
+            raise ValueError("node id, size, epoch or heads out of range")
+        return ObjectMeta(FingerprintDigest(bytes.fromhex(fp_hex.decode())), ChunkKey(bytes.fromhex(key_hex.decode())),
+                          size, float(at), NodeId(node), epoch, tokens, (heads[0], heads[1]))
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise MalformedRecord("object meta", f"{etcd_key[-80:]!r}: {exc}") from exc
 
 
 # ---- the generation of the etcd history -----------------------------------------------------------

@@ -14,6 +14,7 @@ import itertools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -44,6 +45,8 @@ class DiskTier:
         self._capacity = capacity_bytes
         self._policy: EvictionPolicy = policy if policy is not None else LRU()
         self._on_evict = on_evict
+        # Hears a victim's file before it is deleted (under the lock: it may only rename it); True: taken.
+        self.spill: Callable[[ChunkHeader, Path], bool] | None = None
         self._fsync = fsync
         self._headers: dict[ChunkKey, ChunkHeader] = {}
         self._used = 0
@@ -173,9 +176,20 @@ class DiskTier:
             header = self._headers.pop(victim)  # type: ignore[call-overload]
             self._used -= HEADER_SIZE + header.length
             self.stats.evictions += 1
-            self._file(header.key).unlink(missing_ok=True)
+            path = self._file(header.key)
+            if not (self.spill is not None and self._spilled(header, path)):
+                path.unlink(missing_ok=True)
             if self._on_evict is not None:
                 self._on_evict(header, None)
+
+    def _spilled(self, header: ChunkHeader, path: Path) -> bool:
+        """Whether ``spill`` took the victim's file (it moves it aside for an upload; never raises here)."""
+        assert self.spill is not None
+        try:
+            return self.spill(header, path)
+        except Exception:  # an eviction must complete whatever the hook does
+            log.exception("spilling %s failed", header.key.hex())
+            return False
 
     def rescan(self, scratch: memoryview) -> list[ChunkHeader]:
         """Rebuild the index from the directory; returns the valid chunks' headers.

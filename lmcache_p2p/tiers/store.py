@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 from ..chunk import ChunkHeader, make_header
 from ..config import TierConfig
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 Listener = Callable[[ChunkKey, str | None], None]
 STAGING_BYTES = 256 << 20  # evicted chunks waiting for the tier worker to write them to disk
 Admit = Callable[[ChunkHeader], bool]
+Spill = Callable[[ChunkHeader, memoryview | Path], bool]
 
 
 class TieredStore:
@@ -48,6 +50,7 @@ class TieredStore:
         self._staged: dict[ChunkKey, tuple[ChunkHeader, bytes]] = {}  # evicted, not yet on disk
         self._staged_bytes = 0
         self._staging_lock = threading.Lock()
+        self._spill: Spill | None = None
         cpu._on_evict = self._on_cpu_evict  # the store owns both tiers' wiring
         if disk is not None:
             disk._on_evict = self._on_disk_evict
@@ -74,6 +77,23 @@ class TieredStore:
         if self.disk is not None:
             self.disk.set_policy(make_policy(name))
 
+    def set_spill(self, spill: Spill | None) -> None:
+        """``spill(header, data)`` hears every chunk leaving the last tier by eviction (not by removal)
+        with its bytes: the CPU slot's (a view, valid only during the call) or the disk tier's file (the
+        hook may move it away; True: it did, or it copied the view). Called with tier locks held: it
+        must only copy, rename and enqueue (the object tier's uploads, ``objects/tier.py``)."""
+        self._spill = spill
+        if self.disk is not None:
+            self.disk.spill = spill
+
+    def _spill_out(self, header: ChunkHeader, view: memoryview | None) -> None:
+        if self._spill is None or view is None:
+            return
+        try:
+            self._spill(header, view)
+        except Exception:  # an eviction must complete whatever the hook does
+            log.exception("spilling %s failed", header.key.hex())
+
     def _notify(self, key: ChunkKey, tier: str | None) -> None:
         if self._listener is not None:
             self._listener(key, tier)
@@ -84,6 +104,7 @@ class TieredStore:
         the worker writes them to disk; past the staging budget the victim is dropped."""
         key = header.key
         if self.disk is None or self.worker is None or view is None:
+            self._spill_out(header, view)
             self._notify(key, None)
             return
         if self.disk.contains(key):
@@ -99,6 +120,8 @@ class TieredStore:
                 staged = True
         if staged:
             self.worker.write_back(key)
+        else:
+            self._spill_out(header, view)
         self._notify(key, "disk" if staged else None)
 
     def _write_back_now(self, key: ChunkKey) -> None:

@@ -1,0 +1,423 @@
+"""The object tier: chunks that leave every node's memory and disk, kept in an S3-compatible store.
+
+    eviction (tier locks)        uploader (the agent's loop)            any node's load
+    ---------------------        ---------------------------            ---------------
+    last tier drops a chunk:     budget (bytes/s) and max_inflight ->   the index lists ``@objects``
+    sole copy, hit >= min_hits?  PUT <prefix>/<fp>/<key>, then one      as an owner (tier 3): the
+    keep its bytes (memory, or   etcd txn: objects/<fp>/<key> (meta)    planner weighs it like a slow
+    the disk file moved aside)   + blocks/<fp>/<key>/@objects; the      peer (measured latency and
+    and queue it                 kept bytes go once the PUT answered    bandwidth) -> GET, verify, pool
+
+An object is immutable and content-addressed: its name is the chunk's (the key already hashes the
+tokens, the model and everything else that decides the KV), its body::
+
+    [64-byte chunk header][payload][uploader node id][u8 its length][32-byte MAC, when a secret is set]
+
+A read checks the length, the header's key, fingerprint and checksum and, with a cluster secret,
+the keyed BLAKE2b MAC over everything before it (the store is not trusted: anyone with write access
+could put bytes with a matching xxh3 there; without the secret they cannot MAC them). A bad object
+is deleted with its etcd entries and never served; an object a standing invalidation covers (by its
+epoch, fingerprint or uploader) is never loaded and is deleted. The cleanup pass reads the
+``objects/`` records of this node's fingerprint and deletes what an invalidation covers or
+``tiers.chunk_ttl_s`` expired (every node with the tier runs it: deletes are idempotent).
+
+Faults: every store call has a deadline (a load's own; ``objects.timeout_s`` for the rest), an error is
+a miss and backs the store off (doubling from ``transfer.backoff_s``) but is never remembered as
+"absent"; only a 404 removes the index entries. Saves never wait on the store: an offer only
+enqueues, and past ``objects.spill_bytes`` of bytes waiting it drops the chunk (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from prometheus_client import Counter, Gauge
+
+from ..aio import remaining
+from ..chunk import HEADER_SIZE, ChunkHeader, slice_heads, verify
+from ..config import AgentConfig
+from ..errors import ChunkError, LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
+from ..ids import NODE_ID_RE, OBJECTS, TIER_OBJECT, NodeId
+from ..index.client import EtcdClient, op_delete, op_put
+from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta
+from ..keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange
+from ..metrics import AgentMetrics
+from ..plan import PlannedChunk
+from ..tiers import TieredStore
+from .store import ObjectStore
+
+log = logging.getLogger(__name__)
+
+MAC_BYTES = 32
+FETCH_PARALLEL = 8  # object reads in flight per load
+MAX_BACKOFF_S = 30.0
+
+
+class Node(Protocol):
+    """What the object tier uses of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+
+    config: AgentConfig
+    fp: FingerprintDigest
+    fingerprint: Fingerprint
+    node_id: NodeId
+    heads: HeadRange
+    tiers: TieredStore
+    metrics: AgentMetrics
+
+    def covers(self, header: ChunkHeader, holder: NodeId) -> bool: ...
+
+    def wants_upload(self, header: ChunkHeader) -> bool: ...
+
+    def observe_objects(self, nbytes: int, seconds: float) -> None: ...
+
+
+@dataclasses.dataclass(slots=True)
+class _Upload:
+    header: ChunkHeader
+    data: bytes | None  # the chunk's payload, copied out of the CPU pool
+    path: Path | None  # or the disk tier's file (header + payload), moved aside
+    size: int
+
+
+def object_mac(secret: bytes, body: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(body, digest_size=MAC_BYTES, key=hashlib.sha256(b"lmcache-p2p object\0" + secret).digest(),
+                           person=b"lmp2-object").digest()
+
+
+def pack_object(header: ChunkHeader, payload: bytes | memoryview, node: NodeId, secret: bytes | None) -> bytes:
+    node_bytes = node.encode()
+    body = b"".join((header.pack(), payload, node_bytes, bytes([len(node_bytes)])))
+    return body + object_mac(secret, body) if secret else body
+
+
+def unpack_object(data: bytes, key: ChunkKey, fp: FingerprintDigest, secret: bytes | None
+                  ) -> tuple[ChunkHeader, memoryview, NodeId]:
+    """The verified header, payload and uploader of an object that should hold chunk ``key``; raises
+    :class:`~lmcache_p2p.errors.ChunkError` for anything else."""
+    view = memoryview(data)
+    if secret:
+        if len(view) < HEADER_SIZE + 2 + MAC_BYTES:
+            raise MalformedChunk(f"object of {len(view)} bytes is too short")
+        body, mac = view[:-MAC_BYTES], view[-MAC_BYTES:]
+        if not hmac.compare_digest(object_mac(secret, body), mac):
+            raise MalformedChunk("object MAC does not match the cluster secret")
+        view = body
+    header = ChunkHeader.unpack(view)
+    if header.key != key or header.fingerprint != fp:
+        raise MalformedChunk(f"object holds chunk {header.key.hex()[:16]} of {header.fingerprint.hex()[:8]}")
+    end = HEADER_SIZE + header.length
+    if len(view) < end + 1 or len(view) != end + view[-1] + 1:
+        raise MalformedChunk(f"object is {len(view)} bytes, its header says a {header.length}-byte payload")
+    node = bytes(view[end:-1]).decode("ascii", errors="replace")
+    if not NODE_ID_RE.fullmatch(node):
+        raise MalformedChunk(f"object names an invalid uploader {node[:40]!r}")
+    return header, verify(header, view[HEADER_SIZE:end]), NodeId(node)
+
+
+class ObjectTier:
+    def __init__(self, agent: Node, store: ObjectStore, client: EtcdClient | None, *, secret: bytes | None = None,
+                 spill_dir: Path | None = None, rejects: Rejects | None = None) -> None:
+        self.agent = agent
+        self.store = store
+        self.client = client
+        self.config = agent.config.objects
+        self._secret = secret
+        self._schema = Schema(agent.config.cluster)
+        self._spill_dir = spill_dir
+        self.rejects = rejects if rejects is not None else Rejects()
+        self._queue: collections.deque[_Upload] = collections.deque()
+        self._waiting = 0  # bytes kept for uploads queued or in flight
+        self._waiting_lock = threading.Lock()  # offers come from the tiers' threads, releases from the loop
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tokens = float(self.config.budget_bytes_per_s)
+        self._refilled = time.monotonic()
+        self._inflight = 0
+        self._failures = 0
+        self._backoff_until = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.objects = 0  # this fingerprint's objects and their bytes, as of the last cleanup pass
+        self.object_bytes = 0
+        registry = agent.metrics.registry
+        self.ops = Counter("object_ops", "Object store calls by operation and result", ["op", "result"],
+                           namespace="lmcache_p2p", registry=registry)
+        self.bytes = Counter("object_bytes", "Bytes moved to and from the object store", ["direction"],
+                             namespace="lmcache_p2p", registry=registry)
+        self.dropped = Counter("object_uploads_dropped", "Chunks not uploaded, by reason", ["reason"],
+                               namespace="lmcache_p2p", registry=registry)
+        Gauge("object_uploads_pending", "Uploads queued or in flight", namespace="lmcache_p2p",
+              registry=registry).set_function(lambda: len(self._queue) + self._inflight)
+        Gauge("objects", "Objects of this node's fingerprint in the store (last cleanup pass)",
+              namespace="lmcache_p2p", registry=registry).set_function(lambda: self.objects)
+        if spill_dir is not None:  # bytes kept by a previous run for uploads it never made: not ours to trust
+            with contextlib.suppress(OSError):
+                for stale in spill_dir.glob("*.chunk"):
+                    stale.unlink(missing_ok=True)
+
+    def name(self, key: ChunkKey) -> str:
+        return f"{self.config.prefix}/{self.agent.fp.hex()}/{key.hex()}"
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + self._inflight
+
+    # -- lifecycle (on the loop) ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._spawn(self._upload_forever(), "object-uploads")
+        if self.config.cleanup_interval_s > 0 and self.client is not None:
+            self._spawn(self._cleanup_forever(), "object-cleanup")
+
+    async def stop(self) -> None:
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for item in list(self._queue):
+            self._release(item)
+        self._queue.clear()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- uploads -----------------------------------------------------------------------------------------
+    def offer(self, header: ChunkHeader, data: memoryview | Path) -> bool:
+        """A chunk leaves this node's last tier (any thread, tier locks held: only copies or renames and
+        enqueues). ``data``: its payload in memory, or the disk tier's file. True when it is kept for an
+        upload (a file is then this tier's to delete)."""
+        if self._loop is None or self.config.budget_bytes_per_s == 0 or not self.agent.wants_upload(header):
+            if self._loop is not None and self.config.budget_bytes_per_s == 0:
+                self.dropped.labels("budget_off").inc()
+            return False
+        size = header.length
+        with self._waiting_lock:
+            full = self._waiting + size > self.config.spill_bytes
+            if not full:
+                self._waiting += size
+        if full:
+            self.dropped.labels("spill_full").inc()
+            return False
+        if isinstance(data, Path):
+            if self._spill_dir is None:
+                return False
+            moved = self._spill_dir / f"{header.key.hex()}.{uuid.uuid4().hex[:8]}.chunk"
+            try:
+                os.replace(data, moved)
+            except OSError as exc:
+                log.warning("keeping %s for its upload failed: %s", data.name, exc)
+                self._release(_Upload(header, None, None, size))
+                return False
+            item = _Upload(header, None, moved, size)
+        else:
+            item = _Upload(header, bytes(data[: header.length]), None, size)
+        self._queue.append(item)
+        with contextlib.suppress(RuntimeError):  # the loop is closing: the item is released by stop()
+            self._loop.call_soon_threadsafe(self._wake_up)
+        return True
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _release(self, item: _Upload) -> None:
+        with self._waiting_lock:
+            self._waiting -= item.size
+        if item.path is not None:
+            item.path.unlink(missing_ok=True)
+
+    async def _upload_forever(self) -> None:
+        assert self._wake is not None
+        slots = asyncio.Semaphore(self.config.max_inflight)
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            await self._take_tokens(self._queue[0].size)
+            await slots.acquire()
+            if not self._queue:
+                slots.release()
+                continue
+            item = self._queue.popleft()
+            self._inflight += 1
+
+            async def upload(item: _Upload = item) -> None:
+                try:
+                    await self._upload(item)
+                finally:
+                    self._inflight -= 1
+                    self._release(item)
+                    slots.release()
+
+            self._spawn(upload(), "object-upload")
+
+    async def _take_tokens(self, size: int) -> None:
+        """Wait until ``objects.budget_bytes_per_s`` allows ``size`` more bytes (a burst of one second)."""
+        budget = float(self.config.budget_bytes_per_s)
+        while True:
+            now = time.monotonic()
+            self._tokens = min(max(budget, float(size)), self._tokens + (now - self._refilled) * budget)
+            self._refilled = now
+            if self._tokens >= size:
+                self._tokens -= size
+                return
+            await asyncio.sleep((size - self._tokens) / budget)
+
+    async def _upload(self, item: _Upload) -> None:
+        header, agent = item.header, self.agent
+        try:
+            if item.data is not None:
+                payload: bytes | memoryview = item.data
+            else:
+                assert item.path is not None
+                raw = await asyncio.to_thread(item.path.read_bytes)
+                if ChunkHeader.unpack(raw) != header:
+                    raise MalformedChunk("the disk file kept for upload holds another chunk")
+                payload = verify(header, memoryview(raw)[HEADER_SIZE:])  # a disk fault is never uploaded
+            body = pack_object(header, payload, agent.node_id, self._secret)
+            await self.store.put(self.name(header.key), body, time.monotonic() + self.config.timeout_s)
+            self.bytes.labels("up").inc(len(body))
+            await self._announce(header, len(body))
+        except (ObjectStoreError, LMCacheP2PError, OSError) as exc:
+            self.ops.labels("put", "error").inc()
+            log.warning("upload of chunk %s failed: %s", header.key.hex()[:16], exc)
+            return
+        self.ops.labels("put", "ok").inc()
+
+    async def _announce(self, header: ChunkHeader, size: int) -> None:
+        """The index entry (``@objects``, tier 3) and the cleanup's record, in one txn, without a lease."""
+        if self.client is None:
+            return
+        fp, agent = self.agent.fp, self.agent
+        meta = ObjectMeta(fp, header.key, size, time.time(), agent.node_id, header.epoch, header.num_tokens,
+                          header.heads)
+        await self.client.txn([], [op_put(self._schema.object_meta(fp, header.key), meta.pack()),
+                                   op_put(self._schema.block(fp, header.key, OBJECTS), bytes([TIER_OBJECT]))])
+
+    # -- loads -------------------------------------------------------------------------------------------
+    def usable(self) -> bool:
+        """Not backed off after errors (an unreachable store costs one deadline, then is left alone)."""
+        return time.monotonic() >= self._backoff_until
+
+    def _failed(self) -> None:
+        self._failures += 1
+        base = max(self.agent.config.transfer.backoff_s, 0.1)
+        self._backoff_until = time.monotonic() + min(MAX_BACKOFF_S, base * 2 ** (self._failures - 1))
+
+    async def fetch(self, chunks: Sequence[PlannedChunk], deadline: float) -> list[PlannedChunk]:
+        """Read ``chunks`` from the store into the CPU pool by ``deadline``; returns those that missed."""
+        gate = asyncio.Semaphore(FETCH_PARALLEL)
+
+        async def one(chunk: PlannedChunk) -> bool:
+            async with gate:
+                return await self._fetch_one(chunk, deadline)
+
+        results = await asyncio.gather(*(one(c) for c in chunks))
+        return [c for c, ok in zip(chunks, results, strict=True) if not ok]
+
+    async def _fetch_one(self, chunk: PlannedChunk, deadline: float) -> bool:
+        if remaining(deadline) <= 0 or not self.usable():
+            return False
+        name, t0 = self.name(chunk.key), time.perf_counter()
+        try:
+            data = await self.store.get(name, deadline)
+        except ObjectMissing:
+            self.ops.labels("get", "missing").inc()
+            self._spawn(self._forget(chunk.key, delete_object=False), "object-forget")
+            return False
+        except ObjectStoreError as exc:
+            self.ops.labels("get", "error").inc()
+            self._failed()
+            log.warning("object read of %s failed: %s", chunk.key.hex()[:16], exc)
+            return False
+        self._failures = 0
+        self.agent.observe_objects(len(data), time.perf_counter() - t0)
+        self.bytes.labels("down").inc(len(data))
+        try:
+            header, payload, uploader = unpack_object(data, chunk.key, self.agent.fp, self._secret)
+            if header.heads != chunk.heads:
+                header, payload = slice_heads(header, payload, chunk.heads)
+        except ChunkError as exc:
+            self.ops.labels("get", "corrupt").inc()
+            log.error("object %s is not chunk %s: %s; deleted", name, chunk.key.hex()[:16], exc)
+            self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
+            return False
+        if self.agent.covers(header, uploader):
+            self.ops.labels("get", "invalidated").inc()
+            self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
+            return False
+        try:
+            stored = await asyncio.to_thread(self.agent.tiers.put_verified, header, payload)
+        except LMCacheP2PError as exc:
+            log.warning("storing object %s failed: %s", chunk.key.hex()[:16], exc)
+            stored = False
+        self.ops.labels("get", "ok" if stored else "refused").inc()
+        return stored
+
+    async def _forget(self, key: ChunkKey, *, delete_object: bool) -> None:
+        """Delete an object (when asked) and its etcd entries; failures are logged, the next cleanup retries."""
+        try:
+            if delete_object:
+                with contextlib.suppress(ObjectMissing):
+                    await self.store.delete(self.name(key), time.monotonic() + self.config.timeout_s)
+                self.ops.labels("delete", "ok").inc()
+            if self.client is not None:
+                fp = self.agent.fp
+                await self.client.txn([], [op_delete(self._schema.object_meta(fp, key)),
+                                           op_delete(self._schema.block(fp, key, OBJECTS))])
+        except LMCacheP2PError as exc:
+            self.ops.labels("delete", "error").inc()
+            log.warning("forgetting object %s failed: %s", key.hex()[:16], exc)
+
+    # -- cleanup -------------------------------------------------------------------------------------------
+    async def _cleanup_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.cleanup_interval_s)
+            try:
+                await self.cleanup()
+            except LMCacheP2PError as exc:
+                log.warning("object cleanup failed: %s", exc)
+
+    async def cleanup(self) -> int:
+        """Delete this fingerprint's objects that an invalidation covers or the chunk TTL expired;
+        returns how many. Also counts the objects and bytes the store holds."""
+        if self.client is None:
+            return 0
+        prefix = self._schema.objects + self.agent.fp.hex().encode() + b"/"
+        kvs, _rev = await self.client.get_prefix(prefix)
+        metas: list[ObjectMeta] = []
+        for kv in kvs:
+            try:
+                metas.append(decode_object_meta(kv.key, kv.value, prefix_len=len(self._schema.objects)))
+            except MalformedRecord as exc:
+                self.rejects.add(exc, kv.key)
+        ttl, now = self.agent.config.tiers.chunk_ttl_s, time.time()
+        doomed = [m for m in metas
+                  if (ttl is not None and now - m.uploaded_at >= ttl)
+                  or self.agent.covers(ChunkHeader(m.key, m.fp, 0, m.num_tokens, 0, m.epoch, m.heads), m.node)]
+        for meta in doomed:
+            await self._forget(meta.key, delete_object=True)
+        kept = len(metas) - len(doomed)
+        self.objects, self.object_bytes = kept, sum(m.size for m in metas) - sum(m.size for m in doomed)
+        if doomed:
+            log.info("object cleanup: deleted %d objects (invalidated or past the chunk TTL), %d kept", len(doomed),
+                     kept)
+        return len(doomed)

@@ -1,0 +1,361 @@
+"""The object tier: a real SeaweedFS (``weed mini``), real etcd, real agents.
+
+A chunk that left every node's memory and disk is loaded from the store on a node that never saw it,
+byte for byte; a corrupted or forged object is rejected and deleted; an invalidated chunk's object is
+never loaded and is cleaned up; the store SIGSTOPped or SIGKILLed costs a load no more than its
+deadline and never makes a save wait. Agents run in this process with small CPU pools (8 slots of the
+tiny layout's 512 KiB chunks), so storing a few prompts evicts the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from agent_helpers import SECRET, config, wait_until
+from prometheus_client import CollectorRegistry
+from test_agent_mesh import TOKENS, load_and_check
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.chunk import make_header
+from lmcache_p2p.config import ObjectsConfig
+from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing
+from lmcache_p2p.ids import OBJECTS, TIER_OBJECT, NodeId
+from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta
+from lmcache_p2p.invalidation import issue
+from lmcache_p2p.keys import ChunkKey, Fingerprint, FingerprintDigest
+from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.objects.seaweed import SeaweedServer
+from lmcache_p2p.objects.store import ObjectStore, credentials
+from lmcache_p2p.objects.tier import pack_object, unpack_object
+from lmcache_p2p.testing.synthetic import preload, synthetic_payload, synthetic_tokens
+
+SMALL = "4MiB"  # 8 chunks
+
+
+@pytest.fixture(scope="module")
+def seaweed() -> Iterator[SeaweedServer]:
+    with SeaweedServer() as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedServer:
+    for name, value in seaweed.env.items():
+        monkeypatch.setenv(name, value)
+    return seaweed
+
+
+def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, server: SeaweedServer,
+                  *, cpu: str = SMALL, disk: str | None = None, **objects: Any) -> CacheAgent:
+    tiers: dict[str, Any] = {"cpu_capacity": cpu}
+    if disk is not None:
+        tiers.update(disk_path=str(tmp_path / f"{name}-disk"), disk_capacity=disk)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({
+        "node_id": name, "cluster": cluster, "tiers": tiers,
+        "etcd": {"endpoints": list(endpoints), "lease_ttl_s": 3, "timeout_s": 3.0},
+        "transfer": {"transports": ["tcp"], "secret": SECRET, "timeout_s": 3.0, "backoff_s": 0.2},
+        "handoff": {"budget_bytes_per_s": 0},  # nothing handed to peers: eviction drops (or uploads) sole copies
+        "objects": {"url": server.url, "bucket": server.bucket, "min_hits": 0, "cleanup_interval_s": 0, **objects},
+    }))
+    cfg = config(path)
+    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+                      metrics=AgentMetrics(CollectorRegistry())).start()
+
+
+def keys_of(a: CacheAgent, seed: int) -> list[ChunkKey]:
+    return a.keys_for(synthetic_tokens(seed, TOKENS))[0]
+
+
+def in_store(a: CacheAgent, keys: list[ChunkKey]) -> bool:
+    assert a.index is not None
+    return all(owners.get(OBJECTS) == TIER_OBJECT for owners in a.index.owners(a.fp, keys))
+
+
+def ops(a: CacheAgent, op: str, result: str) -> float:
+    return a.metrics.registry.get_sample_value("lmcache_p2p_object_ops_total", {"op": op, "result": result}) or 0.0
+
+
+def evict_into_store(a: CacheAgent, seed: int) -> list[ChunkKey]:
+    """Store prompt ``seed``, then two more: ``seed``'s 5 chunks leave the 8-slot pool and go to the store."""
+    preload(a, seed, TOKENS)
+    preload(a, seed + 100, TOKENS)
+    preload(a, seed + 200, TOKENS)
+    keys = keys_of(a, seed)
+    assert wait_until(lambda: in_store(a, keys), 30), a.index.owners(a.fp, keys) if a.index else None
+    assert not any(a.holds(k) for k in keys)
+    return keys
+
+
+def run(a: CacheAgent, coro: Any) -> Any:
+    assert a.loop is not None
+    return a.loop.run(coro, 30)
+
+
+# -- the format ----------------------------------------------------------------------------------------------
+def test_an_object_round_trips_and_every_forgery_is_refused():
+    key, fp = ChunkKey(bytes(range(16))), FingerprintDigest(bytes(16))
+    payload = bytes(range(256)) * 8
+    header = make_header(key, fp, payload, 256, heads=(0, 2))
+    secret = b"s3cret"
+    body = pack_object(header, payload, NodeId("node-a"), secret)
+    got, view, node = unpack_object(body, key, fp, secret)
+    assert got == header and bytes(view) == payload and node == "node-a"
+    with pytest.raises(ChunkError, match="holds chunk"):
+        unpack_object(body, ChunkKey(bytes(16)), fp, secret)  # the right object under another chunk's name
+    flipped = bytearray(body)
+    flipped[100] ^= 1
+    with pytest.raises(ChunkError, match="MAC"):
+        unpack_object(bytes(flipped), key, fp, secret)
+    # Someone with write access to the bucket but not the secret: other bytes, a matching xxh3, no MAC.
+    forged_payload = bytes(len(payload))
+    forged = pack_object(make_header(key, fp, forged_payload, 256, heads=(0, 2)), forged_payload, NodeId("x"), None)
+    with pytest.raises(ChunkError):
+        unpack_object(forged, key, fp, secret)
+    # Without a secret the checksum still catches a flipped bit and a truncation.
+    plain = pack_object(header, payload, NodeId("node-a"), None)
+    assert bytes(unpack_object(plain, key, fp, None)[1]) == payload
+    bad = bytearray(plain)
+    bad[64 + 10] ^= 0xFF
+    with pytest.raises(ChunkError, match="checksum"):
+        unpack_object(bytes(bad), key, fp, None)
+    with pytest.raises(ChunkError):
+        unpack_object(plain[:-40], key, fp, None)
+
+
+def test_object_config_names_the_field_and_credentials_come_from_env_or_file(tmp_path):
+    with pytest.raises(ConfigError, match="objects.url"):
+        ObjectsConfig(url="s3://bucket")
+    with pytest.raises(ConfigError, match="objects.bucket"):
+        ObjectsConfig(bucket="Bad_Bucket")
+    with pytest.raises(ConfigError, match="objects.max_inflight"):
+        ObjectsConfig(max_inflight=0)
+    assert credentials({"AWS_ACCESS_KEY_ID": "a", "AWS_SECRET_ACCESS_KEY": "b"}) == {
+        "access_key_id": "a", "secret_access_key": "b"}
+    creds = tmp_path / "credentials"
+    creds.write_text("[default]\naws_access_key_id = x\naws_secret_access_key = y\n"
+                     "[other]\naws_access_key_id = p\naws_secret_access_key = q\naws_session_token = t\n")
+    assert credentials({"AWS_SHARED_CREDENTIALS_FILE": str(creds)}) == {"access_key_id": "x", "secret_access_key": "y"}
+    assert credentials({"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_PROFILE": "other"}) == {
+        "access_key_id": "p", "secret_access_key": "q", "token": "t"}
+    assert credentials({"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}) == {}
+    store = ObjectStore(ObjectsConfig(url="http://127.0.0.1:1"), env={"AWS_ACCESS_KEY_ID": "AKIDSECRETLOOKING",
+                                                                      "AWS_SECRET_ACCESS_KEY": "never-printed"})
+    assert "never-printed" not in repr(store) and "AKID" not in repr(store)
+
+
+def test_malformed_object_records_are_refused():
+    schema = Schema("c")
+    fp, key = FingerprintDigest(bytes(16)), ChunkKey(bytes(range(16)))
+    meta = ObjectMeta(fp, key, 100, 1.5, NodeId("n"), 7, 256, (0, 2))
+    etcd_key = schema.object_meta(fp, key)
+    assert decode_object_meta(etcd_key, meta.pack(), prefix_len=len(schema.objects)) == meta
+    for bad_key, value in ((etcd_key[:-1], meta.pack()), (etcd_key, b"\x01"), (etcd_key, b"\x80"),
+                           (etcd_key, ObjectMeta(fp, key, 1, 1.0, NodeId("n/../x"), 0, 1, (0, 1)).pack())):
+        with pytest.raises(MalformedRecord):
+            decode_object_meta(bad_key, value, prefix_len=len(schema.objects))
+
+
+# -- the tier, end to end ----------------------------------------------------------------------------------------
+def test_a_chunk_evicted_everywhere_loads_from_the_store_after_every_agent_restarted(etcd, cluster_name, tmp_path,
+                                                                                     s3_env):
+    """The only node holding a prompt evicts it (its bytes go to the store), every agent stops; a node
+    that never saw the prompt plans it from the store and loads it byte-exact."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        keys = evict_into_store(s, 1)
+        assert ops(s, "put", "ok") >= 5
+    finally:
+        s.stop()
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        assert wait_until(lambda: in_store(r, keys), 10)
+        plan = r.lookup(synthetic_tokens(1, TOKENS))
+        assert [c.source for c in plan.chunks] == [OBJECTS] * 5
+        loaded, _ = load_and_check(r, 1)
+        assert loaded == [True] * 5
+        m = r.metrics.registry
+        assert m.get_sample_value("lmcache_p2p_loaded_chunks_total", {"source": "objects"}) == 5
+        assert ops(r, "get", "ok") == 5
+        # Loaded chunks are this node's now (announced), and the next lookup is local.
+        assert wait_until(lambda: all(NodeId("r") in o for o in r.index.owners(r.fp, keys)), 10)
+        assert {c.source for c in r.lookup(synthetic_tokens(1, TOKENS)).chunks} == {NodeId("")}
+    finally:
+        r.stop()
+
+
+def test_disk_victims_are_uploaded_from_their_file_and_the_file_goes(etcd, cluster_name, tmp_path, s3_env):
+    """With a disk tier the last tier is the disk: its victims' files are moved aside, uploaded, deleted."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env, disk="4MiB")
+    try:
+        for seed in (1, 101, 201, 301, 401):
+            preload(s, seed, TOKENS)
+        assert s.tiers.worker is not None and s.tiers.worker.drain(30)
+        keys = keys_of(s, 1)
+        assert wait_until(lambda: in_store(s, keys), 30), s.index.owners(s.fp, keys)
+        spill = tmp_path / "s-disk" / ".objects-spill"
+        assert wait_until(lambda: not list(spill.glob("*.chunk")) and s.objects is not None
+                          and s.objects.pending == 0, 30)
+        r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+        try:
+            assert wait_until(lambda: in_store(r, keys), 10)
+            loaded, plan = load_and_check(r, 1)
+            assert loaded == [True] * 5 and {c.source for c in plan.chunks} == {OBJECTS}
+        finally:
+            r.stop()
+    finally:
+        s.stop()
+
+
+def test_a_corrupted_object_is_rejected_and_deleted(etcd, cluster_name, tmp_path, s3_env):
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        keys = evict_into_store(s, 2)
+        assert wait_until(lambda: in_store(r, keys), 10)
+        assert s.objects is not None
+        store, name = s.objects.store, s.objects.name(keys[1])
+        body = bytearray(run(s, store.get(name, time.monotonic() + 5)))
+        body[200] ^= 0x40
+        run(s, store.put(name, bytes(body), time.monotonic() + 5))
+        loaded, _ = load_and_check(r, 2)
+        assert loaded == [True, False, True, True, True]  # chunk 1 refused (the engine recomputes from there)
+        assert ops(r, "get", "corrupt") == 1
+        assert wait_until(lambda: r.index is not None and OBJECTS not in r.index.owners(r.fp, [keys[1]])[0], 10)
+        with pytest.raises(ObjectMissing):
+            run(s, store.get(name, time.monotonic() + 5))
+        assert not r.holds(keys[1])
+    finally:
+        r.stop()
+        s.stop()
+
+
+def test_an_invalidated_chunks_object_is_never_loaded_and_is_cleaned_up(etcd, cluster_name, tmp_path, s3_env):
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        keys = evict_into_store(s, 3)
+        other = evict_into_store(s, 4)
+        assert wait_until(lambda: in_store(r, keys), 10)
+        client = s.index.client  # type: ignore[union-attr]
+        run(s, issue(client, Schema(cluster_name), "fingerprint", s.fp.hex()))
+        assert wait_until(lambda: r.invalidation.active() and s.invalidation.active(), 10)
+        loaded, _ = load_and_check(r, 3)
+        assert not any(loaded)
+        assert ops(r, "get", "invalidated") == 5  # read in parallel, each refused at the gate
+        assert not any(r.holds(k) for k in keys)
+        assert s.objects is not None
+        assert run(s, s.objects.cleanup()) >= 9  # the rest of both prompts' objects
+        names = run(s, s.objects.store.names(f"{s.config.objects.prefix}/{s.fp.hex()}/", time.monotonic() + 5))
+        assert not any(k.hex() in n for n in names for k in keys + other)
+        assert wait_until(lambda: not any(OBJECTS in o for o in r.index.owners(r.fp, keys + other)), 10)
+        assert s.objects.objects == 0
+    finally:
+        r.stop()
+        s.stop()
+
+
+def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(etcd, cluster_name, tmp_path,
+                                                                              monkeypatch):
+    """SIGSTOP: reads hang; the load gives up at its deadline, the store is backed off, the next load
+    does not wait at all, and stores (whose evictions queue uploads) return as fast as without a store.
+    SIGKILL: reads are refused at once."""
+    with SeaweedServer() as own:
+        for name, value in own.env.items():
+            monkeypatch.setenv(name, value)
+        s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", own)
+        r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", own, cpu="64MiB")
+        try:
+            keys = evict_into_store(s, 5)
+            assert wait_until(lambda: in_store(r, keys), 10)
+            own.pause()
+            try:
+                plan = r.lookup(synthetic_tokens(5, TOKENS))
+                assert plan.chunks and plan.chunks[0].source == OBJECTS
+                t0 = time.monotonic()
+                bufs = [memoryview(bytearray(r.chunk_bytes)) for _ in plan.chunks]
+                loaded = r.load(plan, bufs, timeout=1.0)
+                waited = time.monotonic() - t0
+                assert not any(loaded)
+                assert waited < 1.0 + 1.5, waited  # its deadline, plus the loop's own slack
+                assert ops(r, "get", "error") >= 1
+                # Backed off: the planner leaves the store out, nothing waits.
+                assert not r.lookup(synthetic_tokens(5, TOKENS)).chunks
+                # Saves never wait on the store: evictions only queue their uploads.
+                t0 = time.monotonic()
+                for seed in (6, 106, 206):
+                    preload(s, seed, TOKENS)
+                assert time.monotonic() - t0 < 10.0
+                assert s.objects is not None and s.objects.pending > 0
+            finally:
+                own.resume()
+            own.kill()
+            time.sleep(max(0.0, r.objects._backoff_until - time.monotonic()) if r.objects else 0.0)
+            plan = r.lookup(synthetic_tokens(5, TOKENS))
+            assert plan.chunks and plan.chunks[0].source == OBJECTS
+            t0 = time.monotonic()
+            loaded = r.load(plan, [memoryview(bytearray(r.chunk_bytes)) for _ in plan.chunks], timeout=2.0)
+            assert not any(loaded) and time.monotonic() - t0 < 2.0 + 1.5
+        finally:
+            r.stop()
+            s.stop()
+
+
+def test_saves_beyond_the_spill_budget_are_dropped_and_counted(etcd, cluster_name, tmp_path, s3_env):
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env, spill_bytes="600KiB",
+                      budget_bytes_per_s="512KiB")
+    try:
+        for seed in (7, 107, 207, 307):
+            preload(s, seed, TOKENS)
+        dropped = s.metrics.registry.get_sample_value("lmcache_p2p_object_uploads_dropped_total",
+                                                      {"reason": "spill_full"})
+        assert dropped and dropped >= 1
+        assert wait_until(lambda: s.objects is not None and s.objects.pending == 0, 30)
+    finally:
+        s.stop()
+
+
+def test_a_chunk_a_peer_fails_to_send_comes_from_the_store(etcd, cluster_name, tmp_path, s3_env):
+    """A peer listed first (faster tier) that is gone by the time of the pull: the store, an alternative,
+    serves the chunk within the same load."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        keys = evict_into_store(s, 8)
+        assert wait_until(lambda: in_store(r, keys), 10)
+        # A peer "g" claims every chunk from CPU: its record points at a closed port.
+        assert r.index is not None and r.loop is not None
+        plan = r.lookup(synthetic_tokens(8, TOKENS))
+        assert all(c.source == OBJECTS for c in plan.chunks)
+        ghost = NodeId("s")  # s is alive and serves nothing of this prompt: its pulls miss
+        detour = dataclasses.replace(plan, chunks=tuple(dataclasses.replace(c, source=ghost, alternatives=(OBJECTS,))
+                                                        for c in plan.chunks))
+        bufs = [memoryview(bytearray(r.chunk_bytes)) for _ in plan.chunks]
+        assert r.load(detour, bufs, timeout=5.0) == [True] * 5
+        for chunk, buf in zip(plan.chunks, bufs, strict=True):
+            expected = synthetic_payload(chunk.key, r.config.layout.chunk_bytes(chunk.end - chunk.start))
+            assert bytes(buf[: len(expected)]) == expected
+    finally:
+        r.stop()
+        s.stop()
+
+
+def test_weed_serves_s3_only_when_ready_and_refuses_unsigned_requests():
+    """The fixture's readiness is a signed request; an unsigned one is refused (credentials are enforced)."""
+    with SeaweedServer() as server:
+        anonymous = ObjectStore(server.objects_config(timeout_s=2.0), env={"AWS_ACCESS_KEY_ID": "nobody",
+                                                                           "AWS_SECRET_ACCESS_KEY": "wrong"})
+        with pytest.raises(Exception):  # noqa: B017 - any refusal will do: 403 from the gateway
+            asyncio.run(anonymous.put("x", b"1", time.monotonic() + 3))
+        signed = ObjectStore(server.objects_config(timeout_s=2.0), env=server.env)
+        asyncio.run(signed.put("x", b"1", time.monotonic() + 3))
+        assert asyncio.run(signed.get("x", time.monotonic() + 3)) == b"1"
+        assert os.path.isdir(server.dir)
