@@ -65,6 +65,20 @@ class AgentMetrics:
             namespace=ns, registry=registry)
         self.handoff_bytes = Counter("handoff_bytes", "Bytes of chunks handed off to peers (out) and from them (in)",
                                      ["direction"], namespace=ns, registry=registry)
+        self.object_ops = Counter("object_ops", "Object store calls, by operation (put, get, delete) and result (ok, "
+                                  "error, missing, corrupt, invalidated, refused)", ["op", "result"], namespace=ns,
+                                  registry=registry)
+        self.object_bytes = Counter("object_bytes", "Bytes moved to (up) and from (down) the object store",
+                                    ["direction"], namespace=ns, registry=registry)
+        self.object_uploads_dropped = Counter("object_uploads_dropped", "Chunks worth keeping not uploaded to the "
+                                              "object store, by reason (spill_full, budget_off)", ["reason"],
+                                              namespace=ns, registry=registry)
+        self.object_uploads_pending = Gauge("object_uploads_pending", "Uploads to the object store queued or in "
+                                            "flight", namespace=ns, registry=registry)
+        self.objects = Gauge("objects", "Objects of this node's fingerprint in the object store (as of the last "
+                             "cleanup pass)", namespace=ns, registry=registry)
+        self.object_tier = Gauge("object_tier", "1 while this node has the object tier (objects.url)", namespace=ns,
+                                 registry=registry)
         self.assembled_chunks = Counter("assembled_chunks", "Chunks assembled from head ranges pulled from several "
                                         "peers (the ranks of a tensor-parallel engine)", namespace=ns,
                                         registry=registry)

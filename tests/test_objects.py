@@ -25,6 +25,7 @@ from test_agent_mesh import TOKENS, load_and_check
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.chunk import make_header
+from lmcache_p2p.cli import status
 from lmcache_p2p.config import ObjectsConfig
 from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing
 from lmcache_p2p.ids import OBJECTS, TIER_OBJECT, NodeId
@@ -64,6 +65,7 @@ def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name
         "etcd": {"endpoints": list(endpoints), "lease_ttl_s": 3, "timeout_s": 3.0},
         "transfer": {"transports": ["tcp"], "secret": SECRET, "timeout_s": 3.0, "backoff_s": 0.2},
         "handoff": {"budget_bytes_per_s": 0},  # nothing handed to peers: eviction drops (or uploads) sole copies
+        "metrics_port": 0,
         "objects": {"url": server.url, "bucket": server.bucket, "min_hits": 0, "cleanup_interval_s": 0, **objects},
     }))
     cfg = config(path)
@@ -204,6 +206,11 @@ def test_disk_victims_are_uploaded_from_their_file_and_the_file_goes(etcd, clust
         spill = tmp_path / "s-disk" / ".objects-spill"
         assert wait_until(lambda: not list(spill.glob("*.chunk")) and s.objects is not None
                           and s.objects.pending == 0, 30)
+        report = asyncio.run(status.collect(s.config))
+        assert report["objects"]["objects"] >= 5 and report["objects"]["malformed"] == 0
+        assert "object store:" in status.render(report)
+        row = {n["node_id"]: n for n in report["nodes"]}["s"]
+        assert row["objects_pending"] == 0 and row["objects_errors"] == 0
         r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
         try:
             assert wait_until(lambda: in_store(r, keys), 10)

@@ -26,6 +26,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "scale"): ("lmcache_p2p.bench.scale:main",
                          "the control plane with many simulated agents on a 3-member etcd; 1,000-node extrapolation"),
     ("bench", "tp"): ("lmcache_p2p.bench.tp:main", "TTFT in real vLLM: peer hits between TP=1 and TP=2 engines"),
+    ("bench", "objects"): ("lmcache_p2p.bench.objects:main",
+                           "the object tier vs the raw S3 client; vLLM TTFT for a hit from the store vs cold"),
     ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),
     ("agent",): ("lmcache_p2p.cli.agent:main", "run a standalone cache agent"),

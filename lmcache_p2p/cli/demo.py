@@ -4,18 +4,28 @@ Creates the tiny model, starts a private etcd and two vLLM-on-CPU engines (node 
 each with the LMCacheP2PConnector and its own cache agent. Node A reads a long document; node B
 is asked about the same document and pulls A's KV chunks instead of recomputing them. Prints
 both TTFTs, the speedup and the ``status`` table, and stops everything it started.
+
+With ``--object-store embedded`` (or an S3 URL, credentials from the AWS environment variables) the
+nodes also have the object tier, and node A's CPU pool holds one document: after the peer hit, node
+A reads a second document, which evicts the first; its chunks go to the store (a private SeaweedFS
+on loopback), and node B, asked about the first document again after dropping its copy, loads it
+from the store.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import inspect
+import os
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+import yaml
 
 from ..bench.vllm import agent_config
 from ..config import load_config
@@ -61,17 +71,38 @@ def document_tokens(model: Path, n: int) -> list[int]:
     return ids[:n]
 
 
-def run(work: Path, tokens: int, dtype: str) -> int:
-    total = 6
+def with_objects(cfg: Path, url: str, bucket: str, cpu: str | None = None) -> None:
+    """Give a demo node the object tier (every sole copy it evicts is uploaded)."""
+    data = yaml.safe_load(cfg.read_text())
+    data["objects"] = {"url": url, "bucket": bucket, "min_hits": 0}
+    if cpu is not None:
+        data["tiers"]["cpu_capacity"] = cpu
+    cfg.write_text(yaml.safe_dump(data))
+
+
+def run(work: Path, tokens: int, dtype: str, object_store: str | None = None) -> int:
+    total = 7 if object_store else 6
     t0 = time.monotonic()
     say(1, total, "creating the tiny test model (random-weight Llama + BPE tokenizer, offline)")
     model = create_tiny_model(work / "tiny-llama")
     doc = document_tokens(model, tokens)
     print(f"      model ready in {time.monotonic() - t0:.1f}s: {model}")
-    with EtcdServer(base_dir=str(work)) as etcd:
+    with EtcdServer(base_dir=str(work)) as etcd, contextlib.ExitStack() as stack:
         say(2, total, f"private etcd at {etcd.endpoint} (the embedded default)")
         cfg_a = agent_config(work / "node-a.yaml", "node-a", etcd.endpoints, "tcp", "demo")
         cfg_b = agent_config(work / "node-b.yaml", "node-b", etcd.endpoints, "tcp", "demo")
+        if object_store:
+            url, bucket = object_store, "lmcache-p2p"
+            if object_store == "embedded":
+                from ..objects.seaweed import SeaweedServer
+
+                weed = stack.enter_context(SeaweedServer(base_dir=str(work / "seaweedfs")))
+                os.environ.update(weed.env)  # the engines' agents read the usual AWS variables
+                url, bucket = weed.url, weed.bucket
+            print(f"      object store: {url} bucket {bucket}")
+            chunk_mib = -(-tokens // 256) // 2  # the tiny model: 512 KiB per 256-token chunk
+            with_objects(cfg_a, url, bucket, cpu=f"{max(chunk_mib, 1)}MiB")  # one document's chunks
+            with_objects(cfg_b, url, bucket)
         say(3, total, "starting vLLM node A and node B, each with LMCacheP2PConnector and its cache agent")
         a = EngineProcess(model, cfg_a, name="node-a", log_path=work / "node-a.log", dtype=dtype)
         b = EngineProcess(model, cfg_b, name="node-b", log_path=work / "node-b.log", dtype=dtype)
@@ -80,23 +111,13 @@ def run(work: Path, tokens: int, dtype: str) -> int:
             print(f"      both engines ready in {elapsed:.0f}s (logs in {work})")
             a.ttft([doc[::-1]])  # warm-up request on each engine: the first one is always slow
             b.ttft([[t + 1 for t in doc[: tokens // 2]]])
-            say(4, total, f"node A reads a {len(doc):,}-token document (nothing cached anywhere)")
-            on_a = a.ttft([doc])[0]
-            print(f"      node A: TTFT {1000 * on_a['ttft_s']:.1f} ms, {on_a['num_cached_tokens']} tokens from cache;"
-                  f" its chunks are now registered in etcd")
-            # vLLM-CPU's OpenMP threads keep spinning for a while after a step; on a small machine they
-            # would share node B's cores, so let node A settle before timing node B.
-            time.sleep(1.5)
-            say(5, total, "node B is asked about the same document")
-            on_b = b.ttft([doc])[0]
-            speedup = on_a["ttft_s"] / on_b["ttft_s"]
-            print(f"      node B: TTFT {1000 * on_b['ttft_s']:.1f} ms, {on_b['num_cached_tokens']:,} of {len(doc):,} "
-                  f"tokens pulled from node A's memory -> {speedup:.1f}x faster than computing them")
-            print(f"      same first token on both nodes: {on_a['tokens'] == on_b['tokens']}")
-            say(6, total, "lmcache-p2p status")
+            if object_store:
+                ok = _object_steps(a, b, doc, total)
+            else:
+                ok = _peer_steps(a, b, doc, total)
+            say(total, total, "lmcache-p2p status")
             report = asyncio.run(collect(load_config(cfg_b)))
             print(render(report))
-            ok = on_b["num_cached_tokens"] > 0 and on_a["tokens"] == on_b["tokens"]
         finally:
             print("cleaning up: stopping both engines and etcd", flush=True)
             a.stop()
@@ -105,17 +126,61 @@ def run(work: Path, tokens: int, dtype: str) -> int:
     return 0 if ok else 1
 
 
+def _object_steps(a: EngineProcess, b: EngineProcess, doc: list[int], total: int) -> bool:
+    """Node A reads the document, then a second one (its pool holds one: the first document's chunks, held
+    nowhere else, go to the object store); node B, which never saw either, is asked about the first (from
+    the store) and the second (from node A's memory)."""
+    say(4, total, f"node A reads a {len(doc):,}-token document (nothing cached anywhere)")
+    on_a = a.ttft([doc])[0]
+    print(f"      node A: TTFT {1000 * on_a['ttft_s']:.1f} ms, {on_a['num_cached_tokens']} tokens from cache")
+    second = [t + 2 for t in doc]
+    say(5, total, "node A reads a second document: its pool holds one, so the first one's chunks (held nowhere "
+                  "else) leave it for the object store")
+    a.ttft([second])
+    time.sleep(3.0)  # uploads run behind the eviction; then node A settles before node B is timed
+    say(6, total, "node B (it never saw the first document, and no node holds it now) is asked about it")
+    on_b = b.ttft([doc])[0]
+    print(f"      node B: TTFT {1000 * on_b['ttft_s']:.1f} ms, {on_b['num_cached_tokens']:,} of {len(doc):,} tokens "
+          f"loaded from the object store -> {on_a['ttft_s'] / on_b['ttft_s']:.1f}x faster than computing them")
+    print(f"      same first token as node A computed: {on_a['tokens'] == on_b['tokens']}")
+    on_b2 = b.ttft([second])[0]
+    print(f"      node B asked about the second document: {on_b2['num_cached_tokens']:,} tokens pulled from node A's "
+          f"memory, TTFT {1000 * on_b2['ttft_s']:.1f} ms")
+    return on_b["num_cached_tokens"] > 0 and on_a["tokens"] == on_b["tokens"] and on_b2["num_cached_tokens"] > 0
+
+
+def _peer_steps(a: EngineProcess, b: EngineProcess, doc: list[int], total: int) -> bool:
+    """Node A reads the document; node B, asked about it, pulls A's chunks."""
+    say(4, total, f"node A reads a {len(doc):,}-token document (nothing cached anywhere)")
+    on_a = a.ttft([doc])[0]
+    print(f"      node A: TTFT {1000 * on_a['ttft_s']:.1f} ms, {on_a['num_cached_tokens']} tokens from cache;"
+          f" its chunks are now registered in etcd")
+    # vLLM-CPU's OpenMP threads keep spinning for a while after a step; on a small machine they
+    # would share node B's cores, so let node A settle before timing node B.
+    time.sleep(1.5)
+    say(5, total, "node B is asked about the same document")
+    on_b = b.ttft([doc])[0]
+    speedup = on_a["ttft_s"] / on_b["ttft_s"]
+    print(f"      node B: TTFT {1000 * on_b['ttft_s']:.1f} ms, {on_b['num_cached_tokens']:,} of {len(doc):,} "
+          f"tokens pulled from node A's memory -> {speedup:.1f}x faster than computing them")
+    print(f"      same first token on both nodes: {on_a['tokens'] == on_b['tokens']}")
+    ok = on_b["num_cached_tokens"] > 0 and on_a["tokens"] == on_b["tokens"]
+    return ok
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p demo", description=__doc__)
     parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--workdir", help="keep model, configs and logs here (default: a temp dir)")
+    parser.add_argument("--object-store", metavar="embedded|URL",
+                        help="add the object tier: 'embedded' starts a private SeaweedFS on loopback")
     args = parser.parse_args(argv)
     if args.workdir:
         Path(args.workdir).mkdir(parents=True, exist_ok=True)
-        return run(Path(args.workdir), args.tokens, args.dtype)
+        return run(Path(args.workdir), args.tokens, args.dtype, args.object_store)
     with tempfile.TemporaryDirectory(prefix="lmcache-p2p-demo-") as tmp:
-        return run(Path(tmp), args.tokens, args.dtype)
+        return run(Path(tmp), args.tokens, args.dtype, args.object_store)
 
 
 if __name__ == "__main__":

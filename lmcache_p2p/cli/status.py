@@ -35,7 +35,7 @@ from ..config import AgentConfig, EtcdConfig
 from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient, translate
 from ..index.quarantine import read_all as read_quarantine
-from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
+from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record, decode_object_meta
 from ..metrics import SCRAPE_TIMEOUT_S, scrape
 from .common import add_etcd_arguments, tool_config
 
@@ -65,6 +65,8 @@ class NodeStatus:
     config_revision: int = 0  # the cluster config revision the node runs
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "restart" | "node"
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
+    objects_pending: float | None = None  # object tier: uploads queued or in flight (None: no object tier)
+    objects_errors: float = 0.0  # object store calls that failed (put, get, delete)
 
 
 def _apply_metrics(node: NodeStatus, url: str | None) -> None:
@@ -90,6 +92,10 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
     for name, value in m.items():
         if name.startswith("lmcache_p2p_handoff_chunks_total{"):
             node.handoff[name.split('"')[1]] = value
+    if m.get("lmcache_p2p_object_tier", 0) > 0:
+        node.objects_pending = m["lmcache_p2p_object_uploads_pending"]
+        node.objects_errors = sum(v for k, v in m.items()
+                                  if k.startswith("lmcache_p2p_object_ops_total{") and 'result="error"' in k)
 
 
 async def collect(config: AgentConfig) -> dict[str, Any]:
@@ -120,12 +126,14 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                                if (h := s.partial_heads) is not None)), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
         quarantined = await read_quarantine(client, schema)
+        objects = await _objects(client, schema)
     finally:
         await client.close()
     members = await asyncio.gather(*(_member_up(config.etcd, ep) for ep in config.etcd.endpoints))
     await asyncio.gather(*(asyncio.to_thread(_apply_metrics, n, r.metrics_url) for n, r in nodes))
     report = _report(config, [n for n, _ in nodes], [r for _, r in nodes],
                      dict(zip(config.etcd.endpoints, members, strict=True)), revision)
+    report["objects"] = objects
     for q in quarantined:
         report["flags"].append(f"quarantined: {q.node}: its chunk {q.key[:16]} differs from what {q.by} computed "
                                f"(distance {q.distance:.3g}); no planner uses it (lmcache-p2p verify --release "
@@ -136,6 +144,19 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                                "not decode (agents skip and count them)")
         report["healthy"] = False
     return report
+
+
+async def _objects(client: EtcdClient, schema: Schema) -> dict[str, int]:
+    """What the object store holds by the uploaders' records (``objects/``): objects, bytes, malformed records."""
+    kvs, _ = await client.get_prefix(schema.objects)
+    count = size = malformed = 0
+    for kv in kvs:
+        try:
+            size += decode_object_meta(kv.key, kv.value, prefix_len=len(schema.objects)).size
+            count += 1
+        except MalformedRecord:
+            malformed += 1
+    return {"objects": count, "bytes": size, "malformed": malformed}
 
 
 async def _ttl_left(client: EtcdClient, lease: int) -> float | None:
@@ -216,7 +237,7 @@ def _gib(x: float) -> str:
 
 def render(report: dict[str, Any]) -> str:
     head = ["ENGINE", "NODE", "ROLE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
-            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "CONFIG", "VERSION"]
+            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "OBJECTS pend/err", "CONFIG", "VERSION"]
     rows = [head]
     for n in report["nodes"]:
         used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
@@ -228,6 +249,7 @@ def render(report: dict[str, Any]) -> str:
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",
             "-" if n["hit_rate"] is None else f"{100 * n['hit_rate']:.1f}",
             "/".join(f"{n['handoff'].get(e, 0):.0f}" for e in ("accepted", "received", "dropped")),
+            "-" if n.get("objects_pending") is None else f"{n['objects_pending']:.0f}/{n['objects_errors']:.0f}",
             (str(n["config_revision"]) if n["config_revision"] else "-") + ("*" if n["config_deviations"] else ""),
             f"{n['software_version']}/w{n['wire_version']}" + ("" if n["responsive"] is not False else " HUNG?")
             + (" DEGRADED" if n["degraded"] else ""),
@@ -236,6 +258,10 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"cluster {report['cluster']}  revision {report['revision']}  nodes {len(report['nodes'])}  "
              f"etcd {sum(report['etcd_members'].values())}/{len(report['etcd_members'])} up"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    objects = report.get("objects")
+    if objects and (objects["objects"] or objects["malformed"]):
+        lines.append(f"object store: {objects['objects']} objects, {_gib(objects['bytes'])} GiB"
+                     + (f" ({objects['malformed']} malformed records)" if objects["malformed"] else ""))
     lines += [f"! {f}" for f in report["flags"]] or ["healthy"]
     lines += [f"  {note}" for note in report.get("notes", ())]
     return "\n".join(lines)

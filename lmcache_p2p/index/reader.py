@@ -13,7 +13,7 @@ from collections.abc import Callable, Container, Sequence
 
 from ..aio import LoopThread
 from ..config import AgentConfig
-from ..ids import NodeId
+from ..ids import OBJECTS, NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient
 from .etcd_index import make_mirror
@@ -32,6 +32,7 @@ class IndexReader:
         self.mirror = make_mirror(loop, config, self.client, self.schema, fp, rejects or Rejects())
         self.quarantine = Quarantine(self.client, self.schema, rejects=rejects)  # owners never counted
         self._fp_hex = fp.hex()
+        self._objects = config.objects.url is not None  # the object store counts as an owner (``@objects``)
 
     @classmethod
     def open(cls, loop: LoopThread, config: AgentConfig, fp: FingerprintDigest,
@@ -63,7 +64,8 @@ class IndexReader:
                        usable: Callable[[NodeRecord], bool] | None = None) -> int:
         """How many leading keys are held, every KV head of them (by one node, or by nodes that hold
         parts: the ranks of a tensor-parallel engine), or are in ``also_held``. With ``usable``, only
-        owners whose node record is in the mirror and passes it count (``peers.compatible``)."""
+        owners whose node record is in the mirror and passes it count (``peers.compatible``), and the
+        object store when this node's config has one (``objects.url``)."""
         self.mirror.prefetch([k for k in keys if k not in also_held])
         nodes = self.mirror.nodes()
         partial = {n: h for n, r in nodes.items()  # nodes holding some heads: (h0, h1, total)
@@ -77,7 +79,8 @@ class IndexReader:
                 continue
             owners = mirror.owners(key)
             if refused is not None:
-                owners = {n: t for n, t in owners.items() if n in nodes and n not in refused}
+                owners = {n: t for n, t in owners.items()
+                          if (n in nodes and n not in refused) or (n == OBJECTS and self._objects)}
             if not owners:
                 return i
             if all(n in partial for n in owners):

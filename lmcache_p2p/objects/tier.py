@@ -44,8 +44,6 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from prometheus_client import Counter, Gauge
-
 from ..aio import remaining
 from ..chunk import HEADER_SIZE, ChunkHeader, slice_heads, verify
 from ..config import AgentConfig
@@ -151,21 +149,20 @@ class ObjectTier:
         self._tasks: set[asyncio.Task[None]] = set()
         self.objects = 0  # this fingerprint's objects and their bytes, as of the last cleanup pass
         self.object_bytes = 0
-        registry = agent.metrics.registry
-        self.ops = Counter("object_ops", "Object store calls by operation and result", ["op", "result"],
-                           namespace="lmcache_p2p", registry=registry)
-        self.bytes = Counter("object_bytes", "Bytes moved to and from the object store", ["direction"],
-                             namespace="lmcache_p2p", registry=registry)
-        self.dropped = Counter("object_uploads_dropped", "Chunks not uploaded, by reason", ["reason"],
-                               namespace="lmcache_p2p", registry=registry)
-        Gauge("object_uploads_pending", "Uploads queued or in flight", namespace="lmcache_p2p",
-              registry=registry).set_function(lambda: len(self._queue) + self._inflight)
-        Gauge("objects", "Objects of this node's fingerprint in the store (last cleanup pass)",
-              namespace="lmcache_p2p", registry=registry).set_function(lambda: self.objects)
+        metrics = agent.metrics
+        self.ops, self.bytes, self.dropped = metrics.object_ops, metrics.object_bytes, metrics.object_uploads_dropped
+        metrics.on_collect(self._gauges)
         if spill_dir is not None:  # bytes kept by a previous run for uploads it never made: not ours to trust
             with contextlib.suppress(OSError):
                 for stale in spill_dir.glob("*.chunk"):
                     stale.unlink(missing_ok=True)
+
+    def _gauges(self) -> None:
+        metrics = self.agent.metrics
+        running = self._loop is not None
+        metrics.object_tier.set(1 if running else 0)
+        metrics.object_uploads_pending.set(self.pending if running else 0)
+        metrics.objects.set(self.objects)
 
     def name(self, key: ChunkKey) -> str:
         return f"{self.config.prefix}/{self.agent.fp.hex()}/{key.hex()}"
@@ -192,6 +189,7 @@ class ObjectTier:
         for item in list(self._queue):
             self._release(item)
         self._queue.clear()
+        self._loop = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
@@ -203,8 +201,9 @@ class ObjectTier:
         """A chunk leaves this node's last tier (any thread, tier locks held: only copies or renames and
         enqueues). ``data``: its payload in memory, or the disk tier's file. True when it is kept for an
         upload (a file is then this tier's to delete)."""
-        if self._loop is None or self.config.budget_bytes_per_s == 0 or not self.agent.wants_upload(header):
-            if self._loop is not None and self.config.budget_bytes_per_s == 0:
+        loop = self._loop
+        if loop is None or self.config.budget_bytes_per_s == 0 or not self.agent.wants_upload(header):
+            if loop is not None and self.config.budget_bytes_per_s == 0:
                 self.dropped.labels("budget_off").inc()
             return False
         size = header.length
@@ -230,7 +229,7 @@ class ObjectTier:
             item = _Upload(header, bytes(data[: header.length]), None, size)
         self._queue.append(item)
         with contextlib.suppress(RuntimeError):  # the loop is closing: the item is released by stop()
-            self._loop.call_soon_threadsafe(self._wake_up)
+            loop.call_soon_threadsafe(self._wake_up)
         return True
 
     def _wake_up(self) -> None:

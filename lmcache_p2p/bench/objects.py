@@ -1,0 +1,235 @@
+"""``lmcache-p2p bench objects``: the object tier against the raw S3 client, and a vLLM hit from the store.
+
+One run, one S3 server (a private SeaweedFS on loopback unless ``--url``; credentials from the usual
+AWS environment variables then), one etcd:
+
+    store phase (an in-process agent, chunks of the tiny layout, ``--inflight`` requests at once)
+      raw_put_mbps / raw_get_mbps     obstore PUT / GET of the same payloads, nothing else
+      tier_upload_mbps                our uploads: pack + MAC + PUT + the etcd announce, queued from
+                                      eviction offers, until the last is confirmed
+      tier_load_mbps                  our loads: GET + verify (MAC, checksum) + into the CPU pool
+      *_vs_raw                        ours / raw (1.0: the tier costs nothing over the client)
+      raw_get_one_ms / tier_load_one_ms   one chunk, p50
+
+    vLLM phase (tiny model, eager mode, every engine in its own process; ``--no-vllm`` skips it)
+      ttft_cold_ms         vLLM without any connector
+      ttft_miss_ms         engine A (connector, object tier, a CPU pool of one prompt): it computes
+                           the prompts; each next prompt evicts the last, whose chunks go to the store
+      ttft_object_hit_ms   engine B, started after A stopped (nothing of the prompts on any node):
+                           every chunk comes from the store
+      object_hit_speedup_vs_cold, object_hit_outputs_match_miss (greedy outputs equal A's)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+from ..agent import CacheAgent
+from ..config import load_config
+from ..ids import OBJECTS, TIER_OBJECT
+from ..index.etcd_server import EtcdServer
+from ..keys import ChunkKey, Fingerprint
+from ..metrics import AgentMetrics
+from ..objects.seaweed import SeaweedServer
+from ..objects.store import ObjectStore
+from ..plan import PlannedChunk
+from ..testing.synthetic import synthetic_payload
+from .common import emit, ratio, run_in_workdir
+from .vllm import bench_prompts, median_ms
+
+SECRET = "bench-objects-secret-7f3a9c1e5b2d80461c9e4a7b"
+
+
+def _agent_yaml(path: Path, node: str, endpoints: tuple[str, ...], url: str, bucket: str, *, cpu: str,
+                inflight: int, prefix: str) -> Path:
+    path.write_text(yaml.safe_dump({
+        "node_id": node, "cluster": "bench-objects", "metrics_port": 0, "tiers": {"cpu_capacity": cpu},
+        "etcd": {"endpoints": list(endpoints)},
+        "transfer": {"transports": ["tcp"], "secret": SECRET},
+        "handoff": {"budget_bytes_per_s": 0},
+        "objects": {"url": url, "bucket": bucket, "prefix": prefix, "min_hits": 0, "max_inflight": inflight,
+                    "budget_bytes_per_s": "10GB", "spill_bytes": "4GiB", "cleanup_interval_s": 0},
+    }))
+    return path
+
+
+def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str, bucket: str) -> dict[str, Any]:
+    cfg = load_config(_agent_yaml(work / "store.yaml", "bench-store", etcd.endpoints, url, bucket, cpu="4GiB",
+                                  inflight=args.inflight, prefix=f"bench-{os.getpid()}-{int(time.time())}"), env={})
+    agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
+                       metrics=AgentMetrics(CollectorRegistry())).start()
+    try:
+        assert agent.objects is not None and agent.loop is not None
+        tier, loop = agent.objects, agent.loop
+        keys = [ChunkKey(os.urandom(16)) for _ in range(args.chunks)]
+        payloads = [synthetic_payload(k, agent.chunk_bytes) for k in keys]
+        total = sum(len(p) for p in payloads)
+        raw = ObjectStore(cfg.objects)
+        raw_prefix = f"{cfg.objects.prefix}-raw"
+
+        async def raw_all(put: bool) -> float:
+            gate = asyncio.Semaphore(args.inflight)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    name, deadline = f"{raw_prefix}/{keys[i].hex()}", time.monotonic() + 60
+                    await (raw.put(name, payloads[i], deadline) if put else raw.get(name, deadline))
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(len(keys))))
+            return time.perf_counter() - t0
+
+        async def raw_one(i: int) -> float:
+            t0 = time.perf_counter()
+            await raw.get(f"{raw_prefix}/{keys[i].hex()}", time.monotonic() + 60)
+            return time.perf_counter() - t0
+
+        out: dict[str, Any] = {"chunks": args.chunks, "chunk_bytes": agent.chunk_bytes, "inflight": args.inflight}
+        raw_put_s = asyncio.run(raw_all(True))
+        raw_get_s = asyncio.run(raw_all(False))
+        out["raw_put_mbps"] = round(total / raw_put_s / 1e6, 1)
+        out["raw_get_mbps"] = round(total / raw_get_s / 1e6, 1)
+        out["raw_get_one_ms"] = round(1e3 * statistics.median(asyncio.run(raw_one(i)) for i in range(16)), 2)
+
+        # Ours, upload: every chunk offered as a victim leaving the last tier, until the last is announced.
+        headers = [agent.tiers.put(k, agent.fp, memoryview(p), cfg.chunk_size, heads=agent.heads)
+                   for k, p in zip(keys, payloads, strict=True)]
+        t0 = time.perf_counter()
+        for header, payload in zip(headers, payloads, strict=True):
+            assert header is not None and tier.offer(header, memoryview(payload))
+        while tier.pending:
+            time.sleep(0.002)
+        index = agent.index
+        assert index is not None
+        while not all(o.get(OBJECTS) == TIER_OBJECT for o in index.owners(agent.fp, keys)):
+            time.sleep(0.002)
+        up_s = time.perf_counter() - t0
+        out["tier_upload_mbps"] = round(total / up_s / 1e6, 1)
+        out["tier_upload_errors"] = int(agent.metrics.registry.get_sample_value(
+            "lmcache_p2p_object_ops_total", {"op": "put", "result": "error"}) or 0)
+
+        # Ours, load: the agent's own path for chunks planned from the store (GET, verify, into the pool).
+        need = (0, agent.fingerprint.num_kv_heads)
+        planned = [PlannedChunk(i, k, 0, cfg.chunk_size, OBJECTS, heads=need) for i, k in enumerate(keys)]
+        for k in keys:
+            agent.tiers.remove(k)
+        t0 = time.perf_counter()
+        agent.pull(planned, time.monotonic() + 120)
+        load_s = time.perf_counter() - t0
+        out["tier_loaded"] = sum(agent.holds(k) for k in keys)
+        out["tier_load_mbps"] = round(total / load_s / 1e6, 1)
+        ones = []
+        for chunk in planned[:16]:
+            agent.tiers.remove(chunk.key)
+            t0 = time.perf_counter()
+            loop.run(tier.fetch([chunk], time.monotonic() + 60), 70)
+            ones.append(time.perf_counter() - t0)
+        out["tier_load_one_ms"] = round(1e3 * statistics.median(ones), 2)
+        out["tier_upload_vs_raw_put"] = ratio(out["tier_upload_mbps"], out["raw_put_mbps"])
+        out["tier_load_vs_raw_get"] = ratio(out["tier_load_mbps"], out["raw_get_mbps"])
+        return out
+    finally:
+        agent.stop()
+
+
+def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str, bucket: str) -> dict[str, Any]:
+    from ..testing.engine_client import EngineProcess
+    from ..testing.tiny_model import create_tiny_model
+
+    model = Path(args.model) if args.model else create_tiny_model(work / "tiny-llama")
+    prompts = bench_prompts(args.prompts, args.tokens, seed=31000)
+    warm = bench_prompts(3, args.tokens, seed=39000)
+    chunk_mib = 0.5 * -(-args.tokens // 256)  # the tiny layout: 512 KiB per 256-token chunk
+    prefix = f"vllm-{os.getpid()}-{int(time.time())}"
+    cfg_a = _agent_yaml(work / "a.yaml", "bench-a", etcd.endpoints, url, bucket, cpu=f"{int(chunk_mib)}MiB",
+                        inflight=args.inflight, prefix=prefix)
+    cfg_b = _agent_yaml(work / "b.yaml", "bench-b", etcd.endpoints, url, bucket, cpu="512MiB",
+                        inflight=args.inflight, prefix=prefix)
+    out: dict[str, Any] = {"engine_mode": "eager", "prompts": args.prompts, "prompt_tokens": args.tokens}
+    engines: list[Any] = []
+    try:
+        cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+        engines.append(cold)
+        cold.wait_ready()
+        cold.ttft([warm[0]])
+        out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
+        cold.stop()
+        a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
+        engines.append(a)
+        a.wait_ready()
+        a.ttft([warm[1]])
+        miss = a.ttft(prompts)
+        out["ttft_miss_ms"] = median_ms(miss)
+        a.ttft([warm[2]])  # evicts the last prompt too
+        load = load_config(cfg_b, env={})
+        store = ObjectStore(load.objects)
+        want = len(prompts) * -(-args.tokens // 256)
+
+        async def stored() -> int:
+            return len(await store.names(f"{prefix}/", time.monotonic() + 30))
+
+        deadline = time.monotonic() + 120
+        while asyncio.run(stored()) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+        out["objects_uploaded"] = asyncio.run(stored())
+        a.stop()  # nothing of the prompts is left on any node
+        b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
+        engines.append(b)
+        b.wait_ready()
+        b.ttft([bench_prompts(1, args.tokens, seed=38000)[0]])
+        hit = b.ttft(prompts)
+        out["ttft_object_hit_ms"] = median_ms(hit)
+        out["object_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
+        out["object_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+    finally:
+        for engine in engines:
+            with contextlib.suppress(Exception):
+                engine.stop()
+    out["object_hit_speedup_vs_cold"] = round(out["ttft_cold_ms"] / out["ttft_object_hit_ms"], 2)
+    return out
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer(base_dir=str(work)))
+        if args.url:
+            url, bucket = args.url, args.bucket
+        else:
+            server = stack.enter_context(SeaweedServer(bucket=args.bucket, base_dir=str(work / "weed")))
+            os.environ.update(server.env)  # the agents (here and in the engines) read the usual variables
+            url, bucket = server.url, server.bucket
+        out: dict[str, Any] = {"server": "SeaweedFS (weed mini, loopback)" if not args.url else url}
+        out.update(_store_phase(args, work, etcd, url, bucket))
+        if not args.no_vllm:
+            out.update(_vllm_phase(args, work, etcd, url, bucket))
+        return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench objects", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--chunks", type=int, default=64, help="chunks moved in the store phase")
+    parser.add_argument("--inflight", type=int, default=8, help="requests in flight, raw and ours")
+    parser.add_argument("--url", help="an S3 endpoint (default: a private SeaweedFS started here)")
+    parser.add_argument("--bucket", default="lmcache-p2p-bench")
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--model", help="model directory (default: a tiny test model created in the work dir)")
+    parser.add_argument("--no-vllm", action="store_true", help="the store phase only")
+    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    result = run_in_workdir(run, args, "lmcache-p2p-bench-objects-")
+    emit(result, args.json, "bench objects (object tier vs the raw client; vLLM eager: a hit from the store vs cold)")
+    return 0
