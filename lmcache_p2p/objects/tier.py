@@ -62,6 +62,9 @@ log = logging.getLogger(__name__)
 MAC_BYTES = 32
 FETCH_PARALLEL = 8  # object reads in flight per load
 MAX_BACKOFF_S = 30.0
+ANNOUNCE_BATCH = 64  # uploads announced per etcd txn (2 operations each: etcd's default --max-txn-ops is 128)
+MAX_UNANNOUNCED = 65536  # uploads confirmed but not yet in etcd (etcd down): beyond, the oldest are forgotten
+ANNOUNCE_RETRY_S = 1.0
 
 
 class Node(Protocol):
@@ -147,6 +150,8 @@ class ObjectTier:
         self._failures = 0
         self._backoff_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
+        self._announce_wake: asyncio.Event | None = None
         self.objects = 0  # this fingerprint's objects and their bytes, as of the last cleanup pass
         self.object_bytes = 0
         metrics = agent.metrics
@@ -169,13 +174,17 @@ class ObjectTier:
 
     @property
     def pending(self) -> int:
-        return len(self._queue) + self._inflight
+        """Uploads queued, in flight, or confirmed and not yet announced in etcd."""
+        return len(self._queue) + self._inflight + len(self._unannounced)
 
     # -- lifecycle (on the loop) ----------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._announce_wake = asyncio.Event()
         self._spawn(self._upload_forever(), "object-uploads")
+        if self.client is not None:
+            self._spawn(self._announce_forever(), "object-announce")
         if self.config.cleanup_interval_s > 0 and self.client is not None:
             self._spawn(self._cleanup_forever(), "object-cleanup")
 
@@ -291,25 +300,44 @@ class ObjectTier:
                 if ChunkHeader.unpack(raw) != header:
                     raise MalformedChunk("the disk file kept for upload holds another chunk")
                 payload = verify(header, memoryview(raw)[HEADER_SIZE:])  # a disk fault is never uploaded
-            body = pack_object(header, payload, agent.node_id, self._secret)
+            # MAC and copy off the loop (it serves pulls; hashlib releases the GIL on large buffers)
+            body = await asyncio.to_thread(pack_object, header, payload, agent.node_id, self._secret)
             await self.store.put(self.name(header.key), body, time.monotonic() + self.config.timeout_s)
             self.bytes.labels("up").inc(len(body))
-            await self._announce(header, len(body))
         except (ObjectStoreError, LMCacheP2PError, OSError) as exc:
             self.ops.labels("put", "error").inc()
             log.warning("upload of chunk %s failed: %s", header.key.hex()[:16], exc)
             return
         self.ops.labels("put", "ok").inc()
+        if self._announce_wake is not None:
+            self._unannounced.append(ObjectMeta(agent.fp, header.key, len(body), time.time(), agent.node_id,
+                                                header.epoch, header.num_tokens, header.heads))
+            self._announce_wake.set()
 
-    async def _announce(self, header: ChunkHeader, size: int) -> None:
-        """The index entry (``@objects``, tier 3) and the cleanup's record, in one txn, without a lease."""
-        if self.client is None:
-            return
-        fp, agent = self.agent.fp, self.agent
-        meta = ObjectMeta(fp, header.key, size, time.time(), agent.node_id, header.epoch, header.num_tokens,
-                          header.heads)
-        await self.client.txn([], [op_put(self._schema.object_meta(fp, header.key), meta.pack()),
-                                   op_put(self._schema.block(fp, header.key, OBJECTS), bytes([TIER_OBJECT]))])
+    async def _announce_forever(self) -> None:
+        """Confirmed uploads into etcd, in batches: per object its index entry (``@objects``, tier 3) and the
+        cleanup's record, without a lease. With etcd down they wait (the newest ``MAX_UNANNOUNCED``)."""
+        assert self._announce_wake is not None and self.client is not None
+        while True:
+            if not self._unannounced:
+                self._announce_wake.clear()
+                await self._announce_wake.wait()
+                continue
+            batch = [self._unannounced.popleft() for _ in range(min(ANNOUNCE_BATCH, len(self._unannounced)))]
+            ops = []
+            for meta in batch:
+                ops += [op_put(self._schema.object_meta(meta.fp, meta.key), meta.pack()),
+                        op_put(self._schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
+            try:
+                await self.client.txn([], ops)
+            except LMCacheP2PError as exc:
+                log.warning("announcing %d uploaded objects failed (retried): %s", len(batch), exc)
+                self._unannounced.extendleft(reversed(batch))
+                await asyncio.sleep(ANNOUNCE_RETRY_S)
+
+    @property
+    def unannounced(self) -> int:
+        return len(self._unannounced)
 
     # -- loads -------------------------------------------------------------------------------------------
     def usable(self) -> bool:
@@ -351,7 +379,8 @@ class ObjectTier:
         self.agent.observe_objects(len(data), time.perf_counter() - t0)
         self.bytes.labels("down").inc(len(data))
         try:
-            header, payload, uploader = unpack_object(data, chunk.key, self.agent.fp, self._secret)
+            header, payload, uploader = await asyncio.to_thread(unpack_object, data, chunk.key, self.agent.fp,
+                                                                self._secret)
             if header.heads != chunk.heads:
                 header, payload = slice_heads(header, payload, chunk.heads)
         except ChunkError as exc:
