@@ -55,7 +55,7 @@ def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedSe
 
 
 def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, server: SeaweedServer,
-                  *, cpu: str = SMALL, disk: str | None = None, **objects: Any) -> CacheAgent:
+                  *, cpu: str = SMALL, disk: str | None = None, backoff_s: float = 0.2, **objects: Any) -> CacheAgent:
     tiers: dict[str, Any] = {"cpu_capacity": cpu}
     if disk is not None:
         tiers.update(disk_path=str(tmp_path / f"{name}-disk"), disk_capacity=disk)
@@ -63,7 +63,7 @@ def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name
     path.write_text(yaml.safe_dump({
         "node_id": name, "cluster": cluster, "tiers": tiers,
         "etcd": {"endpoints": list(endpoints), "lease_ttl_s": 3, "timeout_s": 3.0},
-        "transfer": {"transports": ["tcp"], "secret": SECRET, "timeout_s": 3.0, "backoff_s": 0.2},
+        "transfer": {"transports": ["tcp"], "secret": SECRET, "timeout_s": 3.0, "backoff_s": backoff_s},
         "handoff": {"budget_bytes_per_s": 0},  # nothing handed to peers: eviction drops (or uploads) sole copies
         "metrics_port": 0,
         "objects": {"url": server.url, "bucket": server.bucket, "min_hits": 0, "cleanup_interval_s": 0, **objects},
@@ -279,7 +279,8 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
         for name, value in own.env.items():
             monkeypatch.setenv(name, value)
         s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", own)
-        r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", own, cpu="64MiB")
+        # A backoff long enough that "backed off" can be observed on a busy machine.
+        r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", own, cpu="64MiB", backoff_s=5.0)
         try:
             keys = evict_into_store(s, 5)
             assert wait_until(lambda: in_store(r, keys), 10)
@@ -294,6 +295,7 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
                 assert not any(loaded)
                 assert waited < 1.0 + 1.5, waited  # its deadline, plus the loop's own slack
                 assert ops(r, "get", "error") >= 1
+                assert r.objects is not None and r.objects._failures == 1  # one backoff step for the whole load
                 # Backed off: the planner leaves the store out, nothing waits.
                 assert not r.lookup(synthetic_tokens(5, TOKENS)).chunks
                 # Saves never wait on the store: evictions only queue their uploads.

@@ -352,15 +352,24 @@ class ObjectTier:
     async def fetch(self, chunks: Sequence[PlannedChunk], deadline: float) -> list[PlannedChunk]:
         """Read ``chunks`` from the store into the CPU pool by ``deadline``; returns those that missed."""
         gate = asyncio.Semaphore(FETCH_PARALLEL)
+        failed = False
 
         async def one(chunk: PlannedChunk) -> bool:
+            nonlocal failed
             async with gate:
-                return await self._fetch_one(chunk, deadline)
+                try:
+                    return await self._fetch_one(chunk, deadline)
+                except ObjectStoreError:
+                    failed = True
+                    return False
 
         results = await asyncio.gather(*(one(c) for c in chunks))
+        if failed:  # one backoff step per load, however many of its reads hung on the same store
+            self._failed()
         return [c for c, ok in zip(chunks, results, strict=True) if not ok]
 
     async def _fetch_one(self, chunk: PlannedChunk, deadline: float) -> bool:
+        """True when the chunk landed in the pool; raises ObjectStoreError when the store failed."""
         if remaining(deadline) <= 0 or not self.usable():
             return False
         name, t0 = self.name(chunk.key), time.perf_counter()
@@ -372,9 +381,8 @@ class ObjectTier:
             return False
         except ObjectStoreError as exc:
             self.ops.labels("get", "error").inc()
-            self._failed()
             log.warning("object read of %s failed: %s", chunk.key.hex()[:16], exc)
-            return False
+            raise
         self._failures = 0
         self.agent.observe_objects(len(data), time.perf_counter() - t0)
         self.bytes.labels("down").inc(len(data))
