@@ -210,6 +210,7 @@ class CacheAgent:
 
         self.loop.run(start(), self.config.etcd.timeout_s)
         self.objects = objects
+        self.invalidation.listeners.append(objects.cleanup_soon)
         self.tiers.set_spill(objects.offer)
         log.info("object tier: %s bucket %s prefix %s", objects.store.url, self.config.objects.bucket,
                  self.config.objects.prefix)
@@ -226,6 +227,10 @@ class CacheAgent:
     def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
         """A standing invalidation covers a chunk ``holder`` made (an object's uploader)."""
         return self.invalidation.covers_held_by(header, holder)
+
+    def blocked(self, node: NodeId) -> bool:
+        """The canary quarantined ``node`` (its objects are not loaded either)."""
+        return self.quarantine is not None and self.quarantine.blocked(node)
 
     def observe_objects(self, nbytes: int, seconds: float) -> None:
         """An object read of ``nbytes`` took ``seconds``: the planner's estimate of the store."""
@@ -493,7 +498,7 @@ class CacheAgent:
             if m.revision >= revision:
                 return True
             nodes = m.nodes()
-            return all(any(n in nodes for n in m.owners(k)) for k in keys)
+            return all(any(n in nodes or n == OBJECTS for n in m.owners(k)) for k in keys)
 
         return bool(m.wait_for(caught_up, remaining(deadline)))
 

@@ -31,7 +31,7 @@ import msgspec
 
 from .aio import LoopThread
 from .config import AgentConfig
-from .ids import TIER_NAMES, NodeId
+from .ids import OBJECTS, TIER_NAMES, NodeId
 from .index.reader import IndexReader
 from .keys import ChunkKey, FingerprintDigest
 
@@ -113,11 +113,13 @@ class EventPublisher:
         self._reader.mirror.on_block = self._on_block  # from now on; the state at start is replayed below
         for key, owners in self._reader.mirror.snapshot().items():
             for node, tier in owners.items():
-                self._queue.put(Change(node, key, None, tier))
+                if node != OBJECTS:
+                    self._queue.put(Change(node, key, None, tier))
         return self
 
     def _on_block(self, node: NodeId, key: ChunkKey, old: int | None, new: int | None) -> None:
-        self._queue.put(Change(node, key, old, new))  # on the loop: hand over, never block
+        if node != OBJECTS:  # engines' caches only: the object store serves no requests
+            self._queue.put(Change(node, key, old, new))  # on the loop: hand over, never block
 
     def _send_forever(self) -> None:
         encoder = msgspec.msgpack.Encoder()

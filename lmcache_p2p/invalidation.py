@@ -134,6 +134,8 @@ class MeshInvalidation:
         self._generation: GenerationWatch | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: LoopThread | None = None
+        # Called on the loop when standing invalidations are new to this node (the object tier cleans up).
+        self.listeners: list[Callable[[], None]] = []
 
     # -- the barrier (any thread) ----------------------------------------------------------------
     @property
@@ -313,6 +315,11 @@ class MeshInvalidation:
         if todo:
             self._applied.update((inv.id, inv.revision) for inv in todo)
             self._spawn(asyncio.to_thread(self._apply_many, todo), "invalidation-apply")
+            for listener in self.listeners:
+                try:
+                    listener()
+                except Exception:  # a listener's failure is its own
+                    log.exception("invalidation listener failed")
 
     def _apply_many(self, invalidations: list[Invalidation]) -> None:
         for inv in invalidations:

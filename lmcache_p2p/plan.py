@@ -23,9 +23,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from .ids import NodeId
+from .ids import TIER_OBJECT, NodeId
 from .keys import ChunkKey, HeadRange
 
+SLOW_TIER = TIER_OBJECT  # owners in this tier or slower are chosen only when no faster one holds the chunk
 LOCAL = NodeId("")
 """The source of a chunk held by the local store."""
 
@@ -102,12 +103,14 @@ def make_plan(
             continue
         held = {n: (heads_of(n) if heads_of is not None else need, tier)
                 for n, tier in remote[i].items() if usable(n)}
-        whole = sorted((load.get(n, 0), tier, n) for n, (h, tier) in held.items()
+        # The object store (tier byte 3 and above: no pulls in flight are ever counted for it) only when
+        # no peer holds the chunk; peers by load, then tier.
+        whole = sorted((tier >= SLOW_TIER, load.get(n, 0), tier, n) for n, (h, tier) in held.items()
                        if h[0] <= need[0] and need[1] <= h[1])
         if whole:
-            best = whole[0][2]
+            best = whole[0][3]
             load[best] = load.get(best, 0) + 1
-            chunks.append(PlannedChunk(i, key, start, end, best, tuple(c[2] for c in whole[1:]), heads=need))
+            chunks.append(PlannedChunk(i, key, start, end, best, tuple(c[3] for c in whole[1:]), heads=need))
             continue
         pieces = _cover(need, held, load)
         if pieces is None:

@@ -27,8 +27,9 @@ from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.chunk import make_header
 from lmcache_p2p.cli import status
 from lmcache_p2p.config import ObjectsConfig
-from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing
+from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing, ObjectStoreError
 from lmcache_p2p.ids import OBJECTS, TIER_OBJECT, NodeId
+from lmcache_p2p.index.quarantine import QuarantineRecord
 from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta
 from lmcache_p2p.invalidation import issue
 from lmcache_p2p.keys import ChunkKey, Fingerprint, FingerprintDigest
@@ -204,6 +205,7 @@ def test_disk_victims_are_uploaded_from_their_file_and_the_file_goes(etcd, clust
         keys = keys_of(s, 1)
         assert wait_until(lambda: in_store(s, keys), 30), s.index.owners(s.fp, keys)
         spill = tmp_path / "s-disk" / ".objects-spill"
+        assert s.objects is not None and s.objects.offered["file"] >= 5 and s.objects.offered["memory"] == 0
         assert wait_until(lambda: not list(spill.glob("*.chunk")) and s.objects is not None
                           and s.objects.pending == 0, 30)
         report = asyncio.run(status.collect(s.config))
@@ -261,7 +263,7 @@ def test_an_invalidated_chunks_object_is_never_loaded_and_is_cleaned_up(etcd, cl
         assert not any(r.holds(k) for k in keys)
         assert s.objects is not None
         assert run(s, s.objects.cleanup()) >= 9  # the rest of both prompts' objects
-        names = run(s, s.objects.store.names(f"{s.config.objects.prefix}/{s.fp.hex()}/", time.monotonic() + 5))
+        names = run(s, s.objects.store.names(f"{s.config.objects.prefix}/{cluster_name}/", time.monotonic() + 5))
         assert not any(k.hex() in n for n in names for k in keys + other)
         assert wait_until(lambda: not any(OBJECTS in o for o in r.index.owners(r.fp, keys + other)), 10)
         assert s.objects.objects == 0
@@ -362,9 +364,48 @@ def test_weed_serves_s3_only_when_ready_and_refuses_unsigned_requests():
     with SeaweedServer() as server:
         anonymous = ObjectStore(server.objects_config(timeout_s=2.0), env={"AWS_ACCESS_KEY_ID": "nobody",
                                                                            "AWS_SECRET_ACCESS_KEY": "wrong"})
-        with pytest.raises(Exception):  # noqa: B017 - any refusal will do: 403 from the gateway
+        with pytest.raises(ObjectStoreError, match="403|PermissionDenied"):
             asyncio.run(anonymous.put("x", b"1", time.monotonic() + 3))
         signed = ObjectStore(server.objects_config(timeout_s=2.0), env=server.env)
         asyncio.run(signed.put("x", b"1", time.monotonic() + 3))
         assert asyncio.run(signed.get("x", time.monotonic() + 3)) == b"1"
         assert os.path.isdir(server.dir)
+
+
+def test_chunks_invalidated_while_their_uploads_wait_never_reach_the_store(etcd, cluster_name, tmp_path, s3_env):
+    """Uploads held back by the byte budget; the fingerprint is invalidated meanwhile: none is stored."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env, budget_bytes_per_s="256KiB",
+                      cleanup_interval_s=60)
+    try:
+        for seed in (9, 109, 209):
+            preload(s, seed, TOKENS)
+        assert s.objects is not None and s.objects.pending >= 3
+        run(s, issue(s.index.client, Schema(cluster_name), "fingerprint", s.fp.hex()))  # type: ignore[union-attr]
+        assert wait_until(lambda: s.objects is not None and s.objects.pending == 0, 60)
+        dropped = s.metrics.registry.get_sample_value("lmcache_p2p_object_uploads_dropped_total",
+                                                      {"reason": "invalidated"})
+        assert dropped and dropped >= 3
+        # (one upload may have left before the invalidation: the cleanup it triggers deletes that one)
+        assert wait_until(lambda: not run(s, s.objects.store.names(f"{s.config.objects.prefix}/{cluster_name}/",
+                                                                     time.monotonic() + 5)), 30)
+    finally:
+        s.stop()
+
+
+def test_a_quarantined_uploaders_objects_are_not_loaded(etcd, cluster_name, tmp_path, s3_env):
+    """The canary quarantined the node that uploaded a chunk: its object is deleted, never loaded."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        keys = evict_into_store(s, 10)
+    finally:
+        s.stop()
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        assert wait_until(lambda: in_store(r, keys), 10)
+        r.quarantine_owner(QuarantineRecord(NodeId("s"), by="test", key=keys[0].hex(), distance=1.0))
+        assert wait_until(lambda: r.blocked(NodeId("s")), 10)
+        loaded, _ = load_and_check(r, 10)
+        assert not any(loaded) and ops(r, "get", "invalidated") == 5
+        assert wait_until(lambda: not any(OBJECTS in o for o in r.index.owners(r.fp, keys)), 10)
+    finally:
+        r.stop()

@@ -24,6 +24,7 @@ import time
 
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
+from ..ids import OBJECTS
 from ..index.client import EtcdClient, KeyValue
 from ..index.schema import Schema, decode_node_record, tenant_digest
 from ..invalidation import Invalidation, issue
@@ -33,7 +34,16 @@ POLL_S = 0.2
 
 
 async def _matching(client: EtcdClient, schema: Schema, kind: str, value: str) -> list[KeyValue]:
-    """Block entries an invalidation of ``kind``/``value`` is meant to remove, read now."""
+    """Block entries an invalidation of ``kind``/``value`` is meant to remove, read now (the object store's
+    own, ``@objects``, excepted: they go with the objects at the object tier's next cleanup, and no node loads
+    a covered object meanwhile)."""
+    return [kv for kv in await _matching_all(client, schema, kind, value) if not kv.key.endswith(_OBJECTS_SUFFIX)]
+
+
+_OBJECTS_SUFFIX = b"/" + OBJECTS.encode()
+
+
+async def _matching_all(client: EtcdClient, schema: Schema, kind: str, value: str) -> list[KeyValue]:
     if kind == "fingerprint":
         return (await client.get_prefix(schema.blocks + value.lower().encode()))[0]
     if kind == "node":

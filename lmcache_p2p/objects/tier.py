@@ -84,6 +84,8 @@ class Node(Protocol):
 
     def observe_objects(self, nbytes: int, seconds: float) -> None: ...
 
+    def blocked(self, node: NodeId) -> bool: ...
+
 
 @dataclasses.dataclass(slots=True)
 class _Upload:
@@ -152,6 +154,8 @@ class ObjectTier:
         self._tasks: set[asyncio.Task[None]] = set()
         self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
         self._announce_wake: asyncio.Event | None = None
+        self._cleanup_soon: asyncio.Event | None = None
+        self.offered = {"memory": 0, "file": 0}  # chunks taken for upload: CPU victims' bytes, disk victims' files
         self.objects = 0  # this fingerprint's objects and their bytes, as of the last cleanup pass
         self.object_bytes = 0
         metrics = agent.metrics
@@ -169,8 +173,9 @@ class ObjectTier:
         metrics.object_uploads_pending.set(self.pending if running else 0)
         metrics.objects.set(self.objects)
 
-    def name(self, key: ChunkKey) -> str:
-        return f"{self.config.prefix}/{self.agent.fp.hex()}/{key.hex()}"
+    def name(self, key: ChunkKey, fp: FingerprintDigest | None = None) -> str:
+        """``<prefix>/<cluster>/<fingerprint>/<key>``: clusters sharing a bucket never see each other's objects."""
+        return f"{self.config.prefix}/{self.agent.config.cluster}/{(fp or self.agent.fp).hex()}/{key.hex()}"
 
     @property
     def pending(self) -> int:
@@ -186,9 +191,17 @@ class ObjectTier:
         if self.client is not None:
             self._spawn(self._announce_forever(), "object-announce")
         if self.config.cleanup_interval_s > 0 and self.client is not None:
+            self._cleanup_soon = asyncio.Event()
             self._spawn(self._cleanup_forever(), "object-cleanup")
 
     async def stop(self) -> None:
+        """Stop uploading; what was uploaded and not yet announced is announced now (bounded by
+        ``objects.timeout_s``), so no object is left that no record names."""
+        if self._unannounced and self.client is not None:
+            with contextlib.suppress(LMCacheP2PError, TimeoutError):
+                async with asyncio.timeout(self.config.timeout_s):
+                    while self._unannounced:
+                        await self._announce_batch()
         tasks, self._tasks = list(self._tasks), set()
         for task in tasks:
             task.cancel()
@@ -203,7 +216,12 @@ class ObjectTier:
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("object tier task %s failed: %r", task.get_name(), task.exception())
 
     # -- uploads -----------------------------------------------------------------------------------------
     def offer(self, header: ChunkHeader, data: memoryview | Path) -> bool:
@@ -216,6 +234,8 @@ class ObjectTier:
                 self.dropped.labels("budget_off").inc()
             return False
         size = header.length
+        if isinstance(data, Path) and self._spill_dir is None:
+            return False
         with self._waiting_lock:
             full = self._waiting + size > self.config.spill_bytes
             if not full:
@@ -224,8 +244,7 @@ class ObjectTier:
             self.dropped.labels("spill_full").inc()
             return False
         if isinstance(data, Path):
-            if self._spill_dir is None:
-                return False
+            assert self._spill_dir is not None
             moved = self._spill_dir / f"{header.key.hex()}.{uuid.uuid4().hex[:8]}.chunk"
             try:
                 os.replace(data, moved)
@@ -234,8 +253,10 @@ class ObjectTier:
                 self._release(_Upload(header, None, None, size))
                 return False
             item = _Upload(header, None, moved, size)
+            self.offered["file"] += 1
         else:
             item = _Upload(header, bytes(data[: header.length]), None, size)
+            self.offered["memory"] += 1
         self._queue.append(item)
         with contextlib.suppress(RuntimeError):  # the loop is closing: the item is released by stop()
             loop.call_soon_threadsafe(self._wake_up)
@@ -252,6 +273,14 @@ class ObjectTier:
             item.path.unlink(missing_ok=True)
 
     async def _upload_forever(self) -> None:
+        while True:
+            try:
+                await self._uploads()
+            except Exception:  # supervised: logged, and uploads go on
+                log.exception("object uploads failed")
+                await asyncio.sleep(ANNOUNCE_RETRY_S)
+
+    async def _uploads(self) -> None:
         assert self._wake is not None
         slots = asyncio.Semaphore(self.config.max_inflight)
         while True:
@@ -291,6 +320,9 @@ class ObjectTier:
 
     async def _upload(self, item: _Upload) -> None:
         header, agent = item.header, self.agent
+        if agent.covers(header, agent.node_id):  # invalidated while it waited: never stored
+            self.dropped.labels("invalidated").inc()
+            return
         try:
             if item.data is not None:
                 payload: bytes | memoryview = item.data
@@ -323,17 +355,38 @@ class ObjectTier:
                 self._announce_wake.clear()
                 await self._announce_wake.wait()
                 continue
-            batch = [self._unannounced.popleft() for _ in range(min(ANNOUNCE_BATCH, len(self._unannounced)))]
-            ops = []
-            for meta in batch:
-                ops += [op_put(self._schema.object_meta(meta.fp, meta.key), meta.pack()),
-                        op_put(self._schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
             try:
-                await self.client.txn([], ops)
+                await self._announce_batch()
             except LMCacheP2PError as exc:
-                log.warning("announcing %d uploaded objects failed (retried): %s", len(batch), exc)
-                self._unannounced.extendleft(reversed(batch))
+                log.warning("announcing uploaded objects failed (retried): %s", exc)
                 await asyncio.sleep(ANNOUNCE_RETRY_S)
+            except Exception:  # supervised: logged, and the next batch is tried
+                log.exception("announcing uploaded objects failed")
+                await asyncio.sleep(ANNOUNCE_RETRY_S)
+
+    async def _announce_batch(self) -> None:
+        """One txn of up to ``ANNOUNCE_BATCH`` confirmed uploads (put back in front if it fails). An object an
+        invalidation covers by now is deleted instead."""
+        assert self.client is not None
+        batch = [self._unannounced.popleft() for _ in range(min(ANNOUNCE_BATCH, len(self._unannounced)))]
+        ops: list[object] = []
+        for meta in batch:
+            if self._covered(meta):
+                self._spawn(self._forget(meta.key, delete_object=True, fp=meta.fp), "object-forget")
+                continue
+            ops += [op_put(self._schema.object_meta(meta.fp, meta.key), meta.pack()),
+                    op_put(self._schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
+        if not ops:
+            return
+        try:
+            await self.client.txn([], ops)
+        except BaseException:
+            self._unannounced.extendleft(reversed(batch))
+            raise
+
+    def _covered(self, meta: ObjectMeta) -> bool:
+        return self.agent.covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads),
+                                 meta.node)
 
     @property
     def unannounced(self) -> int:
@@ -350,42 +403,58 @@ class ObjectTier:
         self._backoff_until = time.monotonic() + min(MAX_BACKOFF_S, base * 2 ** (self._failures - 1))
 
     async def fetch(self, chunks: Sequence[PlannedChunk], deadline: float) -> list[PlannedChunk]:
-        """Read ``chunks`` from the store into the CPU pool by ``deadline``; returns those that missed."""
+        """Read ``chunks`` from the store into the CPU pool by ``deadline``; returns those that missed.
+
+        The store's speed is measured per load (its bytes over the load's wall time, reads in parallel),
+        which is what the fetch-or-recompute budget predicts."""
         gate = asyncio.Semaphore(FETCH_PARALLEL)
         failed = False
+        got = 0
+        t0 = time.perf_counter()
 
         async def one(chunk: PlannedChunk) -> bool:
-            nonlocal failed
+            nonlocal failed, got
             async with gate:
                 try:
-                    return await self._fetch_one(chunk, deadline)
+                    data = await self._read(chunk, deadline)
                 except ObjectStoreError:
                     failed = True
                     return False
+                if data is None:
+                    return False
+                got += len(data)
+                return await self._land(chunk, data, deadline)
 
         results = await asyncio.gather(*(one(c) for c in chunks))
         if failed:  # one backoff step per load, however many of its reads hung on the same store
             self._failed()
+        elif got:
+            self._failures = 0
+            self.agent.observe_objects(got, time.perf_counter() - t0)
         return [c for c, ok in zip(chunks, results, strict=True) if not ok]
 
-    async def _fetch_one(self, chunk: PlannedChunk, deadline: float) -> bool:
-        """True when the chunk landed in the pool; raises ObjectStoreError when the store failed."""
+    async def _read(self, chunk: PlannedChunk, deadline: float) -> bytes | None:
+        """The object's bytes; None when it is not to be had (a 404 forgets it); raises ObjectStoreError when
+        the store failed."""
         if remaining(deadline) <= 0 or not self.usable():
-            return False
-        name, t0 = self.name(chunk.key), time.perf_counter()
+            return None
         try:
-            data = await self.store.get(name, deadline)
+            data = await self.store.get(self.name(chunk.key), deadline)
         except ObjectMissing:
             self.ops.labels("get", "missing").inc()
             self._spawn(self._forget(chunk.key, delete_object=False), "object-forget")
-            return False
+            return None
         except ObjectStoreError as exc:
             self.ops.labels("get", "error").inc()
             log.warning("object read of %s failed: %s", chunk.key.hex()[:16], exc)
             raise
-        self._failures = 0
-        self.agent.observe_objects(len(data), time.perf_counter() - t0)
         self.bytes.labels("down").inc(len(data))
+        return data
+
+    async def _land(self, chunk: PlannedChunk, data: bytes, deadline: float) -> bool:
+        """Verify an object read for ``chunk`` and store it in the CPU pool; True when it landed. A bad,
+        invalidated or quarantined uploader's object is deleted."""
+        name = self.name(chunk.key)
         try:
             header, payload, uploader = await asyncio.to_thread(unpack_object, data, chunk.key, self.agent.fp,
                                                                 self._secret)
@@ -396,9 +465,12 @@ class ObjectTier:
             log.error("object %s is not chunk %s: %s; deleted", name, chunk.key.hex()[:16], exc)
             self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
             return False
-        if self.agent.covers(header, uploader):
+        if self.agent.covers(header, uploader) or self.agent.blocked(uploader):
             self.ops.labels("get", "invalidated").inc()
             self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
+            return False
+        if remaining(deadline) <= 0:  # verified too late: the engine is recomputing it already
+            self.ops.labels("get", "late").inc()
             return False
         try:
             stored = await asyncio.to_thread(self.agent.tiers.put_verified, header, payload)
@@ -408,15 +480,15 @@ class ObjectTier:
         self.ops.labels("get", "ok" if stored else "refused").inc()
         return stored
 
-    async def _forget(self, key: ChunkKey, *, delete_object: bool) -> None:
+    async def _forget(self, key: ChunkKey, *, delete_object: bool, fp: FingerprintDigest | None = None) -> None:
         """Delete an object (when asked) and its etcd entries; failures are logged, the next cleanup retries."""
+        fp = fp or self.agent.fp
         try:
             if delete_object:
                 with contextlib.suppress(ObjectMissing):
-                    await self.store.delete(self.name(key), time.monotonic() + self.config.timeout_s)
+                    await self.store.delete(self.name(key, fp), time.monotonic() + self.config.timeout_s)
                 self.ops.labels("delete", "ok").inc()
             if self.client is not None:
-                fp = self.agent.fp
                 await self.client.txn([], [op_delete(self._schema.object_meta(fp, key)),
                                            op_delete(self._schema.block(fp, key, OBJECTS))])
         except LMCacheP2PError as exc:
@@ -424,21 +496,30 @@ class ObjectTier:
             log.warning("forgetting object %s failed: %s", key.hex()[:16], exc)
 
     # -- cleanup -------------------------------------------------------------------------------------------
+    def cleanup_soon(self) -> None:
+        """On the loop: a new invalidation arrived; the next cleanup pass runs now."""
+        if self._cleanup_soon is not None:
+            self._cleanup_soon.set()
+
     async def _cleanup_forever(self) -> None:
+        assert self._cleanup_soon is not None
         while True:
-            await asyncio.sleep(self.config.cleanup_interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cleanup_soon.wait(), self.config.cleanup_interval_s)
+            self._cleanup_soon.clear()
             try:
                 await self.cleanup()
             except LMCacheP2PError as exc:
                 log.warning("object cleanup failed: %s", exc)
+            except Exception:  # supervised: logged, and the next pass runs
+                log.exception("object cleanup failed")
 
     async def cleanup(self) -> int:
-        """Delete this fingerprint's objects that an invalidation covers or the chunk TTL expired;
-        returns how many. Also counts the objects and bytes the store holds."""
+        """Delete the objects (of every fingerprint: a model nobody serves any more too) that an invalidation
+        covers or the chunk TTL expired; returns how many. Also counts this fingerprint's objects and bytes."""
         if self.client is None:
             return 0
-        prefix = self._schema.objects + self.agent.fp.hex().encode() + b"/"
-        kvs, _rev = await self.client.get_prefix(prefix)
+        kvs, _rev = await self.client.get_prefix(self._schema.objects)
         metas: list[ObjectMeta] = []
         for kv in kvs:
             try:
@@ -446,14 +527,13 @@ class ObjectTier:
             except MalformedRecord as exc:
                 self.rejects.add(exc, kv.key)
         ttl, now = self.agent.config.tiers.chunk_ttl_s, time.time()
-        doomed = [m for m in metas
-                  if (ttl is not None and now - m.uploaded_at >= ttl)
-                  or self.agent.covers(ChunkHeader(m.key, m.fp, 0, m.num_tokens, 0, m.epoch, m.heads), m.node)]
+        doomed = [m for m in metas if (ttl is not None and now - m.uploaded_at >= ttl) or self._covered(m)]
         for meta in doomed:
-            await self._forget(meta.key, delete_object=True)
-        kept = len(metas) - len(doomed)
-        self.objects, self.object_bytes = kept, sum(m.size for m in metas) - sum(m.size for m in doomed)
+            await self._forget(meta.key, delete_object=True, fp=meta.fp)
+        gone = {(m.fp, m.key) for m in doomed}
+        mine = [m for m in metas if m.fp == self.agent.fp and (m.fp, m.key) not in gone]
+        self.objects, self.object_bytes = len(mine), sum(m.size for m in mine)
         if doomed:
-            log.info("object cleanup: deleted %d objects (invalidated or past the chunk TTL), %d kept", len(doomed),
-                     kept)
+            log.info("object cleanup: deleted %d objects (invalidated or past the chunk TTL), %d of this fingerprint "
+                     "kept", len(doomed), len(mine))
         return len(doomed)

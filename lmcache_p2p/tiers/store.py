@@ -83,8 +83,9 @@ class TieredStore:
         hook may move it away; True: it did, or it copied the view). Called with tier locks held: it
         must only copy, rename and enqueue (the object tier's uploads, ``objects/tier.py``)."""
         self._spill = spill
-        if self.disk is not None:
-            self.disk.spill = spill
+        if self.disk is not None:  # a disk victim the CPU pool still holds has not left this node
+            self.disk.spill = None if spill is None else (
+                lambda header, path: not self.cpu.contains(header.key) and spill(header, path))
 
     def _spill_out(self, header: ChunkHeader, view: memoryview | None) -> None:
         if self._spill is None or view is None:
