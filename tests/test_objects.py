@@ -37,6 +37,7 @@ from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.objects.seaweed import SeaweedServer
 from lmcache_p2p.objects.store import ObjectStore, credentials
 from lmcache_p2p.objects.tier import pack_object, unpack_object
+from lmcache_p2p.plan import make_plan
 from lmcache_p2p.testing.synthetic import preload, synthetic_payload, synthetic_tokens
 
 SMALL = "4MiB"  # 8 chunks
@@ -409,3 +410,16 @@ def test_a_quarantined_uploaders_objects_are_not_loaded(etcd, cluster_name, tmp_
         assert wait_until(lambda: not any(OBJECTS in o for o in r.index.owners(r.fp, keys)), 10)
     finally:
         r.stop()
+
+
+def test_the_planner_takes_the_store_only_where_no_peer_holds_the_chunk():
+    """Pulls in flight are never counted for the store: by load alone it would get every other chunk of a
+    prompt one peer holds. It is last among the alternatives, and the source where no peer has the chunk."""
+    keys = [ChunkKey(bytes([i]) * 16) for i in range(4)]
+    spans = [(256 * i, 256 * (i + 1)) for i in range(4)]
+    peer = NodeId("a")
+    held = [{peer: 1, OBJECTS: TIER_OBJECT}] * 3 + [{OBJECTS: TIER_OBJECT}]
+    plan = make_plan(keys, spans, local=lambda _k: False, owners=lambda _ks: held, usable=lambda _n: True,
+                     inflight={}, num_tokens=1024)
+    assert [c.source for c in plan.chunks] == [peer, peer, peer, OBJECTS]
+    assert all(c.alternatives == (OBJECTS,) for c in plan.chunks[:3])
