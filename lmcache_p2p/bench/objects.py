@@ -19,6 +19,10 @@ AWS environment variables then), one etcd:
       ttft_object_hit_ms   engine B, started after A stopped (nothing of the prompts on any node):
                            every chunk comes from the store
       object_hit_speedup_vs_cold, object_hit_outputs_match_miss (greedy outputs equal A's)
+      ttft_store_hung_ms   (embedded server only) B asks for a document only the store holds while the
+                           store is SIGSTOPped: the load waits until its budget's deadline and B
+                           recomputes; store_hung_vs_miss compares it with B's own miss (ttft_miss_b_ms);
+                           ttft_store_backed_off_ms: the next such documents, the store backed off
 """
 
 from __future__ import annotations
@@ -142,7 +146,8 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
         agent.stop()
 
 
-def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str, bucket: str) -> dict[str, Any]:
+def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str, bucket: str,
+                server: SeaweedServer | None) -> dict[str, Any]:
     from ..testing.engine_client import EngineProcess
     from ..testing.tiny_model import create_tiny_model
 
@@ -170,10 +175,12 @@ def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str
         a.ttft([warm[1]])
         miss = a.ttft(prompts)
         out["ttft_miss_ms"] = median_ms(miss)
+        hung_docs = bench_prompts(3, args.tokens, seed=33000)
+        a.ttft(hung_docs)  # in the store too: read while the store is SIGSTOPped (below)
         a.ttft([warm[2]])  # evicts the last prompt too
         load = load_config(cfg_b, env={})
         store = ObjectStore(load.objects)
-        want = len(prompts) * -(-args.tokens // 256)
+        want = (len(prompts) + len(hung_docs)) * -(-args.tokens // 256)
 
         async def stored() -> int:
             return len(await store.names(f"{prefix}/", time.monotonic() + 30))
@@ -191,6 +198,8 @@ def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str
         out["ttft_object_hit_ms"] = median_ms(hit)
         out["object_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
         out["object_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+        if server is not None:
+            out.update(_hung_store(b, server, hung_docs, bench_prompts(1, args.tokens, seed=37000)[0]))
     finally:
         for engine in engines:
             with contextlib.suppress(Exception):
@@ -199,9 +208,29 @@ def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str
     return out
 
 
+def _hung_store(b: Any, server: SeaweedServer, hung_docs: list[list[int]], fresh: list[int]) -> dict[str, Any]:
+    """Engine B asks for documents only the store holds while the store is SIGSTOPped (its connections
+    open, no answer): the first load waits until its budget's deadline, then B recomputes; the store is
+    then backed off and the next ones are recomputed at once. Against B's own miss (a document nobody
+    holds)."""
+    out: dict[str, Any] = {}
+    out["ttft_miss_b_ms"] = median_ms(b.ttft([fresh]))
+    server.pause()
+    try:
+        hung = b.ttft(hung_docs)
+    finally:
+        server.resume()
+    out["ttft_store_hung_ms"] = round(1000 * hung[0]["ttft_s"], 2)
+    out["ttft_store_backed_off_ms"] = median_ms(hung[1:])
+    out["store_hung_cached_tokens"] = [r["num_cached_tokens"] for r in hung]
+    out["store_hung_vs_miss"] = round(out["ttft_store_hung_ms"] / out["ttft_miss_b_ms"], 3)
+    return out
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         etcd = stack.enter_context(EtcdServer(base_dir=str(work)))
+        server: SeaweedServer | None = None
         if args.url:
             url, bucket = args.url, args.bucket
         else:
@@ -211,7 +240,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out: dict[str, Any] = {"server": "SeaweedFS (weed mini, loopback)" if not args.url else url}
         out.update(_store_phase(args, work, etcd, url, bucket))
         if not args.no_vllm:
-            out.update(_vllm_phase(args, work, etcd, url, bucket))
+            out.update(_vllm_phase(args, work, etcd, url, bucket, server))
         return out
 
 
