@@ -128,11 +128,14 @@ def _count_node(loop: LoopThread, endpoints: tuple[str, ...], node: str) -> tupl
         return False, -1
 
 
-def _wait(predicate: Callable[[], bool], timeout: float, what: str) -> float:
+def _wait(predicate: Callable[[], bool], timeout: float, what: str,
+          state: Callable[[], object] | None = None) -> float:
+    """Seconds until ``predicate()``; on a timeout the error says what ``state()`` saw last."""
     t0 = time.perf_counter()
     while not predicate():
         if time.perf_counter() - t0 > timeout:
-            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}")
+            seen = f"; last seen: {state()}" if state is not None else ""
+            raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}{seen}")
         time.sleep(0.02)
     return time.perf_counter() - t0
 
@@ -148,15 +151,19 @@ def _faults(loop: LoopThread, server: EtcdServer, n: int) -> dict[str, Any]:
         node.flush(timeout=120.0)
         everything = (True, n)
 
+        def state() -> dict[str, object]:  # what a timeout reports: the node's own view and etcd's
+            return {"stats": node.stats(), "faults": node.faults(), "leases_taken": node.leases_taken,
+                    "in_etcd (record, entries)": _count_node(loop, eps, "bench-node")}
+
         async def revoke(lease: int) -> None:
             async with EtcdClient(EtcdConfig(endpoints=eps)) as client:
                 await client.revoke(lease)
         taken = node.leases_taken
         t0 = time.perf_counter()
         loop.run(revoke(node.session.lease_id), 10.0)
-        out["lease_loss_detected_s"] = _wait(lambda: node.leases_taken > taken, 30.0, "a new lease")
+        out["lease_loss_detected_s"] = _wait(lambda: node.leases_taken > taken, 30.0, "a new lease", state)
         t1 = time.perf_counter()
-        _wait(lambda: _count_node(loop, eps, "bench-node") == everything, 120.0, "the republish")
+        _wait(lambda: _count_node(loop, eps, "bench-node") == everything, 120.0, "the republish", state)
         out["republish_chunks_per_s"] = n / (time.perf_counter() - t1)
         out["lease_revoke_to_all_back_s"] = time.perf_counter() - t0
 
@@ -165,7 +172,7 @@ def _faults(loop: LoopThread, server: EtcdServer, n: int) -> dict[str, Any]:
         server.restart_member(0)
         t0 = time.perf_counter()
         _wait(lambda: node.stats()["lease_up"] == 1.0 and _count_node(loop, eps, "bench-node") == everything,
-              120.0, "the node back after the etcd restart")
+              120.0, "the node back after the etcd restart", state)
         out["recovery_s_after_etcd_restart"] = time.perf_counter() - t0
         out["lease_losses"] = node.lease_losses
     finally:
