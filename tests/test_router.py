@@ -32,6 +32,7 @@ class FakeEngine:
         self.mode = "ok"
         self.health = "ok"
         self.bodies: list[dict[str, Any]] = []
+        self.tokenized = 0
         self.waiting = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
@@ -71,6 +72,7 @@ class FakeEngine:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
+        self.tokenized += 1
         text = body.get("prompt") or json.dumps(body.get("messages"))
         return web.json_response({"tokens": [ord(c) % 1000 for c in text], "count": len(text)})
 
@@ -283,6 +285,22 @@ def test_score_load_weighs_the_cache_against_the_queue():
     # an engine the score does not list is estimated from the prompt at the observed rate
     c = engine("c")
     assert Policy("score_load").choose([c], score=score, **kw).expected_prefill_s == pytest.approx(2.1)
+
+
+def test_routing_calls_go_to_the_least_busy_engine():
+    async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+        busy, idle = engines
+        busy.waiting = 6  # read from its /metrics by the next health check
+        deadline = time.monotonic() + 10
+        while router.fleet.engines[busy.url].waiting != 6:
+            assert time.monotonic() < deadline, "the busy engine's queue was never read"
+            await asyncio.sleep(0.02)
+        for i in range(6):
+            status, _, _ = await post(url + "/v1/completions", {"model": "tiny", "prompt": f"document {i}"})
+            assert status == 200
+        assert (busy.tokenized, idle.tokenized) == (0, 6)  # never behind the six requests waiting there
+
+    run_router(2, scenario)
 
 
 def test_ties_go_by_rendezvous_hashing_on_the_prompts_first_chunk():

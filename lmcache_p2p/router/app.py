@@ -9,8 +9,8 @@
 
 Every routed answer names its engine in ``X-LMCache-P2P-Engine`` (its agent's node id, else its URL).
 
-A request is tokenized once (an engine's ``/tokenize``, with the chat template for chat: the exact
-tokens that engine will see), scored once (an agent's ``/v1/score``), and sent to the engine the
+A request is tokenized once (the least busy engine's ``/tokenize``, with the chat template for chat: the
+exact tokens that engine will see), scored once (the least busy engine's agent's ``/v1/score``), and sent to the engine the
 policy picks (``policy.py``). Until the engine's first byte of answer reaches the router nothing has
 reached the client: an engine that refuses the connection, answers 5xx, is taken out by the health
 checks or says nothing within ``first_byte_timeout_s`` is charged and the request goes to the next
@@ -172,6 +172,12 @@ class Router:
         engines = [e for e in self.fleet.engines.values() if e.healthy]
         k = next(self._rotate)
         return engines[k % len(engines):] + engines[:k % len(engines)] if engines else []
+
+    def _least_busy(self) -> list[Engine]:
+        """Healthy engines, the least busy first (queue, then requests in flight; the rotation breaks ties):
+        where the routing calls go (tokenize, score), so they do not wait behind the busiest engine's work."""
+        mean = self.fleet.mean_prefill_s
+        return sorted(self._any_engines(), key=lambda e: (round(e.queue_s(mean), 3), e.inflight))
 
     def _short(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.config.route_timeout_s)
@@ -389,7 +395,7 @@ class Router:
                                            "tools") if k in payload}
         if "model" in payload:
             ask["model"] = payload["model"]
-        for engine in self._any_engines()[:1]:
+        for engine in self._least_busy()[:1]:
             try:
                 async with self.session.post(engine.url + "/tokenize", json=ask, timeout=self._short()) as resp:
                     data = await resp.json() if resp.status == 200 else None
@@ -402,8 +408,8 @@ class Router:
         return None
 
     async def _score(self, tokens: list[int]) -> dict[str, Any] | None:
-        # One agent's mirror scores every engine: ask one (in turn), never spend the budget on a second.
-        url = next((e.score_url for e in self._any_engines() if e.score_url), None)
+        # One agent's mirror scores every engine: ask the least busy one's, never spend the budget on a second.
+        url = next((e.score_url for e in self._least_busy() if e.score_url), None)
         if url is None:
             return None
         try:
