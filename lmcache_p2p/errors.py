@@ -72,6 +72,12 @@ class WatchCompacted(IndexError_):
         self.revision = revision
 
 
+class WatchBehind(WatchCompacted):
+    """The member that took a watch is at a revision below one already seen: a member still applying
+    what the others committed (a follower a few revisions behind), or a restored or new etcd. Only a
+    linearizable read tells them apart."""
+
+
 class MalformedRecord(IndexError_):
     """A key or value read from etcd that the schema rejects; ``kind`` names the record type."""
 

@@ -46,7 +46,7 @@ from etcd3aio.maintenance import MaintenanceService
 
 from ..aio import cancel_and_wait
 from ..config import EtcdConfig
-from ..errors import IndexError_, LeaseLost, WatchCompacted
+from ..errors import IndexError_, LeaseLost, WatchBehind, WatchCompacted
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -473,9 +473,9 @@ def _watch_batch(resp: object, start_revision: int) -> WatchBatch:
         raise IndexError_(f"Watch: cancelled by etcd: {resp.cancel_reason or 'no reason'}")  # type: ignore[attr-defined]
     revision = int(resp.header.revision)  # type: ignore[attr-defined]
     if resp.created:  # type: ignore[attr-defined]
-        if revision < start_revision - 1:
-            raise WatchCompacted(f"Watch: etcd is at revision {revision}, behind {start_revision - 1}: "
-                                 "a restored or new cluster", revision)
+        if revision < start_revision - 1:  # a lagging member, or a restored etcd: the watcher asks which
+            raise WatchBehind(f"Watch: this member is at revision {revision}, behind {start_revision - 1}",
+                              revision)
         return WatchBatch((), start_revision - 1)  # following now; nothing new seen yet
     events = tuple(WatchEvent(ev.kv.key, ev.kv.value, int(ev.kv.mod_revision), ev.type == _DELETE)
                    for ev in resp.events)  # type: ignore[attr-defined]

@@ -86,6 +86,7 @@ class Mirror:
         watches = self._watches
         return {"watch_interrupted": sum(w.interruptions for w in watches),
                 "watch_resynced": sum(max(w.resyncs - 1, 0) for w in watches),  # after the first sync
+                "watch_member_behind": sum(w.lagging_members for w in watches),  # retried, no resync
                 "watch_callback_failed": sum(w.callback_errors for w in watches)}
 
     def prefetch(self, keys: Sequence[ChunkKey], min_revision: int = 0) -> None:

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from ..aio import cancel_and_wait
-from ..errors import IndexError_, WatchCompacted
+from ..errors import IndexError_, WatchBehind, WatchCompacted
 from .client import EtcdClient, KeyValue, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ class ResumableWatch:
         self.resyncs = 0
         self.rewinds = 0  # syncs that found etcd's revision below the one seen
         self.interruptions = 0
+        self.lagging_members = 0  # watches a member took while behind the revision seen: retried, not resynced
         self.callback_errors = 0
 
     def start(self) -> None:
@@ -88,6 +89,13 @@ class ResumableWatch:
                 if self._need_sync:
                     await self._sync()
                 await self._follow()
+            except WatchBehind as exc:
+                if await self._went_back():
+                    log.warning("watch %s: %s, and so is etcd (a restored or new etcd); resyncing", self.name, exc)
+                    self._need_sync = True
+                    continue
+                self.lagging_members += 1  # it catches up in moments: a new watch, not a read of the prefix
+                log.info("watch %s: %s (a member still applying); retrying in %.2fs", self.name, exc, backoff)
             except WatchCompacted as exc:
                 log.warning("watch %s: %s; resyncing", self.name, exc)
                 self._need_sync = True
@@ -115,6 +123,15 @@ class ResumableWatch:
         self._need_sync = False
         self.resyncs += 1
         self.synced.set()
+
+    async def _went_back(self) -> bool:
+        """Whether etcd itself (a linearizable read: what the quorum committed) is below the revision seen;
+        a read that fails counts as not known yet: the watch is retried and asks again."""
+        try:
+            _, revision = await self._client.get(self.prefix)
+        except IndexError_:
+            return False
+        return revision < self.revision
 
     async def _follow(self) -> None:
         async for batch in self._client.watch(self.prefix, self.revision + 1):

@@ -10,8 +10,8 @@
 Every routed answer names its engine in ``X-LMCache-P2P-Engine`` (its agent's node id, else its URL).
 
 A request is tokenized once (the least busy engine's ``/tokenize``, with the chat template for chat: the
-exact tokens that engine will see), scored once (the least busy engine's agent's ``/v1/score``), and sent to the engine the
-policy picks (``policy.py``). Until the engine's first byte of answer reaches the router nothing has
+exact tokens that engine will see), scored once (the least busy engine's agent's ``/v1/score``), and sent
+to the engine the policy picks (``policy.py``). Until the engine's first byte of answer reaches the router nothing has
 reached the client: an engine that refuses the connection, answers 5xx, is taken out by the health
 checks or says nothing within ``first_byte_timeout_s`` is charged and the request goes to the next
 best engine (at most ``attempts`` engines). After that the stream is the engine's; if it breaks, a
