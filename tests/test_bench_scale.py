@@ -29,8 +29,10 @@ def test_a_ci_sized_control_plane_run_measures_every_phase(tmp_path):
     assert r["death_seen_s"] is not None  # the killed process's ten leases ran out, their chunks left
     assert r["mirror_bytes_per_chunk"] > 0 and r["etcd_bytes_per_chunk"] > 0
     assert r["etcd_in_use_after_compaction"] <= r["etcd_in_use_before_compaction"]
-    # The second churn phase adds eight bare watch streams: more deliveries than the first phase's mirrors.
-    assert r["watch_deliveries_per_s"] > 0 and r["extra_phase_deliveries_per_s"] > r["watch_deliveries_per_s"]
+    # The second churn phase adds eight bare watch streams: each event reaches more followers than in the first
+    # (per event, not per second: how fast the churn runs is the host's business).
+    assert r["watch_deliveries_per_s"] > 0 and r["watch_deliveries_per_event"] > 0
+    assert r["extra_phase_deliveries_per_event"] > r["watch_deliveries_per_event"]
     assert r["etcd_cpu_cores"] > 0 and r["mirror_cpu_us_per_event"] > 0
     assert r["at"]["first_limit"] in r["at"]["share_of_limit"]
     # The third phase: owner lookups straight from etcd while the agents churn; half the keys are held.

@@ -17,11 +17,6 @@ another seed), so no mode inherits another's cache. Per run: mean, p50 and p99 T
 within the TTFT SLO (failed requests count as misses), output tokens/s, the fleet's hit rate (vLLM's
 ``prompt_tokens_by_source``) and the answers per engine (the router's own counts). Goodput: the highest
 rate with >= 99 % within the SLO. ``vs_round_robin``: mean and p99 TTFT over round-robin's, rate by rate.
-
-Before the modes, ``reference`` (``reference_ttfts``): a cold request, a local hit and a peer hit of the
-workload's size on the idle fleet, and from them the mean TTFT no routing policy can beat on this workload
-(every document's first request is computed somewhere). ``floor_vs_round_robin`` says, rate by rate, whether
-"half of round-robin's mean TTFT" is above that floor, i.e. whether any router could reach it.
 """
 
 from __future__ import annotations
@@ -39,7 +34,6 @@ from typing import Any
 
 from ..index.etcd_server import free_port
 from ..testing.tiny_model import create_tiny_model
-from ..testing.vllm_server import http_get
 from .common import emit, run_in_workdir
 from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
 from .vllm import MODEL_SIZES, bench_prompts
@@ -101,81 +95,30 @@ def _router_counts(url: str) -> dict[str, float]:
     return out
 
 
-def _score_url(fleet: Fleet, engine: int) -> str:
-    return fleet.agent_metrics[engine].replace("/metrics", "/v1/score")
-
-
-def _wait_scored(fleet: Fleet, engine: int, prompt: list[int], tokens: int, timeout: float = 5.0) -> float | None:
-    """Seconds until ``engine``'s agent (its watch-fed mirror, what its scheduler plans from) scores at
-    least ``tokens`` of ``prompt`` as loadable; polled every 5 ms; None past ``timeout``."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        req = urllib.request.Request(_score_url(fleet, engine), data=json.dumps({"tokens": prompt}).encode(),
-                                     method="POST", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - loopback
-            rows = {r["node"]: r for r in json.loads(resp.read())["nodes"]}
-        if rows.get(f"serve-{engine}", {}).get("matched_tokens", 0) >= tokens:
-            return time.monotonic() - t0
-        time.sleep(0.005)
-    return None
-
-
 def announce_gap(fleet: Fleet, args: argparse.Namespace, samples: int = 5) -> dict[str, Any]:
     """Disaggregated prefill's gap, measured: a prompt of 4 whole chunks prefilled on a prefill-pool engine
-    (``max_tokens`` 1); from its answer until a decode-pool engine's agent scores all 4 chunks as loadable."""
+    (``max_tokens`` 1); from its answer until a decode-pool engine's agent (its watch-fed mirror, what its
+    scheduler plans from) scores all 4 chunks as loadable. Polled every 5 ms, at most 5 s."""
     prefill, decode = 0, args.prefill_engines
+    score_url = fleet.agent_metrics[decode].replace("/metrics", "/v1/score")
     gaps: list[float | None] = []
     for prompt in bench_prompts(samples, 4 * 256 + 40, seed=77_000):
         fleet.servers[prefill].complete(prompt, max_tokens=1)
-        gap = _wait_scored(fleet, decode, prompt, 4 * 256)
-        gaps.append(None if gap is None else 1e3 * gap)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5.0:
+            req = urllib.request.Request(score_url, data=json.dumps({"tokens": prompt}).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - loopback
+                rows = {r["node"]: r for r in json.loads(resp.read())["nodes"]}
+            if rows.get(f"serve-{decode}", {}).get("matched_tokens", 0) >= 4 * 256:
+                gaps.append(1e3 * (time.monotonic() - t0))
+                break
+            time.sleep(0.005)
+        else:
+            gaps.append(None)
     seen = sorted(g for g in gaps if g is not None)
     return {"samples": samples, "seen": len(seen), "gap_ms_p50": round(seen[len(seen) // 2], 1) if seen else None,
             "gap_ms_max": round(seen[-1], 1) if seen else None}
-
-
-def reference_ttfts(fleet: Fleet, args: argparse.Namespace, samples: int = 3) -> dict[str, Any]:
-    """What one request of the workload's size costs on an idle fleet, one at a time (a one-token answer,
-    straight to the engine: no router, no queue), the fastest of ``samples`` new documents after one
-    warm-up request per engine (the floor is a bound: noise may only lower it):
-
-        cold    a document nobody holds (every router pays this for each document's first request)
-        local   the same document again on the engine that computed it (another suffix)
-        peer    the same document on another engine (another suffix): pulled over the mesh
-
-    From them, for the workload (P documents among N prompts on E engines): ``floor_ms``, the mean TTFT
-    no router can beat (each document's first request cold, every other one a local hit, nothing queued),
-    and ``round_robin_idle_ms``, a rough estimate of round-robin's mean with nothing queued (a repeat is a
-    local hit 1 time in E, else a pull). The goal "score + load at most half of round-robin's mean TTFT"
-    is reachable at a rate only where ``floor_ms`` is under half of round-robin's measured mean there."""
-    out: dict[str, list[float]] = {"cold": [], "local": [], "peer": []}
-    model = json.loads(http_get(fleet.urls[0] + "/v1/models"))["data"][0]["id"]
-    suffixes = bench_prompts(3 * samples, args.suffix_len, seed=78_500)
-
-    def ask(engine: int, prompt: list[int]) -> float:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(fleet.urls[engine] + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as resp:  # noqa: S310 - loopback
-            resp.read()
-        return 1e3 * (time.perf_counter() - t0)
-
-    for engine, prompt in enumerate(bench_prompts(len(fleet.urls), args.prefix_len + args.suffix_len, seed=79_000)):
-        ask(engine, prompt)  # warm-up: not counted
-    for s, doc in enumerate(bench_prompts(samples, args.prefix_len, seed=78_000)):
-        a, b, c = (doc + suffixes[3 * s + i] for i in range(3))
-        for kind, engine, prompt in (("cold", 0, a), ("local", 0, b), ("peer", 1, c)):
-            if kind == "peer":  # asked once engine 1's mirror shows the document's chunks
-                _wait_scored(fleet, 1, c, (args.prefix_len // 256) * 256)
-            out[kind].append(ask(engine, prompt))
-    best = {k: round(min(v), 1) for k, v in out.items()}
-    first = args.num_prefixes / args.num_prompts
-    e = args.engines
-    return {"samples": samples, "cold_ms": best["cold"], "local_ms": best["local"], "peer_ms": best["peer"],
-            "floor_ms": round(first * best["cold"] + (1 - first) * best["local"], 1),
-            "round_robin_idle_ms": round(first * best["cold"] + (1 - first) * (best["local"] / e
-                                                                                + best["peer"] * (e - 1) / e), 1)}
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -200,7 +143,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     with fleet.stack:
         if "disaggregated" in modes:
             out["announce_gap"] = announce_gap(fleet, args)
-        out["reference"] = reference_ttfts(fleet, args)
         for m, mode in enumerate(modes):
             rows = []
             with router_process(fleet, mode, args, work) as url:
@@ -227,10 +169,6 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 {"rate": r["rate"], "ttft_mean": _ratio(r["ttft_mean_ms"], b["ttft_mean_ms"]),
                  "ttft_p99": _ratio(r["ttft_p99_ms"], b["ttft_p99_ms"])}
                 for r, b in zip(res["rows"], base["rows"], strict=True)]
-        floor = out["reference"]["floor_ms"]
-        out["floor_vs_round_robin"] = [{"rate": b["rate"], "floor_over_rr_mean": _ratio(floor, b["ttft_mean_ms"]),
-                                        "goal_reachable": bool(b["ttft_mean_ms"]) and floor <= 0.5 * b["ttft_mean_ms"]}
-                                       for b in base["rows"]]
     return out
 
 
@@ -248,13 +186,6 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"bench route: {result['engines']} engines ({result['engine_mode']}, {result['dtype']}), "
           f"workload {result['workload']}; TTFT SLO {result['slo_ttft_ms']:g} ms; ideal hit rate "
           f"{result['ideal_hit_rate']}")
-    ref = result["reference"]
-    print(f"  idle, one at a time: cold {ref['cold_ms']} ms, local hit {ref['local_ms']} ms, peer hit "
-          f"{ref['peer_ms']} ms; no router's mean beats {ref['floor_ms']} ms (round-robin idle "
-          f"{ref['round_robin_idle_ms']} ms)")
-    for r in result.get("floor_vs_round_robin", []):
-        print(f"  rate {r['rate']}: floor / round-robin's mean = {r['floor_over_rr_mean']}; half of round-robin's "
-              f"mean {'is' if r['goal_reachable'] else 'is NOT'} reachable by any router")
     cols = ["rate", "slo_met", "ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
             "output_tok_s", "hit_rate", "failed"]
     print("  " + " ".join(f"{c:>13}" for c in ["mode", *cols]))

@@ -404,6 +404,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
         "fanout_p99_ms": round(1e3 * _pct(lat, 0.99), 2) if lat else None,
         "etcd_cpu_cores": round(plain["etcd_cpu_per_s"], 3),
         "watch_deliveries_per_s": round(plain["deliveries_per_s"], 1),
+        "watch_deliveries_per_event": round(plain["deliveries_per_event"], 2),
         "mirror_cpu_us_per_event": round(1e6 * plain["observer_cpu_s"] / max(1, plain["observer_events"]), 2),
     })
     out.update(_etcd_costs(plain, extra, args.extra_watchers))
@@ -465,24 +466,35 @@ def _churn_phase(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...
     elapsed = time.monotonic() - t0
     cpu1, (_, _, rev1) = _cpu_seconds(etcd_pids), _status(loop, eps)
     obs_cpu1, d1 = cputime.seconds().get("scale-observer", 0.0), deliveries()
-    time.sleep(1.0)  # the last probes' sightings
+    # Per event, every delivery counted once the last events arrived (on a busy host they trail the churn):
+    # a ratio the host's speed does not change, unlike deliveries per second.
+    settled, deadline = d1, time.monotonic() + 10.0
+    while True:
+        time.sleep(0.5)  # also the last probes' sightings
+        now = deliveries()
+        if now == settled or time.monotonic() > deadline:
+            break
+        settled = now
     workers.drain()
     return {"seconds": elapsed, "writes_per_s": (rev1 - rev0) / elapsed, "events": sum(churned),
             "events_per_s": sum(churned) / elapsed, "probes": probes, "etcd_cpu_per_s": (cpu1 - cpu0) / elapsed,
-            "deliveries_per_s": (d1 - d0) / elapsed, "observer_cpu_s": obs_cpu1 - obs_cpu0,
-            "observer_events": observed.events_total - obs_events0}
+            "deliveries_per_s": (d1 - d0) / elapsed, "deliveries_per_event": (now - d0) / max(1, sum(churned)),
+            "observer_cpu_s": obs_cpu1 - obs_cpu0, "observer_events": observed.events_total - obs_events0}
 
 
 def _etcd_costs(plain: dict[str, float], extra: dict[str, float] | None, watchers: int) -> dict[str, Any]:
     """etcd's CPU per watch delivery: the second phase adds ``watchers`` bare watch streams to the same
     churn, so the extra CPU over the extra deliveries is the marginal cost of one delivery. What is left
     of the first phase's CPU (raft, fsync'd writes, leases) is charged per node."""
-    if extra is None or extra["deliveries_per_s"] <= plain["deliveries_per_s"]:
+    if extra is None:
         return {"etcd_cpu_us_per_delivery": None}
+    seen = {"extra_watchers": watchers, "extra_phase_deliveries_per_event": round(extra["deliveries_per_event"], 2),
+            "extra_phase_deliveries_per_s": round(extra["deliveries_per_s"], 1)}
+    if extra["deliveries_per_s"] <= plain["deliveries_per_s"]:  # the host slowed the churn down: no cost to read
+        return {**seen, "etcd_cpu_us_per_delivery": None}
     per_delivery = (extra["etcd_cpu_per_s"] - plain["etcd_cpu_per_s"]) / (
         extra["deliveries_per_s"] - plain["deliveries_per_s"])
-    return {"extra_watchers": watchers, "extra_phase_writes_per_s": round(extra["writes_per_s"], 1),
-            "extra_phase_deliveries_per_s": round(extra["deliveries_per_s"], 1),
+    return {**seen, "extra_phase_writes_per_s": round(extra["writes_per_s"], 1),
             "extra_phase_etcd_cpu_cores": round(extra["etcd_cpu_per_s"], 3),
             "etcd_cpu_us_per_delivery": round(1e6 * per_delivery, 3) if per_delivery > 0 else None,
             "etcd_cpu_cores_without_deliveries": round(
