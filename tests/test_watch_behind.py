@@ -74,9 +74,11 @@ def test_a_member_still_applying_gets_a_new_watch_not_a_resync() -> None:
                 lagging["left"] = 1
                 etcd.kill_member(0)  # the stream breaks; the next watch is taken by "a member behind"
                 etcd.restart_member(0)
+                await client.put(prefix + b"b", b"2")  # most likely before the retried watch: resumed, not lost
                 await until(lambda: lagging["left"] == 0 and watch.connected, "the watch after the lagging member")
-                await client.put(prefix + b"b", b"2")
-                await until(lambda: prefix + b"b" in seen.keys, "an event after the lagging member")
+                await until(lambda: prefix + b"b" in seen.keys, "the event written around the lagging member")
+                await client.put(prefix + b"c", b"3")
+                await until(lambda: prefix + b"c" in seen.keys, "an event after the lagging member")
                 assert watch.lagging_members == 1
                 assert watch.resyncs == 1 and watch.rewinds == 0 and seen.rewinds == []  # the first sync only
             finally:

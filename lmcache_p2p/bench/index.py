@@ -134,7 +134,10 @@ def _wait(predicate: Callable[[], bool], timeout: float, what: str,
     t0 = time.perf_counter()
     while not predicate():
         if time.perf_counter() - t0 > timeout:
-            seen = f"; last seen: {state()}" if state is not None else ""
+            try:
+                seen = f"; last seen: {state()}" if state is not None else ""
+            except Exception as exc:  # the report must not replace the timeout it explains
+                seen = f"; reading the state failed: {exc!r}"
             raise RuntimeError(f"timed out after {timeout:.0f}s waiting for {what}{seen}")
         time.sleep(0.02)
     return time.perf_counter() - t0

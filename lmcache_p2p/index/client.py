@@ -444,6 +444,9 @@ class EtcdClient:
                         resp = await call.read()
                 try:
                     batch = _watch_batch(resp, start_revision)
+                except WatchBehind as exc:  # the next watch goes to another member, if there is one
+                    self._failed(ep, exc, always=True)
+                    raise
                 except WatchCompacted:
                     raise
                 except IndexError_ as exc:  # closed or cancelled by this member: try another

@@ -49,6 +49,8 @@ class ResumableWatch:
         self.rewinds = 0  # syncs that found etcd's revision below the one seen
         self.interruptions = 0
         self.lagging_members = 0  # watches a member took while behind the revision seen: retried, not resynced
+        self._rewound_from = 0  # the revision seen when a read proved etcd went back (0: none pending)
+        self._followed = False  # the current stream delivered something (the retry backoff starts afresh)
         self.callback_errors = 0
 
     def start(self) -> None:
@@ -90,8 +92,12 @@ class ResumableWatch:
                     await self._sync()
                 await self._follow()
             except WatchBehind as exc:
-                if await self._went_back():
-                    log.warning("watch %s: %s, and so is etcd (a restored or new etcd); resyncing", self.name, exc)
+                went_back = await self._went_back()
+                if went_back is not False:  # etcd went back, or unknown (the read failed): resync, as for a restore
+                    log.warning("watch %s: %s, and %s; resyncing", self.name, exc,
+                                "so is etcd (a restored or new etcd)" if went_back else "etcd's revision is unknown")
+                    if went_back:
+                        self._rewound_from = max(self._rewound_from, self.revision)
                     self._need_sync = True
                     continue
                 self.lagging_members += 1  # it catches up in moments: a new watch, not a read of the prefix
@@ -109,33 +115,39 @@ class ResumableWatch:
                 log.exception("watch %s: unexpected error at rev %d; retrying", self.name, self.revision)
             finally:
                 self.connected = False
+            if self._followed:  # the stream delivered before it broke: a new failure, not the same one again
+                self._followed, backoff = False, 0.05
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _sync(self) -> None:
         kvs, revision = await self._client.get_prefix(self.prefix)
-        if revision < self.revision:
-            self.rewinds += 1
+        seen = max(self.revision, self._rewound_from)
+        if revision < seen or self._rewound_from:  # a rewind proven before this read counts, even if etcd
+            self.rewinds += 1                      # has climbed past the revision seen since
             if self._on_rewind is not None:
-                self._call(self._on_rewind, self.revision, revision)
+                self._call(self._on_rewind, seen, revision)
+        self._rewound_from = 0
         self._call(self._load, kvs, revision)
         self.revision = revision
         self._need_sync = False
         self.resyncs += 1
         self.synced.set()
 
-    async def _went_back(self) -> bool:
+    async def _went_back(self) -> bool | None:
         """Whether etcd itself (a linearizable read: what the quorum committed) is below the revision seen;
-        a read that fails counts as not known yet: the watch is retried and asks again."""
+        None when the read failed (not known: the caller resyncs, as it would for a restore)."""
         try:
             _, revision = await self._client.get(self.prefix)
-        except IndexError_:
-            return False
+        except Exception as exc:  # IndexError_ while etcd is unreachable; anything else is logged too
+            log.log(logging.INFO if isinstance(exc, IndexError_) else logging.ERROR,
+                    "watch %s: reading etcd's revision failed: %s", self.name, exc)
+            return None
         return revision < self.revision
 
     async def _follow(self) -> None:
         async for batch in self._client.watch(self.prefix, self.revision + 1):
-            self.connected = True
+            self.connected = self._followed = True
             if batch.events:
                 self._call(self._apply, batch.events)
             self.revision = max(self.revision, batch.revision)
