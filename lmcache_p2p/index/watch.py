@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 from ..aio import cancel_and_wait
@@ -50,7 +51,7 @@ class ResumableWatch:
         self.interruptions = 0
         self.lagging_members = 0  # watches a member took while behind the revision seen: retried, not resynced
         self._rewound_from = 0  # the revision seen when a read proved etcd went back (0: none pending)
-        self._followed = False  # the current stream delivered something (the retry backoff starts afresh)
+        self._followed_at = 0.0  # when the current stream was created (monotonic; 0: none)
         self.callback_errors = 0
 
     def start(self) -> None:
@@ -115,8 +116,9 @@ class ResumableWatch:
                 log.exception("watch %s: unexpected error at rev %d; retrying", self.name, self.revision)
             finally:
                 self.connected = False
-            if self._followed:  # the stream delivered before it broke: a new failure, not the same one again
-                self._followed, backoff = False, 0.05
+            if self._followed_at and time.monotonic() - self._followed_at >= self._max_backoff_s:
+                backoff = 0.05  # a stream that lived a while broke: a new failure, not the same one again
+            self._followed_at = 0.0
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 
@@ -147,7 +149,8 @@ class ResumableWatch:
 
     async def _follow(self) -> None:
         async for batch in self._client.watch(self.prefix, self.revision + 1):
-            self.connected = self._followed = True
+            if not self.connected:
+                self.connected, self._followed_at = True, time.monotonic()
             if batch.events:
                 self._call(self._apply, batch.events)
             self.revision = max(self.revision, batch.revision)
