@@ -39,6 +39,11 @@ class Seen:
         self.rewinds.append((seen, now))
 
 
+def watched(client: EtcdClient, prefix: bytes) -> tuple[Seen, ResumableWatch]:
+    seen = Seen()
+    return seen, ResumableWatch(client, prefix, load=seen.load, apply=seen.apply, name="t", on_rewind=seen.rewound)
+
+
 async def until(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -51,9 +56,7 @@ def test_a_member_still_applying_gets_a_new_watch_not_a_resync() -> None:
 
     async def main(etcd: EtcdServer) -> None:
         async with EtcdClient(EtcdConfig(endpoints=etcd.endpoints)) as client:
-            seen = Seen()
-            watch = ResumableWatch(client, prefix, load=seen.load, apply=seen.apply, name="t",
-                                   on_rewind=seen.rewound)
+            seen, watch = watched(client, prefix)
             real_watch = client.watch
             lagging = {"left": 0}
 
@@ -93,9 +96,7 @@ def test_an_etcd_that_really_went_back_is_resynced_and_the_rewind_counted() -> N
 
     async def main(etcd: EtcdServer) -> None:
         async with EtcdClient(EtcdConfig(endpoints=etcd.endpoints)) as client:
-            seen = Seen()
-            watch = ResumableWatch(client, prefix, load=seen.load, apply=seen.apply, name="t",
-                                   on_rewind=seen.rewound)
+            seen, watch = watched(client, prefix)
             watch.start()
             try:
                 assert await watch.wait_synced(30)
