@@ -65,8 +65,9 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
 
     cold = EngineProcess(model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
-    a = EngineProcess(model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE)
-    b = EngineProcess(model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE)
+    verbose = {"LMCACHE_P2P_LOG_LEVEL": "DEBUG"}  # what the agents did (plans, budgets, misses), in the engine logs
+    a = EngineProcess(model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE, env=verbose)
+    b = EngineProcess(model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE, env=verbose)
     try:
         cold.wait_ready()
         ref = {o: r["tokens"] for o, r in zip(prompts, cold.generate([p for p, _ in prompts.values()],
@@ -110,7 +111,9 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
             if metrics.get('lmcache_p2p_blend_requests_total{outcome="loaded"}', 0) >= 2 or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
+        loads = {k: v for k, v in metrics.items() if k.startswith(("lmcache_p2p_blend_", "lmcache_p2p_load_failures",
+                                                                  "lmcache_p2p_loaded_chunks", "lmcache_p2p_pull"))}
+        assert metrics.get('lmcache_p2p_blend_requests_total{outcome="loaded"}') == 2, loads
         assert metrics.get('lmcache_p2p_blend_requests_total{outcome="failed"}', 0) == 0
         assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 6
 

@@ -27,6 +27,7 @@ the loopback transport and in-memory records (``lmcache_p2p.testing``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -229,6 +230,8 @@ class Puller:
         transport = self.transport_for(record)
         peer = record.peer() if record is not None else None
         if transport is None or peer is None:
+            log.info("no %s for %s: %d chunks not pulled", "node record" if record is None else "usable transport",
+                     node, len(parts))
             return parts
         with self._inflight_lock:
             self._inflight[node] = self._inflight.get(node, 0) + len(parts)
@@ -369,6 +372,11 @@ class Puller:
         m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
         for reason in result.missed.values():
             m.pull_chunks.labels(transport, str(reason)).inc()
+        if result.missed:
+            reasons = collections.Counter(str(r) for r in result.missed.values())
+            log.info("pull from %s: %d of %d chunks missed (%s) in %.1f ms", node, len(result.missed),
+                     len(result.missed) + len(result.loaded), ", ".join(f"{n} {r}" for r, n in reasons.items()),
+                     1e3 * seconds)
         m.checksum_failures.inc(sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM))
         if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
             self._peer_error(node)

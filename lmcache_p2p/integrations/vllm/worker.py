@@ -247,6 +247,9 @@ class P2PWorker:
         if remote:
             agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S))
         plan = agent.plan(keys, spans, pos)
+        if len(plan.chunks) < len(keys):
+            log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
+                     len(plan.chunks) + 1, len(keys))
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
         try:
             i = 0
@@ -261,6 +264,9 @@ class P2PWorker:
                         agent.metrics.checksum_failures.inc()
                         log.warning("request %s: segment chunk %d changed in memory after it was stored", t.req_id, i)
                     if staged is None:
+                        if i < len(plan.chunks):
+                            log.info("request %s: segment chunk %d of %d (from %s) not loaded", t.req_id, i + 1,
+                                     len(keys), plan.chunks[i].source)
                         return min(lo, t.end)
                     if lo < hi:
                         kv = blender.decode(staged, n)[:, :, lo - seg.start - first: hi - seg.start - first]
