@@ -604,7 +604,9 @@ class CacheAgent:
         """Cut ``plan`` to the pulls expected to beat recomputing and to finish in ``left_s`` (see
         :func:`fetch_budget`)."""
         return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
-                            expected_s=self.peer_estimates.expected_s, recompute_s=self.prefill.recompute_s,
+                            expected_s=self.peer_estimates.expected_s,
+                            recompute_s=self.prefill.recompute_s if self.config.transfer.recompute_when_faster
+                            else lambda _tokens: None,
                             max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
                             first_contact_s=self.config.transfer.first_contact_s)
 

@@ -244,6 +244,10 @@ class TransferConfig:
     # A pull from a peer never measured (it connects and handshakes too) gets at least this long
     # (plan.fetch_budget); a hung peer costs it once, then it is backed off.
     first_contact_s: float = 1.0
+    # The planner skips a pull it expects to take longer than this engine would take to compute the
+    # tokens (plan.fetch_budget). False: every planned pull is made within its deadline, sooner or not:
+    # engine time saved for other requests at the cost of this request's TTFT.
+    recompute_when_faster: bool = True
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
     # relay from injecting chunks; it costs throughput (README: trust boundary, measured).
@@ -522,7 +526,9 @@ def _coerce(value: Any, hint: Any, field: str) -> Any:
                 if value.lower() in ("0", "false", "no", "off"):
                     return False
                 raise ValueError(value)
-            return bool(value)
+            if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+                return bool(value)
+            raise ValueError(value)  # a 3 or a list is not taken for true
         if hint is int and not isinstance(value, bool):
             return int(value)
         if hint is float and not isinstance(value, bool):

@@ -5,7 +5,8 @@ bandwidth, and this engine's own prefill rate.
     recompute time (t tokens)           = t / prefill_tokens_per_s
 
 ``latency`` is learned from small pulls, ``seconds_per_byte`` from large ones (their whole time,
-fixed costs included, so pulls of the usual size predict each other well).
+fixed costs included, so pulls of the usual size predict each other well; but not the time a pull spent
+getting its connection: a first contact's connect and handshake are paid once per connection).
 
 Both are exponentially weighted moving averages of what this node measured itself; a peer never
 measured starts from deliberately modest priors, so the first pull from it gets a generous but

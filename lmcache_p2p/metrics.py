@@ -53,7 +53,8 @@ class AgentMetrics:
             registry=registry)
         self.blend_requests = Counter(
             "blend_requests", "Requests whose declared segments were reused at another position (blended, not "
-            "exact), by outcome (loaded, failed: recomputed by the engine)", ["outcome"], namespace=ns,
+            "exact), by outcome (loaded; partial: up to a segment chunk that could not be had, the engine computes the "
+            "rest; failed: no segment token reused, the engine computes them all)", ["outcome"], namespace=ns,
             registry=registry)
         self.blend_tokens = Counter(
             "blend_tokens", "Tokens of blended requests, by kind (segment: loaded from segment chunks and moved; "

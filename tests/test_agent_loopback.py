@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_helpers import wait_until
@@ -33,10 +34,10 @@ def fleet() -> Iterator[dict[str, object]]:
     """``make(name)`` starts an agent on one shared in-memory index and loopback net."""
     mesh, net, agents = MemoryMesh(), LoopbackNet(), []
 
-    def make(name: str, cpu: int = 64 << 20, disk: Path | None = None) -> CacheAgent:
+    def make(name: str, cpu: int = 64 << 20, disk: Path | None = None, **transfer: Any) -> CacheAgent:
         # backoff long enough that a backed-off owner is still backed off when a test looks, however loaded
         tiers = TierConfig(cpu_capacity=cpu, disk_path=str(disk) if disk else None)
-        config = AgentConfig(node_id=name, tiers=tiers, transfer=TransferConfig(backoff_s=60.0))
+        config = AgentConfig(node_id=name, tiers=tiers, transfer=TransferConfig(backoff_s=60.0, **transfer))
         agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
                            index_factory=lambda _loop, record: MemoryIndex(mesh, record),
                            transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
@@ -166,3 +167,13 @@ def test_with_a_prefill_rate_a_pull_slower_than_recompute_is_declined(fleet) -> 
     tokens = store(a, 7)
     assert b.load_pinned(b.lookup(tokens)) == [None] * 5
     assert b.metrics.load_failures.labels("recompute_faster")._value.get() == 5
+
+
+def test_told_not_to_recompute_when_faster_every_pull_is_made(fleet) -> None:
+    """``transfer.recompute_when_faster`` false: the same engine pulls them all (engine time saved)."""
+    a, b = fleet["make"]("a"), fleet["make"]("b", recompute_when_faster=False)
+    load(b, store(a, 6))
+    for _ in range(20):
+        b.prefill.observe(10_000_000, 1.0)
+    assert load(b, store(a, 7)) == ([True] * 5, ["a"] * 5)
+    assert b.metrics.load_failures.labels("recompute_faster")._value.get() == 0

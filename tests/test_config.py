@@ -28,6 +28,9 @@ def test_every_section_and_top_level_field_reads_the_environment():
     assert (cfg.handoff.min_hits, cfg.log_level, cfg.layout.num_layers, cfg.tiers.eviction) == (3, "DEBUG", 4, "lfu")
     assert set(cfg.set_by_node) == {"handoff.min_hits", "log_level", "layout.num_layers", "tiers.eviction"}
     assert load_config(env={"LMCACHE_P2P_LOG_LEVEL": "debug"}).log_level == "DEBUG"  # as engines were told to set it
+    off = {"LMCACHE_P2P_TRANSFER_RECOMPUTE_WHEN_FASTER": "false"}
+    assert load_config(env=off).transfer.recompute_when_faster is False
+    assert load_config(env={}, overrides={"transfer.recompute_when_faster": 0}).transfer.recompute_when_faster is False
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -47,6 +50,7 @@ def test_sizes(text, expected):
     ("transfer.backoff_s", -1), ("tiers.nonsense", 1), ("nonsense", 1), ("tiers", 5),
     ("transfer.secret", "short"), ("transfer.secret", "REPLACE-ME-with-openssl-rand-hex-32"),
     ("transfer.secret", "a" * 40), ("etcd.start_wait_s", -1), ("log_level", "LOUD"), ("handoff.min_hits", -1),
+    ("transfer.recompute_when_faster", 3), ("transfer.recompute_when_faster", "maybe"), ("blend.enabled", [1]),
 ])
 def test_each_invalid_field_is_named(dotted, value):
     with pytest.raises(ConfigError) as info:

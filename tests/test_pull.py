@@ -53,8 +53,9 @@ class Mesh:
         self.pool = CpuPool(16 * SLOT, SLOT)
         self.announced: list[ChunkKey] = []
         self.me = MemoryIndex(self.index_mesh, self.record("me", 1))
+        self.estimates = PeerEstimates()
         self.puller = Puller(NodeId("me"), FP, self.pool, {"loopback": self.transport}, ["loopback"], self.health,
-                             self.me.nodes, self.metrics, PeerEstimates(), loop, on_loaded=self.announced.append)
+                             self.me.nodes, self.metrics, self.estimates, loop, on_loaded=self.announced.append)
         self.owners: dict[str, MemoryIndex] = {}
         self.pools: dict[str, CpuPool] = {}
 
@@ -151,6 +152,23 @@ def test_a_hung_owner_costs_the_deadline_not_more(mesh: Mesh) -> None:
     assert not any(mesh.pool.contains(k) for k in KEYS)
     assert mesh.value("pull_chunks_total", transport="loopback", outcome="timeout") == 4
     assert mesh.puller.inflight() == {}
+
+
+def test_the_first_contacts_connection_cost_stays_out_of_the_peers_estimate(mesh: Mesh) -> None:
+    """A first pull also connects and handshakes (once per connection): taken for the peer's bandwidth, one
+    slow handshake would make every later pull look slower than recomputing, and the planner would stop
+    asking a healthy peer."""
+    slow_start = mesh.owner("a", KEYS)
+    mesh.net.owner(slow_start).connect_s = 0.3
+    t0 = time.monotonic()
+    mesh.puller.pull(mesh.plan(KEYS[:2]), time.monotonic() + 2.0)
+    assert time.monotonic() - t0 >= 0.3 and all(mesh.pool.contains(k) for k in KEYS[:2])
+    assert mesh.estimates.known("a")
+    assert mesh.estimates.expected_s("a", 2 * SLOT) < 0.05  # what a pull over the open connection costs
+    mesh.puller.pull(mesh.plan(KEYS[2:]), time.monotonic() + 2.0)  # the connection is open now: no setup
+    assert all(mesh.pool.contains(k) for k in KEYS[2:])
+    assert mesh.estimates.expected_s("a", 2 * SLOT) < 0.05
+    assert mesh.value("pull_seconds_sum", transport="loopback") >= 0.3  # the pull's own time still counts it
 
 
 def test_corrupt_bytes_are_dropped_then_fetched_from_the_alternative(mesh: Mesh) -> None:

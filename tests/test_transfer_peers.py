@@ -138,6 +138,26 @@ def test_single_and_batch_pulls_are_byte_exact(requester: Requester, owners: Any
         assert a.command({"cmd": "pinned"})["pinned"] == 0  # released explicitly, not by expiry
 
 
+def test_a_first_pull_reports_the_time_it_spent_connecting(requester: Requester, owners: Any) -> None:
+    """The owner is stopped while a new client connects: that wait is the pull's ``setup_s`` (kept out of
+    the peer's estimates); the next pull over the open connection has none of it."""
+    _, b = owners
+    client = TcpTransport(SECRET.encode(), 3.0)
+    os.kill(b.proc.pid, signal.SIGSTOP)
+    resume = threading.Timer(0.3, os.kill, (b.proc.pid, signal.SIGCONT))
+    resume.start()
+    try:
+        first = requester.loop.run(client.pull(b.peer, FP, [b.key(1)], requester.pool, time.monotonic() + 5), 10)
+        second = requester.loop.run(client.pull(b.peer, FP, [b.key(2)], requester.pool, time.monotonic() + 5), 10)
+    finally:
+        resume.join()
+        os.kill(b.proc.pid, signal.SIGCONT)
+        requester.loop.run(client.close(), 10)
+    assert first.complete and second.complete
+    assert first.setup_s >= 0.25, first.setup_s
+    assert second.setup_s < first.setup_s / 10, (first.setup_s, second.setup_s)
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_striped_pull_across_two_owners(requester: Requester, owners: Any, transport: str) -> None:
     a, b = owners

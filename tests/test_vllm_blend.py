@@ -61,8 +61,12 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
     question = texts[4][1:49]
     prompts = {order: rag_prompt(base, docs, order, question) for order in [(0, 1, 2), (1, 2, 0), (2, 0, 1),
                                                                                     (0, 2, 1)]}
-    cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
-    cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints)
+    # The planner may rightly skip a pull it expects to be slower than recomputing (this tiny model computes
+    # 512 tokens in tens of ms; one slow moment of a loaded host tips it): not what this test is about.
+    cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints,
+                               recompute_when_faster=False)
+    cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
+                               recompute_when_faster=False)
 
     cold = EngineProcess(model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     verbose = {"LMCACHE_P2P_LOG_LEVEL": "DEBUG"}  # what the agents did (plans, budgets, misses), in the engine logs

@@ -14,7 +14,7 @@ SECRET = "test-cluster-secret-7f3a9c1e5b2d80461c9e4a7b"
 
 def write_agent_config(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...],
                        transports: tuple[str, ...] = ("tcp",), lease_ttl_s: int = 10,
-                       first_contact_s: float = 1.0, index: str = "watch") -> Path:
+                       first_contact_s: float = 1.0, index: str = "watch", **transfer: object) -> Path:
     path.write_text(yaml.safe_dump({
         "node_id": node,
         "cluster": cluster,
@@ -23,7 +23,7 @@ def write_agent_config(path: Path, *, node: str, cluster: str, endpoints: tuple[
         "tiers": {"cpu_capacity": "256MiB"},
         "etcd": {"endpoints": list(endpoints), "lease_ttl_s": lease_ttl_s, "index": index},
         "transfer": {"transports": list(transports), "secret": SECRET, "timeout_s": 5,
-                     "first_contact_s": first_contact_s},
+                     "first_contact_s": first_contact_s, **transfer},
     }))
     return path
 

@@ -4,8 +4,9 @@ Owners are CPU pools registered under a :class:`PeerAddress` on a shared :class:
 pull copies the owner's verified bytes (the requested head range) into the destination pool and
 verifies them again on arrival, as the TCP and NIXL transports do. Faults are set per owner:
 ``dead`` (connection refused), ``hang`` (answers nothing until the deadline), ``corrupt`` (one
-byte flipped on the way), ``delay_s`` (answers late). Peer health (backoff) is shared with the
-real transports' :func:`~lmcache_p2p.transfer.client.guarded_pull`.
+byte flipped on the way), ``delay_s`` (answers late), ``connect_s`` (the first pull of each transport
+from it takes that long more: a connection and handshake, reported as the pull's ``setup_s``). Peer
+health (backoff) is shared with the real transports' :func:`~lmcache_p2p.transfer.client.guarded_pull`.
 
 Never instead of the integration tests: those pull over real sockets and NIXL agents in other
 processes.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections.abc import Collection, Sequence
 from typing import Any
 
@@ -37,6 +39,7 @@ class Owner:
     pool: CpuPool
     fault: str | None = None  # None | "dead" | "hang" | "corrupt"
     delay_s: float = 0.0
+    connect_s: float = 0.0  # the first pull of each transport from it pays this (a connection and handshake)
     served: int = 0  # chunks sent
     hooks: ServerHooks = ServerHooks()  # what an agent's transfer server would ask of it
 
@@ -66,6 +69,7 @@ class LoopbackTransport:
         self.health = health
         self.name = name
         self.pulls: list[tuple[PeerAddress, int]] = []  # (peer, chunks asked) per pull, in order
+        self._connected: set[tuple[str, int]] = set()
 
     async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
                    dst: CpuPool, deadline: float) -> PullResult:
@@ -79,6 +83,11 @@ class LoopbackTransport:
         owner = self.net.owners.get((peer.host, peer.port))
         if owner is None or owner.fault == "dead":
             raise TransferError(f"{peer}: connection refused")
+        if owner.connect_s and (peer.host, peer.port) not in self._connected:
+            t0 = time.perf_counter()
+            await asyncio.sleep(owner.connect_s)
+            self._connected.add((peer.host, peer.port))
+            result.setup_s = time.perf_counter() - t0
         if owner.fault == "hang" or owner.delay_s >= remaining(deadline):
             await asyncio.sleep(remaining(deadline))
             raise PeerTimeout(f"{peer}: pull of {len(wants)} chunks ran past its deadline")

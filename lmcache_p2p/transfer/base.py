@@ -50,6 +50,9 @@ class PullResult:
     peer: PeerAddress
     loaded: dict[ChunkKey, ChunkHeader] = dataclasses.field(default_factory=dict)
     missed: dict[ChunkKey, MissReason] = dataclasses.field(default_factory=dict)
+    # Seconds of the pull spent getting a connection (connect and handshake on first use, or waiting
+    # for another pull's): a one-off cost, kept out of the peer's estimates (``estimates.py``).
+    setup_s: float = 0.0
 
     def miss_rest(self, keys: Sequence[ChunkKey | Want], reason: MissReason) -> None:
         """Mark every key that is neither loaded nor missed yet as missed with ``reason``."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
@@ -204,7 +205,9 @@ class TcpTransport:
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float) -> None:
+        t0 = time.perf_counter()
         conn = await self._pool.get(peer, fp, remaining(deadline))
+        result.setup_s = time.perf_counter() - t0
         step = batch_size(self._pool.max_frame_bytes)
         requests = [conn.start_get(keys[i : i + step], fp, dst, result) for i in range(0, len(keys), step)]
         try:

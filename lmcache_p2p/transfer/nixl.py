@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import logging
 import ssl
+import time
 from collections.abc import Collection, Sequence
 
 from .. import cputime
@@ -78,11 +79,13 @@ class NixlTransport:
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float) -> None:
+        t0 = time.perf_counter()
         conn = await self._pool.get(peer, fp, remaining(deadline))
         if conn.nixl is None:
             raise TransferError(f"{peer} does not serve NIXL")
         remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
         self._remote_of[peer] = remote
+        result.setup_s = time.perf_counter() - t0
         # Every pin request goes out at once: the owner answers batch k+1 while batch k is read.
         batches = _pin_batches(keys, batch_size(self._pool.max_frame_bytes))
         requests = [conn.start_pin(batch) for batch in batches]

@@ -367,8 +367,8 @@ class Puller:
         m.pull_seconds.labels(transport).observe(seconds)
         nbytes = sum(h.length for h in result.loaded.values())
         m.pull_bytes.labels(transport).inc(nbytes)
-        if result.loaded and not result.missed:
-            self.estimates.observe(node, nbytes, seconds)
+        if result.loaded and not result.missed:  # what the next pull over this connection will cost
+            self.estimates.observe(node, nbytes, seconds - result.setup_s)
         m.pull_chunks.labels(transport, "loaded").inc(len(result.loaded))
         for reason in result.missed.values():
             m.pull_chunks.labels(transport, str(reason)).inc()

@@ -213,6 +213,9 @@ class P2PWorker:
                          t.req_id, cut, t.end)
                 failed = set(t.block_ids[cut // self._block_size: -(-t.end // self._block_size)])
                 t = dataclasses.replace(t, end=cut, recompute=[(s, min(e, cut)) for s, e in t.recompute if s < cut])
+                if cut <= t.exact_end:  # not one segment token reused: counted here, nothing left to recompute
+                    metrics.blend_requests.labels("failed").inc()
+                    return t, failed
             if recompute:
                 self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
         except Exception as exc:  # a cache problem must never become a serving problem: the engine computes it
@@ -244,8 +247,9 @@ class P2PWorker:
                 spans.append((pos, pos + n))
                 pos += n
         deadline = self._deadline(t)
-        if remote:
-            agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S))
+        if remote and not agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
+            log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
+                     t.index_revision)
         plan = agent.plan(keys, spans, pos)
         if len(plan.chunks) < len(keys):
             log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
