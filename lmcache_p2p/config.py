@@ -245,8 +245,8 @@ class TransferConfig:
     # (plan.fetch_budget); a hung peer costs it once, then it is backed off.
     first_contact_s: float = 1.0
     # The planner skips a pull it expects to take longer than this engine would take to compute the
-    # tokens (plan.fetch_budget). False: every planned pull is made within its deadline, sooner or not:
-    # engine time saved for other requests at the cost of this request's TTFT.
+    # tokens (plan.fetch_budget). False: every planned pull is made and may take up to timeout_s (a hung
+    # owner too): engine time saved for other requests at the cost of this request's TTFT.
     recompute_when_faster: bool = True
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
