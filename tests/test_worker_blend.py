@@ -1,0 +1,105 @@
+"""The worker's blend bookkeeping: what vLLM is told to recompute and how each blend is counted.
+
+A sync blend over segment chunks held in the worker's own agent (in-memory index, no peers): all
+chunks there (loaded, the recompute runs), the second segment missing (partial: blocks from the cut
+on go back to vLLM, the recompute runs over what was written), the first one missing (failed: not one
+segment token was reused, every block of the blend goes back, nothing is recomputed here). The
+blender is a stand-in that records its calls: the KV maths is ``test_vllm_blend.py``'s, on real
+engines.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.config import load_config
+from lmcache_p2p.keys import ChunkKey, Fingerprint
+from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
+
+BLOCK, BLOCK_BYTES = 16, 64
+
+
+class RecordingBlender:
+    """What ``blend.Blender`` is asked: decode a staged chunk, write positions, recompute runs."""
+
+    def __init__(self) -> None:
+        self.written: list[tuple[int, int]] = []  # (first position, tokens)
+        self.recomputed: list[list[tuple[int, int]]] = []
+
+    def decode(self, staged: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        return torch.zeros(2, 1, num_tokens)
+
+    def write(self, kv: torch.Tensor, block_ids: list[int], start: int, segment_start: int) -> None:
+        self.written.append((start, kv.shape[2]))
+
+    def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> None:
+        self.recomputed.append(list(runs))
+
+
+def test_blends_are_counted_and_reported_by_how_far_their_segments_loaded() -> None:
+    # In a process of its own: the worker imports vLLM, which must not load into the test runner.
+    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def main() -> None:
+    from lmcache_p2p.integrations.segments import BlendTransfer, SegmentChunks
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+    from lmcache_p2p.integrations.vllm.worker import P2PWorker
+
+    config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
+    chunk, per = config.chunk_size, config.chunk_size // BLOCK
+    fingerprint = Fingerprint.of(config.layout)
+    worker = P2PWorker(config, fingerprint, BLOCK)
+    worker.agent = CacheAgent(config, fingerprint, per * BLOCK_BYTES, secret=os.urandom(32),
+                              index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start()
+    blender = RecordingBlender()
+    worker._blender = blender  # type: ignore[assignment]  # as register_kv_caches sets it on a blending engine
+    seg_keys = [[bytes([s * 16 + i + 1]) * 16 for i in range(2)] for s in range(2)]  # 2 segments of 2 chunks
+    blocks = list(range(4 * per))
+    end = 4 * chunk
+
+    def blend(req: str, held: list[bytes]) -> tuple[set[int], RecordingBlender, dict[str, float]]:
+        agent = worker.agent
+        assert agent is not None
+        for key in list(agent.tiers.cpu.keys()):
+            agent.tiers.cpu.remove(key)
+        payloads = [memoryview(bytes(per * BLOCK_BYTES)) for _ in held]
+        assert agent.store_chunks([ChunkKey(k) for k in held], [chunk] * len(held), payloads).result(10) == len(held)
+        blender.written.clear()
+        blender.recomputed.clear()
+        segments = [SegmentChunks(keys, [chunk, chunk], start=2 * chunk * s, end=2 * chunk * (s + 1))
+                    for s, keys in enumerate(seg_keys)]
+        segments[-1].end = end - 1  # vLLM computes the prompt's last token
+        t = BlendTransfer(req, None, segments, recompute=[(0, 16), (2 * chunk, 2 * chunk + 16)],
+                          token_ids=list(range(end)), block_ids=blocks, exact_end=0, end=end - 1, sync=True)
+        worker.start_load_kv(LMCacheP2PMetadata(blends=[t]))
+        counts = {o: agent.metrics.blend_requests.labels(o)._value.get() for o in ("loaded", "partial", "failed")}
+        return worker.get_block_ids_with_load_errors(), blender, counts
+
+    try:
+        failed, b, counts = blend("all", seg_keys[0] + seg_keys[1])
+        assert failed == set() and counts == {"loaded": 1, "partial": 0, "failed": 0}
+        assert b.recomputed == [[(0, 16), (2 * chunk, 2 * chunk + 16)]] and len(b.written) == 4, b.written
+
+        failed, b, counts = blend("second-missing", seg_keys[0])
+        assert failed == set(blocks[2 * per:]), sorted(failed)
+        assert counts == {"loaded": 1, "partial": 1, "failed": 0}
+        assert b.recomputed == [[(0, 16)]] and b.written == [(0, chunk), (chunk, chunk)]
+
+        failed, b, counts = blend("first-missing", seg_keys[1])
+        assert failed == set(blocks), sorted(failed)
+        assert counts == {"loaded": 1, "partial": 1, "failed": 1}
+        assert b.recomputed == [] and b.written == []
+    finally:
+        worker.shutdown()
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
