@@ -247,9 +247,8 @@ class P2PWorker:
                 spans.append((pos, pos + n))
                 pos += n
         deadline = self._deadline(t)
-        if remote and not agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
-            log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
-                     t.index_revision)
+        if remote:
+            self._wait_for_index(t, keys, deadline)
         plan = agent.plan(keys, spans, pos)
         if len(plan.chunks) < len(keys):
             log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
@@ -342,10 +341,8 @@ class P2PWorker:
             spans.append((pos, pos + n))
             pos += n
         deadline = self._deadline(t)
-        index_deadline = min(deadline, time.monotonic() + INDEX_WAIT_S)
-        if remote and not agent.wait_for_index(keys, t.index_revision, index_deadline):
-            log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
-                     t.index_revision)
+        if remote:
+            self._wait_for_index(t, keys, deadline)
         plan = agent.plan(keys, spans, pos)
         agent.count_lookup(plan, 0)
         t1 = time.perf_counter()
@@ -382,6 +379,13 @@ class P2PWorker:
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
         return failed
+
+    def _wait_for_index(self, t: ChunkTransfer | BlendTransfer, keys: list[ChunkKey], deadline: float) -> None:
+        """Give this rank's mirror (at most ``INDEX_WAIT_S``) to reach the revision its scheduler offered from."""
+        assert self.agent is not None
+        if not self.agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
+            log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
+                     t.index_revision)
 
     def _deadline(self, t: ChunkTransfer | BlendTransfer) -> float:
         """The load's absolute deadline, set by the scheduler side when it offered the hit (one host, one
