@@ -44,16 +44,23 @@ class Loading(Protocol):
     def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None: ...
 
 
-def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> tuple[HitPlan, float]:
-    """``plan`` cut to the pulls expected to beat recomputing and to finish before ``deadline`` (the load
-    may have queued behind others), and ``deadline`` brought as close as the kept pulls' own allowance.
-    Declined chunks are counted: ``deadline`` (not expected in the time left), ``recompute_faster``."""
+def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> tuple[FetchBudget, float]:
+    """The budget: ``plan`` cut to the pulls expected to beat recomputing and to finish before
+    ``deadline`` (the load may have queued behind others), and ``deadline`` brought as close as the
+    kept pulls' own allowance. Each decision is counted (``fetch_decisions_total``: pull,
+    recompute_faster, deadline; the declined ones in ``load_failures_total`` too)."""
     budget = node.budget(plan, left_s=remaining(deadline))
     declined = len(plan.chunks) - len(budget.plan.chunks)
+    metrics = node.metrics
+    pulled = sum(1 for c in budget.plan.chunks if c.source != LOCAL)
+    if pulled:
+        metrics.fetch_decisions.labels("pull").inc(pulled)
     if budget.late:
-        node.metrics.load_failures.labels("deadline").inc(budget.late)
+        metrics.fetch_decisions.labels("deadline").inc(budget.late)
+        metrics.load_failures.labels("deadline").inc(budget.late)
     if declined > budget.late:
-        node.metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
+        metrics.fetch_decisions.labels("recompute_faster").inc(declined - budget.late)
+        metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
     if declined:
         log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left; expected "
                  "%.1f ms, recompute %s)", label, len(budget.plan.chunks), len(plan.chunks), budget.late,
@@ -64,7 +71,7 @@ def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> 
               len(budget.plan.chunks), 1e3 * budget.expected_s,
               "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
               1e3 * (kept - time.monotonic()))
-    return budget.plan, kept
+    return budget, kept
 
 
 def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool = True,
@@ -79,16 +86,20 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
     """
     kept, late, load_deadline = plan, set(), deadline
     if remote:
-        kept, deadline = budgeted(node, plan, deadline, label)
+        budget, deadline = budgeted(node, plan, deadline, label)
+        kept = budget.plan
         pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
         if pulls and remaining(deadline) <= 0:
             # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
-            # would only time out and back a healthy peer off. The engine recomputes.
+            # would only hold it while an answer nobody waits for arrives. The engine recomputes.
             late = {c.key for c in pulls}
             node.metrics.load_failures.labels("deadline").inc(len(late))
             log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
         elif pulls:
+            started = time.monotonic()
             node.pull(pulls, deadline)
+            if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
+                node.metrics.estimate_ratio.labels("pull").observe((time.monotonic() - started) / budget.expected_s)
     pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)
             for chunk in kept.chunks]
     return pins + [None] * (len(plan.chunks) - len(kept.chunks))

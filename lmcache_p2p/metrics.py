@@ -24,6 +24,7 @@ from .index.protocol import BlockIndex
 from .index.schema import Rejects
 from .tiers import CpuPool, DiskTier, TieredStore
 
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 10.0)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -95,6 +96,15 @@ class AgentMetrics:
         self.load_queue_seconds = Histogram("load_queue_seconds", "Time an asynchronous load waited for a load "
                                             "thread (transfer.load_threads) before it started", namespace=ns,
                                             registry=registry, buckets=_LATENCY_BUCKETS)
+        self.fetch_decisions = Counter(
+            "fetch_decisions", "The fetch-or-recompute planner's choices, in chunks a peer or the object store "
+            "held: pull; recompute_faster (the engine was expected to compute them sooner); deadline (not expected "
+            "to arrive in the time the load had left)", ["decision"], namespace=ns, registry=registry)
+        self.estimate_ratio = Histogram(
+            "estimate_ratio", "What happened over what the planner expected: a load's pulls (pull: their time over "
+            "the budget's expected time) and this engine's prefill steps (recompute: the step's time over what the "
+            "prefill rate the planner decides by predicted). Near 1: the planner's choices are right on average",
+            ["estimate"], namespace=ns, registry=registry, buckets=_RATIO_BUCKETS)
         self.served_chunks = Counter("served_chunks", "Chunks served to peers", namespace=ns, registry=registry)
         self.checksum_failures = Counter("checksum_failures", "Chunks dropped because their checksum did not match",
                                          namespace=ns, registry=registry)

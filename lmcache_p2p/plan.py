@@ -183,8 +183,9 @@ def fetch_budget(
     is backed off and measured peers get deadlines from their estimates.
 
     ``left_s``: the time left before the load's own deadline (it may have queued behind other loads).
-    A pull not expected to finish in it is not started (it would overrun, close the connection other
-    pulls share and back a healthy peer off); those chunks are counted apart (``late``).
+    A pull not expected to finish in it is not started (the engine would recompute the chunks anyway,
+    and the peer would be held while an answer nobody waits for arrives); those chunks are counted
+    apart (``late``).
     """
     per_peer: dict[NodeId, int] = {}
     first_remote: int | None = None

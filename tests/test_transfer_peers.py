@@ -261,6 +261,9 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport: str) -> None:
+    """TCP lets an overdue answer go on arriving after its load gave up (``late``): the owner is held,
+    asked by no new pull, until the answer comes or its liveness deadline passes; a dead owner ends it
+    at once and is backed off. NIXL gives up at the deadline (``timeout``)."""
     o = owner(11)
     try:
         keys = [o.key(i) for i in range(N)]
@@ -270,7 +273,17 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
         start = time.monotonic()
         result = requester.pull(transport, peer_of(o), keys, timeout=1.0)
         assert time.monotonic() - start < 2.5
-        assert not result.loaded and set(result.missed.values()) == {MissReason.TIMEOUT}
+        assert not result.loaded
+        health = requester.clients[transport].health
+        if transport == "tcp":
+            assert set(result.missed.values()) == {MissReason.LATE} and result.late is not None
+            assert not health.available(peer_of(o)) and health.failures(peer_of(o)) == 0  # held, not failed
+            o.kill()
+            late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 5), 10)
+            assert not late.loaded and set(late.missed.values()) <= {MissReason.PEER_ERROR, MissReason.TIMEOUT}
+            assert health.failures(peer_of(o)) == 1
+        else:
+            assert set(result.missed.values()) == {MissReason.TIMEOUT}
         assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
         o.kill()
         requester.clear()
@@ -280,9 +293,37 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
         o.kill()
 
 
+def test_a_slow_answer_arrives_after_its_load_gave_up_and_the_owner_is_not_backed_off(requester: Requester) -> None:
+    """An owner stopped for 0.4 s while a load with a 0.1 s deadline pulls from it: the load gets ``late``
+    misses at its deadline; the owner is held meanwhile (a second pull is not sent), then the answer
+    arrives, lands in the pool byte-exact, and the owner is available again with no failure counted
+    (the overrun used to close the connection and back a healthy peer off for 2 s)."""
+    o = owner(13)
+    health = requester.clients["tcp"].health
+    try:
+        keys = [o.key(i) for i in range(4)]
+        assert requester.pull("tcp", peer_of(o), keys[:1]).complete
+        requester.clear()
+        stop_process(o.pid)
+        threading.Timer(0.4, lambda: os.kill(o.pid, signal.SIGCONT)).start()
+        result = requester.pull("tcp", peer_of(o), keys, timeout=0.1)
+        assert set(result.missed.values()) == {MissReason.LATE} and result.late is not None
+        second = requester.pull("tcp", peer_of(o), keys, timeout=0.1)
+        assert set(second.missed.values()) == {MissReason.BACKOFF}  # held: not asked twice
+        late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 5), 10)
+        assert late.complete and set(late.loaded) == set(keys)
+        for i in range(len(keys)):
+            assert_exact(requester.pool, o, i)
+        assert health.available(peer_of(o)) and health.failures(peer_of(o)) == 0
+    finally:
+        os.kill(o.pid, signal.SIGCONT)
+        o.kill()
+
+
 def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(requester: Requester) -> None:
-    """Two loads pull from a hung owner over the one connection they share; the first overruns its deadline
-    and closes it. The second is cut short with it (``aborted``), and the owner is backed off once."""
+    """Two loads pull from a hung owner over the one connection they share; both overrun their deadlines
+    (``late``). At the first one's liveness deadline the connection is closed; the second is cut short
+    with it (``aborted``), and the owner is backed off once."""
     o = owner(12)
     health = requester.clients["tcp"].health
     try:
@@ -293,14 +334,15 @@ def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(r
         client, now = requester.clients["tcp"], time.monotonic()
 
         async def both() -> list[PullResult]:
-            return list(await asyncio.gather(
+            results = list(await asyncio.gather(
                 client.pull(peer_of(o), FP, keys[:8], requester.pool, now + 0.5),
-                client.pull(peer_of(o), FP, keys[8:], requester.pool, now + 3.0)))
+                client.pull(peer_of(o), FP, keys[8:], requester.pool, now + 1.0)))
+            return [await r.late for r in results if r.late is not None]
 
         short, long = requester.loop.run(both(), 10)
         assert set(short.missed.values()) == {MissReason.TIMEOUT}
         assert set(long.missed.values()) == {MissReason.ABORTED}
-        assert time.monotonic() - now < 2.0  # the bystander did not wait for its own deadline either
+        assert time.monotonic() - now < 4.5  # the liveness deadline (the transport's 3 s), not more
         assert health.failures(peer_of(o)) == 1
         assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
     finally:

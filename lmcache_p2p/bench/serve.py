@@ -43,6 +43,7 @@ from .vllm import MODEL_SIZES, SECRET, bench_prompts
 from .workloads import Workload
 
 SYSTEMS = ("mesh", "vllm", "lmcache")
+AGENT_COUNTERS = ("lmcache_p2p_load_failures", "lmcache_p2p_fetch_decisions", "lmcache_p2p_loaded_chunks")
 SLO_SHARE = 0.99
 CLIENT_TIMEOUT_S = 3600.0
 REPO = Path(__file__).resolve().parents[2]
@@ -63,10 +64,12 @@ class Fleet:
     def urls(self) -> list[str]:
         return [s.url for s in self.servers]
 
-    def counters(self) -> dict[str, float]:
-        """vLLM's prompt tokens by source summed over the engines, and the cache's CPU seconds."""
+    def counters(self, engines: list[int] | None = None) -> dict[str, float]:
+        """vLLM's prompt tokens by source summed over the engines (``engines``: only those), the cache's
+        CPU seconds, and (mesh) the agents' load decisions and failures by reason."""
         out: dict[str, float] = {"cache_cpu_s": 0.0}
-        for server in self.servers:
+        chosen = range(len(self.servers)) if engines is None else engines
+        for server in (self.servers[i] for i in chosen):
             for fam in text_string_to_metric_families(server.metrics()):
                 if fam.name != "vllm:prompt_tokens_by_source":
                     continue
@@ -74,10 +77,15 @@ class Fleet:
                     if s.name.endswith("_total"):
                         key = "tokens_" + s.labels["source"]
                         out[key] = out.get(key, 0.0) + s.value
-        for url in self.agent_metrics:
+        for url in (self.agent_metrics[i] for i in chosen if i < len(self.agent_metrics)):
             for fam in text_string_to_metric_families(http_get(url)):
                 if fam.name == "lmcache_p2p_cpu_seconds":
                     out["cache_cpu_s"] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+                elif fam.name in AGENT_COUNTERS:
+                    for s in fam.samples:
+                        if s.name.endswith("_total"):
+                            key = fam.name.removeprefix("lmcache_p2p_") + "".join(f":{v}" for v in s.labels.values())
+                            out[key] = out.get(key, 0.0) + s.value
         if self.cache_sid is not None:
             out["cache_cpu_s"] += session_cpu_seconds(self.cache_sid)
         return out
@@ -168,6 +176,29 @@ def row_of(rate: float, res: dict[str, Any], before: dict[str, float], after: di
     }
 
 
+def join_run(fleet: Fleet, workload: Workload, rate: float, run: int, args: argparse.Namespace, model: Path,
+             work: Path) -> tuple[dict[str, Any], list[str], list[str]]:
+    """``--join``: engine 0 serves the run's prompts, then engine 1 (which has served nothing of them)
+    serves the same prompts. The row is engine 1's, with what it got from the cache layer against
+    what engine 0 left there: each prefix's first computation (``peer_held_tokens``); the same
+    engine's repeats are its own prefix cache's, whatever the system. Returns the row and both
+    engines' outputs."""
+    first = run_client(fleet, workload, rate, run, args, model, work, urls=fleet.urls[:1],
+                       label=f"{fleet.system}-{run}-first")
+    before = fleet.counters([1])
+    joined = run_client(fleet, workload, rate, run, args, model, work, urls=fleet.urls[1:2],
+                        label=f"{fleet.system}-{run}-join")
+    after = fleet.counters([1])
+    row = row_of(rate, joined, before, after, args.slo_ttft_ms)
+    held = workload.num_prefixes * workload.prefix_len if workload.kind == "prefix" else 0
+    connector = after.get("tokens_external_kv_transfer", 0.0) - before.get("tokens_external_kv_transfer", 0.0)
+    row.update(ttft_mean_first_ms=round(first["mean_ttft_ms"], 1), connector_tokens=int(connector),
+               peer_held_tokens=held, join_share=round(connector / held, 4) if held else None,
+               agent={k: after[k] - before.get(k, 0.0) for k in sorted(after)
+                      if not k.startswith(("tokens_", "cache_cpu_s")) and after[k] != before.get(k, 0.0)})
+    return row, list(first["generated_texts"]), list(joined["generated_texts"])
+
+
 def goodput(rows: list[dict[str, Any]]) -> float | None:
     """The highest rate at which >= 99 % of requests met the SLO (None: none did)."""
     good = [r["rate"] for r in rows if r["slo_met"] >= SLO_SHARE]
@@ -186,7 +217,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "model": str(args.model or args.model_size),
                            "workload": _describe(workload), "rates": rates, "slo_ttft_ms": args.slo_ttft_ms,
                            "capacity_per_engine": args.capacity, "load_threads": args.load_threads,
-                           "index": args.index,
+                           "index": args.index, "join": args.join,
                            "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "systems": {}}
     texts: dict[str, list[list[str]]] = {}
     for system in args.systems.split(","):
@@ -197,6 +228,12 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rows, texts[system] = [], []
         with fleet.stack:
             for k, rate in enumerate(rates):
+                if args.join:
+                    row, first, joined = join_run(fleet, workload, rate, k, args, model, work)
+                    row["outputs_match_first"] = first == joined
+                    rows.append(row)
+                    texts[system].append(joined)
+                    continue
                 before = fleet.counters()
                 res = run_client(fleet, workload, rate, k, args, model, work)
                 rows.append(row_of(rate, res, before, fleet.counters(), args.slo_ttft_ms))
@@ -247,6 +284,9 @@ def print_table(result: dict[str, Any]) -> None:
           f"{result['ideal_hit_rate']}")
     cols = ["rate", "slo_met", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "output_tok_s",
             "hit_rate", "cache_cpu_s_per_request", "failed"]
+    if result.get("join"):
+        cols = ["rate", "ttft_mean_ms", "ttft_p99_ms", "req_s", "connector_tokens", "peer_held_tokens", "join_share",
+                "outputs_match_first", "failed"]
     print("  " + " ".join(f"{c:>12}" for c in ["system", *cols]))
     for system, res in result["systems"].items():
         if isinstance(res, str):
@@ -286,8 +326,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
+    p.add_argument("--join", action="store_true", help="engine 0 serves each run's prompts, then engine 1 serves "
+                   "them again; engine 1's row (a node joining a fleet whose cache already holds the prompts)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.join and args.engines != 2:
+        p.error("--join needs --engines 2")
     result = run_in_workdir(run, args, "lmcache-p2p-bench-serve-")
     if args.json:
         print(json.dumps(result))

@@ -7,6 +7,7 @@ recomputes misses. Only programming errors raise.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 from collections.abc import Collection, Sequence
@@ -38,7 +39,8 @@ class MissReason(enum.StrEnum):
     CHECKSUM = "checksum"  # bytes arrived but did not match the header: never committed
     MAC = "mac"  # bytes or header changed on the way (the session's payload MAC did not match): dropped
     INVALIDATED = "invalidated"  # arrived intact, but a standing invalidation covers it: dropped
-    TIMEOUT = "timeout"  # the pull ran past its deadline
+    TIMEOUT = "timeout"  # the pull ran past its deadline (the peer is hung or gone: backed off)
+    LATE = "late"  # not in by the load's deadline, still arriving: the engine recomputes it, the pool keeps it
     ABORTED = "aborted"  # cut short with its shared connection, which another pull's overrun closed
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
     BACKOFF = "backoff"  # the peer erred recently; not asked
@@ -53,6 +55,13 @@ class PullResult:
     # Seconds of the pull spent getting a connection (connect and handshake on first use, or waiting
     # for another pull's): a one-off cost, kept out of the peer's estimates (``estimates.py``).
     setup_s: float = 0.0
+    # Set when keys missed ``LATE``: the rest of the pull, still running, resolves to its whole result
+    # (``complete`` once every key arrived; ``TIMEOUT`` for the rest if the peer never answered).
+    late: asyncio.Future[PullResult] | None = None
+
+    def snapshot(self) -> PullResult:
+        """What has arrived and missed so far (the pull may still be filling this one in)."""
+        return PullResult(self.peer, dict(self.loaded), dict(self.missed), self.setup_s)
 
     def miss_rest(self, keys: Sequence[ChunkKey | Want], reason: MissReason) -> None:
         """Mark every key that is neither loaded nor missed yet as missed with ``reason``."""
@@ -79,7 +88,8 @@ class Transport(Protocol):
         deadline: float,
     ) -> PullResult:
         """Pull ``keys`` into ``dst``; ``deadline`` is absolute (``time.monotonic()``): what has not
-        landed by then is missed with ``TIMEOUT``."""
+        landed by then is missed, ``TIMEOUT`` (the peer is backed off) or, where the transport lets a
+        slow answer finish, ``LATE`` (see ``PullResult.late``)."""
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:
         """Drop every per-peer state (connections, remote registrations) of peers not in ``live``."""

@@ -156,12 +156,26 @@ class ConnectionPool:
         self._conns.clear()
 
 
+class _Overdue(Exception):
+    """Raised inside a pull whose answer is still arriving at its load's deadline: the rest may arrive
+    until ``hung_at`` (absolute), then the peer counts as hung."""
+
+    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], hung_at: float, why: str) -> None:
+        super().__init__(why)
+        self.conn, self.futures, self.hung_at = conn, futures, hung_at
+
+
 async def guarded_pull(
     health: PeerHealth, peer: PeerAddress, keys: Sequence[Want],
     run: Callable[[PullResult], Coroutine[Any, Any, None]],
 ) -> PullResult:
-    """Run ``run(result)`` unless there is nothing to do or the peer is backed off; map its failures
-    to misses and the peer's health. Never raises TransferError."""
+    """Run ``run(result)`` unless there is nothing to do or the peer is backed off or held; map its
+    failures to misses and the peer's health. Never raises TransferError.
+
+    A pull still arriving at its load's deadline (``_Overdue``) returns what is in, the rest missed
+    ``LATE``; the peer is held (no new pulls) while the rest arrives in the background
+    (``PullResult.late``): all of it, and the peer is released; not by its liveness deadline, and the
+    connection is closed and the peer backed off, as for a timeout."""
     result = PullResult(peer)
     if not keys:
         return result
@@ -170,6 +184,12 @@ async def guarded_pull(
         return result
     try:
         await asyncio.ensure_future(run(result))
+    except _Overdue as overdue:
+        early = result.snapshot()
+        early.miss_rest(keys, MissReason.LATE)
+        health.hold(peer)
+        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue))
+        return early
     except SharedConnectionAborted:
         result.miss_rest(keys, MissReason.ABORTED)
     except PeerTimeout as exc:
@@ -183,6 +203,35 @@ async def guarded_pull(
     return result
 
 
+async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Want], result: PullResult,
+                       overdue: _Overdue) -> PullResult:
+    """The rest of an overdue pull: wait for it until the peer's liveness deadline, then settle its health."""
+    try:
+        _, pending = await asyncio.wait(overdue.futures, timeout=remaining(overdue.hung_at))
+        if pending and overdue.conn.closed:  # another pull's overrun closed it and charged the peer
+            result.miss_rest(keys, MissReason.ABORTED)
+            return result
+        if pending:
+            # Close rather than drain: a hung peer may never send the rest, and no more bytes may land in
+            # our slots after we gave up; every pull sharing the connection fails with it.
+            overdue.conn.abort(SharedConnectionAborted(f"{peer}: a pull on this connection never finished"))
+            result.miss_rest(keys, MissReason.TIMEOUT)
+            health.record_failure(peer, PeerTimeout(f"{peer}: {overdue} and no answer before its liveness deadline"))
+            return result
+        errors = [e for f in overdue.futures if (e := f.exception()) is not None]
+        own = [e for e in errors if not isinstance(e, SharedConnectionAborted)]
+        if own:
+            result.miss_rest(keys, MissReason.PEER_ERROR)
+            health.record_failure(peer, own[0])
+        elif errors:  # closed by another pull's overrun, which charged the peer
+            result.miss_rest(keys, MissReason.ABORTED)
+        else:
+            health.record_success(peer)
+        return result
+    finally:
+        health.release(peer)
+
+
 class TcpTransport:
     """Pulls chunk payloads over the authenticated TCP connection itself."""
 
@@ -191,8 +240,11 @@ class TcpTransport:
     def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
                  health: PeerHealth | None = None, payload_mac: bool | None = None,
                  tls: ssl.SSLContext | None = None, node_id: str | None = None) -> None:
+        """``timeout_s``: connecting, and how long from its start a pull may still arrive after its
+        load's deadline before the peer counts as hung (see :func:`guarded_pull`)."""
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls,
                                     node_id=node_id)
+        self._liveness_s = timeout_s
         self.health = health if health is not None else PeerHealth(2.0)
 
     async def pull(
@@ -205,24 +257,25 @@ class TcpTransport:
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float) -> None:
-        t0 = time.perf_counter()
+        started = time.monotonic()
         conn = await self._pool.get(peer, fp, remaining(deadline))
-        result.setup_s = time.perf_counter() - t0
+        result.setup_s = time.monotonic() - started
         step = batch_size(self._pool.max_frame_bytes)
         requests = [conn.start_get(keys[i : i + step], fp, dst, result) for i in range(0, len(keys), step)]
+        futures = [r.future for r in requests]
         try:
-            done, _ = await asyncio.wait([r.future for r in requests], timeout=remaining(deadline))
-        finally:
-            if not all(r.future.done() for r in requests):
-                # Close rather than drain: the rest of an overrun answer would hold up every later
-                # pull to this peer on this connection, and a hung peer may never send it. Closing
-                # stops the kernel from writing into our slots; they go back to the pool.
-                conn.abort(SharedConnectionAborted(f"{peer}: another pull on this connection ran past its deadline"))
-        for request in requests:
-            exc = request.future.exception()
+            _, pending = await asyncio.wait(futures, timeout=remaining(deadline))
+        except BaseException:  # cancelled: nothing more may land in our slots
+            conn.abort(SharedConnectionAborted(f"{peer}: a pull on this connection was cancelled"))
+            raise
+        if pending:
+            # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
+            # (the answer then lands in the pool for later requests); see guarded_pull.
+            raise _Overdue(conn, futures, max(deadline, started + self._liveness_s),
+                           f"pull of {len(keys)} chunks ran past its deadline")
+        for future in futures:
+            exc = future.exception()
             if exc is not None:
-                if request.future not in done:
-                    raise PeerTimeout(f"{peer}: pull of {len(keys)} chunks ran past its deadline")
                 raise exc
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:

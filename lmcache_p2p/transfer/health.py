@@ -1,4 +1,10 @@
-"""Per-peer backoff: a peer that erred is not asked again until its backoff has passed."""
+"""Per-peer backoff: a peer that erred is not asked again until its backoff has passed.
+
+A peer whose answer is overdue (a pull ran past its load's deadline and is still arriving) is held:
+not asked by new pulls until that answer arrives (the peer was only slow: available again, its
+estimate now knows how slow) or its liveness deadline passes (hung: backed off). So a hung peer costs
+one load's deadline, and a healthy peer that was slow once is not shut out for the whole backoff.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ class PeerHealth:
         self._max = max_s
         self._clock = clock
         self._peers: dict[PeerAddress, _State] = {}
+        self._held: dict[PeerAddress, int] = {}  # overdue answers awaited, per peer
 
     @property
     def base_s(self) -> float:
@@ -41,8 +48,25 @@ class PeerHealth:
         self._base, self._max = base_s, max(self._max, base_s)
 
     def available(self, peer: PeerAddress) -> bool:
+        if self._held.get(peer):
+            return False
         state = self._peers.get(peer)
         return state is None or self._clock() >= state.until
+
+    def hold(self, peer: PeerAddress) -> None:
+        """An answer of ``peer``'s is overdue: no new pulls until :meth:`release`."""
+        self._held[peer] = self._held.get(peer, 0) + 1
+
+    def release(self, peer: PeerAddress) -> None:
+        n = self._held.get(peer, 0) - 1
+        if n > 0:
+            self._held[peer] = n
+        else:
+            self._held.pop(peer, None)
+
+    def held(self) -> int:
+        """Peers with an overdue answer now."""
+        return sum(1 for n in dict(self._held).values() if n)
 
     def failures(self, peer: PeerAddress) -> int:
         state = self._peers.get(peer)

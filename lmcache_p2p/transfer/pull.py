@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..aio import LoopThread, remaining
 from ..chunk import ChunkHeader, make_header, verify
@@ -248,11 +248,37 @@ class Puller:
             with self._inflight_lock:
                 self._inflight[node] -= len(parts)
         self._account(transport.name, node, result, time.perf_counter() - t0)
+        self._announce(parts, result)
+        if result.late is not None:
+            early = set(result.loaded)
+            result.late.add_done_callback(lambda late: self._arrived_late(transport.name, node, parts, early, late, t0))
+        return [p for p in parts if p.chunk.key not in result.loaded]
+
+    def _announce(self, parts: list[Part], result: PullResult, skip: Collection[ChunkKey] = ()) -> None:
         if self.on_loaded is not None:
             for part in parts:
-                if part.chunk.key in result.loaded and not part.chunk.pieces:
+                if part.chunk.key in result.loaded and not part.chunk.pieces and part.chunk.key not in skip:
                     self.on_loaded(part.chunk.key)
-        return [p for p in parts if p.chunk.key not in result.loaded]
+
+    def _arrived_late(self, transport: str, node: NodeId, parts: list[Part], early: set[ChunkKey],
+                      late: asyncio.Future[PullResult], t0: float) -> None:
+        """The rest of a pull its load gave up on: what arrived is in the pool for later requests (and
+        announced), and the whole pull's time teaches the peer's estimate how slow it was."""
+        if late.cancelled() or late.exception() is not None:
+            return
+        result = late.result()
+        seconds = time.perf_counter() - t0
+        arrived = {k: h for k, h in result.loaded.items() if k not in early}
+        self.metrics.pull_chunks.labels(transport, "arrived_late").inc(len(arrived))
+        self.metrics.pull_bytes.labels(transport).inc(sum(h.length for h in arrived.values()))
+        if result.complete:
+            self.estimates.observe(node, sum(h.length for h in result.loaded.values()), seconds - result.setup_s)
+            log.info("pull from %s: %d chunks its load gave up on arrived after %.1f ms (kept, announced)", node,
+                     len(arrived), 1e3 * seconds)
+        else:
+            self._peer_error(node)
+            log.warning("pull from %s: no answer in %.1f ms; the peer is backed off", node, 1e3 * seconds)
+        self._announce(parts, result, skip=early)
 
     def assemble(self, chunk: PlannedChunk, drop_pieces: bool = True) -> bool:
         """Concatenate a chunk's pieces (head ranges pulled from several peers) into one slot under

@@ -39,6 +39,7 @@ from ...agent import CacheAgent
 from ...aio import unpin_thread
 from ...canary import Canary
 from ...config import AgentConfig, cluster_secret
+from ...estimates import MIN_PREFILL_TOKENS
 from ...kernels.paged import PagedKV
 from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
 from ...plan import LOCAL
@@ -144,7 +145,11 @@ class P2PWorker:
     def step_finished(self) -> None:
         self._unloaded.clear()
         if self._step_started is not None and self.agent is not None:
-            self.agent.prefill.observe(self._step_tokens, time.perf_counter() - self._step_started)
+            seconds, prefill = time.perf_counter() - self._step_started, self.agent.prefill
+            predicted = prefill.recompute_s(self._step_tokens) if self._step_tokens >= MIN_PREFILL_TOKENS else None
+            if predicted:  # what the planner would have expected of this step, against what it took
+                self.agent.metrics.estimate_ratio.labels("recompute").observe(seconds / predicted)
+            prefill.observe(self._step_tokens, seconds)
         self._step_started = None
 
     # -- load ------------------------------------------------------------------------------------------
@@ -358,8 +363,12 @@ class P2PWorker:
                     pin = None
                 if pin is None:
                     failed = blocks_from(t, i)
-                    log.info("request %s: chunk %d of %d not loaded, %d blocks recomputed", t.req_id, i,
-                             len(keys), len(failed))
+                    if i >= len(plan.chunks):  # offered by the scheduler side, but no owner this worker may ask
+                        agent.metrics.load_failures.labels("no_usable_owner").inc(len(keys) - i)
+                    why = ("no usable owner (backed off, awaited for an overdue answer, or gone)"
+                           if i >= len(plan.chunks) else "its pull missed or was declined")
+                    log.info("request %s: chunk %d of %d not loaded: %s; %d blocks recomputed", t.req_id, i,
+                             len(keys), why, len(failed))
                     break
                 # Scattered from a private copy verified there: pool slots are registered memory a peer
                 # may write to, so bytes checked in a slot are not the bytes the engine would read.
