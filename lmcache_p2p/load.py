@@ -62,10 +62,13 @@ def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> 
         metrics.fetch_decisions.labels("recompute_faster").inc(declined - budget.late)
         metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
     if declined:
-        log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left; expected "
-                 "%.1f ms, recompute %s)", label, len(budget.plan.chunks), len(plan.chunks), budget.late,
-                 1e3 * remaining(deadline), 1e3 * budget.expected_s,
-                 "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms")
+        why = ""
+        if budget.declined_at is not None:
+            pull_s, recompute_s = budget.declined_at
+            why = (f"; the first declined as slower than recomputing: pull expected {1e3 * pull_s:.1f} ms, "
+                   f"recompute {1e3 * recompute_s:.1f} ms")
+        log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left%s)", label,
+                 len(budget.plan.chunks), len(plan.chunks), budget.late, 1e3 * remaining(deadline), why)
     kept = min(deadline, time.monotonic() + budget.deadline_s)
     log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,
               len(budget.plan.chunks), 1e3 * budget.expected_s,

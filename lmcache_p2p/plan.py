@@ -152,6 +152,8 @@ class FetchBudget:
     expected_s: float  # expected time of the pulls kept (0 when all local)
     recompute_s: float | None  # engine time for the tokens pulled (None: prefill rate unknown)
     late: int = 0  # chunks declined only because their pulls were not expected to finish in ``left_s``
+    # The estimates at the first chunk declined as slower than recomputing (what the choice was made by)
+    declined_at: tuple[float, float] | None = None  # (expected pull s, recompute s)
 
 
 def fetch_budget(
@@ -191,6 +193,7 @@ def fetch_budget(
     first_remote: int | None = None
     keep, kept_expected, kept_recompute = 0, 0.0, None
     worth = 0  # the cut without left_s
+    declined_at: tuple[float, float] | None = None
     for i, chunk in enumerate(plan.chunks):
         if chunk.source == LOCAL:
             if first_remote is None:
@@ -208,21 +211,25 @@ def fetch_budget(
             worth = i + 1
             if left_s is None or expected <= left_s:
                 keep, kept_expected, kept_recompute = i + 1, expected, recompute
+        elif declined_at is None:
+            declined_at = (expected, recompute)
     if first_remote is not None:
         # Local chunks after the last pull worth making are only usable if that pull is kept.
         keep, worth = _with_local_tail(plan, keep), _with_local_tail(plan, worth)
     late = max(0, worth - keep)
+    if worth == len(plan.chunks):
+        declined_at = None  # a later chunk beat recomputing after all: nothing was declined as slower
     kept = HitPlan(plan.num_tokens, plan.chunks[:keep])
     sources = {p.source for c in kept.chunks if c.source != LOCAL for p in c.parts()}
     if sources and kept_recompute is None:  # nothing known to be faster: the pulls get the whole allowance
-        return FetchBudget(kept, max_s, kept_expected, kept_recompute, late)
+        return FetchBudget(kept, max_s, kept_expected, kept_recompute, late, declined_at)
     if kept_recompute is not None and not all(known(source) for source in sources):
         return FetchBudget(kept, min(max_s, max(kept_recompute, first_contact_s)), kept_expected, kept_recompute,
-                           late)
+                           late, declined_at)
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
-    return FetchBudget(kept, deadline, kept_expected, kept_recompute, late)
+    return FetchBudget(kept, deadline, kept_expected, kept_recompute, late, declined_at)
 
 
 def _with_local_tail(plan: HitPlan, keep: int) -> int:

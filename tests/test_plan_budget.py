@@ -40,6 +40,8 @@ def test_fast_peer_is_pulled_with_a_deadline_from_its_expected_time() -> None:
 def test_a_peer_slower_than_recompute_is_not_asked() -> None:
     b = budget(plan_of(LOCAL, "slow", "slow"), {"slow": 1.0}, 10_000.0)
     assert [c.source for c in b.plan.chunks] == [LOCAL]
+    assert b.declined_at == pytest.approx((1.0, 256 / 10_000))  # the two estimates the choice was made by
+    assert budget(plan_of(LOCAL, "a"), {"a": 0.001}, 10_000.0).declined_at is None
 
 
 def test_the_cut_keeps_the_longest_worthwhile_prefix_and_the_local_chunks_after_it() -> None:

@@ -273,9 +273,10 @@ class Puller:
         self.metrics.pull_bytes.labels(transport).inc(sum(h.length for h in arrived.values()))
         if result.complete:
             self.estimates.observe(node, sum(h.length for h in result.loaded.values()), seconds - result.setup_s)
+        if arrived:
             log.info("pull from %s: %d chunks its load gave up on arrived after %.1f ms (kept, announced)", node,
                      len(arrived), 1e3 * seconds)
-        else:
+        if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
             self._peer_error(node)
             log.warning("pull from %s: no answer in %.1f ms; the peer is backed off", node, 1e3 * seconds)
         self._announce(parts, result, skip=early)
