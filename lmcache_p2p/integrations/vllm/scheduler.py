@@ -234,6 +234,14 @@ class P2PScheduler:
             self._blends[request.request_id] = blend
             needed += [ChunkKey(k) for seg in blend.segments for k in seg.keys]
         load_async = not all(k in self._saved for k in needed)
+        if load_async and blend is None and num_computed_tokens > 0 and n < self._chunk:
+            # Less than a chunk on top of the engine's own prefix-cache hit (a prompt's tail another
+            # engine computed): computed within the step the engine runs anyway, it is there sooner than
+            # an asynchronous load brings it (a step's wait at least, behind other loads).
+            self._tails.pop(request.request_id, None)
+            log.debug("request %s: %d tokens on top of %d in vLLM's prefix cache computed, not pulled",
+                      request.request_id, n, num_computed_tokens)
+            return 0, False
         self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
 
