@@ -160,9 +160,10 @@ class _Overdue(Exception):
     """Raised inside a pull whose answer is still arriving at its load's deadline: the rest may arrive
     until ``hung_at`` (absolute), then the peer counts as hung."""
 
-    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], hung_at: float, why: str) -> None:
+    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], allowance_s: float, hung_at: float,
+                 why: str) -> None:
         super().__init__(why)
-        self.conn, self.futures, self.hung_at = conn, futures, hung_at
+        self.conn, self.futures, self.allowance_s, self.hung_at = conn, futures, allowance_s, hung_at
 
 
 async def guarded_pull(
@@ -173,7 +174,8 @@ async def guarded_pull(
     failures to misses and the peer's health. Never raises TransferError.
 
     A pull still arriving at its load's deadline (``_Overdue``) returns what is in, the rest missed
-    ``LATE``; the peer is held (no new pulls) while the rest arrives in the background
+    ``LATE``; the peer is held (no new pulls, after a grace as long as the pull's allowance) while the
+    rest arrives in the background
     (``PullResult.late``): all of it, and the peer is released; not by its liveness deadline, and the
     connection is closed and the peer backed off, as for a timeout."""
     result = PullResult(peer)
@@ -187,8 +189,8 @@ async def guarded_pull(
     except _Overdue as overdue:
         early = result.snapshot()
         early.miss_rest(keys, MissReason.LATE)
-        health.hold(peer)
-        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue))
+        token = health.hold(peer, overdue.allowance_s)
+        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue, token))
         return early
     except SharedConnectionAborted:
         result.miss_rest(keys, MissReason.ABORTED)
@@ -204,7 +206,7 @@ async def guarded_pull(
 
 
 async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Want], result: PullResult,
-                       overdue: _Overdue) -> PullResult:
+                       overdue: _Overdue, token: int) -> PullResult:
     """The rest of an overdue pull: wait for it until the peer's liveness deadline, then settle its health."""
     try:
         _, pending = await asyncio.wait(overdue.futures, timeout=remaining(overdue.hung_at))
@@ -229,7 +231,7 @@ async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Wan
             health.record_success(peer)
         return result
     finally:
-        health.release(peer)
+        health.release(peer, token)
 
 
 class TcpTransport:
@@ -271,7 +273,7 @@ class TcpTransport:
         if pending:
             # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
             # (the answer then lands in the pool for later requests); see guarded_pull.
-            raise _Overdue(conn, futures, max(deadline, started + self._liveness_s),
+            raise _Overdue(conn, futures, deadline - started, max(deadline, started + self._liveness_s),
                            f"pull of {len(keys)} chunks ran past its deadline")
         for future in futures:
             exc = future.exception()

@@ -1,9 +1,10 @@
 """Per-peer backoff: a peer that erred is not asked again until its backoff has passed.
 
-A peer whose answer is overdue (a pull ran past its load's deadline and is still arriving) is held:
-not asked by new pulls until that answer arrives (the peer was only slow: available again, its
-estimate now knows how slow) or its liveness deadline passes (hung: backed off). So a hung peer costs
-one load's deadline, and a healthy peer that was slow once is not shut out for the whole backoff.
+A peer whose answer is overdue (a pull ran past its load's deadline and is still arriving) is held
+after a grace period as long as that load's allowance: not asked by new pulls until that answer
+arrives (the peer was only slow: available again, its estimate now knows how slow) or its liveness
+deadline passes (hung: backed off). So a hung peer costs the loads of about one deadline, and a
+healthy peer that was slow once is not shut out for the whole backoff, nor for its slow answer.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class PeerHealth:
         self._max = max_s
         self._clock = clock
         self._peers: dict[PeerAddress, _State] = {}
-        self._held: dict[PeerAddress, int] = {}  # overdue answers awaited, per peer
+        self._held: dict[PeerAddress, dict[int, float]] = {}  # overdue answers: token -> when the hold starts
+        self._hold_ids = 0
 
     @property
     def base_s(self) -> float:
@@ -48,25 +50,30 @@ class PeerHealth:
         self._base, self._max = base_s, max(self._max, base_s)
 
     def available(self, peer: PeerAddress) -> bool:
-        if self._held.get(peer):
+        holds = self._held.get(peer)
+        if holds and min(holds.values()) <= self._clock():
             return False
         state = self._peers.get(peer)
         return state is None or self._clock() >= state.until
 
-    def hold(self, peer: PeerAddress) -> None:
-        """An answer of ``peer``'s is overdue: no new pulls until :meth:`release`."""
-        self._held[peer] = self._held.get(peer, 0) + 1
+    def hold(self, peer: PeerAddress, grace_s: float = 0.0) -> int:
+        """An answer of ``peer``'s is overdue: no new pulls from ``grace_s`` on (a slow answer that
+        arrives within it never shuts the peer out) until :meth:`release` of the token returned."""
+        self._hold_ids += 1
+        self._held.setdefault(peer, {})[self._hold_ids] = self._clock() + grace_s
+        return self._hold_ids
 
-    def release(self, peer: PeerAddress) -> None:
-        n = self._held.get(peer, 0) - 1
-        if n > 0:
-            self._held[peer] = n
-        else:
-            self._held.pop(peer, None)
+    def release(self, peer: PeerAddress, token: int) -> None:
+        holds = self._held.get(peer)
+        if holds is not None:
+            holds.pop(token, None)
+            if not holds:
+                del self._held[peer]
 
     def held(self) -> int:
-        """Peers with an overdue answer now."""
-        return sum(1 for n in dict(self._held).values() if n)
+        """Peers not asked now because an answer of theirs is overdue."""
+        now = self._clock()
+        return sum(1 for holds in dict(self._held).values() if holds and min(holds.values()) <= now)
 
     def failures(self, peer: PeerAddress) -> int:
         state = self._peers.get(peer)
