@@ -33,8 +33,10 @@ from typing import Any
 
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
+from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
 from .common import emit, run_in_workdir
+from .rag_task import RagTask
 from .vllm import agent_config
 
 
@@ -105,6 +107,73 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return report(args, on_b, full, results)
 
 
+def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """``--task facts``: the graded RAG task (``rag_task.py``) on an instruct model; answers graded."""
+    from tokenizers import Tokenizer
+
+    model = instruct_model_path() if args.model in (None, "instruct") else Path(args.model)
+    tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
+    task = RagTask(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, docs=args.docs,
+                   doc_words=args.doc_words, seed=args.seed)
+    pairs = task.pairs(args.prompts, args.pick, seed=args.seed)
+    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    warm = task.prompt([0], pairs[0][0].question).tokens
+
+    def answer(engine: EngineProcess, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
+        return engine.score([prompt], max_tokens=args.answer, kv_transfer_params=params, timeout=900.0)[0]
+
+    with EtcdServer(base_dir=str(work)) as etcd:
+        engines: list[EngineProcess] = []
+        try:
+            for name in ("blend-a", "blend-b"):
+                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
+                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
+            a, b = (e.wait_ready() for e in engines)
+            for engine in (a, b):
+                answer(engine, warm, None)
+            for first, _ in pairs:
+                answer(a, first.tokens, {"lmcache_p2p_segments": first.spans})
+            for _, second in pairs:  # prefix-only last: it saves this order's prefix chain
+                for f, mode in zip(args.fractions, modes, strict=False):
+                    results[mode].append(answer(b, second.tokens, {"lmcache_p2p_segments": second.spans,
+                                                                    "lmcache_p2p_recompute_fraction": f}))
+                results["prefix-only"].append(answer(b, second.tokens, None))
+        finally:
+            for engine in engines:
+                engine.stop()
+    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+    try:
+        cold.wait_ready()
+        answer(cold, warm, None)
+        full = [answer(cold, second.tokens, None) for _, second in pairs]
+    finally:
+        cold.stop()
+    questions = [second.question for _, second in pairs]
+    replies = {m: [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows]
+               for m, rows in {"full": full, **results}.items()}
+    tokens = sum(len(second.tokens) for _, second in pairs)
+    full_ms = statistics.median(r["ttft_s"] for r in full) * 1000
+    prefix_ms = statistics.median(r["ttft_s"] for r in results["prefix-only"]) * 1000
+    out: dict[str, Any] = {"model": str(model), "dtype": args.dtype, "engine_mode": "eager", "prompts": args.prompts,
+                           "prompt_tokens": round(tokens / len(pairs)), "documents_per_prompt": args.pick}
+    for mode, rows in {"full": full, **results}.items():
+        ms = statistics.median(r["ttft_s"] for r in rows) * 1000
+        right = [q.grade(reply) for q, reply in zip(questions, replies[mode], strict=True)]
+        by_kind = {kind: [ok for ok, q in zip(right, questions, strict=True) if q.kind == kind]
+                   for kind in ("single", "pair")}
+        out[mode] = {"accuracy": round(sum(right) / len(right), 4),
+                     **{f"accuracy_{k}": round(sum(v) / len(v), 4) for k, v in by_kind.items() if v},
+                     "reused": round(sum(r["num_cached_tokens"] for r in rows) / tokens, 4),
+                     "ttft_ms": round(ms, 1), "vs_full": round(full_ms / ms, 2),
+                     "vs_prefix_only": round(prefix_ms / ms, 2),
+                     "same_answer_as_full": round(sum(x == y for x, y in zip(replies[mode], replies["full"],
+                                                                                strict=True)) / len(rows), 4)}
+    out["replies"] = {m: r[:6] for m, r in replies.items()}
+    out["expected"] = [q.answer for q in questions[:6]]
+    return out
+
+
 def _ppl(rows: list[dict[str, Any]]) -> float:
     lps = [lp for r in rows for lp in r["prompt_logprobs"] if lp is not None]
     return math.exp(-sum(lps) / len(lps)) if lps else float("nan")
@@ -139,6 +208,10 @@ def report(args: argparse.Namespace, prompts: list[tuple[list[int], list[list[in
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench blend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", default="continuation", choices=["continuation", "facts"],
+                        help="continuation: held-out text scored (perplexity, agreement) on the trained tiny model; "
+                        "facts: the graded RAG task (answers right) on a real instruct model")
+    parser.add_argument("--doc-words", type=int, default=330, help="facts: words per product document (~450 tokens)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--docs", type=int, default=6, help="documents in the pool")
     parser.add_argument("--pick", type=int, default=3, help="documents per prompt")
@@ -152,7 +225,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model", help="model directory (default: the tests' trained tiny Llama)")
+    parser.add_argument("--model", help="model directory (default: the tests' trained tiny Llama; facts: 'instruct', "
+                        "SmolLM2-135M-Instruct built from PyPI once per machine)")
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -160,6 +234,6 @@ def main(argv: list[str]) -> int:
         parser.error("need 2 <= --pick <= --docs and --prompts >= 1")
     if any(not 0 <= f <= 1 for f in args.fractions):
         parser.error("--fractions must be in [0, 1]")
-    result = run_in_workdir(run, args, "lmcache-p2p-bench-blend-")
+    result = run_in_workdir(run_facts if args.task == "facts" else run, args, "lmcache-p2p-bench-blend-")
     emit(result, args.json, "bench blend (RAG documents in another order: engine B reuses what engine A computed)")
     return 0
