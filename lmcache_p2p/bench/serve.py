@@ -16,6 +16,12 @@ cache's CPU seconds per request (mesh: the agents' own threads, ``lmcache_p2p_cp
 lmcache: its server process; the connector threads inside its engines are not separable). Goodput: the
 highest rate of the sweep at which >= 99 % of requests met the SLO. ``outputs_match_vllm``: the mesh's
 greedy outputs equal vLLM alone's, request by request (the same prompts at the same rate).
+
+``--join`` (2 engines): a node joining a fleet whose cache already holds the prompts. Engine 0 serves
+each run's prompts, then engine 1 serves the same prompts; the row is engine 1's, with what it got
+from the cache layer (``connector_tokens``) against what engine 0 left there (each prefix's first
+computation: ``peer_held_tokens``), its greedy outputs against engine 0's, and (mesh) its agent's
+fetch decisions and load failures by reason: why a pull was not made or did not land.
 """
 
 from __future__ import annotations
@@ -81,6 +87,14 @@ class Fleet:
             for fam in text_string_to_metric_families(http_get(url)):
                 if fam.name == "lmcache_p2p_cpu_seconds":
                     out["cache_cpu_s"] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+                elif fam.name == "lmcache_p2p_estimate_ratio":  # what happened over what the planner expected
+                    for s in fam.samples:
+                        part = {"_sum": "sum", "_count": "count"}.get(s.name.removeprefix(fam.name))
+                        if s.name.endswith("_bucket") and s.labels.get("le") == "1.25":
+                            part = "within_1.25"
+                        if part:
+                            key = f"estimate_ratio_{part}:{s.labels['estimate']}"
+                            out[key] = out.get(key, 0.0) + s.value
                 elif fam.name in AGENT_COUNTERS:
                     for s in fam.samples:
                         if s.name.endswith("_total"):
@@ -192,10 +206,17 @@ def join_run(fleet: Fleet, workload: Workload, rate: float, run: int, args: argp
     row = row_of(rate, joined, before, after, args.slo_ttft_ms)
     held = workload.num_prefixes * workload.prefix_len if workload.kind == "prefix" else 0
     connector = after.get("tokens_external_kv_transfer", 0.0) - before.get("tokens_external_kv_transfer", 0.0)
+    agent = {k: after[k] - before.get(k, 0.0) for k in sorted(after)
+             if not k.startswith(("tokens_", "cache_cpu_s")) and after[k] != before.get(k, 0.0)}
+    for estimate in ("pull", "recompute"):  # the planner's estimates against what happened, on engine 1
+        count = agent.pop(f"estimate_ratio_count:{estimate}", 0.0)
+        total, within = agent.pop(f"estimate_ratio_sum:{estimate}", 0.0), agent.pop(
+            f"estimate_ratio_within_1.25:{estimate}", 0.0)
+        if count:
+            agent[f"{estimate}_actual_over_expected_mean"] = round(total / count, 3)
+            agent[f"{estimate}_within_1.25x_share"] = round(within / count, 3)
     row.update(ttft_mean_first_ms=round(first["mean_ttft_ms"], 1), connector_tokens=int(connector),
-               peer_held_tokens=held, join_share=round(connector / held, 4) if held else None,
-               agent={k: after[k] - before.get(k, 0.0) for k in sorted(after)
-                      if not k.startswith(("tokens_", "cache_cpu_s")) and after[k] != before.get(k, 0.0)})
+               peer_held_tokens=held, join_share=round(connector / held, 4) if held else None, agent=agent)
     return row, list(first["generated_texts"]), list(joined["generated_texts"])
 
 
