@@ -622,16 +622,16 @@ class CacheAgent:
         return load_pinned(self, plan, deadline if deadline is not None else self.deadline(), remote=remote,
                            label=label)
 
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
-        """Pull ``chunks`` into the CPU pool by ``deadline``: from peers, and from the object store those
-        planned there (at the same time) or, while time is left, those a peer failed to send and the store
-        also holds."""
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
+        """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until
+        ``patience``: see :meth:`Puller.pull`): from peers, and from the object store those planned there (at
+        the same time) or, while time is left, those a peer failed to send and the store also holds."""
         objects, loop = self.objects, self.loop
         stored = [c for c in chunks if c.source == OBJECTS]
         peers = [c for c in chunks if c.source != OBJECTS]
         reading = loop.submit(objects.fetch(stored, deadline)) if stored and objects and loop else None
         if peers and self.puller is not None:
-            self.puller.pull(peers, deadline)
+            self.puller.pull(peers, deadline, patience)
         if reading is not None:
             with contextlib.suppress(concurrent.futures.TimeoutError, LMCacheP2PError):
                 reading.result(timeout=remaining(deadline) + 1.0)

@@ -39,7 +39,7 @@ class Loading(Protocol):
 
     def holds(self, key: ChunkKey) -> bool: ...
 
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None: ...
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None: ...
 
     def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None: ...
 
@@ -100,7 +100,11 @@ def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool =
             log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
         elif pulls:
             started = time.monotonic()
-            node.pull(pulls, deadline)
+            # An answer still arriving at the deadline is worth waiting for while it keeps coming, as
+            # long as the engine could not have computed the tokens sooner (nor past the load's deadline).
+            patience = load_deadline if budget.recompute_s is None else min(load_deadline,
+                                                                            started + budget.recompute_s)
+            node.pull(pulls, deadline, patience if patience > deadline else None)
             if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
                 node.metrics.estimate_ratio.labels("pull").observe((time.monotonic() - started) / budget.expected_s)
     pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)

@@ -7,12 +7,15 @@ there is no engine here, so the test plays the engine's part and tells the agent
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from agent_helpers import AgentProcess, agent_yaml, wait_until
+from agent_helpers import AgentProcess, agent_yaml, stop_process, wait_until
 from relay import Relay
 from test_agent_mesh import TOKENS, requester
 
@@ -86,6 +89,50 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
             c.prefill.observe(1000, 10.0)
         assert pull(c, 3) == (5, 5)
     finally:
+        if relay is not None:
+            relay.close()
+        c.stop()
+        a.stop()
+
+
+def test_a_pull_slower_than_expected_is_waited_for_while_its_bytes_keep_coming(etcd, cluster_name, tmp_path: Path):
+    """The estimate says 5 ms, the link takes ~0.6 s: the pull overruns its deadline (3x the estimate) but
+    the owner keeps sending, so the load waits on (its patience: what recomputing would cost, 11 s here)
+    and gets every chunk. A stopped owner sends nothing: the same load gives up about at its deadline."""
+    path = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints)
+    data = yaml.safe_load(path.read_text())
+    data["transfer"]["advertise_host"] = "127.0.0.2"
+    path.write_text(yaml.safe_dump(data))
+    a = AgentProcess(path, seeds=(1, 2, 3), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    relay = None
+    try:
+        assert wait_until(lambda: "a" in c.index.nodes(), 10)
+        owner = c.index.nodes()["a"].peer()
+        assert owner is not None
+        relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(3, TOKENS)).hit_tokens == TOKENS, 10)
+        c.prefill.observe(1000, 10.0)  # a slow engine: ~11 s to recompute the prompt
+        assert pull(c, 1) == (5, 5)  # connected and measured
+
+        def believe_fast() -> None:
+            for _ in range(30):
+                c.peer_estimates.observe("a", 4 << 20, 0.004)  # 1 GB/s: far faster than the link
+
+        believe_fast()
+        late = c.metrics.registry.get_sample_value("lmcache_p2p_pull_chunks_total",
+                                                   {"transport": "tcp", "outcome": "late"}) or 0.0
+        assert pull(c, 2) == (5, 5)
+        assert (c.metrics.registry.get_sample_value("lmcache_p2p_pull_chunks_total",
+                                                    {"transport": "tcp", "outcome": "late"}) or 0.0) > late
+
+        believe_fast()
+        stop_process(a.proc.pid)
+        start = time.monotonic()
+        assert pull(c, 3) == (5, 0)
+        assert time.monotonic() - start < 1.0  # no bytes came: given up about at the deadline, not waited for
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
         if relay is not None:
             relay.close()
         c.stop()

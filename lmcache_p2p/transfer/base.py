@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from ..chunk import ChunkHeader
@@ -58,6 +58,7 @@ class PullResult:
     # Set when keys missed ``LATE``: the rest of the pull, still running, resolves to its whole result
     # (``complete`` once every key arrived; ``TIMEOUT`` for the rest if the peer never answered).
     late: asyncio.Future[PullResult] | None = None
+    progress_at: Callable[[], float] | None = None  # with ``late``: when bytes last arrived from the peer
 
     def snapshot(self) -> PullResult:
         """What has arrived and missed so far (the pull may still be filling this one in)."""

@@ -191,6 +191,8 @@ async def guarded_pull(
         early.miss_rest(keys, MissReason.LATE)
         token = health.hold(peer, overdue.allowance_s)
         early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue, token))
+        conn = overdue.conn
+        early.progress_at = lambda: conn.last_progress
         return early
     except SharedConnectionAborted:
         result.miss_rest(keys, MissReason.ABORTED)

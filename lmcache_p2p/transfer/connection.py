@@ -22,6 +22,7 @@ import itertools
 import logging
 import socket
 import ssl
+import time
 from collections.abc import Sequence
 
 from ..chunk import ChunkHeader, verify
@@ -130,6 +131,7 @@ class Connection(asyncio.BufferedProtocol):
         self.mac_key: bytes | None = None  # the session's payload MAC key, when asked for
         self._max_frame = max_frame_bytes
         self._transport: asyncio.Transport | None = None
+        self.last_progress = time.monotonic()  # when bytes last arrived (time.monotonic())
         self._ids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
         self._control: asyncio.Queue[wire.Message | BaseException] = asyncio.Queue()
@@ -167,6 +169,7 @@ class Connection(asyncio.BufferedProtocol):
         return self._stage_mv[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        self.last_progress = time.monotonic()  # bytes arrived: the peer is alive (a slow answer is still coming)
         try:
             if self._target is not None:
                 self._tpos += nbytes

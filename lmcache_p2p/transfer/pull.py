@@ -135,9 +135,13 @@ class Puller:
             return {n: c for n, c in self._inflight.items() if c}
 
     # -- pulling -----------------------------------------------------------------------------------
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
         """Pull ``chunks`` into the pool by ``deadline`` (from any thread but the loop's); what
-        misses is simply not in the pool afterwards: the caller recomputes it."""
+        misses is simply not in the pool afterwards: the caller recomputes it.
+
+        ``patience`` (absolute, later than ``deadline``): an answer still arriving at ``deadline`` is
+        waited for on, until ``patience``, as long as its bytes keep coming (a slow peer is not a hung
+        one: one that sent nothing for as long as the pull's own allowance is given up on)."""
         pieced = [c for c in chunks if c.pieces]
         pieces = [piece_key(c.key, p.heads) for c in pieced for p in c.pieces]
         with self._pieces_lock:  # another load may share them (a joined pull): dropped by the last one
@@ -145,7 +149,8 @@ class Puller:
                 self._piece_users[key] = self._piece_users.get(key, 0) + 1
         try:
             try:
-                self.loop.run(self.pull_all(chunks, deadline), remaining(deadline) + 1.0)
+                until = max(deadline, patience or 0.0)
+                self.loop.run(self.pull_all(chunks, deadline, patience), remaining(until) + 1.0)
             except LMCacheP2PError as exc:
                 log.warning("pull of %d chunks failed: %s", len(chunks), exc)
             for chunk in pieced:
@@ -153,7 +158,7 @@ class Puller:
         finally:
             self._drop_pieces(pieces)
 
-    async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float) -> None:
+    async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
         """On the loop: one concurrent pull per owner, then one retry round on the alternatives.
         Nothing is asked once ``deadline`` has passed (a late pull would only back a healthy peer off)."""
         if remaining(deadline) <= 0:
@@ -162,7 +167,8 @@ class Puller:
         for c in chunks:
             for piece in c.parts():
                 groups.setdefault(piece.source, []).append(Part(c, piece))
-        results = await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in groups.items()))
+        results = await asyncio.gather(*(self._pull_parts(peer, group, deadline, patience)
+                                         for peer, group in groups.items()))
         retry: dict[NodeId, list[Part]] = {}
         for missed in results:
             for part in missed:
@@ -178,7 +184,8 @@ class Puller:
         missed = await self._pull_own(node, [Part(c, c.parts()[0]) for c in chunks], deadline)
         return [p.chunk for p in missed]
 
-    async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
+    async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float,
+                          patience: float | None = None) -> list[Part]:
         """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure.
 
         A part already being pulled into the pool by another load (concurrent requests sharing a prefix)
@@ -201,7 +208,7 @@ class Puller:
         missed: list[Part] = list(own)
         try:
             if own:
-                missed = await self._pull_own(node, own, deadline)
+                missed = await self._pull_own(node, own, deadline, patience)
         finally:
             lost = {p.pool_key for p in missed}
             for key, entry in mine.items():
@@ -225,7 +232,8 @@ class Puller:
                 missed += await self._pull_own(node, again, deadline)
         return missed
 
-    async def _pull_own(self, node: NodeId, parts: list[Part], deadline: float) -> list[Part]:
+    async def _pull_own(self, node: NodeId, parts: list[Part], deadline: float,
+                        patience: float | None = None) -> list[Part]:
         record = self.nodes().get(node)
         transport = self.transport_for(record)
         peer = record.peer() if record is not None else None
@@ -235,7 +243,7 @@ class Puller:
             return parts
         with self._inflight_lock:
             self._inflight[node] = self._inflight.get(node, 0) + len(parts)
-        t0 = time.perf_counter()
+        t0, t_start = time.perf_counter(), time.monotonic()
         try:
             result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool, deadline)
         except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
@@ -249,10 +257,31 @@ class Puller:
                 self._inflight[node] -= len(parts)
         self._account(transport.name, node, result, time.perf_counter() - t0)
         self._announce(parts, result)
-        if result.late is not None:
-            early = set(result.loaded)
-            result.late.add_done_callback(lambda late: self._arrived_late(transport.name, node, parts, early, late, t0))
-        return [p for p in parts if p.chunk.key not in result.loaded]
+        if result.late is None:
+            return [p for p in parts if p.chunk.key not in result.loaded]
+        early = set(result.loaded)
+        late = result.late
+        late.add_done_callback(lambda done: self._arrived_late(transport.name, node, parts, early, done, t0))
+        loaded = set(early)
+        # Bytes stalled for the pull's own allowance or a tenth of its patience (a first byte may take a
+        # while; a hung peer then costs at most that much more than recomputing at once would)
+        stall_s = max(deadline - t_start, 0.1 * ((patience or deadline) - t_start))
+        if patience is not None and await self._wait_while_arriving(result, stall_s, patience):
+            loaded |= set(late.result().loaded)
+        return [p for p in parts if p.chunk.key not in loaded]
+
+    @staticmethod
+    async def _wait_while_arriving(result: PullResult, stall_s: float, patience: float) -> bool:
+        """Wait on for ``result``'s late rest while its bytes keep coming, until ``patience``; whether
+        the rest arrived. A peer that sent nothing for ``stall_s`` is taken for hung: the load gives up
+        on it (its health is settled by the late rest's own end)."""
+        assert result.late is not None
+        late, stall_s = result.late, max(stall_s, 0.005)
+        while not late.done() and remaining(patience) > 0:
+            if result.progress_at is not None and time.monotonic() - result.progress_at() > stall_s:
+                return False
+            await asyncio.wait({late}, timeout=min(remaining(patience), stall_s))
+        return late.done() and not late.cancelled() and late.exception() is None
 
     def _announce(self, parts: list[Part], result: PullResult, skip: Collection[ChunkKey] = ()) -> None:
         if self.on_loaded is not None:
