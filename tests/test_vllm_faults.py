@@ -88,7 +88,9 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
             return counters().get('lmcache_p2p_loaded_chunks_total{source="peer"}', 0.0)
 
         def unanswered(m: dict[str, float]) -> float:  # pulls from A that failed or ran past their deadline
-            return m.get('lmcache_p2p_peer_errors_total{peer="engine-a"}', 0.0)
+            late = sum(v for k, v in m.items()
+                       if k.startswith("lmcache_p2p_pull_chunks_total") and 'outcome="late"' in k)
+            return m.get('lmcache_p2p_peer_errors_total{peer="engine-a"}', 0.0) + late
 
         first = b.concurrent([docs[0]], stream)[0]  # first contact with A: connection, handshake, estimates
         assert first["tokens"] == reference[0]["tokens"]
@@ -115,7 +117,7 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
         hung = b.concurrent([docs[1]], stream)[0]
         assert hung["tokens"] == reference[1]["tokens"]  # recomputed: the output of a run without the mesh
         after = counters()
-        assert unanswered(after) > late, after  # B asked the hung owner (and backed it off)
+        assert unanswered(after) > late, after  # B asked the hung owner (it is held: not asked again)
         assert hung["ttft_s"] <= miss["ttft_s"] * 1.5 + 0.5, (hung, miss)  # recompute time plus a margin
         assert hung["stream_tokens_during"] >= 1  # other requests kept running while B waited on A
         assert hung["max_gap_s"] <= miss["max_gap_s"] * 1.5 + 0.5, (hung, miss)
@@ -123,7 +125,8 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
               f"gap {healthy['max_gap_s']:.3f}s ({healthy['num_cached_tokens']} of 2000 tokens); hung owner ttft "
               f"{hung['ttft_s']:.3f}s gap {hung['max_gap_s']:.3f}s")
 
-        # A is backed off now: the next document owned by A is recomputed without waiting on it.
+        # A is held now (its answer overdue; backed off once it is past its liveness deadline): the next
+        # document owned by A is recomputed without waiting on it.
         again = b.concurrent([docs[2]], stream)[0]
         assert again["tokens"] == reference[2]["tokens"]
         assert again["ttft_s"] <= miss["ttft_s"] * 1.5 + 0.5
