@@ -189,10 +189,10 @@ async def guarded_pull(
     except _Overdue as overdue:
         early = result.snapshot()
         early.miss_rest(keys, MissReason.LATE)
-        token = health.hold(peer, overdue.allowance_s)
-        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue, token))
         conn = overdue.conn
         early.progress_at = lambda: conn.last_progress
+        token = health.hold(peer, overdue.allowance_s, early.progress_at)
+        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue, token))
         return early
     except SharedConnectionAborted:
         result.miss_rest(keys, MissReason.ABORTED)

@@ -1,10 +1,10 @@
 """Per-peer backoff: a peer that erred is not asked again until its backoff has passed.
 
 A peer whose answer is overdue (a pull ran past its load's deadline and is still arriving) is held
-after a grace period as long as that load's allowance: not asked by new pulls until that answer
-arrives (the peer was only slow: available again, its estimate now knows how slow) or its liveness
-deadline passes (hung: backed off). So a hung peer costs the loads of about one deadline, and a
-healthy peer that was slow once is not shut out for the whole backoff, nor for its slow answer.
+after a grace period as long as that load's allowance, while no byte has come from it for that long:
+not asked by new pulls until that answer arrives (the peer was only slow: available again, its
+estimate now knows how slow) or its liveness deadline passes (hung: backed off). So a hung peer costs
+the loads of about one deadline, and a healthy peer that is slow, still sending, is not shut out.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class PeerHealth:
         self._max = max_s
         self._clock = clock
         self._peers: dict[PeerAddress, _State] = {}
-        self._held: dict[PeerAddress, dict[int, float]] = {}  # overdue answers: token -> when the hold starts
+        # overdue answers: token -> (when the hold starts, its grace, when the peer's bytes last came)
+        self._held: dict[PeerAddress, dict[int, tuple[float, float, Callable[[], float] | None]]] = {}
         self._hold_ids = 0
 
     @property
@@ -51,16 +52,22 @@ class PeerHealth:
 
     def available(self, peer: PeerAddress) -> bool:
         holds = self._held.get(peer)
-        if holds and min(holds.values()) <= self._clock():
+        if holds and any(self._holding(h) for h in list(holds.values())):
             return False
         state = self._peers.get(peer)
         return state is None or self._clock() >= state.until
 
-    def hold(self, peer: PeerAddress, grace_s: float = 0.0) -> int:
-        """An answer of ``peer``'s is overdue: no new pulls from ``grace_s`` on (a slow answer that
-        arrives within it never shuts the peer out) until :meth:`release` of the token returned."""
+    def _holding(self, hold: tuple[float, float, Callable[[], float] | None]) -> bool:
+        starts, grace_s, progress_at = hold
+        now = self._clock()
+        return now >= starts and (progress_at is None or now - progress_at() > grace_s)
+
+    def hold(self, peer: PeerAddress, grace_s: float = 0.0, progress_at: Callable[[], float] | None = None) -> int:
+        """An answer of ``peer``'s is overdue: no new pulls from ``grace_s`` on, while no byte has come
+        from it for ``grace_s`` (``progress_at``: when bytes last came; a peer still sending is slow, not
+        hung), until :meth:`release` of the token returned."""
         self._hold_ids += 1
-        self._held.setdefault(peer, {})[self._hold_ids] = self._clock() + grace_s
+        self._held.setdefault(peer, {})[self._hold_ids] = (self._clock() + grace_s, grace_s, progress_at)
         return self._hold_ids
 
     def release(self, peer: PeerAddress, token: int) -> None:
@@ -72,8 +79,7 @@ class PeerHealth:
 
     def held(self) -> int:
         """Peers not asked now because an answer of theirs is overdue."""
-        now = self._clock()
-        return sum(1 for holds in dict(self._held).values() if holds and min(holds.values()) <= now)
+        return sum(1 for holds in dict(self._held).values() if any(self._holding(h) for h in list(holds.values())))
 
     def failures(self, peer: PeerAddress) -> int:
         state = self._peers.get(peer)
