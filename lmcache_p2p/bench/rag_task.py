@@ -1,10 +1,12 @@
 """A graded RAG task: fictional product sheets with checkable facts, and questions about them.
 
 Each document describes one invented product (a name no model has seen) with facts unique across the
-pool: its weight in grams, its price, its battery life, its colour and the city it is made in, padded
-with neutral prose to about ``doc_words`` words. A question asks either
+pool: its weight in grams, its colour and the city it is made in (price and battery life too made the
+task too hard for a 135M model even with a full prefill: 25 % right), padded with neutral prose to
+about ``doc_words`` words. A question asks either
 
-    single   one fact of one document in the prompt ("How much does the Onyx weigh, in grams?")
+    single   one fact of one document in the prompt ("How much does the Onyx weigh, in grams?", its
+             colour, its city)
     pair     a comparison of two documents in the prompt ("Which is heavier, the Onyx or the Vela?")
 
 and an answer is right when it names the expected value (for ``pair``: the heavier product, and not
@@ -60,8 +62,6 @@ class Product:
     def sheet(self, words: int, rnd: random.Random) -> str:
         facts = [f"The {self.name} is a {self.kind}.",
                  f"The {self.name} weighs {self.weight_g} grams.",
-                 f"The {self.name} costs {self.price_usd} dollars.",
-                 f"The battery of the {self.name} lasts {self.battery_h} hours.",
                  f"The {self.name} comes in {self.colour}.",
                  f"The {self.name} is made in {self.city}."]
         filler = [f.format(name=self.name) for f in _FILLER]
@@ -80,8 +80,8 @@ class Question:
 
     def grade(self, reply: str) -> bool:
         said = reply.lower()
-        if self.kind == "single":
-            return re.search(rf"(?<!\d){re.escape(self.answer)}(?!\d)", said.replace(",", "")) is not None
+        if self.kind == "single":  # the value as a word or number of its own ("1985" does not name 985)
+            return re.search(rf"(?<![\w]){re.escape(self.answer.lower())}(?![\w])", said.replace(",", "")) is not None
         assert self.wrong is not None
         return self.answer.lower() in said and self.wrong.lower() not in said
 
@@ -104,10 +104,10 @@ def question(kind: str, chosen: Sequence[Product], rnd: random.Random) -> Questi
         heavy, light = (a, b) if a.weight_g > b.weight_g else (b, a)
         return Question("pair", f"Which weighs more, the {a.name} or the {b.name}?", heavy.name, light.name)
     p = rnd.choice(list(chosen))
-    field = rnd.choice(["weight_g", "price_usd", "battery_h"])
+    field = rnd.choice(["weight_g", "colour", "city"])
     text = {"weight_g": f"How much does the {p.name} weigh, in grams?",
-            "price_usd": f"How many dollars does the {p.name} cost?",
-            "battery_h": f"How many hours does the battery of the {p.name} last?"}[field]
+            "colour": f"What colour does the {p.name} come in?",
+            "city": f"In which city is the {p.name} made?"}[field]
     return Question("single", text, str(getattr(p, field)))
 
 
