@@ -174,10 +174,10 @@ async def guarded_pull(
     failures to misses and the peer's health. Never raises TransferError.
 
     A pull still arriving at its load's deadline (``_Overdue``) returns what is in, the rest missed
-    ``LATE``; the peer is held (no new pulls, after a grace as long as the pull's allowance) while the
-    rest arrives in the background
-    (``PullResult.late``): all of it, and the peer is released; not by its liveness deadline, and the
-    connection is closed and the peer backed off, as for a timeout."""
+    ``LATE``, and the rest goes on arriving in the background (``PullResult.late``). Meanwhile the peer
+    is held (``PeerHealth.hold``: no new pulls once a grace as long as the pull's allowance has passed
+    with no byte from it). If everything arrives, the peer is released, healthy; if not by its liveness
+    deadline, the connection is closed and the peer backed off, as for a timeout."""
     result = PullResult(peer)
     if not keys:
         return result

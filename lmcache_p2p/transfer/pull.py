@@ -141,7 +141,8 @@ class Puller:
 
         ``patience`` (absolute, later than ``deadline``): an answer still arriving at ``deadline`` is
         waited for on, until ``patience``, as long as its bytes keep coming (a slow peer is not a hung
-        one: one that sent nothing for as long as the pull's own allowance is given up on)."""
+        one: one that sent nothing for the pull's own allowance, or a tenth of the patience, is given up
+        on; what it sends later still lands in the pool)."""
         pieced = [c for c in chunks if c.pieces]
         pieces = [piece_key(c.key, p.heads) for c in pieced for p in c.pieces]
         with self._pieces_lock:  # another load may share them (a joined pull): dropped by the last one
@@ -291,8 +292,8 @@ class Puller:
 
     def _arrived_late(self, transport: str, node: NodeId, parts: list[Part], early: set[ChunkKey],
                       late: asyncio.Future[PullResult], t0: float) -> None:
-        """The rest of a pull its load gave up on: what arrived is in the pool for later requests (and
-        announced), and the whole pull's time teaches the peer's estimate how slow it was."""
+        """The rest of a pull past its deadline: what arrived is in the pool (for its load, if it waited, or
+        later requests; announced), and the whole pull's time teaches the peer's estimate how slow it was."""
         if late.cancelled() or late.exception() is not None:
             return
         result = late.result()
@@ -303,8 +304,8 @@ class Puller:
         if result.complete:
             self.estimates.observe(node, sum(h.length for h in result.loaded.values()), seconds - result.setup_s)
         if arrived:
-            log.info("pull from %s: %d chunks its load gave up on arrived after %.1f ms (kept, announced)", node,
-                     len(arrived), 1e3 * seconds)
+            log.info("pull from %s: %d chunks arrived past their deadline, %.1f ms after the pull started (kept, "
+                     "announced)", node, len(arrived), 1e3 * seconds)
         if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
             self._peer_error(node)
             log.warning("pull from %s: no answer in %.1f ms; the peer is backed off", node, 1e3 * seconds)
