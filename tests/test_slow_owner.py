@@ -7,11 +7,14 @@ there is no engine here, so the test plays the engine's part and tells the agent
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -54,7 +57,10 @@ def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
     return planned, sum(p is not None for p in pins)
 
 
-def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd, cluster_name, tmp_path: Path):
+@contextlib.contextmanager
+def behind_a_slow_link(etcd: Any, cluster_name: str, tmp_path: Path) -> Iterator[tuple[AgentProcess, CacheAgent]]:
+    """Owner ``a`` (seeds 1-3 stored) reachable only through the throttling relay, and requester ``c``
+    that sees its chunks; both stopped (and ``a`` continued, if a test stopped it) afterwards."""
     path = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints)
     data = yaml.safe_load(path.read_text())
     data["transfer"]["advertise_host"] = "127.0.0.2"
@@ -67,7 +73,19 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
         owner = c.index.nodes()["a"].peer()
         assert owner is not None and owner.host == "127.0.0.2"
         relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
-        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(3, TOKENS)).hit_tokens == TOKENS, 10)
+        yield a, c
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(a.proc.pid, signal.SIGCONT)
+        if relay is not None:
+            relay.close()
+        c.stop()
+        a.stop()
+
+
+def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd, cluster_name, tmp_path: Path):
+    with behind_a_slow_link(etcd, cluster_name, tmp_path) as (_, c):
         chunk_bytes = 5 * c.chunk_bytes  # the prompt's 5 chunks (the tail is smaller): ~2.5 MiB, ~0.6 s here
 
         # A slow engine (100 tokens/s: ~11 s to recompute): the slow pull still wins, and is made.
@@ -88,30 +106,13 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
         for _ in range(20):
             c.prefill.observe(1000, 10.0)
         assert pull(c, 3) == (5, 5)
-    finally:
-        if relay is not None:
-            relay.close()
-        c.stop()
-        a.stop()
 
 
 def test_a_pull_slower_than_expected_is_waited_for_while_its_bytes_keep_coming(etcd, cluster_name, tmp_path: Path):
     """The estimate says 5 ms, the link takes ~0.6 s: the pull overruns its deadline (3x the estimate) but
     the owner keeps sending, so the load waits on (its patience: what recomputing would cost, 11 s here)
     and gets every chunk. A stopped owner sends nothing: the same load gives up about at its deadline."""
-    path = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints)
-    data = yaml.safe_load(path.read_text())
-    data["transfer"]["advertise_host"] = "127.0.0.2"
-    path.write_text(yaml.safe_dump(data))
-    a = AgentProcess(path, seeds=(1, 2, 3), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
-    c = requester(tmp_path, cluster_name, etcd.endpoints)
-    relay = None
-    try:
-        assert wait_until(lambda: "a" in c.index.nodes(), 10)
-        owner = c.index.nodes()["a"].peer()
-        assert owner is not None
-        relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
-        assert wait_until(lambda: c.lookup(synthetic_tokens(3, TOKENS)).hit_tokens == TOKENS, 10)
+    with behind_a_slow_link(etcd, cluster_name, tmp_path) as (a, c):
         c.prefill.observe(1000, 10.0)  # a slow engine: ~11 s to recompute the prompt
         assert pull(c, 1) == (5, 5)  # connected and measured
 
@@ -131,9 +132,3 @@ def test_a_pull_slower_than_expected_is_waited_for_while_its_bytes_keep_coming(e
         start = time.monotonic()
         assert pull(c, 3) == (5, 0)
         assert time.monotonic() - start < 1.0  # no bytes came: given up about at the deadline, not waited for
-    finally:
-        os.kill(a.proc.pid, signal.SIGCONT)
-        if relay is not None:
-            relay.close()
-        c.stop()
-        a.stop()

@@ -28,6 +28,7 @@ import argparse
 import math
 import random
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,46 @@ def rag(base: list[int], docs: list[list[int]], order: list[int], tail: list[int
     return prompt + tail, spans
 
 
+Ask = Callable[[EngineProcess, list[int], dict[str, Any] | None], dict[str, Any]]
+
+
+def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
+            on_a: list[tuple[list[int], list[list[int]]]], on_b: list[tuple[list[int], list[list[int]]]],
+            ask: Ask) -> tuple[list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Engine A computes ``on_a`` (documents declared as segments); engine B, on the same mesh, each
+    prompt of ``on_b`` in every mode (a blend per ``--fractions``, then prefix-only); a plain engine
+    the full prefill of ``on_b``. Returns the full prefill's results and each mode's."""
+    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
+    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    with EtcdServer(base_dir=str(work)) as etcd:
+        engines: list[EngineProcess] = []
+        try:
+            for name in ("blend-a", "blend-b"):
+                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
+                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
+            a, b = (e.wait_ready() for e in engines)
+            for engine in (a, b):
+                ask(engine, warm, None)
+            for prompt, spans in on_a:
+                ask(a, prompt, {"lmcache_p2p_segments": spans})
+            for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
+                for f, mode in zip(args.fractions, modes, strict=False):
+                    results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans,
+                                                         "lmcache_p2p_recompute_fraction": f}))
+                results["prefix-only"].append(ask(b, prompt, None))
+        finally:
+            for engine in engines:
+                engine.stop()
+    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
+    try:
+        cold.wait_ready()
+        ask(cold, warm, None)
+        full = [ask(cold, prompt, None) for prompt, _ in on_b]
+    finally:
+        cold.stop()
+    return full, results
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = Path(args.model) if args.model else trained_model_path()
     base, docs, tails = pool(model, args)
@@ -72,38 +113,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     on_a = [rag(base, docs, s, t) for s, t in zip(sets, tails, strict=True)]
     on_b = [rag(base, docs, s, t) for s, t in zip(again, tails, strict=True)]
     warm = held_out_prompts(model, 1 + args.docs + args.prompts + 1, 600)[-1]
-    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
-    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
 
     def score(engine: EngineProcess, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
         return engine.score([prompt], max_tokens=args.answer, scored=args.continuation, kv_transfer_params=params)[0]
 
-    with EtcdServer(base_dir=str(work)) as etcd:
-        engines: list[EngineProcess] = []
-        try:
-            for name in ("blend-a", "blend-b"):
-                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
-                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
-            a, b = (e.wait_ready() for e in engines)
-            for engine in (a, b):
-                score(engine, warm, None)
-            for prompt, spans in on_a:
-                score(a, prompt, {"lmcache_p2p_segments": spans})
-            for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
-                for f, mode in zip(args.fractions, modes, strict=False):
-                    results[mode].append(score(b, prompt, {"lmcache_p2p_segments": spans,
-                                                           "lmcache_p2p_recompute_fraction": f}))
-                results["prefix-only"].append(score(b, prompt, None))
-        finally:
-            for engine in engines:
-                engine.stop()
-    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
-    try:
-        cold.wait_ready()
-        score(cold, warm, None)
-        full = [score(cold, prompt, None) for prompt, _ in on_b]
-    finally:
-        cold.stop()
+    full, results = measure(args, work, model, warm, on_a, on_b, score)
     return report(args, on_b, full, results)
 
 
@@ -116,39 +130,13 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     task = RagTask(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, docs=args.docs,
                    doc_words=args.doc_words, seed=args.seed)
     pairs = task.pairs(args.prompts, args.pick, seed=args.seed)
-    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
-    results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     warm = task.prompt([0], pairs[0][0].question).tokens
 
     def answer(engine: EngineProcess, prompt: list[int], params: dict[str, Any] | None) -> dict[str, Any]:
         return engine.score([prompt], max_tokens=args.answer, kv_transfer_params=params, timeout=900.0)[0]
 
-    with EtcdServer(base_dir=str(work)) as etcd:
-        engines: list[EngineProcess] = []
-        try:
-            for name in ("blend-a", "blend-b"):
-                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
-                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
-            a, b = (e.wait_ready() for e in engines)
-            for engine in (a, b):
-                answer(engine, warm, None)
-            for first, _ in pairs:
-                answer(a, first.tokens, {"lmcache_p2p_segments": first.spans})
-            for _, second in pairs:  # prefix-only last: it saves this order's prefix chain
-                for f, mode in zip(args.fractions, modes, strict=False):
-                    results[mode].append(answer(b, second.tokens, {"lmcache_p2p_segments": second.spans,
-                                                                    "lmcache_p2p_recompute_fraction": f}))
-                results["prefix-only"].append(answer(b, second.tokens, None))
-        finally:
-            for engine in engines:
-                engine.stop()
-    cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
-    try:
-        cold.wait_ready()
-        answer(cold, warm, None)
-        full = [answer(cold, second.tokens, None) for _, second in pairs]
-    finally:
-        cold.stop()
+    full, results = measure(args, work, model, warm, [(p.tokens, p.spans) for p, _ in pairs],
+                            [(p.tokens, p.spans) for _, p in pairs], answer)
     questions = [second.question for _, second in pairs]
     replies = {m: [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows]
                for m, rows in {"full": full, **results}.items()}
