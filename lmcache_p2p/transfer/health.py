@@ -77,10 +77,6 @@ class PeerHealth:
             if not holds:
                 del self._held[peer]
 
-    def held(self) -> int:
-        """Peers not asked now because an answer of theirs is overdue."""
-        return sum(1 for holds in dict(self._held).values() if any(self._holding(h) for h in list(holds.values())))
-
     def failures(self, peer: PeerAddress) -> int:
         state = self._peers.get(peer)
         return 0 if state is None else state.failures
