@@ -180,14 +180,22 @@ class CanaryConfig:
 class BlendConfig:
     """Reuse of a request's declared segments (RAG documents) at any position
     (``integrations/segments.py``): ``enabled`` lets requests that declare segments blend;
-    ``recompute_fraction`` of each loaded segment's tokens (its first ones) is recomputed through the
-    model against the blended context (0: plain concatenation; 1: every token, a full prefill's KV)."""
+    ``recompute_fraction`` of each placed segment's tokens is recomputed through the model against the
+    blended context (0: plain concatenation; 1: every token, a full prefill's KV), chosen by
+    ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
+    when recomputed in this context, CacheBlend's); ``max_recompute_tokens`` bounds what one blend runs
+    through the model (recompute and fresh segments; also never more than vLLM's token budget per
+    step): a blend over it is refused and the request is served prefix-only, whatever it asks."""
 
     enabled: bool = True
     recompute_fraction: float = 0.15
+    selection: str = "first"
+    max_recompute_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.recompute_fraction <= 1.0, "blend.recompute_fraction", "must be in [0, 1]")
+        _check(self.selection in ("first", "deviation"), "blend.selection", "must be 'first' or 'deviation'")
+        _check(self.max_recompute_tokens >= 0, "blend.max_recompute_tokens", "must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -58,8 +58,9 @@ class AgentMetrics:
             "rest; failed: no segment token reused, the engine computes them all)", ["outcome"], namespace=ns,
             registry=registry)
         self.blend_tokens = Counter(
-            "blend_tokens", "Tokens of blended requests, by kind (segment: loaded from segment chunks and moved; "
-            "recomputed: run through the model over the blended cache)", ["kind"], namespace=ns, registry=registry)
+            "blend_tokens", "Tokens of blended requests, by kind (segment: placed from segment chunks, loaded or "
+            "fresh; recomputed: run through the model over the blended cache; fresh: of segments held nowhere, "
+            "computed after the base alone and saved)", ["kind"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
         self.handoff_chunks = Counter(
             "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "

@@ -26,7 +26,7 @@ def main() -> int:
     blender = Blender(runner, caches)
     blocks = next(iter(caches.values())).shape[0]
     per = -(-400 // blender.block_size)
-    free = [list(range(blocks - (i + 1) * per, blocks - i * per)) for i in range(3)]  # unused: nothing runs
+    free = [list(range(blocks - (i + 1) * per, blocks - i * per)) for i in range(5)]  # unused: nothing runs
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(10, 500, (300,), generator=g).tolist()
     out: dict[str, object] = {"refusal": blend_refusal(runner.vllm_config), "layout": blender.key_layout}
@@ -34,9 +34,9 @@ def main() -> int:
     parts = {f: getattr(cfg, f) for f in ("cache_config", "parallel_config", "model_config", "lora_config",
                                           "speculative_config")}
     refused = {}
-    for name, change in [("prefix_caching", {"cache_config": SimpleNamespace(enable_prefix_caching=True,
-                                                                             cache_dtype="auto")}),
-                         ("fp8", {"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8")}),
+    out["prefix_caching_refused"] = blend_refusal(SimpleNamespace(**{**parts, "cache_config": SimpleNamespace(
+        enable_prefix_caching=True, cache_dtype="auto")}))
+    for name, change in [("fp8", {"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8")}),
                          ("lora", {"lora_config": object()}), ("spec", {"speculative_config": object()}),
                          ("tp", {"parallel_config": SimpleNamespace(tensor_parallel_size=2,
                                                                     pipeline_parallel_size=1)})]:
@@ -77,6 +77,32 @@ def main() -> int:
     out["moved_layer0_v"] = diff(moved[0, 1], fresh[0, 1])
     out["moved_last_layer"] = diff(moved[-1], fresh[-1])
     out["scale"] = float(full.float().abs().max())
+
+    # a fresh segment (tokens 150..300 after the base 0..100) computed after the base alone, in the
+    # scratch of two requests whose text between base and segment differs: the same bytes, and a
+    # prefill of base + segment's KV
+    base, doc = toks[:100], toks[150:300]
+    canonical = []
+    for other, blocks in (([5] * 40, free[3]), ([7] * 90, free[4])):
+        blender.recompute(base + other, [(0, 140)], blocks)  # the request's own KV: base, then its own text
+        scratch = blocks[-(-140 // blender.block_size):]  # blocks past what the request wrote
+        assert len(scratch) * blender.block_size >= 250
+        blender.write(blender.read(blocks, 0, 100, 0), scratch, 0, 0)
+        canonical.append(blender.isolated(base + doc, 100, scratch))
+    out["fresh_same_bytes"] = bool(torch.equal(canonical[0], canonical[1]))
+    blender.recompute(base + doc, [(0, 250)], free[1])
+    out["fresh_vs_prefill"] = diff(canonical[0], blender.read(free[1], 100, 250, 100))
+
+    # CacheBlend's selection over a moved segment (tokens 120..300 written at 200 after other tokens):
+    # ``count`` positions of the candidates, and layers 0..1 of the span recomputed on the way
+    blender.recompute(moved_toks, [(0, 200)], free[3])
+    blender.write(seg.clone(), free[3], 200, 200)
+    picked = blender.deviating(moved_toks, free[3], (200, 380), [(200, 380)], 18)
+    out["picked"] = sum(e - s for s, e in picked)
+    out["picked_inside"] = all(200 <= s < e <= 380 for s, e in picked)
+    after = blender.read(free[3], 200, 380, 0)
+    out["deviation_layer1_vs_prefill"] = diff(after[1], fresh[1])
+    out["deviation_layer2_untouched"] = diff(after[2], moved[2])
     print("BLEND_KV " + json.dumps(out), flush=True)
     return 0
 

@@ -77,10 +77,24 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     assert everything.recompute == [(256, 308), (768, 798), (1068, 1138)]
     assert everything.recomputed_tokens == 52 + 30 + 70
 
-    # the second document is held nowhere: the blend stops before it
+    # the second document is held nowhere: it is fresh (computed after the base alone, then placed)
     missing = set(segs[1].keys)
-    partial = plan_blend(segs, 256, len(prompt), lambda keys: not missing & set(keys), 0.0)
-    assert partial is not None and partial.end == 768 and partial.recompute == []
+    fresh = plan_blend(segs, 256, len(prompt), lambda keys: not missing & set(keys), 0.0)
+    assert fresh is not None and fresh.end == spans[-1][1] and fresh.recompute == []
+    assert [s.fresh for s in fresh.segments] == [False, True, False] and fresh.base_end == 256
+    assert fresh.fresh_tokens == 300 and fresh.cost_tokens == 300
+    # ... unless the base is not in place first (not exactly held): then the blend stops before it
+    partial = plan_blend(segs, 0, len(prompt), lambda keys: not missing & set(keys), 0.0)
+    assert partial is not None and partial.end == 768 and partial.recompute == [(0, 256)]
+    # nothing held at all: no blend (the engine computes it, and saves its first document)
+    assert plan_blend(segs, 256, len(prompt), lambda keys: False, 0.1) is None
+
+    # CacheBlend's selection: the same budget, the tokens picked by the worker; glue still recomputed
+    picked = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="deviation")
+    assert picked is not None and picked.recompute == [(0, 256)] and picked.select == 52 + 30 + 70
+    assert picked.recomputed_tokens == 256 + 152
+    with pytest.raises(ValueError, match="selection"):
+        plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="random")
 
     # an exact prefix into the first document: its rest is loaded from the segment, recomputed from there
     into = plan_blend(segs, 512, len(prompt), lambda keys: True, 0.5)

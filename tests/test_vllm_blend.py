@@ -5,10 +5,12 @@ trained by the tests (random weights would hide wrong KV). A prompt is a base (2
 the "system prompt"), three 512-token documents and a question; it declares the documents as
 segments (``kv_transfer_params``). A third engine without any connector gives the reference.
 
-* Engine A computes the documents in one order and saves them as segments too.
-* A, in another order (its own segments: a sync load) with every segment token recomputed (fraction
-  1): its output equals the reference token for token; the mechanics (keys turned back to 0 and to
-  the new place, the recompute over the cache in vLLM's own forward) reproduce a prefill.
+* Engine A computes the documents in one order and saves the first as a segment (the others were
+  computed after documents the request chose: not canonical).
+* A, in another order with every segment token recomputed (fraction 1): its first document loaded
+  (a sync load), the two others fresh (computed after the base alone, saved, placed); its output
+  equals the reference token for token; the mechanics (keys turned back to 0 and to the new place,
+  the recompute over the cache in vLLM's own forward) reproduce a prefill.
 * B (another engine) in a third order, with the default fraction: it pulls A's segments, claims the
   prompt up to the question, and its greedy output agrees with the reference on at least
   ``AGREEMENT_FLOOR`` of the tokens (measured: see README); with fraction 1, equal.
@@ -87,13 +89,16 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
 
         first = ask(a, (0, 1, 2))
         assert first["tokens"] == ref[(0, 1, 2)] and first["num_cached_tokens"] == 0
-        wait_registered(cfg_a, "engine-a", 8 + 6)  # 8 prefix chunks + 3 documents of 2 segment chunks
+        wait_registered(cfg_a, "engine-a", 8 + 2)  # 8 prefix chunks + the first document's 2 segment chunks
         claim = 256 + 3 * 512  # everything up to the question
 
-        # A, its own segments in another order, every segment token recomputed: a prefill's output
+        # A, in another order, every segment token recomputed: a prefill's output; documents 1 and 2 fresh
         full = ask(a, (1, 2, 0), lmcache_p2p_recompute_fraction=1.0)
         assert full["num_cached_tokens"] == claim
         assert full["tokens"] == ref[(1, 2, 0)]
+        wait_registered(cfg_a, "engine-a", 8 + 6)  # ... and saved: 3 documents of 2 segment chunks
+        fresh = scrape(node_records(cfg_a)["engine-a"].metrics_url)
+        assert fresh['lmcache_p2p_blend_tokens_total{kind="fresh"}'] == 2 * 512
 
         # B pulls A's segments: with every token recomputed, equal; with the default fraction, close
         on_b_full = ask(b, (2, 0, 1), lmcache_p2p_recompute_fraction=1.0)
@@ -136,14 +141,20 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
 def test_blending_machinery_against_the_engines_own_prefill():
     """In the engine's own cache (fp32): the recompute reproduces vLLM's prefill whether a prompt runs as one
     run or several; keys turned to position 0 and back are the bytes they were; a segment moved to another
-    position equals a prefill there at layer 0 (nothing attends before its K/V)."""
+    position equals a prefill there at layer 0 (nothing attends before its K/V); a fresh segment computed
+    after the base alone has the same bytes whatever text preceded it in the request (a prefill of base +
+    segment's); CacheBlend's selection picks what it is asked, recomputing layers 0..1 on the way."""
     proc = subprocess.run([sys.executable, str(BLEND_KV), str(trained_model_path())], capture_output=True,
                           text=True, timeout=600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BLEND_KV ")), None)
     assert line is not None, proc.stdout[-3000:] + proc.stderr[-3000:]
     got = json.loads(line.removeprefix("BLEND_KV "))
     assert got["refusal"] is None and got["layout"] in ("dims", "tokens")
-    assert all(got["refused"].values()), got["refused"]  # prefix cache on, fp8, LoRA, speculative, TP: refused
+    assert all(got["refused"].values()), got["refused"]  # fp8, LoRA, speculative, TP: refused
+    assert got["prefix_caching_refused"] is None  # blended blocks get hashes of their own (scheduler.py)
+    assert got["fresh_same_bytes"] and got["fresh_vs_prefill"] <= 1e-4 * got["scale"]
+    assert got["picked"] == 18 and got["picked_inside"]
+    assert got["deviation_layer1_vs_prefill"] <= 1e-4 * got["scale"] and got["deviation_layer2_untouched"] == 0.0
     assert got["split_vs_one_run"] <= 1e-4 and got["three_runs_vs_one_run"] <= 1e-4
     assert got["next_token"][0] == got["next_token"][1] and got["next_logprob_diff"] < 1e-3
     assert got["round_trip"] <= 1e-4 * got["scale"]

@@ -147,7 +147,7 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "prompt_tokens": round(tokens / len(pairs)), "documents_per_prompt": args.pick}
     for mode, rows in {"full": full, **results}.items():
         ms = statistics.median(r["ttft_s"] for r in rows) * 1000
-        right = [q.grade(reply) for q, reply in zip(questions, replies[mode], strict=True)]
+        right = [q.score(reply) for q, reply in zip(questions, replies[mode], strict=True)]
         by_kind = {kind: [ok for ok, q in zip(right, questions, strict=True) if q.kind == kind]
                    for kind in ("single", "pair")}
         out[mode] = {"accuracy": round(sum(right) / len(right), 4),
@@ -158,7 +158,7 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                      "same_answer_as_full": round(sum(x == y for x, y in zip(replies[mode], replies["full"],
                                                                                 strict=True)) / len(rows), 4)}
     out["replies"] = {m: r[:6] for m, r in replies.items()}
-    out["expected"] = [q.answer for q in questions[:6]]
+    out["expected"] = [q.answers for q in questions[:6]]
     return out
 
 
@@ -200,9 +200,9 @@ def main(argv: list[str]) -> int:
                         help="continuation: held-out text scored (perplexity, agreement) on the trained tiny model; "
                         "facts: the graded RAG task (answers right) on a real instruct model")
     parser.add_argument("--doc-words", type=int, default=330, help="facts: words per product document (~450 tokens)")
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--docs", type=int, default=6, help="documents in the pool")
-    parser.add_argument("--pick", type=int, default=3, help="documents per prompt")
+    parser.add_argument("--prompts", type=int, help="prompts (default: 4; facts: 24)")
+    parser.add_argument("--docs", type=int, help="documents in the pool (default: 6; facts: 8)")
+    parser.add_argument("--pick", type=int, help="documents per prompt (default: 3; facts: 4)")
     parser.add_argument("--base", type=int, default=256, help="tokens of the system prompt")
     parser.add_argument("--doc", type=int, default=512, help="tokens per document")
     parser.add_argument("--question", type=int, default=32)
@@ -218,6 +218,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    facts = args.task == "facts"
+    args.prompts = args.prompts or (24 if facts else 4)
+    args.docs = args.docs or (8 if facts else 6)
+    args.pick = args.pick or (4 if facts else 3)
     if not 1 <= args.pick <= args.docs or args.prompts < 1 or args.pick < 2:
         parser.error("need 2 <= --pick <= --docs and --prompts >= 1")
     if any(not 0 <= f <= 1 for f in args.fractions):

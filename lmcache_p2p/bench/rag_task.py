@@ -1,22 +1,27 @@
 """A graded RAG task: fictional product sheets with checkable facts, and questions about them.
 
 Each document describes one invented product (a name no model has seen) with facts unique across the
-pool: its weight in grams, its colour and the city it is made in (price and battery life too made the
-task too hard for a 135M model even with a full prefill: 25 % right), padded with neutral prose to
-about ``doc_words`` words. A question asks either
+pool: its serial code, its colour and the city it is made in, padded with neutral prose (the same
+sentences in every document, none naming the product) to about ``doc_words`` words. A question asks either
 
-    single   one fact of one document in the prompt ("How much does the Onyx weigh, in grams?", its
+    single   one fact of one document in the prompt ("What is the serial code of the Ortes?", its
              colour, its city)
-    pair     a comparison of two documents in the prompt ("Which is heavier, the Onyx or the Vela?")
+    pair     the same fact of two documents in the prompt ("What are the colours of the Ortes and
+             the Nuri?"): it needs both
 
-and an answer is right when it names the expected value (for ``pair``: the heavier product, and not
-the other). Facts and wording are seeded: every run builds the same task.
+The answer is started for the model ("The serial code of the Ortes is"; for ``pair``, with the first
+product): a 135M model answers far more often when it completes a sentence than when it writes one.
+A ``single`` answer scores 1 when it names the expected value; a ``pair`` answer 0.5 per value it
+names (:meth:`Question.score`). What a 135M model gets right with a full prefill decided this shape
+(weights in grams, "which weighs more" comparisons and filler that names the product each had it
+near chance; ``bench blend`` reports the full prefill's score next to every reuse mode). Facts and
+wording are seeded: every run builds the same task.
 
 Prompts are ChatML token ids built piece by piece, so each document is tokenized alone (its tokens
 are the same wherever it appears, the condition for segment reuse), with the documents' spans::
 
-    <|im_start|>system ...<|im_end|><|im_start|>user | doc | doc | doc | doc | Question: ...<|im_start|>assistant
-    '------------------- base ---------------------'   '------ segments -----'   '----------- tail --------------'
+    <|im_start|>system ...<|im_end|><|im_start|>user | doc | doc | doc | doc | Question: ...<|im_start|>assistant\nThe
+    '------------------- base ---------------------'   '------ segments -----'   '------------ tail -----------------'
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import string
 from collections.abc import Callable, Sequence
 
 SYSTEM = ("You are a precise assistant. Answer the question using only the product documents the user "
@@ -36,38 +42,42 @@ _CITIES = ["Tallinn", "Porto", "Dakar", "Quito", "Hobart", "Tromso", "Valletta",
 _KINDS = ["desk lamp", "travel kettle", "field radio", "hand drill", "pocket camera", "smart scale",
           "air purifier", "e-reader", "bike light", "label printer", "rice cooker", "tide clock"]
 _FILLER = [
-    "The {name} ships in a recycled cardboard box with a printed quick-start card.",
-    "Reviewers describe the {name} as sturdy and easy to clean after daily use.",
+    "Reviewers describe it as sturdy and easy to clean after daily use.",
     "Its housing is assembled from parts sourced from several regional suppliers.",
-    "A two-year limited warranty covers manufacturing defects of the {name}.",
-    "Spare parts for the {name} can be ordered through authorised service centres.",
+    "A two-year limited warranty covers manufacturing defects.",
+    "Spare parts can be ordered through authorised service centres.",
     "The manual explains maintenance steps in plain language with clear drawings.",
-    "Customers often mention how quietly the {name} runs in a small apartment.",
+    "Customers often mention how quietly it runs in a small apartment.",
     "The design team tested several prototypes before settling on the final shape.",
-    "Firmware updates for the {name} are published a few times each year.",
+    "Firmware updates are published a few times each year.",
     "The product page lists accessories sold separately, such as a carrying pouch.",
+    "Packaging is made from recycled cardboard with a printed quick-start card.",
 ]
+FIELDS = ("code", "colour", "city")
+_ASK = {"code": "What is the serial code of the {}?", "colour": "What is the colour of the {}?",
+        "city": "In which city is the {} made?"}
+_ASK_TWO = {"code": "What are the serial codes of the {} and the {}?",
+            "colour": "What are the colours of the {} and the {}?",
+            "city": "In which cities are the {} and the {} made?"}
+_START = {"code": "The serial code of the {} is", "colour": "The colour of the {} is",
+          "city": "The {} is made in the city of"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Product:
     name: str
     kind: str
-    weight_g: int
-    price_usd: int
-    battery_h: int
+    code: str
     colour: str
     city: str
 
     def sheet(self, words: int, rnd: random.Random) -> str:
-        facts = [f"The {self.name} is a {self.kind}.",
-                 f"The {self.name} weighs {self.weight_g} grams.",
-                 f"The {self.name} comes in {self.colour}.",
-                 f"The {self.name} is made in {self.city}."]
-        filler = [f.format(name=self.name) for f in _FILLER]
-        body = list(facts)
+        facts = [f"The {self.name} has the serial code {self.code}.",
+                 f"The colour of the {self.name} is {self.colour}.",
+                 f"The {self.name} is made in the city of {self.city}."]
+        body = [f"The {self.name} is a {self.kind}.", *facts]
         while len(" ".join(body).split()) < words:
-            body.insert(rnd.randrange(1, len(body) + 1), rnd.choice(filler))
+            body.insert(rnd.randrange(1, len(body) + 1), rnd.choice(_FILLER))
         return f"Product document: {self.name}\n" + " ".join(body) + "\n\n"
 
 
@@ -75,40 +85,40 @@ class Product:
 class Question:
     kind: str  # single | pair
     text: str
-    answer: str
-    wrong: str | None = None  # pair: the other product, which a right answer does not name
+    start: str  # the answer's start, given to the model
+    answers: tuple[str, ...]  # single: one value; pair: one per product
 
-    def grade(self, reply: str) -> bool:
-        said = reply.lower()
-        if self.kind == "single":  # the value as a word or number of its own ("1985" does not name 985)
-            return re.search(rf"(?<![\w]){re.escape(self.answer.lower())}(?![\w])", said.replace(",", "")) is not None
-        assert self.wrong is not None
-        return self.answer.lower() in said and self.wrong.lower() not in said
+    def score(self, reply: str) -> float:
+        """The share of the expected values the reply names, each as a word of its own ("1985" does not
+        name 985): 0 or 1 for ``single``, 0, 0.5 or 1 for ``pair``."""
+        said = reply.lower().replace(",", "")
+        found = [re.search(rf"(?<![\w-]){re.escape(a.lower())}(?![\w-])", said) is not None for a in self.answers]
+        return sum(found) / len(found)
 
 
 def products(n: int, seed: int = 0) -> list[Product]:
+    if n > len(_COLOURS):
+        raise ValueError(f"docs: at most {len(_COLOURS)} products have facts unique across the pool")
     rnd = random.Random(seed)
     names: set[str] = set()
     while len(names) < n:
         names.add("".join(rnd.sample(_SYLLABLES, 2)).capitalize())
-    weights = rnd.sample(range(120, 990), n)
-    prices = rnd.sample(range(15, 480), n)
-    hours = rnd.sample(range(3, 60), n)
-    return [Product(name, _KINDS[i % len(_KINDS)], weights[i], prices[i], hours[i], _COLOURS[i % len(_COLOURS)],
-                    _CITIES[i % len(_CITIES)]) for i, name in enumerate(sorted(names))]
+    codes: set[str] = set()
+    while len(codes) < n:
+        letters = "".join(rnd.choice(string.ascii_uppercase) for _ in range(2))
+        codes.add(f"{letters}-{rnd.randrange(1000, 10000)}")
+    return [Product(name, _KINDS[i % len(_KINDS)], code, _COLOURS[i], _CITIES[i])
+            for i, (name, code) in enumerate(zip(sorted(names), sorted(codes), strict=True))]
 
 
 def question(kind: str, chosen: Sequence[Product], rnd: random.Random) -> Question:
+    field = rnd.choice(FIELDS)
     if kind == "pair":
         a, b = rnd.sample(list(chosen), 2)
-        heavy, light = (a, b) if a.weight_g > b.weight_g else (b, a)
-        return Question("pair", f"Which weighs more, the {a.name} or the {b.name}?", heavy.name, light.name)
+        return Question("pair", _ASK_TWO[field].format(a.name, b.name), _START[field].format(a.name),
+                        (getattr(a, field), getattr(b, field)))
     p = rnd.choice(list(chosen))
-    field = rnd.choice(["weight_g", "colour", "city"])
-    text = {"weight_g": f"How much does the {p.name} weigh, in grams?",
-            "colour": f"What colour does the {p.name} come in?",
-            "city": f"In which city is the {p.name} made?"}[field]
-    return Question("single", text, str(getattr(p, field)))
+    return Question("single", _ASK[field].format(p.name), _START[field].format(p.name), (getattr(p, field),))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,7 +146,7 @@ class RagTask:
         for i in order:
             spans.append([len(tokens), len(tokens) + len(self.doc_tokens[i])])
             tokens += self.doc_tokens[i]
-        tokens += self._ids(f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n")
+        tokens += self._ids(f"Question: {q.text}<|im_end|>\n<|im_start|>assistant\n{q.start}")
         return RagPrompt(tokens, spans, q)
 
     def pairs(self, n: int, pick: int, seed: int = 0) -> list[tuple[RagPrompt, RagPrompt]]:

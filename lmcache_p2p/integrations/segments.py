@@ -41,6 +41,7 @@ from .blocks import ChunkTransfer
 
 SEGMENTS_PARAM = "lmcache_p2p_segments"
 FRACTION_PARAM = "lmcache_p2p_recompute_fraction"  # a request's own blend.recompute_fraction
+SELECTION_PARAM = "lmcache_p2p_blend_selection"  # a request's own blend.selection
 MAX_SEGMENTS = 256
 
 
@@ -58,6 +59,7 @@ class SegmentChunks:
     start: int  # where the segment starts in this prompt
     skip: int = 0  # loads: leading tokens not written (an exact prefix already covers them)
     end: int = 0  # loads: positions from here on are not written (vLLM computes the prompt's last token)
+    fresh: bool = False  # loads: held nowhere; computed after the base alone, saved, then placed like a loaded one
 
     @property
     def length(self) -> int:
@@ -86,6 +88,8 @@ class BlendTransfer:
     block_ids: list[int]  # the request's blocks
     exact_end: int
     end: int
+    base_end: int = 0  # where the first declared segment starts (fresh segments are computed after the base)
+    select: int = 0  # selection "deviation": segment tokens the worker picks by how far their KV moved
     sync: bool = False
     index_revision: int = 0
     deadline: float = 0.0
@@ -104,10 +108,23 @@ class BlendPlan:
     end: int
     segments: list[SegmentChunks]
     recompute: list[tuple[int, int]]
+    base_end: int = 0
+    select: int = 0  # selection "deviation": segment tokens the worker picks (see :func:`plan_blend`)
 
     @property
     def recomputed_tokens(self) -> int:
-        return sum(e - s for s, e in self.recompute)
+        return sum(e - s for s, e in self.recompute) + self.select
+
+    @property
+    def fresh_tokens(self) -> int:
+        """Tokens of fresh segments: computed once more, after the base alone (their canonical KV)."""
+        return sum(seg.length for seg in self.segments if seg.fresh)
+
+    @property
+    def cost_tokens(self) -> int:
+        """What the blend runs through the model: its recompute and its fresh segments (the operator's
+        ``blend.max_recompute_tokens`` bounds it)."""
+        return self.recomputed_tokens + self.fresh_tokens
 
 
 def read_segments(params: Any, prompt_len: int) -> list[tuple[int, int]] | None:
@@ -144,6 +161,16 @@ def read_fraction(params: Any, default: float) -> float:
     return float(value)
 
 
+def read_selection(params: Any, default: str) -> str:
+    """The recompute selection a request asks for (``default``: none); :class:`SegmentError` when invalid."""
+    if not isinstance(params, dict) or SELECTION_PARAM not in params:
+        return default
+    value = params[SELECTION_PARAM]
+    if value not in SELECTIONS:
+        raise SegmentError(f"{SELECTION_PARAM}: {value!r} is not one of {SELECTIONS}")
+    return str(value)
+
+
 def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[tuple[int, int]],
                    chunk: int) -> list[SegmentChunks]:
     """Each declared segment's chunks (keys chained from :func:`~lmcache_p2p.keys.segment_root`)."""
@@ -157,39 +184,77 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
     return out
 
 
+SELECTIONS = ("first", "deviation")
+
+
 def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, held: Callable[[list[bytes]], bool],
-               fraction: float) -> BlendPlan | None:
-    """The blend that extends a prompt's exact prefix (``exact_end`` tokens) furthest: every segment
-    after it, in order, whose chunks are all held (``held``), until the first that is not; None when
-    none extends it. Glue before a loaded segment (and the base, when not exactly held) is recomputed,
-    with the first ``ceil(fraction * tokens)`` of each loaded segment; nothing past ``prompt_len - 1``
+               fraction: float, selection: str = "first") -> BlendPlan | None:
+    """The blend that extends a prompt's exact prefix (``exact_end`` tokens) over its segments; None
+    when none of them is held past it.
+
+    Every segment after the exact prefix is placed: a held one is loaded; one held nowhere is
+    **fresh**: the worker computes it after the base alone (the KV its key promises, whatever precedes
+    it in this prompt), saves it and places it like a loaded one. A fresh segment needs the base in
+    place before anything else runs (the exact prefix covers it); without that the blend stops at the
+    first segment not held. Glue before a placed segment (and the base, when not exactly held) is
+    recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
+    (``selection`` "first", EPIC's), or (``"deviation"``, CacheBlend's) the ones whose keys move most
+    once recomputed in this context, picked by the worker (``select``). Nothing past ``prompt_len - 1``
     (vLLM computes the last prompt token itself)."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection {selection!r}: one of {SELECTIONS}")
     limit = prompt_len - 1
-    end, loads, runs = exact_end, [], []
+    base_end = segments[0].start if segments else 0
+    may_compute = exact_end >= base_end
+    end, loads, runs, select, any_held = exact_end, [], [], 0, False
     for seg in segments:
         seg_end = seg.start + seg.length
         if seg_end <= exact_end:
             continue
-        if end >= limit or not held(seg.keys):
+        if end >= limit:
             break
+        is_held = held(seg.keys)
+        if not is_held and not may_compute:
+            break
+        any_held = any_held or is_held
         first = max(seg.start, exact_end)
         if first > end:
             runs.append((end, first))  # glue: no KV held for it
-        loads.append(dataclasses.replace(seg, skip=first - seg.start, end=min(seg_end, limit)))
+        loads.append(dataclasses.replace(seg, skip=first - seg.start, end=min(seg_end, limit), fresh=not is_held))
         n = math.ceil(fraction * (seg_end - first))
-        if n:
+        if selection == "first" and n:
             runs.append((first, min(first + n, seg_end)))
+        elif n:
+            select += min(n, min(seg_end, limit) - first)
         end = min(seg_end, limit)
-    if not loads:
+    if not any_held:
         return None
-    return BlendPlan(exact_end, end, loads, _merge([(s, min(e, end)) for s, e in runs if s < end]))
+    recompute = merge_runs([(s, min(e, end)) for s, e in runs if s < end])
+    return BlendPlan(exact_end, end, loads, recompute, base_end, select)
 
 
-def _merge(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[start, end)`` runs sorted, overlapping or touching ones joined."""
     out: list[tuple[int, int]] = []
     for s, e in sorted(runs):
         if out and s <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], e))
         else:
+            out.append((s, e))
+    return out
+
+
+def subtract_runs(runs: list[tuple[int, int]], minus: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The positions of ``runs`` in none of ``minus``, as sorted runs."""
+    out: list[tuple[int, int]] = []
+    taken = merge_runs(minus)
+    for s, e in merge_runs(runs):
+        for ms, me in taken:
+            if me <= s or ms >= e:
+                continue
+            if ms > s:
+                out.append((s, ms))
+            s = max(s, me)
+        if s < e:
             out.append((s, e))
     return out

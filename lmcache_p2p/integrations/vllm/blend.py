@@ -20,9 +20,10 @@ position order, at every layer, as a prefill would. It runs on the forward threa
 context is a module global): inline for a sync load, in the next ``start_load_kv`` for a pulled one.
 
 Used only where it can be exact about positions and sure of what it recomputes (:func:`blend_refusal`):
-vLLM 0.32, its prefix cache off, no LoRA, no speculative decoding, one rank, no pipeline, a 16/32-bit
-float cache, no sliding window, full attention in one cache group, RoPE whose turns compose, checked
-against the model's own cos/sin table and vLLM's cache layout at start.
+vLLM 0.32 (its prefix cache on or off: the scheduler gives blended blocks hashes of their own), no
+LoRA, no speculative decoding, one rank, no pipeline, a 16/32-bit float cache, no sliding window,
+full attention in one cache group, RoPE whose turns compose, checked against the model's own cos/sin
+table and vLLM's cache layout at start.
 """
 
 from __future__ import annotations
@@ -47,9 +48,6 @@ def blend_refusal(vllm_config: Any) -> str | None:
 
     if not str(vllm.__version__).startswith(VLLM_SERIES):
         return f"vLLM {vllm.__version__}: blending is written against {VLLM_SERIES}x"
-    if vllm_config.cache_config.enable_prefix_caching:
-        return ("vLLM's prefix cache is on: it would hand blended blocks to later requests as exact prefix hits "
-                "(and their saves would put blended KV under prefix keys); run with --no-enable-prefix-caching")
     if vllm_config.lora_config is not None:
         return "LoRA is enabled: the recompute would run under the step's adapter mapping"
     if vllm_config.speculative_config is not None:
@@ -170,6 +168,12 @@ class Blender:
             ops.cpu_attn_reshape_and_cache(kv[i, 0].contiguous(), kv[i, 1].contiguous(), key_cache, value_cache,
                                            slots, self._isa)
 
+    def _keys_at(self, layer: int, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
+        """Layer ``layer``'s keys at ``positions`` as the cache holds them, ``(tokens, heads, head_size)``."""
+        blk, off = self._slots(block_ids, positions)
+        keys = key_views(self._caches[layer], self._layout)
+        return (keys[blk, :, :, off] if self._layout == "dims" else keys[blk, :, off, :]).clone()
+
     def decode(self, payload: torch.Tensor, tokens: int) -> torch.Tensor:
         """A segment chunk's payload bytes as K/V (a copy: the caller's buffer may be reused)."""
         nbytes = tokens * self.token_nbytes()
@@ -179,6 +183,42 @@ class Blender:
         return kv.clone()
 
     # -- recompute -----------------------------------------------------------------------------------
+    def isolated(self, token_ids: list[int], base_end: int, scratch: list[int]) -> torch.Tensor:
+        """The KV of ``token_ids[base_end:]`` computed after ``token_ids[:base_end]`` alone (a segment's
+        canonical KV, whatever precedes it in the request), in ``scratch`` blocks whose positions
+        ``[0, base_end)`` already hold the base's KV; returned as :meth:`read` does, keys at position 0."""
+        self.recompute(token_ids, [(base_end, len(token_ids))], scratch)
+        return self.read(scratch, base_end, len(token_ids), base_end)
+
+    def deviating(self, token_ids: list[int], block_ids: list[int], span: tuple[int, int],
+                  candidates: list[tuple[int, int]], count: int, layer: int = 1) -> list[tuple[int, int]]:
+        """CacheBlend's selection: the ``count`` positions of ``candidates`` whose layer-``layer`` keys move
+        most when recomputed over the blended cache. Layers ``0..layer`` of every position in ``span``
+        are recomputed on the way (layer 0's keys never depend on context: the first that can move is
+        layer 1), and keep their new KV. Returns the picked positions as sorted runs."""
+        inner = getattr(self._runner.model, "model", None)
+        if inner is None or not isinstance(getattr(inner, "end_layer", None), int):
+            raise ValueError("the model exposes no end_layer: deviation selection can't stop after a layer")
+        if count <= 0 or not candidates:
+            return []
+        pos = torch.cat([torch.arange(s, e) for s, e in candidates])
+        before = self._keys_at(layer, block_ids, pos).float()
+        end_layer = inner.end_layer
+        inner.end_layer = inner.start_layer + layer + 1
+        try:
+            self.recompute(token_ids, [span], block_ids)
+        finally:
+            inner.end_layer = end_layer
+        moved = (self._keys_at(layer, block_ids, pos).float() - before).pow(2).sum(dim=(1, 2))
+        picked = pos[torch.topk(moved, min(count, len(pos))).indices].sort().values.tolist()
+        runs: list[tuple[int, int]] = []
+        for p in picked:
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return runs
+
     def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> Any:
         """Run the model on positions ``runs`` (sorted, disjoint ``[start, end)``) of a request whose
         tokens are ``token_ids`` and whose KV is in ``block_ids``; their K/V land in the cache. Returns

@@ -63,7 +63,8 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         self._worker: P2PWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             recompute_on_load_failure(vllm_config)
-            self._scheduler = P2PScheduler(config, fingerprint, block_size, blend_refusal=blend_refusal(vllm_config))
+            self._scheduler = P2PScheduler(config, fingerprint, block_size, blend_refusal=blend_refusal(vllm_config),
+                                           token_budget=vllm_config.scheduler_config.max_num_batched_tokens)
         else:
             self._worker = P2PWorker(config, fingerprint, block_size, heads)
 

@@ -47,10 +47,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
+
+import xxhash
 
 from ...aio import LoopThread
 from ...config import AgentConfig
@@ -78,6 +81,7 @@ from ..segments import (
     plan_blend,
     read_fraction,
     read_segments,
+    read_selection,
     segment_chunks,
 )
 from .metadata import LMCacheP2PMetadata
@@ -106,7 +110,7 @@ class _Active:
 
 class P2PScheduler:
     def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int, *,
-                 blend_refusal: str | None = "not checked") -> None:
+                 blend_refusal: str | None = "not checked", token_budget: int | None = None) -> None:
         self._config = config
         self._fp = fingerprint.digest
         self._chunk = config.chunk_size
@@ -133,10 +137,14 @@ class P2PScheduler:
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
-        # Segments (integrations/segments.py): blending needs this engine to place keys exactly and no
-        # prefix cache of vLLM's that would hand blended blocks to other requests as exact hits (blend.py).
+        # Segments (integrations/segments.py): blending needs this engine to place keys exactly (blend.py);
+        # vLLM's prefix cache never hands blended blocks on as exact hits (_salt).
         self._blend_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
         self._blend_fraction = config.blend.recompute_fraction
+        self._blend_selection = config.blend.selection
+        # what one blend may run through the model: the operator's bound, within vLLM's step budget
+        self._blend_limit = min(config.blend.max_recompute_tokens, token_budget or config.blend.max_recompute_tokens)
+        self._salted: set[str] = set()  # blended requests whose vLLM block hashes were made their own
         self._segments: dict[str, list[SegmentChunks] | None] = {}  # per request: its declared segments
         self._blends: dict[str, BlendPlan] = {}  # hits offered as blends, until their blocks are allocated
         self._blend_loads: list[BlendTransfer] = []  # decided this step; handed to the worker in the next meta
@@ -232,7 +240,8 @@ class P2PScheduler:
             needed = []
         if blend is not None:
             self._blends[request.request_id] = blend
-            needed += [ChunkKey(k) for seg in blend.segments for k in seg.keys]
+            self._salt(request, blend.exact_end)  # before vLLM allocates (a sync hit is cached there)
+            needed += [ChunkKey(k) for seg in blend.segments if not seg.fresh for k in seg.keys]
         load_async = not all(k in self._saved for k in needed)
         if load_async and blend is None and num_computed_tokens > 0 and n < self._chunk:
             # Less than a chunk on top of the engine's own prefix-cache hit (a prompt's tail another
@@ -280,13 +289,34 @@ class P2PScheduler:
             chunk_keys = [ChunkKey(k) for k in keys]
             return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
 
+        params = getattr(request, "kv_transfer_params", None)
         try:
-            fraction = read_fraction(getattr(request, "kv_transfer_params", None), self._blend_fraction)
+            fraction = read_fraction(params, self._blend_fraction)
+            selection = read_selection(params, self._blend_selection)
         except SegmentError as exc:
-            log.warning("request %s: %s; blend.recompute_fraction (%s) used", request.request_id, exc,
-                        self._blend_fraction)
-            fraction = self._blend_fraction
-        return plan_blend(segments, exact_end, len(prompt), held, fraction)
+            log.warning("request %s: %s; blend.recompute_fraction (%s) and blend.selection (%s) used",
+                        request.request_id, exc, self._blend_fraction, self._blend_selection)
+            fraction, selection = self._blend_fraction, self._blend_selection
+        plan = plan_blend(segments, exact_end, len(prompt), held, fraction, selection)
+        if plan is not None and plan.cost_tokens > self._blend_limit:
+            log.info("request %s: its blend would run %d tokens through the model (recompute %d, fresh segments %d), "
+                     "over blend.max_recompute_tokens or the step's budget (%d): served prefix-only",
+                     request.request_id, plan.cost_tokens, plan.recomputed_tokens, plan.fresh_tokens, self._blend_limit)
+            return None
+        return plan
+
+    def _salt(self, request: Any, exact_end: int) -> None:
+        """Make the vLLM block hashes of a blended request's blocks from ``exact_end`` on its own: with
+        vLLM's prefix cache on, its blocks are registered under them, and under the prompt's true
+        hashes a later request would take blended KV as an exact prefix hit. Later hashes chain from
+        these (vLLM's hasher extends the list), so every block from there on is this request's alone."""
+        hashes = getattr(request, "block_hashes", None)
+        if request.request_id in self._salted or not isinstance(hashes, list):
+            return
+        self._salted.add(request.request_id)
+        nonce = secrets.token_bytes(16)
+        for i in range(exact_end // self._block, len(hashes)):
+            hashes[i] = type(hashes[i])(xxhash.xxh3_128_digest(bytes(hashes[i]) + nonce))
 
     def _tail(self, prompt: list[int], keys: list[ChunkKey], held: int, root: FingerprintDigest,
               mm_items: tuple[MultiModalItem, ...]) -> tuple[int, ChunkKey] | None:
@@ -336,8 +366,11 @@ class P2PScheduler:
                 if exact is not None:
                     exact.sync, exact.index_revision, exact.deadline = sync, revision, deadline
                 self._blend_loads.append(BlendTransfer(
-                    request.request_id, exact, blend.segments, blend.recompute, prompt[:blend.end], block_ids,
-                    max(blend.exact_end, start), blend.end, sync=sync, index_revision=revision, deadline=deadline))
+                    request.request_id, exact, blend.segments, blend.recompute, prompt[:max(
+                        [blend.end] + [seg.start + seg.length for seg in blend.segments if seg.fresh])], block_ids,
+                    max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
+                    index_revision=revision, deadline=deadline))
+                self._remember_saved([ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys])
                 state.blended = True
                 self._blended.add(request.request_id)
             else:
@@ -391,9 +424,10 @@ class P2PScheduler:
                 save = self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0, len(state.prompt))
                 save.canary = req_id in self._canaries
                 meta.saves.append(save)
-                if state.segments:
-                    meta.segment_saves.append(SegmentSave(req_id, state.segments, list(state.block_ids)))
-                    self._remember_saved([ChunkKey(k) for seg in state.segments for k in seg.keys])
+                if state.segments:  # only the first: computed right after the base (the others are
+                    # computed after documents this client chose; a blend computes them fresh)
+                    meta.segment_saves.append(SegmentSave(req_id, state.segments[:1], list(state.block_ids)))
+                    self._remember_saved([ChunkKey(k) for k in state.segments[0].keys])
                 self._remember_saved(state.keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
@@ -431,6 +465,7 @@ class P2PScheduler:
         self._blends.pop(request.request_id, None)
         self._segments.pop(request.request_id, None)
         self._blended.discard(request.request_id)
+        self._salted.discard(request.request_id)
         state = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
         # holds the request's blocks until the worker reports it finished
         self._local_hit.pop(request.request_id, None)

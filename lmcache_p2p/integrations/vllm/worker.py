@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from ...kernels.paged import PagedKV
 from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
 from ...plan import LOCAL
 from ..blocks import ChunkTransfer, blocks_from
-from ..segments import BlendTransfer, SegmentSave
+from ..segments import BlendTransfer, SegmentChunks, SegmentSave, merge_runs, subtract_runs
 from .blend import Blender, blend_refusal, find_runner
 from .metadata import LMCacheP2PMetadata
 
@@ -88,7 +89,7 @@ class P2PWorker:
         self._blender: Blender | None = None
         # pulled blends (what loaded, blocks to recompute, whether anything is left to blend): the
         # recompute runs on the forward thread
-        self._recompute: list[tuple[BlendTransfer, set[int], bool]] = []
+        self._recompute: list[tuple[BlendTransfer, set[int], bool, list[Any]]] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
@@ -157,7 +158,7 @@ class P2PWorker:
         self._recompute_pulled()
         for blend in meta.blends:
             if blend.sync:
-                _, failed = self._blend(blend, remote=False)
+                _, failed, _ = self._blend(blend, remote=False)
                 if failed:
                     self._unloaded[blend.req_id] = failed
                 with self._done_lock:
@@ -196,11 +197,16 @@ class P2PWorker:
             self._done_lock.notify_all()
 
     # -- blends (segments.py, blend.py) -------------------------------------------------------------
-    def _blend(self, t: BlendTransfer, remote: bool, recompute: bool = True) -> tuple[BlendTransfer, set[int]]:
-        """Make ``t``'s claim true: exact chunks, segment chunks moved into place, then (``recompute``:
-        here, on the forward thread) the recompute runs. Returns what was blended (``t`` cut where its
-        segments stopped loading) and the blocks vLLM must recompute (from the cut on; all of them
-        when anything else fails)."""
+    # A blend runs in two parts: *gather* (the exact prefix into place, held segment chunks pulled or
+    # pinned and decoded: the load thread for a pulled blend) and *place* (the forward thread, which
+    # owns the model): fresh segments computed after the base alone and saved, every segment written
+    # at its position, the recompute. Nothing of the segment region is written before *place*: a
+    # fresh segment's computation uses the region's blocks as scratch.
+
+    def _blend(self, t: BlendTransfer, remote: bool, place: bool = True) -> tuple[BlendTransfer, set[int], list[Any]]:
+        """Gather ``t`` (and, ``place``: place it, here on the forward thread). Returns what is to be
+        blended (``t`` cut where its segments stopped loading), the blocks vLLM must recompute (from
+        the cut on; all of them when anything else fails) and the gathered segment KV (to place)."""
         assert self.agent is not None
         metrics = self.agent.metrics
         exact_failed: set[int] = set()
@@ -212,56 +218,60 @@ class P2PWorker:
                 exact_failed = self._load(t.exact, remote=remote)
                 if exact_failed:
                     raise ValueError("its exact prefix did not load")
-            cut = self._load_segments(t, remote)
+            cut, gathered = self._gather_segments(t, remote)
             if cut < t.end:  # a chunk not loaded (a dead owner, a corrupt copy, the planner's budget)
                 log.info("request %s: segments loaded up to position %d of %d; the engine computes the rest",
                          t.req_id, cut, t.end)
                 failed = set(t.block_ids[cut // self._block_size: -(-t.end // self._block_size)])
                 t = dataclasses.replace(t, end=cut, recompute=[(s, min(e, cut)) for s, e in t.recompute if s < cut])
-                if cut <= t.exact_end:  # not one segment token reused: counted here, nothing left to recompute
+                if cut <= t.exact_end:  # not one segment token reused: counted here, nothing left to place
                     metrics.blend_requests.labels("failed").inc()
-                    return t, failed
-            if recompute:
-                self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
+                    return t, failed, []
+            if place:
+                self._place(t, gathered)
         except Exception as exc:  # a cache problem must never become a serving problem: the engine computes it
             log.info("request %s: blend failed (%s); %d tokens recomputed by the engine", t.req_id, exc,
                      t.end - t.exact_end)
             metrics.blend_requests.labels("failed").inc()
-            return t, t.blocks(self._block_size) | exact_failed
-        if recompute:
+            return t, t.blocks(self._block_size) | exact_failed, []
+        if place:
             self._count_blend(t, partial=bool(failed))
-        return t, failed
+            return t, failed, []
+        return t, failed, gathered
 
     def _count_blend(self, t: BlendTransfer, partial: bool) -> None:
         assert self.agent is not None
-        recomputed = sum(e - s for s, e in t.recompute)
+        recomputed = sum(e - s for s, e in t.recompute) + t.select
         metrics = self.agent.metrics
         metrics.blend_requests.labels("partial" if partial else "loaded").inc()
         metrics.blend_tokens.labels("recomputed").inc(recomputed)
         metrics.blend_tokens.labels("segment").inc(max(t.end - t.exact_end - recomputed, 0))
 
-    def _load_segments(self, t: BlendTransfer, remote: bool) -> int:
-        """Pull (or pin locally) the segment chunks of ``t`` and write the positions they cover, up to the
-        first chunk not loaded; returns where writing stopped (``t.end``: everything)."""
+    def _gather_segments(self, t: BlendTransfer, remote: bool) -> tuple[int, list[tuple[torch.Tensor, int, int]]]:
+        """Pull (or pin locally) the held segment chunks of ``t`` and decode the positions they cover, up
+        to the first chunk not loaded. Returns where that is (``t.end``: everything) and the pieces:
+        ``(kv, first position, segment start)``."""
         assert self.agent is not None and self._blender is not None
         agent, blender = self.agent, self._blender
+        held = [seg for seg in t.segments if not seg.fresh]
         keys, spans, pos = [], [], 0
-        for seg in t.segments:
+        for seg in held:
             for k, n in zip(seg.keys, seg.num_tokens, strict=True):
                 keys.append(ChunkKey(k))
                 spans.append((pos, pos + n))
                 pos += n
         deadline = self._deadline(t)
-        if remote:
+        if remote and keys:
             self._wait_for_index(t, keys, deadline)
         plan = agent.plan(keys, spans, pos)
         if len(plan.chunks) < len(keys):
             log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
                      len(plan.chunks) + 1, len(keys))
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
+        gathered: list[tuple[torch.Tensor, int, int]] = []
         try:
             i = 0
-            for seg in t.segments:
+            for seg in held:
                 first = 0  # the chunk's first token in its segment
                 for n in seg.num_tokens:
                     lo = max(seg.start + first, seg.start + seg.skip)
@@ -275,45 +285,90 @@ class P2PWorker:
                         if i < len(plan.chunks):
                             log.info("request %s: segment chunk %d of %d (from %s) not loaded", t.req_id, i + 1,
                                      len(keys), plan.chunks[i].source)
-                        return min(lo, t.end)
+                        return min(lo, t.end), gathered
                     if lo < hi:
                         kv = blender.decode(staged, n)[:, :, lo - seg.start - first: hi - seg.start - first]
-                        blender.write(kv, t.block_ids, lo, seg.start)
+                        gathered.append((kv, lo, seg.start))
                     first += n
                     i += 1
-            return t.end
+            return t.end, gathered
         finally:
             for pin in pins:
                 if pin is not None:
                     agent.unpin_chunk(pin)
 
+    def _place(self, t: BlendTransfer, gathered: list[tuple[torch.Tensor, int, int]]) -> None:
+        """The forward thread's part: fresh segments, every segment at its position, the recompute."""
+        assert self._blender is not None
+        blender = self._blender
+        runs = list(t.recompute)
+        fresh = [seg for seg in t.segments if seg.fresh and seg.start + seg.skip < t.end]
+        if fresh:
+            pieces, unplaced = self._fresh(t, fresh)
+            gathered = gathered + pieces
+            runs += unplaced
+        for kv, at, turn in gathered:
+            blender.write(kv, t.block_ids, at, turn)
+        if t.select:
+            segment_runs = [(seg.start + seg.skip, min(seg.end, t.end)) for seg in t.segments]
+            candidates = subtract_runs(segment_runs, runs)
+            runs += blender.deviating(t.token_ids, t.block_ids, (t.exact_end, t.end), candidates, t.select)
+        blender.recompute(t.token_ids, merge_runs(runs), t.block_ids)
+
+    def _fresh(self, t: BlendTransfer, fresh: list[SegmentChunks]) -> tuple[list[tuple[torch.Tensor, int, int]],
+                                                                               list[tuple[int, int]]]:
+        """Compute each fresh segment after the base alone, in the blend region's own blocks (scratch:
+        the base's KV copied to its start), save it under its keys and return it to be placed; a
+        segment the scratch can't hold (or whose last token the request does not give) is recomputed
+        in place instead (returned as a run) and not saved."""
+        assert self._blender is not None
+        blender, bs, base = self._blender, self._block_size, t.base_end
+        scratch = t.block_ids[-(-t.exact_end // bs): t.end // bs]  # blocks wholly inside the region
+        pieces: list[tuple[torch.Tensor, int, int]] = []
+        unplaced: list[tuple[int, int]] = []
+        copied = False
+        for seg in fresh:
+            lo, hi = seg.start + seg.skip, min(seg.end, t.end)
+            if -(-(base + seg.length) // bs) > len(scratch) or len(t.token_ids) < seg.start + seg.length:
+                log.info("request %s: a fresh segment at %d is computed in this context only (no scratch for it); "
+                         "not saved", t.req_id, seg.start)
+                unplaced.append((lo, hi))
+                continue
+            if not copied:
+                blender.write(blender.read(t.block_ids, 0, base, 0), scratch, 0, 0)
+                copied = True
+            kv = blender.isolated(t.token_ids[:base] + t.token_ids[seg.start: seg.start + seg.length], base, scratch)
+            self._store_segment(t.req_id, seg, _slicer(kv))
+            pieces.append((kv[:, :, lo - seg.start: hi - seg.start], lo, seg.start))
+        if self.agent is not None and pieces:
+            self.agent.metrics.blend_tokens.labels("fresh").inc(sum(kv.shape[2] for kv, _, _ in pieces))
+        return pieces, unplaced
+
     def _blend_async(self, t: BlendTransfer, submitted: float) -> None:
-        """The load thread's part of a pulled blend; the recompute waits for the forward thread."""
+        """The load thread's part of a pulled blend; placing it waits for the forward thread."""
         self._queued(submitted)
         try:
-            loaded, failed = self._blend(t, remote=True, recompute=False)
+            loaded, failed, gathered = self._blend(t, remote=True, place=False)
             left = loaded.end > loaded.exact_end and not failed >= loaded.blocks(self._block_size)
         except Exception:  # never leave the request waiting: the engine computes it
             log.exception("request %s: blend failed on the load thread", t.req_id)
-            loaded, left = t, False
+            loaded, left, gathered = t, False, []
             failed = t.blocks(self._block_size) | (blocks_from(t.exact, 0) if t.exact is not None else set())
         with self._done_lock:
-            self._recompute.append((loaded, failed, left))
+            self._recompute.append((loaded, failed, left, gathered))
             self._done_lock.notify_all()
 
     def _recompute_pulled(self) -> None:
-        """Recompute the pulled blends whose bytes are in place (forward thread), then report them."""
+        """Place the pulled blends whose bytes arrived (forward thread), then report them."""
         with self._done_lock:
             ready, self._recompute = self._recompute, []
-        for t, failed, left in ready:
+        for t, failed, left, gathered in ready:
             if left:
                 try:
-                    assert self._blender is not None
-                    self._blender.recompute(t.token_ids, t.recompute, t.block_ids)
+                    self._place(t, gathered)
                     self._count_blend(t, partial=bool(failed))
                 except Exception as exc:  # the engine computes it
-                    log.warning("request %s: recompute over the blended cache failed (%s); recomputed by the engine",
-                                t.req_id, exc)
+                    log.warning("request %s: placing its blend failed (%s); recomputed by the engine", t.req_id, exc)
                     assert self.agent is not None
                     self.agent.metrics.blend_requests.labels("failed").inc()
                     failed = failed | t.blocks(self._block_size)
@@ -473,34 +528,42 @@ class P2PWorker:
             agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
 
     def _save_segments(self, t: SegmentSave) -> None:
-        """Each declared segment's chunks from the blocks of a request that computed them, keys turned to the
-        segment's position 0 (``blend.py``); chunks held already are skipped."""
-        agent, blender = self.agent, self._blender
-        if agent is None or blender is None:
+        """The declared segments a request computed right after its base (``scheduler.py``: its first),
+        from its blocks, keys turned to the segment's position 0 (``blend.py``)."""
+        blender = self._blender
+        if self.agent is None or blender is None:
             return
         if t.req_id in self._unloaded:
             log.info("request %s: its load failed this step; its segments are not saved", t.req_id)
             return
         for seg in t.segments:
-            first = 0
-            for key, n in zip(seg.keys, seg.num_tokens, strict=True):
-                start, first = seg.start + first, first + n
-                if agent.holds(ChunkKey(key)):
-                    continue
-                kv = blender.read(t.block_ids, start, start + n, seg.start)
-                nbytes = kv.numel() * kv.element_size()
-                try:
-                    res = agent.reserve_chunk()
-                except Exception as exc:  # a full, pinned pool must not fail the forward pass
-                    log.warning("request %s: no slot to save a segment chunk: %s", t.req_id, exc)
-                    return
-                try:
-                    torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes).copy_(kv.contiguous().view(-1)
-                                                                                        .view(torch.uint8))
-                except Exception:
-                    agent.release_chunk(res)
-                    raise
-                agent.commit_chunk(res, ChunkKey(key), n, nbytes)
+            def kv_of(first: int, n: int, seg: SegmentChunks = seg) -> torch.Tensor:
+                return blender.read(t.block_ids, seg.start + first, seg.start + first + n, seg.start)
+            self._store_segment(t.req_id, seg, kv_of)
+
+    def _store_segment(self, req_id: str, seg: SegmentChunks, kv_of: Callable[[int, int], torch.Tensor]) -> None:
+        """Store ``seg``'s chunks not held yet; ``kv_of(first, n)``: the KV of its tokens ``[first, first + n)``."""
+        agent = self.agent
+        assert agent is not None
+        first = 0
+        for key, n in zip(seg.keys, seg.num_tokens, strict=True):
+            first += n
+            if agent.holds(ChunkKey(key)):
+                continue
+            kv = kv_of(first - n, n)
+            nbytes = kv.numel() * kv.element_size()
+            try:
+                res = agent.reserve_chunk()
+            except Exception as exc:  # a full, pinned pool must not fail the forward pass
+                log.warning("request %s: no slot to save a segment chunk: %s", req_id, exc)
+                return
+            try:
+                torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes).copy_(kv.contiguous().view(-1)
+                                                                                    .view(torch.uint8))
+            except Exception:
+                agent.release_chunk(res)
+                raise
+            agent.commit_chunk(res, ChunkKey(key), n, nbytes)
 
     def _check_later(self, t: ChunkTransfer) -> None:
         """Copy what the engine computed for each full chunk of ``t`` (its blocks are reused after
@@ -540,3 +603,8 @@ class P2PWorker:
 def _log_failure(future: concurrent.futures.Future[Any]) -> None:
     if not future.cancelled() and future.exception() is not None:
         log.error("canary check failed", exc_info=future.exception())
+
+
+def _slicer(kv: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
+    """``kv``'s tokens ``[first, first + n)`` (a segment's KV, to store chunk by chunk)."""
+    return lambda first, n: kv[:, :, first:first + n]
