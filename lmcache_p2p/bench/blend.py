@@ -5,21 +5,24 @@ A prompt is a base (``--base`` tokens: the system prompt), ``--pick`` documents 
 (``--continuation`` tokens, scored: the model's perplexity on text it has not seen, given all of the
 prompt before it). Documents, base, question and continuation are held-out text (never trained on).
 
-Engine A answers ``--prompts`` such prompts, declaring the documents as segments (it computes them and
-saves them as segments and prefixes). Engine B (same mesh) then gets the same document sets, each in
-another order, as:
+Engine A answers ``--prompts`` such prompts, declaring the documents as segments (its first prompt
+saves its first document; later ones blend what is held and compute the others fresh, after the base
+alone, and save them). Engine B (same mesh) then gets the same document sets, each in another order, as:
 
-    blend f=F      segments declared, recompute fraction F (each of ``--fractions``; 0 is plain
-                   concatenation, the lower bound that shows what the recompute buys)
+    blend f=F [deviation]  segments declared, recompute fraction F (each of ``--fractions``; 0 is plain
+                   concatenation, the lower bound that shows what the recompute buys), its tokens chosen
+                   by each of ``--selections`` (first: each document's first tokens; deviation: CacheBlend's)
     prefix-only    no segments declared: today's reuse, the exact prefix (the base)
 
 and a plain vLLM engine (no connector) computes the same prompts: ``full`` prefill, the reference.
-Per mode: ``reused`` (prompt tokens not computed by the engine, of all prompt tokens; ``cached`` is
-what the mesh held somewhere: base and documents), median TTFT and its ratio to full prefill and
-to prefix-only, and quality against full prefill: continuation perplexity (and its change),
-greedy agreement over ``--answer`` generated tokens, the largest |Δ logprob| of a continuation token.
-TTFT is measured inside the engine (its step loop), one request at a time. Engine mode: eager
-(``enforce_eager``), vLLM's own prefix cache off (blending needs it off).
+Per mode: ``reused`` (prompt tokens not computed by the engine, of all prompt tokens), median TTFT and
+its ratio to full prefill and to prefix-only, and quality against full prefill: ``--task
+continuation`` (the trained tiny model): continuation perplexity (and its change), greedy agreement
+over ``--answer`` generated tokens, the largest |Δ logprob| of a continuation token; ``--task facts``
+(a real instruct model, ``rag_task.py``): answers right, per question kind, and answers equal to the
+full prefill's. TTFT is measured inside the engine (its step loop), one request at a time. Engine
+mode: eager (``enforce_eager``); vLLM's own prefix cache off on the mesh engines unless
+``--prefix-caching`` (then B's blends run beside it).
 """
 
 from __future__ import annotations
@@ -68,23 +71,26 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
     """Engine A computes ``on_a`` (documents declared as segments); engine B, on the same mesh, each
     prompt of ``on_b`` in every mode (a blend per ``--fractions``, then prefix-only); a plain engine
     the full prefill of ``on_b``. Returns the full prefill's results and each mode's."""
-    modes = [f"blend f={f:g}" for f in args.fractions] + ["prefix-only"]
+    blends = {f"blend f={f:g}" + ("" if sel == "first" else f" {sel}"): {
+        "lmcache_p2p_recompute_fraction": f, "lmcache_p2p_blend_selection": sel}
+        for sel in args.selections for f in args.fractions if not (f in (0, 1) and sel != args.selections[0])}
+    modes = [*blends, "prefix-only"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     with EtcdServer(base_dir=str(work)) as etcd:
         engines: list[EngineProcess] = []
         try:
             for name in ("blend-a", "blend-b"):
                 cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
-                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype))
+                engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype,
+                                             prefix_caching=args.prefix_caching))
             a, b = (e.wait_ready() for e in engines)
             for engine in (a, b):
                 ask(engine, warm, None)
             for prompt, spans in on_a:
                 ask(a, prompt, {"lmcache_p2p_segments": spans})
             for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
-                for f, mode in zip(args.fractions, modes, strict=False):
-                    results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans,
-                                                         "lmcache_p2p_recompute_fraction": f}))
+                for mode, params in blends.items():
+                    results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans, **params}))
                 results["prefix-only"].append(ask(b, prompt, None))
         finally:
             for engine in engines:
@@ -138,8 +144,12 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     full, results = measure(args, work, model, warm, [(p.tokens, p.spans) for p, _ in pairs],
                             [(p.tokens, p.spans) for _, p in pairs], answer)
     questions = [second.question for _, second in pairs]
-    replies = {m: [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows]
-               for m, rows in {"full": full, **results}.items()}
+    end = tokenizer.token_to_id("<|im_end|>")
+
+    def reply(tokens: list[int]) -> str:  # the answer ends at the turn's end (what follows is not graded)
+        return tokenizer.decode(tokens[:tokens.index(end)] if end in tokens else tokens, skip_special_tokens=True)
+
+    replies = {m: [reply(r["tokens"]) for r in rows] for m, rows in {"full": full, **results}.items()}
     tokens = sum(len(second.tokens) for _, second in pairs)
     full_ms = statistics.median(r["ttft_s"] for r in full) * 1000
     prefix_ms = statistics.median(r["ttft_s"] for r in results["prefix-only"]) * 1000
@@ -210,6 +220,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--answer", type=int, default=32, help="tokens generated (greedy agreement)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.0, 1.0],
                         help="recompute fractions measured (the first is the default under test)")
+    parser.add_argument("--selections", nargs="+", default=["first"], choices=["first", "deviation"],
+                        help="how the recompute's tokens are chosen (each fraction but 0 and 1 is run with each)")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="the mesh engines run with vLLM's own prefix cache on (off: every reuse comes through "
+                        "the mesh)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
