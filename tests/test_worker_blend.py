@@ -96,6 +96,31 @@ def main() -> None:
         assert failed == set(blocks), sorted(failed)
         assert counts == {"loaded": 1, "partial": 1, "failed": 1}
         assert b.recomputed == [] and b.written == []
+
+        # a blend with an exact prefix that fails before that prefix is in place (no blender on this
+        # worker; the exact load raising) reports the prefix's blocks too: nothing claimed goes unreported
+        from lmcache_p2p.integrations.blocks import chunk_transfer
+
+        prefix_blocks = list(range(100, 100 + per))
+        for case in ("no-blender", "exact-raises"):
+            exact = chunk_transfer(case, chunk, [ChunkKey(b"\x99" * 16)], prefix_blocks + blocks, 0, chunk, chunk,
+                                   BLOCK)
+            t = BlendTransfer(case, exact, [SegmentChunks(seg_keys[0], [chunk, chunk], start=chunk, end=3 * chunk)],
+                              recompute=[], token_ids=list(range(3 * chunk)), block_ids=prefix_blocks + blocks,
+                              exact_end=chunk, end=3 * chunk, sync=True)
+            saved_blender, saved_load = worker._blender, worker._load
+            if case == "no-blender":
+                worker._blender = None
+            else:
+                def raising(*args: object, **kwargs: object) -> set[int]:
+                    raise RuntimeError("the exact load broke")
+                worker._load = raising  # type: ignore[method-assign]
+            try:
+                worker.start_load_kv(LMCacheP2PMetadata(blends=[t]))
+                failed = worker.get_block_ids_with_load_errors()
+            finally:
+                worker._blender, worker._load = saved_blender, saved_load  # type: ignore[method-assign]
+            assert set(prefix_blocks) <= failed and set(blocks[:2 * per]) <= failed, (case, sorted(failed))
     finally:
         worker.shutdown()
     print("ok")

@@ -80,7 +80,8 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
         engines: list[EngineProcess] = []
         try:
             for name in ("blend-a", "blend-b"):
-                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport)
+                # room for every prompt's chunks (the real model's are 5.6 MiB): nothing measured is evicted
+                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport, cpu_capacity="2GiB")
                 engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype,
                                              prefix_caching=args.prefix_caching))
             a, b = (e.wait_ready() for e in engines)

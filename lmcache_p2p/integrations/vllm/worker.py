@@ -209,7 +209,9 @@ class P2PWorker:
         the cut on; all of them when anything else fails) and the gathered segment KV (to place)."""
         assert self.agent is not None
         metrics = self.agent.metrics
-        exact_failed: set[int] = set()
+        # the exact prefix's blocks count as not filled until its load says otherwise: a blend that fails
+        # before or inside that load reports them too (vLLM must never run over blocks nobody filled)
+        exact_failed: set[int] = blocks_from(t.exact, 0) if t.exact is not None else set()
         failed: set[int] = set()
         try:
             if self._blender is None:
