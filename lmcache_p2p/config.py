@@ -179,7 +179,9 @@ class CanaryConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlendConfig:
     """Reuse of a request's declared segments (RAG documents) at any position
-    (``integrations/segments.py``): ``enabled`` lets requests that declare segments blend;
+    (``integrations/segments.py``): ``enabled`` lets requests that declare segments blend when they ask
+    (``lmcache_p2p_blend``, or a fraction or selection of their own), or all of them (``by_default``):
+    on the graded task of ``bench blend`` no setting keeps a full prefill's answers (README);
     ``recompute_fraction`` of each placed segment's tokens is recomputed through the model against the
     blended context (0: plain concatenation; 1: every token, a full prefill's KV), chosen by
     ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
@@ -188,6 +190,7 @@ class BlendConfig:
     step): a blend over it is refused and the request is served prefix-only, whatever it asks."""
 
     enabled: bool = True
+    by_default: bool = False
     recompute_fraction: float = 0.15
     selection: str = "first"
     max_recompute_tokens: int = 4096

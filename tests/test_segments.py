@@ -5,11 +5,16 @@ from __future__ import annotations
 import pytest
 
 from lmcache_p2p.integrations.segments import (
+    BLEND_PARAM,
+    FRACTION_PARAM,
+    SEGMENTS_PARAM,
+    SELECTION_PARAM,
     SegmentError,
     plan_blend,
     read_fraction,
     read_segments,
     segment_chunks,
+    wants_blend,
 )
 from lmcache_p2p.keys import FingerprintDigest, chunk_keys
 
@@ -115,3 +120,12 @@ def test_plan_blend_leaves_the_last_prompt_token_to_the_engine():
     plan = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0)
     assert plan is not None and plan.end == len(prompt) - 1 and plan.segments[0].end == len(prompt) - 1
     assert plan.recompute == [(256, len(prompt) - 1)]
+
+
+def test_a_request_is_blended_when_it_asks_or_when_the_operator_says_every_one_is():
+    assert not wants_blend(None, False) and wants_blend(None, True)
+    assert not wants_blend({SEGMENTS_PARAM: [[0, 1]]}, False)
+    assert wants_blend({BLEND_PARAM: True}, False) and not wants_blend({BLEND_PARAM: False}, True)
+    assert wants_blend({FRACTION_PARAM: 0.3}, False) and wants_blend({SELECTION_PARAM: "deviation"}, False)
+    with pytest.raises(SegmentError, match=BLEND_PARAM):
+        wants_blend({BLEND_PARAM: "yes"}, False)

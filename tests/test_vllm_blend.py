@@ -93,7 +93,8 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         def ask(engine: EngineProcess, order: tuple[int, ...], **params: object) -> dict:
             prompt, spans = prompts[order]
             return engine.request("generate", [prompt], max_tokens=ANSWER,
-                                  kv_transfer_params={"lmcache_p2p_segments": spans, **params})[0]
+                                  kv_transfer_params={"lmcache_p2p_segments": spans, "lmcache_p2p_blend": True,
+                                                      **params})[0]
 
         first = ask(a, (0, 1, 2))
         assert first["tokens"] == ref[(0, 1, 2)] and first["num_cached_tokens"] == 0

@@ -66,7 +66,7 @@ def test_blends_beside_vllms_prefix_cache_never_become_exact_hits_and_stay_bound
         engine.wait_ready()
 
         def ask(prompt: list[int], spans: list[list[int]] | None) -> dict:
-            params = {"lmcache_p2p_segments": spans} if spans else None
+            params = {"lmcache_p2p_segments": spans, "lmcache_p2p_blend": True} if spans else None
             return engine.request("generate", [prompt], max_tokens=ANSWER, kv_transfer_params=params)[0]
 
         computed = ask(first, first_spans)

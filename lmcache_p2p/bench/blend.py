@@ -72,7 +72,7 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
     prompt of ``on_b`` in every mode (a blend per ``--fractions``, then prefix-only); a plain engine
     the full prefill of ``on_b``. Returns the full prefill's results and each mode's."""
     blends = {f"blend f={f:g}" + ("" if sel == "first" else f" {sel}"): {
-        "lmcache_p2p_recompute_fraction": f, "lmcache_p2p_blend_selection": sel}
+        "lmcache_p2p_blend": True, "lmcache_p2p_recompute_fraction": f, "lmcache_p2p_blend_selection": sel}
         for sel in args.selections for f in args.fractions if not (f in (0, 1) and sel != args.selections[0])}
     modes = [*blends, "prefix-only"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
@@ -88,7 +88,7 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
             for engine in (a, b):
                 ask(engine, warm, None)
             for prompt, spans in on_a:
-                ask(a, prompt, {"lmcache_p2p_segments": spans})
+                ask(a, prompt, {"lmcache_p2p_segments": spans, "lmcache_p2p_blend": True})
             for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
                 for mode, params in blends.items():
                     results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans, **params}))

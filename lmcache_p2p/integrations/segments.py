@@ -42,6 +42,7 @@ from .blocks import ChunkTransfer
 SEGMENTS_PARAM = "lmcache_p2p_segments"
 FRACTION_PARAM = "lmcache_p2p_recompute_fraction"  # a request's own blend.recompute_fraction
 SELECTION_PARAM = "lmcache_p2p_blend_selection"  # a request's own blend.selection
+BLEND_PARAM = "lmcache_p2p_blend"  # true: blend this request's segments (false: prefix reuse only)
 MAX_SEGMENTS = 256
 
 
@@ -159,6 +160,19 @@ def read_fraction(params: Any, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
         raise SegmentError(f"{FRACTION_PARAM}: {value!r} is not a number in [0, 1]")
     return float(value)
+
+
+def wants_blend(params: Any, default: bool) -> bool:
+    """Whether a request asks to be blended: ``lmcache_p2p_blend`` when it says, else true when it asks
+    for a blend setting (a recompute fraction or selection), else ``default`` (``blend.by_default``);
+    :class:`SegmentError` when the flag is not a boolean."""
+    if not isinstance(params, dict):
+        return default
+    if BLEND_PARAM in params:
+        if not isinstance(params[BLEND_PARAM], bool):
+            raise SegmentError(f"{BLEND_PARAM}: {params[BLEND_PARAM]!r} is not true or false")
+        return bool(params[BLEND_PARAM])
+    return default or FRACTION_PARAM in params or SELECTION_PARAM in params
 
 
 def read_selection(params: Any, default: str) -> str:

@@ -83,6 +83,7 @@ from ..segments import (
     read_segments,
     read_selection,
     segment_chunks,
+    wants_blend,
 )
 from .metadata import LMCacheP2PMetadata
 
@@ -290,6 +291,12 @@ class P2PScheduler:
             return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
 
         params = getattr(request, "kv_transfer_params", None)
+        try:
+            if not wants_blend(params, self._config.blend.by_default):
+                return None  # its segments are saved and reused as prefixes; it did not ask to be blended
+        except SegmentError as exc:
+            log.warning("request %s: %s; not blended", request.request_id, exc)
+            return None
         try:
             fraction = read_fraction(params, self._blend_fraction)
             selection = read_selection(params, self._blend_selection)
