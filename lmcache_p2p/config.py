@@ -192,7 +192,7 @@ class BlendConfig:
     enabled: bool = True
     by_default: bool = False
     recompute_fraction: float = 0.15
-    selection: str = "first"
+    selection: str = "deviation"
     max_recompute_tokens: int = 4096
 
     def __post_init__(self) -> None:

@@ -1,13 +1,17 @@
 """Where a prompt's cache is: the score a router asks every agent for, ``POST /v1/score``.
 
-    POST /v1/score  {"tokens": [ids...], "model": "<model id>" (optional)}
-    200 {"fingerprint", "model", "tokens", "chunk_size",
-         "nodes": [{"node", "role", "matched_tokens", "local_tokens": {tier: n}, "peer_tokens",
-                    "sources": {peer: tokens}, "estimated_load_ms", "estimated_compute_ms",
-                    "estimated_ttft_ms"}, ...],              best first
+    POST /v1/score  {"tokens": [ids...], "model": "<model id>" (optional),
+                     "segments": [[start, end], ...] (optional: the prompt's documents, as a request
+                                                     declares them in kv_transfer_params),
+                     "blend": true | false (optional: whether the request asks to be blended;
+                                            default this agent's blend.by_default)}
+    200 {"fingerprint", "model", "tokens", "chunk_size", "segments",
+         "nodes": [{"node", "role", "matched_tokens", "segment_tokens", "recompute_tokens",
+                    "computed_tokens", "local_tokens": {tier: n}, "peer_tokens", "sources": {peer: tokens},
+                    "estimated_load_ms", "estimated_compute_ms", "estimated_ttft_ms"}, ...],  best first
          "best": "<node id>" | null}
-    4xx {"error": "..."}  bad JSON, no or non-integer tokens, a model not served here, a body over
-                          MAX_BODY_BYTES; never a crash
+    4xx {"error": "..."}  bad JSON, no or non-integer tokens, malformed segments, a model not served
+                          here, a body over MAX_BODY_BYTES; never a crash
 
 Every node serving this agent's fingerprint with all of its KV heads (an engine, not one TP rank)
 is scored from this agent's mirror of the index with that node's own planner (``plan.make_plan``):
@@ -15,28 +19,47 @@ leading chunks it holds itself (by tier), then chunks usable peers hold (the lea
 pieces from the ranks of a TP engine), until the first chunk nobody holds. Estimates use this agent's
 measurements: its pull-time model per source peer (pulls from several peers overlap), a local
 read rate, and its engine's prefill rate for the tokens left to compute (unknown until it
-prefilled once: then only the load is estimated). Ties (a prompt nobody holds) are broken by
-rendezvous hashing on the prompt's first chunk: new documents spread over the nodes, and each keeps
-going to the same one. The served HTTP is the agent's metrics port
-(``/metrics`` stays as it was); the HTTP itself is the standard library's WSGI server.
+prefilled once: then only the load is estimated).
+
+Segments (RAG documents, ``integrations/segments.py``) of a request that asks to be blended: after a
+node's exact prefix (``matched_tokens``), its blend is planned as its scheduler side plans it
+(``plan_blend``, with this agent's ``blend`` settings): a declared segment is held there when the node
+holds or can pull all of its chunks.
+``segment_tokens`` are the held segments' tokens the blend places, ``recompute_tokens`` what it runs
+through the model (glue, each segment's recompute fraction, segments held nowhere computed fresh),
+``computed_tokens`` every prompt token the node would compute (``num_tokens - matched_tokens`` without a
+blend). The segment chunks' loads count in ``estimated_load_ms`` (and in ``local_tokens``,
+``peer_tokens``, ``sources``), the computed tokens in ``estimated_compute_ms``. The score assumes every
+engine blends; one that does not (``blend.enabled`` false, a refused setting, a request's own fraction)
+reuses documents differently. Without segments, or without a blend asked for, ``segment_tokens`` and
+``recompute_tokens`` are 0.
+
+Ties (a prompt nobody holds) are broken by rendezvous hashing on the prompt's first chunk: new
+documents spread over the nodes, and each keeps going to the same one. The served HTTP is the agent's
+metrics port (``/metrics`` stays as it was); the HTTP itself is the standard library's WSGI server.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import xxhash
 
-from .config import AgentConfig
+from .config import AgentConfig, BlendConfig
 from .estimates import PeerEstimates, PrefillRate
 from .ids import TIER_NAMES, NodeId
 from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
+from .integrations.segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, plan_blend, read_segments
+from .integrations.segments import segment_chunks as segment_chunks_of
 from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, tokens_to_array
-from .plan import LOCAL, HitPlan, make_plan
+from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
@@ -63,13 +86,23 @@ class Node(Protocol):
     def node_record(self) -> NodeRecord: ...
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ScoreRequest:
+    tokens: list[int]
+    segments: list[tuple[int, int]] | None = None  # declared segments (documents)
+    blend: bool | None = None  # whether the request asks to be blended (None: blend.by_default)
+
+
 class ScoreError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
 
 
-def parse_request(body: bytes, agent: Node) -> list[int]:
+Owners = dict[NodeId, int]  # holder -> tier byte
+
+
+def parse_request(body: bytes, agent: Node) -> ScoreRequest:
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -85,20 +118,34 @@ def parse_request(body: bytes, agent: Node) -> list[int]:
     if model is not None and model != agent.fingerprint.model_id:
         raise ScoreError(404, f"model {str(model)[:200]!r} is not served here (this agent serves "
                               f"{agent.fingerprint.model_id!r})")
-    return tokens
+    blend = data.get("blend")
+    if blend is not None and not isinstance(blend, bool):
+        raise ScoreError(400, "'blend' must be true or false")
+    try:
+        raw = data.get("segments")
+        segments = read_segments({SEGMENTS_PARAM: raw}, len(tokens)) if raw is not None else None
+    except SegmentError as exc:
+        raise ScoreError(400, f"'segments': {str(exc).removeprefix(SEGMENTS_PARAM + ': ')}") from exc
+    return ScoreRequest(tokens, segments, blend)
 
 
-def score(agent: Node, tokens: list[int]) -> dict[str, Any]:
-    """The score of every engine of this fingerprint for ``tokens`` (see the module docstring)."""
+def score(agent: Node, tokens: list[int], segments: list[tuple[int, int]] | None = None,
+          blend: bool | None = None) -> dict[str, Any]:
+    """The score of every engine of this fingerprint for ``tokens`` with its declared ``segments``, blended
+    when ``blend`` (None: ``blend.by_default``); see the module docstring."""
     arr = tokens_to_array(tokens)
     keys, spans = agent.keys_for(arr)
+    blends = agent.config.blend.by_default if blend is None else blend
+    declared = segment_chunks_of(agent.fp, tokens, segments, agent.config.chunk_size) if segments and blends else []
+    every = keys + [ChunkKey(k) for seg in declared for k in seg.keys]
     index = agent.index
     nodes = index.nodes() if index is not None else {}
-    owners = index.owners(agent.fp, keys) if index is not None else [{} for _ in keys]
+    found = index.owners(agent.fp, every) if index is not None else [{} for _ in every]
     fp_hex, total = agent.fp.hex(), agent.fingerprint.num_kv_heads
     if agent.node_id not in nodes:  # our own record may not be in the mirror yet (etcd down)
         nodes = {**nodes, agent.node_id: agent.node_record()}
-        owners = [{**o, agent.node_id: 0} if agent.holds(k) else o for o, k in zip(owners, keys, strict=True)]
+        found = [{**o, agent.node_id: 0} if agent.holds(k) else o for o, k in zip(found, every, strict=True)]
+    by_key = dict(zip(every, found, strict=True))
     usable: dict[NodeId, bool] = {}
 
     def can_pull(node: NodeId) -> bool:
@@ -110,22 +157,49 @@ def score(agent: Node, tokens: list[int]) -> dict[str, Any]:
     def heads_of(node: NodeId) -> HeadRange:  # asked only of nodes can_pull passed: they have a record
         return nodes[node].heads_of(fp_hex, total)
 
+    def plan_at(node: NodeId, chunks: Sequence[ChunkKey], chunk_spans: list[tuple[int, int]]) -> HitPlan:
+        return _plan_of(node, list(chunks), chunk_spans, [by_key[k] for k in chunks], can_pull, heads_of, (0, total),
+                        len(arr))
+
     rows = []
     for node, record in nodes.items():
         if fp_hex not in record.fingerprints or record.heads_of(fp_hex, total) != (0, total):
             continue
-        plan = _plan_of(node, keys, spans, owners, can_pull, heads_of, (0, total), len(arr))
-        rows.append(_score_plan(agent, node, record.role, plan, owners, len(arr)))
+        plan = plan_at(node, keys, spans)
+        blended, loads = (_blend_of(declared, plan.hit_tokens, len(arr), functools.partial(plan_at, node),
+                                    agent.config.blend) if declared else (None, []))
+        rows.append(_score_plan(agent, node, record.role, plan, blended, loads, by_key, len(arr)))
     # Ties (a prompt nobody holds) go by rendezvous hashing on the prompt's first chunk: one document
     # keeps going to one node while different documents spread over all of them.
     first = bytes(keys[0]) if keys else b""
-    rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"],
+    rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"] - r["segment_tokens"],
                              xxhash.xxh3_64_intdigest(first + r["node"].encode())))
     return {"fingerprint": fp_hex, "model": agent.fingerprint.model_id, "tokens": len(arr),
-            "chunk_size": agent.config.chunk_size, "nodes": rows, "best": rows[0]["node"] if rows else None}
+            "chunk_size": agent.config.chunk_size, "segments": len(declared), "nodes": rows,
+            "best": rows[0]["node"] if rows else None}
 
 
-def _plan_of(node: NodeId, keys: list[ChunkKey], spans: list[tuple[int, int]], owners: list[dict[NodeId, int]],
+def _blend_of(declared: list[SegmentChunks], exact_end: int, num_tokens: int,
+              plan_at: Callable[[Sequence[ChunkKey], list[tuple[int, int]]], HitPlan],
+              blend: BlendConfig) -> tuple[BlendPlan | None, list[PlannedChunk]]:
+    """The blend a node's scheduler side would plan over the declared segments after its exact prefix
+    (``plan_blend``: a segment is held when its node can have all of its chunks: ``plan_at``; a blend
+    costing more than ``blend.max_recompute_tokens`` is refused), and the chunks that blend loads."""
+    spans = {seg.keys[0]: list(itertools.pairwise(itertools.accumulate(seg.num_tokens, initial=0)))
+             for seg in declared}
+    plans: dict[bytes, HitPlan] = {}
+
+    def held(seg_keys: list[bytes]) -> bool:
+        plans[seg_keys[0]] = plan = plan_at([ChunkKey(k) for k in seg_keys], spans[seg_keys[0]])
+        return len(plan.chunks) == len(seg_keys)
+
+    planned = plan_blend(declared, exact_end, num_tokens, held, blend.recompute_fraction, blend.selection)
+    if planned is None or planned.cost_tokens > blend.max_recompute_tokens:
+        return None, []
+    return planned, [c for seg in planned.segments if not seg.fresh for c in plans[seg.keys[0]].chunks]
+
+
+def _plan_of(node: NodeId, keys: list[ChunkKey], spans: list[tuple[int, int]], owners: list[Owners],
              can_pull: Callable[[NodeId], bool], heads_of: Callable[[NodeId], HeadRange], need: HeadRange,
              num_tokens: int) -> HitPlan:
     """The plan ``node``'s own planner would make (``CacheAgent.plan``: ``make_plan``): the chunks it
@@ -136,16 +210,16 @@ def _plan_of(node: NodeId, keys: list[ChunkKey], spans: list[tuple[int, int]], o
                      inflight={}, num_tokens=num_tokens, need=need, heads_of=heads_of)
 
 
-def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, owners: list[dict[NodeId, int]],
-                num_tokens: int) -> dict[str, Any]:
+def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, blend: BlendPlan | None,
+                loads: list[PlannedChunk], owners: dict[ChunkKey, Owners], num_tokens: int) -> dict[str, Any]:
     local: dict[str, int] = {}
     sources: dict[str, int] = {}  # tokens per peer (each piece of a chunk carries all of its tokens)
     pulled: dict[NodeId, int] = {}  # bytes per peer
     local_bytes = peer_tokens = 0
-    for chunk in plan.chunks:
+    for chunk in (*plan.chunks, *loads):
         tokens = chunk.end - chunk.start
         if chunk.source == LOCAL:
-            tier = TIER_NAMES.get(owners[chunk.index][node], "cpu")
+            tier = TIER_NAMES.get(owners[chunk.key][node], "cpu")
             local[tier] = local.get(tier, 0) + tokens
             local_bytes += agent.chunk_bytes
             continue
@@ -156,11 +230,15 @@ def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, owners: lis
             sources[part.source] = sources.get(part.source, 0) + tokens
             pulled[part.source] = pulled.get(part.source, 0) + share
     matched = plan.hit_tokens
+    segment = sum(seg.end - seg.start - seg.skip for seg in blend.segments if not seg.fresh) if blend else 0
+    recomputed = blend.cost_tokens if blend is not None else 0
+    computed = num_tokens - (blend.end if blend is not None else matched) + recomputed
     pull_s = max((agent.peer_estimates.expected_s(p, n) for p, n in pulled.items()), default=0.0)
     load_s = pull_s + local_bytes / (LOCAL_READ_GBPS * 1e9)
-    compute_s = agent.prefill.recompute_s(num_tokens - matched) if matched < num_tokens else 0.0
+    compute_s = agent.prefill.recompute_s(computed) if computed > 0 else 0.0
     return {
-        "node": node, "role": role, "matched_tokens": matched, "local_tokens": local,
+        "node": node, "role": role, "matched_tokens": matched, "segment_tokens": segment,
+        "recompute_tokens": recomputed, "computed_tokens": computed, "local_tokens": local,
         "peer_tokens": peer_tokens, "sources": sources,
         "estimated_load_ms": round(1e3 * load_s, 3),
         "estimated_compute_ms": None if compute_s is None else round(1e3 * compute_s, 3),
@@ -186,7 +264,8 @@ def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: Node) -> Callab
             if length > MAX_BODY_BYTES:
                 raise ScoreError(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
             body = environ["wsgi.input"].read(length)
-            status, payload = 200, score(agent, parse_request(body, agent))
+            asked = parse_request(body, agent)
+            status, payload = 200, score(agent, asked.tokens, asked.segments, asked.blend)
         except ScoreError as exc:
             status, payload = exc.status, {"error": str(exc)}
         except Exception as exc:  # a scoring bug must not take the metrics server down

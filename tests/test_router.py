@@ -106,14 +106,18 @@ Scenario = Callable[[str, list[FakeEngine], Router], Awaitable[None]]
 
 def run_router(n: int, scenario: Scenario, *, config: RouterConfig | None = None,
                pools: tuple[str, ...] | None = None, score: dict[str, Any] | None = None,
-               health_timeout_s: float = 0.3) -> None:
-    """``n`` fake engines behind a router on a free port; ``scenario(router_url, engines, router)``."""
+               health_timeout_s: float = 0.3, engine_type: Callable[[str], FakeEngine] = FakeEngine,
+               scored: list[dict[str, Any]] | None = None) -> None:
+    """``n`` fake engines (``engine_type``) behind a router on a free port; ``scenario(router_url, engines,
+    router)``; the score requests it made are appended to ``scored``."""
 
     async def main() -> None:
-        engines = [await FakeEngine(f"e{i}").start() for i in range(n)]
+        engines = [await engine_type(f"e{i}").start() for i in range(n)]
         score_app = web.Application()
 
         async def score_handler(request: web.Request) -> web.Response:
+            if scored is not None:
+                scored.append(await request.json())
             return web.json_response(score or {"nodes": []})
 
         score_app.router.add_post("/v1/score", score_handler)

@@ -88,9 +88,10 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     assert fresh is not None and fresh.end == spans[-1][1] and fresh.recompute == []
     assert [s.fresh for s in fresh.segments] == [False, True, False] and fresh.base_end == 256
     assert fresh.fresh_tokens == 300 and fresh.cost_tokens == 300
-    # ... unless the base is not in place first (not exactly held): then the blend stops before it
-    partial = plan_blend(segs, 0, len(prompt), lambda keys: not missing & set(keys), 0.0)
-    assert partial is not None and partial.end == 768 and partial.recompute == [(0, 256)]
+    # ... also when the base is not exactly held (the worker computes it first: a prefix)
+    unheld_base = plan_blend(segs, 0, len(prompt), lambda keys: not missing & set(keys), 0.0)
+    assert unheld_base is not None and unheld_base.end == spans[-1][1] and unheld_base.recompute == [(0, 256)]
+    assert [s.fresh for s in unheld_base.segments] == [False, True, False]
     # nothing held at all: no blend (the engine computes it, and saves its first document)
     assert plan_blend(segs, 256, len(prompt), lambda keys: False, 0.1) is None
 

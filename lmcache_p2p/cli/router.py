@@ -56,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
                    "before its first byte; then the next engine (default 60)")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--route-timeout", type=float, default=0.5, help="tokenize and score, each (default 0.5 s)")
+    p.add_argument("--documents-timeout", type=float, default=2.0, help="placing a chat request's documents: "
+                   "its /tokenize calls together; past it, forwarded without spans (default 2 s)")
     p.add_argument("--health-interval", type=float, default=1.0)
     p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--log-level", default="INFO")
@@ -139,7 +141,8 @@ def main(argv: list[str]) -> int:
                                     else CHUNK_TOKENS)
         config = RouterConfig(policy=args.policy, disaggregated=args.disaggregated, attempts=args.attempts,
                               first_byte_timeout_s=args.first_byte_timeout, request_timeout_s=args.request_timeout,
-                              route_timeout_s=args.route_timeout, chunk_tokens=chunk)
+                              route_timeout_s=args.route_timeout, documents_timeout_s=args.documents_timeout,
+                              chunk_tokens=chunk)
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -208,10 +208,9 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
 
     Every segment after the exact prefix is placed: a held one is loaded; one held nowhere is
     **fresh**: the worker computes it after the base alone (the KV its key promises, whatever precedes
-    it in this prompt), saves it and places it like a loaded one. A fresh segment needs the base in
-    place before anything else runs (the exact prefix covers it); without that the blend stops at the
-    first segment not held. Glue before a placed segment (and the base, when not exactly held) is
-    recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
+    it in this prompt), saves it and places it like a loaded one (the part of the base the exact prefix
+    does not cover is computed first). Glue before a placed segment (and the base, when not exactly
+    held) is recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
     (``selection`` "first", EPIC's), or (``"deviation"``, CacheBlend's) the ones whose keys move most
     once recomputed in this context, picked by the worker (``select``). Nothing past ``prompt_len - 1``
     (vLLM computes the last prompt token itself)."""
@@ -219,7 +218,6 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
         raise ValueError(f"selection {selection!r}: one of {SELECTIONS}")
     limit = prompt_len - 1
     base_end = segments[0].start if segments else 0
-    may_compute = exact_end >= base_end
     end, loads, runs, select, any_held = exact_end, [], [], 0, False
     for seg in segments:
         seg_end = seg.start + seg.length
@@ -228,8 +226,6 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
         if end >= limit:
             break
         is_held = held(seg.keys)
-        if not is_held and not may_compute:
-            break
         any_held = any_held or is_held
         first = max(seg.start, exact_end)
         if first > end:

@@ -9,15 +9,22 @@
 
 Every routed answer names its engine in ``X-LMCache-P2P-Engine`` (its agent's node id, else its URL).
 
-A request is tokenized once (the least busy engine's ``/tokenize``, with the chat template for chat: the
-exact tokens that engine will see), scored once (the least busy engine's agent's ``/v1/score``), and sent
-to the engine the policy picks (``policy.py``). Until the engine's first byte of answer reaches the router nothing has
-reached the client: an engine that refuses the connection, answers 5xx, is taken out by the health
-checks or says nothing within ``first_byte_timeout_s`` is charged and the request goes to the next
-best engine (at most ``attempts`` engines). After that the stream is the engine's; if it breaks, a
-streaming client gets an error event and the end of the stream, a non-streaming one a 502. Every wait
-is bounded: tokenize and score by ``route_timeout_s`` (the request is routed without them past it),
-an answer by ``request_timeout_s``.
+A request is tokenized once (``prompts.py``: the least busy engine's ``/tokenize``, with the chat
+template for chat: the exact tokens that engine will see), scored once (the least busy engine's agent's
+``/v1/score``), and sent to the engine the policy picks (``policy.py``). Until the engine's first byte of
+answer reaches the router nothing has reached the client: an engine that refuses the connection, answers
+5xx, is taken out by the health checks or says nothing within ``first_byte_timeout_s`` is charged and the
+request goes to the next best engine (at most ``attempts`` engines). After that the stream is the
+engine's; if it breaks, a streaming client gets an error event and the end of the stream, a non-streaming
+one a 502. Every wait is bounded: tokenize and score by ``route_timeout_s`` (the request is routed without
+them past it), placing documents by ``documents_timeout_s``, an answer by ``request_timeout_s``.
+
+A chat request carrying documents as data (vLLM's ``documents`` field, or messages marked
+``"lmcache_p2p_document": true``: ``lmcache_p2p/rag.py``) is rewritten, each document a message of its
+own, and forwarded with ``kv_transfer_params.lmcache_p2p_segments``: the documents' token spans, found
+with the engine's own ``/tokenize`` (``prompts.py``), so its documents are reused in any order. Where
+the template does not place them independently, it is forwarded without spans (prefix reuse only),
+counted by reason. A request's declared segments are scored too (``/v1/score``'s ``segments``).
 
 Disaggregated prefill (``--disaggregated``): the request first goes to a prefill-pool engine with
 ``max_tokens`` 1 (its chunks land in the mesh), then to a decode-pool engine with
@@ -42,8 +49,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from ..rag import DOCUMENTS_FIELD, DocumentError, place_documents
 from .engines import Engine, Fleet
 from .policy import Choice, Pending, Policy
+from .prompts import Prompts
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +73,11 @@ class RouterConfig:
     first_byte_timeout_s: float = 60.0  # an engine silent this long (before its first byte) is given up
     request_timeout_s: float = 600.0  # a whole answer
     route_timeout_s: float = 0.5  # tokenize + score, each
+    documents_timeout_s: float = 2.0  # placing a request's documents: its /tokenize calls together
     chunk_tokens: int = CHUNK_TOKENS
 
     def __post_init__(self) -> None:
-        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s"):
+        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s", "documents_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
         if self.attempts < 1:
@@ -108,6 +118,9 @@ class Metrics:
         self.engines = Gauge("lmcache_p2p_router_engines", "engines known, by state", ["state"], registry=r)
         self.score_failures = Counter("lmcache_p2p_router_score_failures", "tokenize or score calls that failed "
                                       "or ran out of time (routed without)", ["call"], registry=r)
+        self.documents = Counter("lmcache_p2p_router_documents", "chat requests carrying documents, by outcome: "
+                                 "segments (their spans declared), else why not (prefix reuse only)", ["outcome"],
+                                 registry=r)
 
 
 class Router:
@@ -118,6 +131,9 @@ class Router:
         self.policy = Policy(config.policy)
         self.pending = Pending(config.chunk_tokens)  # score_load: prompts routed moments ago, by prefix
         self.metrics = Metrics()
+        self.prompts = Prompts(session, self._least_busy, route_timeout_s=config.route_timeout_s,
+                               documents_timeout_s=config.documents_timeout_s,
+                               failures=self.metrics.score_failures, outcomes=self.metrics.documents)
         self._ids = itertools.count()
         self._rotate = itertools.count()
         fleet.on_change = self._engines_changed
@@ -175,7 +191,8 @@ class Router:
 
     def _least_busy(self) -> list[Engine]:
         """Healthy engines, the least busy first (queue, then requests in flight; the rotation breaks ties):
-        where the routing calls go (tokenize, score), so they do not wait behind the busiest engine's work."""
+        where the routing calls go (tokenize, score: ``prompts.py``), so they do not wait behind the busiest
+        engine's work."""
         mean = self.fleet.mean_prefill_s
         return sorted(self._any_engines(), key=lambda e: (round(e.queue_s(mean), 3), e.inflight))
 
@@ -198,7 +215,15 @@ class Router:
             return _error(400, "body must be a JSON object", "invalid_request_error")
         headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         chat = request.path == "/v1/chat/completions"
-        tokens = await self._tokens(payload, chat)
+        try:
+            plan = place_documents(payload.get("messages"), payload.get(DOCUMENTS_FIELD)) if chat else None
+        except DocumentError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        if plan is not None:
+            payload, tokens = await self.prompts.documents(payload, plan)
+            body = json.dumps(payload).encode()
+        else:
+            tokens = await self.prompts.tokens(payload, chat)
         if self.config.disaggregated:
             expect = await self._prefill(request.path, payload, tokens, headers)
             if expect:
@@ -215,7 +240,7 @@ class Router:
     async def _serve(self, request: web.Request, path: str, body: bytes, payload: dict[str, Any],
                      tokens: list[int] | None, pool: str, headers: dict[str, str],
                      started: float) -> web.StreamResponse:
-        score = await self._score(tokens) if tokens and self.config.policy != "round_robin" else None
+        score = await self.prompts.score(tokens, payload) if tokens and self.config.policy != "round_robin" else None
         hash_key = _hash_key(tokens, payload, self.config.chunk_tokens)
         prefixes = self.pending.prefixes(tokens) if tokens and self.config.policy == "score_load" else []
         tried: list[str] = []
@@ -346,7 +371,7 @@ class Router:
         prefill.pop("stream_options", None)
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
-        score = await self._score(tokens) if tokens and self.config.policy != "round_robin" else None
+        score = await self.prompts.score(tokens, payload) if tokens and self.config.policy != "round_robin" else None
         choice = self.policy.choose(self.fleet.candidates("prefill"), tokens=len(tokens or ()),
                                     hash_key=_hash_key(tokens, payload, self.config.chunk_tokens), score=score,
                                     mean_prefill_s=self.fleet.mean_prefill_s,
@@ -371,56 +396,6 @@ class Router:
         self.metrics.requests.labels(engine.name, "prefill_ok" if ok else "prefill_failed").inc()
         self.metrics.prefill_seconds.observe(time.monotonic() - started)
         return len(tokens) // self.config.chunk_tokens if ok and tokens else 0
-
-    async def _tokens(self, payload: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as an engine will see them; None when unknown (routed without a score)."""
-        if not chat:
-            prompt = payload.get("prompt")
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
-                prompt = prompt[0]  # a batch: routed by its first prompt
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return [int(t) for t in prompt]
-            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                return None
-            ask: dict[str, Any] = {"prompt": prompt}
-            if "add_special_tokens" in payload:
-                ask["add_special_tokens"] = payload["add_special_tokens"]
-        else:
-            if not isinstance(payload.get("messages"), list):
-                return None
-            ask = {k: payload[k] for k in ("messages", "add_generation_prompt", "continue_final_message",
-                                           "chat_template", "chat_template_kwargs", "add_special_tokens",
-                                           "tools") if k in payload}
-        if "model" in payload:
-            ask["model"] = payload["model"]
-        for engine in self._least_busy()[:1]:
-            try:
-                async with self.session.post(engine.url + "/tokenize", json=ask, timeout=self._short()) as resp:
-                    data = await resp.json() if resp.status == 200 else None
-                tokens = data.get("tokens") if isinstance(data, dict) else None
-                if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens):
-                    return tokens
-            except (TimeoutError, aiohttp.ClientError, ValueError):
-                pass
-        self.metrics.score_failures.labels("tokenize").inc()
-        return None
-
-    async def _score(self, tokens: list[int]) -> dict[str, Any] | None:
-        # One agent's mirror scores every engine: ask the least busy one's, never spend the budget on a second.
-        url = next((e.score_url for e in self._least_busy() if e.score_url), None)
-        if url is None:
-            return None
-        try:
-            async with self.session.post(url, json={"tokens": tokens}, timeout=self._short()) as resp:
-                data = await resp.json() if resp.status == 200 else None
-            if isinstance(data, dict):
-                return data
-        except (TimeoutError, aiohttp.ClientError, ValueError):
-            pass
-        self.metrics.score_failures.labels("score").inc()
-        return None
 
 
 def _hash_key(tokens: list[int] | None, payload: dict[str, Any], chunk: int) -> bytes:

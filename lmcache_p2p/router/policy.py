@@ -7,6 +7,11 @@
                   (``WORK_WEIGHT``: its wait, and the delay it adds behind it), the prefill from the
                   score's estimate or from a prompt routed there moments ago (``Pending``); the default
 
+A score row's reuse is the prompt less what the engine would compute there (``computed_tokens``): its
+exact prefix, and what a blend takes from the request's declared segments, its documents, held or
+pullable there (``segment_tokens``); rows of older agents give ``matched_tokens`` only. A RAG request
+goes where most of its documents are; the row's estimates already count the blend.
+
 Ties (equal expected TTFT, e.g. an idle fleet and a prompt nobody holds) go by rendezvous hashing on
 the prompt's first chunk of tokens (or of text, when the prompt could not be tokenized): a document keeps
 landing on the same engine, different documents spread over all of them. An engine the score does not
@@ -40,7 +45,7 @@ class Choice:
     engine: Engine
     expected_prefill_s: float  # the request's own load + prefill on it (what it adds to the queue)
     expected_ttft_s: float  # queue + that
-    matched_tokens: int  # prompt tokens the score expects from the cache there
+    matched_tokens: int  # prompt tokens the score expects from the cache there (exact prefix + segments)
 
 
 class Policy:
@@ -67,6 +72,8 @@ class Policy:
             compute = row.get("estimated_compute_ms")
             load = float(row.get("estimated_load_ms") or 0.0)
             matched = int(row.get("matched_tokens") or 0)
+            if isinstance(row.get("computed_tokens"), int):  # a blend over the request's documents counted
+                matched = tokens - int(row["computed_tokens"])
             if soon > matched:  # computed there already (or being computed): a local hit when its turn comes
                 return (tokens - soon) * s_per_token, soon
             if compute is None:  # its engine never prefilled: only the load is known

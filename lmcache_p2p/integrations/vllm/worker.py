@@ -306,6 +306,10 @@ class P2PWorker:
         runs = list(t.recompute)
         fresh = [seg for seg in t.segments if seg.fresh and seg.start + seg.skip < t.end]
         if fresh:
+            base = [(s, min(e, t.base_end)) for s, e in runs if s < t.base_end]
+            if base:  # the base in place first (fresh segments attend to it): a prefix, computed exactly
+                blender.recompute(t.token_ids, base, t.block_ids)
+                runs = subtract_runs(runs, base)
             pieces, unplaced = self._fresh(t, fresh)
             gathered = gathered + pieces
             runs += unplaced
@@ -325,7 +329,8 @@ class P2PWorker:
         in place instead (returned as a run) and not saved."""
         assert self._blender is not None
         blender, bs, base = self._blender, self._block_size, t.base_end
-        scratch = t.block_ids[-(-t.exact_end // bs): t.end // bs]  # blocks wholly inside the region
+        # blocks wholly inside the region and past the base (which the fresh computations read)
+        scratch = t.block_ids[-(-max(t.exact_end, base) // bs): t.end // bs]
         pieces: list[tuple[torch.Tensor, int, int]] = []
         unplaced: list[tuple[int, int]] = []
         copied = False

@@ -1,0 +1,207 @@
+"""What the router learns of a request before it routes it, from the engines and their agents.
+
+    tokens     the prompt's token ids as an engine will see them: the least busy engine's ``/tokenize``
+               (with the chat template for chat)
+    documents  a chat request carrying documents as data (``lmcache_p2p/rag.py``): rewritten, each document
+               a message of its own, and its documents' spans found with that engine's ``/tokenize``:
+                   T(messages, as the request asks)                        1 call
+                   T(context), T(context + each unit), [T(first doc)]      at most 2 x documents + 1 calls
+               made concurrently (at most ``PARALLEL_CALLS`` at a time), all within ``documents_timeout_s``
+    score      one agent's ``/v1/score`` of every engine, a request's declared segments included (and whether
+               it asks to be blended, when its ``kv_transfer_params`` say)
+
+Every ``/tokenize`` call carries what shapes the engine's rendering (:func:`chat_ask`), so the tokens are
+those the engine makes of the forwarded request and the spans refer to its prompt. Every call is bounded;
+one that fails or runs out of time is counted, and the request is routed (or forwarded) without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from prometheus_client import Counter
+
+from ..integrations.segments import (
+    BLEND_PARAM,
+    FRACTION_PARAM,
+    SEGMENTS_PARAM,
+    SELECTION_PARAM,
+    SegmentError,
+    read_segments,
+    wants_blend,
+)
+from ..rag import DOCUMENTS_FIELD, NotSegmentable, SpanPlan
+from .engines import Engine
+
+log = logging.getLogger(__name__)
+
+# The chat request's fields that /tokenize takes and that shape the prompt (and the model it is for)
+TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                   "add_special_tokens", "tools", "model")
+PARALLEL_CALLS = 8  # per request: 64 documents must not open 129 connections to one engine at once
+
+Tokenize = Callable[[dict[str, Any]], Awaitable[list[int] | None]]
+"""An engine's ``/tokenize``: the request body -> token ids (None: the call failed)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Placed:
+    tokens: list[int] | None  # the full prompt's (None: unknown)
+    spans: list[tuple[int, int]] | None  # the documents' (None: not declared)
+    outcome: str  # "segments", or why there are none (a metric label)
+
+
+class Prompts:
+    def __init__(self, session: aiohttp.ClientSession, engines: Callable[[], list[Engine]], *,
+                 route_timeout_s: float, documents_timeout_s: float, failures: Counter, outcomes: Counter) -> None:
+        """``engines``: the healthy engines, the least busy first; ``failures`` counts tokenize and score calls
+        that failed (by call), ``outcomes`` requests carrying documents (by outcome)."""
+        self.session = session
+        self.engines = engines
+        self.route_timeout_s = route_timeout_s
+        self.documents_timeout_s = documents_timeout_s
+        self.failures = failures
+        self.outcomes = outcomes
+
+    async def tokens(self, payload: dict[str, Any], chat: bool) -> list[int] | None:
+        """The prompt's token ids as an engine will see them; None when unknown (routed without a score)."""
+        ask = chat_ask(payload) if chat else _prompt_ask(payload)
+        if ask is None or isinstance(ask, list):
+            return ask
+        for engine in self.engines()[:1]:
+            tokens = await self._tokenize(engine, ask, timeout=self._short())
+            if tokens is not None:
+                return tokens
+        self.failures.labels("tokenize").inc()
+        return None
+
+    async def documents(self, payload: dict[str, Any], plan: SpanPlan) -> tuple[dict[str, Any], list[int] | None]:
+        """A request carrying documents as data, as it is forwarded (its documents messages of their own, their
+        spans in ``kv_transfer_params`` where the engine's template places them), and its prompt's tokens."""
+        payload = {k: v for k, v in payload.items() if k != DOCUMENTS_FIELD}
+        payload["messages"] = plan.messages
+        timeout = aiohttp.ClientTimeout(total=self.documents_timeout_s)
+        placed, outcome = None, "tokenize_failed"
+        for engine in self.engines()[:1]:  # one engine's template for every call
+            try:
+                async with asyncio.timeout(self.documents_timeout_s):
+                    placed = await place(plan, chat_ask(payload) or {},
+                                         functools.partial(self._tokenize, engine, timeout=timeout))
+                outcome = placed.outcome
+            except TimeoutError:
+                outcome = "timeout"
+        self.outcomes.labels(outcome).inc()
+        if placed is not None and placed.spans:
+            params = payload.get("kv_transfer_params")
+            params = dict(params) if isinstance(params, dict) else {}
+            params[SEGMENTS_PARAM] = [list(span) for span in placed.spans]
+            payload["kv_transfer_params"] = params
+        return payload, placed.tokens if placed is not None else None
+
+    async def score(self, tokens: list[int], payload: dict[str, Any]) -> dict[str, Any] | None:
+        # One agent's mirror scores every engine: ask the least busy one's, never spend the budget on a second.
+        url = next((e.score_url for e in self.engines() if e.score_url), None)
+        if url is None:
+            return None
+        ask: dict[str, Any] = {"tokens": tokens}
+        params = payload.get("kv_transfer_params")
+        try:  # declared segments (documents): the score counts what each engine holds of them too
+            spans = read_segments(params, len(tokens))
+        except SegmentError:
+            spans = None  # the engine ignores them as well
+        if spans:
+            ask["segments"] = [list(span) for span in spans]
+            blend = _asks_blend(params)
+            if blend is not None:
+                ask["blend"] = blend
+        try:
+            async with self.session.post(url, json=ask, timeout=self._short()) as resp:
+                data = await resp.json() if resp.status == 200 else None
+            if isinstance(data, dict):
+                return data
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            pass
+        self.failures.labels("score").inc()
+        return None
+
+    async def _tokenize(self, engine: Engine, ask: dict[str, Any], *,
+                        timeout: aiohttp.ClientTimeout) -> list[int] | None:
+        try:
+            async with self.session.post(engine.url + "/tokenize", json=ask, timeout=timeout) as resp:
+                data = await resp.json() if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return None
+        tokens = data.get("tokens") if isinstance(data, dict) else None
+        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+
+    def _short(self) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=self.route_timeout_s)
+
+
+def chat_ask(payload: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``/tokenize`` body for a chat request's prompt (None: its messages are not a list)."""
+    if not isinstance(payload.get("messages"), list):
+        return None
+    ask = {k: payload[k] for k in ("messages", *TOKENIZE_FIELDS) if k in payload}
+    effort = payload.get("reasoning_effort")
+    if isinstance(effort, str):  # what vLLM's chat request adds to the template's kwargs (build_chat_params)
+        kwargs = ask.get("chat_template_kwargs")
+        kwargs = dict(kwargs) if isinstance(kwargs, dict) else {}
+        if "enable_thinking" not in kwargs:
+            kwargs["enable_thinking"] = effort != "none"
+        if effort != "auto":
+            kwargs["reasoning_effort"] = effort
+        ask["chat_template_kwargs"] = kwargs
+    return ask
+
+
+def _asks_blend(params: Any) -> bool | None:
+    """Whether a request's ``kv_transfer_params`` ask for a blend (None: they do not say; the engines'
+    ``blend.by_default`` decides), as its engine's scheduler side reads them."""
+    if not isinstance(params, dict) or not any(k in params for k in (BLEND_PARAM, FRACTION_PARAM, SELECTION_PARAM)):
+        return None
+    try:
+        return wants_blend(params, False)
+    except SegmentError:
+        return False  # a malformed flag: the engine does not blend
+
+
+def _prompt_ask(payload: dict[str, Any]) -> dict[str, Any] | list[int] | None:
+    """The ``/tokenize`` body for a completion's prompt; its token ids when it is ids; None: no prompt."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+        prompt = prompt[0]  # a batch: routed by its first prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [int(t) for t in prompt]
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        return None
+    return {"prompt": prompt, **{k: payload[k] for k in ("add_special_tokens", "model") if k in payload}}
+
+
+async def place(plan: SpanPlan, ask: dict[str, Any], tokenize: Tokenize) -> Placed:
+    """The prompt's tokens and its documents' spans, from one engine's ``/tokenize`` (``tokenize``)."""
+    gate = asyncio.Semaphore(PARALLEL_CALLS)
+
+    async def call(messages: list[dict[str, Any]], whole: bool) -> list[int] | None:
+        body = {**ask, "messages": messages}
+        if not whole:
+            body.update(add_generation_prompt=False, continue_final_message=False)
+        async with gate:
+            return await tokenize(body)
+
+    full, *parts = await asyncio.gather(call(plan.messages, True), *(call(c, False) for c in plan.calls()))
+    if full is None or any(p is None for p in parts):
+        return Placed(full, None, "tokenize_failed")
+    try:
+        return Placed(full, plan.spans([p for p in parts if p is not None], full), "segments")
+    except NotSegmentable as exc:
+        log.info("documents not declared as segments (%s): %s; prefix reuse only", exc.reason, exc)
+        return Placed(full, None, exc.reason)
