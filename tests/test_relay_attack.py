@@ -24,6 +24,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,16 @@ def address_of(agent: CacheAgent, node: str) -> str | None:
     return None if record is None else record.addresses.get("tcp")
 
 
+def held(predicate: Any, seconds: float) -> bool:
+    """``predicate`` stayed true for ``seconds`` (polled)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if not predicate():
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def announced_by(etcd: Any, cluster: str, node: str) -> int:
     """Block entries ``node`` has in etcd, read back raw."""
     async def read() -> int:
@@ -144,7 +155,9 @@ def mesh(etcd: Any, cluster_name: str, tmp_path: Path, pki: Path) -> Iterator[An
                                         transfer={**tls_section(certs, "a"), **(transfer or {})}),
                              seeds=(SEED,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
         started.append(owner)
-        agent = victim(tmp_path, cluster_name, etcd.endpoints, {**tls_section(certs, "c"), **(transfer or {})})
+        # the relay's first answer may be slow on a busy machine: the victim waits for it (a trust test, not a timing one)
+        agent = victim(tmp_path, cluster_name, etcd.endpoints,
+                       {**tls_section(certs, "c"), "timeout_s": 10.0, "first_contact_s": 10.0, **(transfer or {})})
         started.append(agent)
         tokens = synthetic_tokens(SEED, TOKENS)
         assert wait_until(lambda: agent.lookup(tokens).hit_tokens == TOKENS, 15)
@@ -153,8 +166,10 @@ def mesh(etcd: Any, cluster_name: str, tmp_path: Path, pki: Path) -> Iterator[An
         relay = f"127.0.0.1:{attacker.port}"
         if mode == "evil":  # the forged record wins the plan (for every other chunk: it spreads the load)
             assert wait_until(lambda: "evil" in {ch.source for ch in agent.lookup(tokens).chunks}, 15)
-        else:
+        else:  # the owner republishes its record (config applied, free space) for a while after it starts:
+            # the forged address must have held a second in the victim's mirror
             assert wait_until(lambda: address_of(agent, "a") == relay, 15)
+            assert wait_until(lambda: held(lambda: address_of(agent, "a") == relay, 1.0), 15)
         return agent, attacker
 
     yield start
