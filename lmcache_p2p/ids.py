@@ -20,9 +20,16 @@ OBJECTS = NodeId("@objects")
 """The owner the index lists for a chunk the object store holds (``blocks/<fp>/<key>/@objects``,
 written by the uploader without a lease). No node can take the name: node ids have no ``@``."""
 
-NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:@\-]{1,253}")
-"""The node ids accepted from others (etcd keys and records, handshakes, certificates); a node's own
-``node_id`` is held to config.py's narrower rule."""
+NODE_ID_RE = re.compile(r"[A-Za-z0-9_.:\-]{1,253}")
+"""The node ids accepted from others (etcd keys and records, handshakes, certificates, an object's
+uploader); a node's own ``node_id`` is held to config.py's narrower rule. No ``@``: a certificate,
+handshake or node record can't name itself :data:`OBJECTS` (only a block entry's owner may be it,
+:func:`is_owner_id`)."""
+
+
+def is_owner_id(owner: str) -> bool:
+    """Whether ``owner`` may own a block entry: a node id, or the object store (:data:`OBJECTS`)."""
+    return owner == OBJECTS or NODE_ID_RE.fullmatch(owner) is not None
 
 # The transfer protocol's version (handshake and frames: transfer/wire.py); every node record carries it,
 # and nodes pull only from owners that speak the same (peers.compatible).

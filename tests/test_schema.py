@@ -12,7 +12,7 @@ from lmcache_p2p.chunk import ChunkHeader, make_header
 from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.errors import MalformedRecord
 from lmcache_p2p.explain import explain
-from lmcache_p2p.ids import TIER_CODES, NodeId, TierCode
+from lmcache_p2p.ids import NODE_ID_RE, OBJECTS, TIER_CODES, NodeId, TierCode
 from lmcache_p2p.index.generation import MAX_REVISION, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from lmcache_p2p.index.schema import (
     MAX_GENERATION,
@@ -157,6 +157,15 @@ def test_keys_and_tier_bytes() -> None:
             decode_block_key(len(prefix), bad)
     with pytest.raises(MalformedRecord):
         decode_node_key(0, b"\xff\xfe")
+    # the object store owns block entries; no node, certificate, handshake or uploader can take its name
+    assert decode_block_key(len(prefix), schema.block(fp, key, OBJECTS)) == (key, OBJECTS)
+    for bad_owner in (b"@n-1", b"n@1", b"@objectsx"):
+        with pytest.raises(MalformedRecord):
+            decode_block_key(len(prefix), prefix + key.hex().encode() + b"/" + bad_owner)
+    for not_a_node in (OBJECTS.encode(), b"a@b"):
+        with pytest.raises(MalformedRecord):
+            decode_node_key(0, not_a_node)
+    assert not NODE_ID_RE.fullmatch(OBJECTS)
     assert [decode_tier(bytes((t,))) for t in TierCode] == [0, 1, 2, 3]
     for bad_value in (b"", b"\x04", b"\x01\x01"):
         with pytest.raises(MalformedRecord):

@@ -42,7 +42,7 @@ import msgpack
 
 from ..config import ENGINE_POOLS, valid_engine_url
 from ..errors import MalformedRecord
-from ..ids import NODE_ID_RE, WIRE_VERSION, NodeId, PeerAddress, TierCode, host_port
+from ..ids import NODE_ID_RE, WIRE_VERSION, NodeId, PeerAddress, TierCode, host_port, is_owner_id
 from ..keys import ChunkKey, FingerprintDigest
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,13 @@ def decode_block_key(prefix_len: int, etcd_key: bytes) -> tuple[ChunkKey, NodeId
     hex_key = etcd_key[prefix_len:prefix_len + _HEX]
     if not _HEX_RE.fullmatch(hex_key) or etcd_key[prefix_len + _HEX:prefix_len + _HEX + 1] != b"/":
         raise MalformedRecord("block key", "expected <32 lower-case hex>/<node id>")
-    return ChunkKey(bytes.fromhex(hex_key.decode())), decode_node_key(prefix_len + _HEX + 1, etcd_key)
+    try:
+        owner = etcd_key[prefix_len + _HEX + 1:].decode()
+    except UnicodeDecodeError as exc:
+        raise MalformedRecord("block key", f"owner not UTF-8: {exc}") from exc
+    if not is_owner_id(owner):
+        raise MalformedRecord("block key", f"invalid owner {owner[:80]!r}")
+    return ChunkKey(bytes.fromhex(hex_key.decode())), NodeId(owner)
 
 
 _TIER_BYTES = frozenset(int(t) for t in TierCode)
