@@ -32,6 +32,7 @@ from .blend import blend_refusal
 from .layout import connector_config, engine_fingerprint
 from .metadata import LMCacheP2PMetadata
 from .scheduler import P2PScheduler
+from .support import kv_cache_refusal
 from .worker import P2PWorker
 
 if TYPE_CHECKING:
@@ -61,7 +62,11 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
             config = rank_config(config, rank, tp_size)  # one agent per rank: own node id, disk dir, ports
         self._scheduler: P2PScheduler | None = None
         self._worker: P2PWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        refusal = kv_cache_refusal(kv_cache_config, config.layout.num_layers)
+        if refusal is not None:  # neither loads nor saves for this engine: vLLM runs as if without us
+            log.warning("lmcache-p2p: this engine's KV cache is not supported, nothing is loaded or saved: %s",
+                        refusal)
+        elif role == KVConnectorRole.SCHEDULER:
             recompute_on_load_failure(vllm_config)
             self._scheduler = P2PScheduler(config, fingerprint, block_size, blend_refusal=blend_refusal(vllm_config),
                                            token_budget=vllm_config.scheduler_config.max_num_batched_tokens)
@@ -69,26 +74,30 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
             self._worker = P2PWorker(config, fingerprint, block_size, heads)
 
     # -- scheduler side ------------------------------------------------------------------------------
+    # (each side is None where this engine's KV cache is refused, support.py: no hit, no load, no save)
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._scheduler is not None:
+            self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return LMCacheP2PMetadata(num_scheduled_tokens=int(scheduler_output.total_num_scheduled_tokens))
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request, block_ids), None  # True: its tail is saved, then freed
 
     # -- worker side ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -96,7 +105,8 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
             self._worker.step_started(connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMCacheP2PMetadata)
         self._worker.start_load_kv(meta)
@@ -108,7 +118,8 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         return None  # whole chunks are gathered for all layers at once in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, LMCacheP2PMetadata)
         self._worker.wait_for_save(meta)
