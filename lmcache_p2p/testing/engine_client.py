@@ -23,7 +23,8 @@ class EngineProcess:
                  log_path: str | Path | None = None, env: dict[str, str] | None = None,
                  dtype: str = "bfloat16", kv_transfer_json: dict[str, Any] | None = None,
                  python: str = sys.executable, prefix_caching: bool = False,
-                 prefix: Sequence[str] = (), tensor_parallel_size: int = 1, max_lora_rank: int = 0) -> None:
+                 prefix: Sequence[str] = (), tensor_parallel_size: int = 1, max_lora_rank: int = 0,
+                 kv_cache_bytes: int | None = None) -> None:
         # ``python`` may be another venv's interpreter (e.g. .venv-lmcache/bin/python): engine_proc
         # imports only vLLM and the stdlib; put this repository on PYTHONPATH through ``env``.
         if agent_config is not None and kv_transfer_json is not None:
@@ -41,6 +42,8 @@ class EngineProcess:
             cmd += ["--tensor-parallel-size", str(tensor_parallel_size)]
         if max_lora_rank > 0:  # LoRA on: requests may name an adapter (``lora=``)
             cmd += ["--max-lora-rank", str(max_lora_rank)]
+        if kv_cache_bytes is not None:  # vLLM's KV cache (default 1 GiB): small, and requests get preempted
+            cmd += ["--kv-cache-bytes", str(kv_cache_bytes)]
         self.name = name
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,

@@ -208,8 +208,9 @@ class P2PScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         if not prompt or request.request_id in self._loaded:
-            # Asked again after a load for this request: the load failed (vLLM reset the request to
-            # recompute it). Offering the same hit again would loop; the engine computes it.
+            # Asked again after a load for this request, before its prompt was computed: the load failed
+            # (vLLM reset the request to recompute it). Offering the same hit again would loop; the engine
+            # computes it. (Asked again after its prompt was computed: vLLM preempted it; offered again.)
             return 0, False
         identity = self._identity(request)
         if identity is None:
@@ -425,6 +426,11 @@ class P2PScheduler:
                     state.block_ids.extend(new_ids[0])
         for req_id, state in self._requests.items():
             done = _computed_after_step(out, req_id)
+            if done is not None and done > len(state.prompt):
+                # decoding: its prompt was computed in an earlier step (its load, if any, went through, or vLLM
+                # has recomputed what failed); were vLLM to preempt it now, its hit may be offered again when
+                # it is rescheduled (its KV freed, its chunks in the mesh)
+                self._loaded.discard(req_id)
             if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
