@@ -53,9 +53,16 @@ KEY_FORMAT_VERSION = 3
 HeadRange = tuple[int, int]
 """KV heads ``[first, end)`` of a chunk that a payload holds (chunk payloads are head-major)."""
 
-HEAD_MAJOR_LAYOUTS = frozenset({"vllm-cpu"})
-"""KV layouts whose heads lead each block's bytes (see ``kernels/layout.py``): their chunks are
-stored head-major, so any TP layout can use any other's. Elsewhere each TP rank's bytes are its own."""
+KNOWN_CPU_LAYOUT = "vllm-cpu"
+"""vLLM-CPU's block order as this version reads it, proven by the engine's probe
+(``integrations/vllm/probe.py``); ``vllm-cpu+<digest>`` names another order the probe measured."""
+
+
+def is_head_major(kv_layout: str) -> bool:
+    """Layouts whose heads lead each block's bytes (see ``kernels/layout.py``; the probe checks each
+    head's values stay in its own run): their chunks are stored head-major, so any TP layout can use
+    any other's. Elsewhere each TP rank's bytes are its own."""
+    return kv_layout == KNOWN_CPU_LAYOUT or kv_layout.startswith(KNOWN_CPU_LAYOUT + "+")
 
 
 def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadRange:
@@ -114,7 +121,7 @@ class Fingerprint:
         """The one way to build a fingerprint: from a layout (the engine's, see
         ``integrations/vllm/layout.py``, or a standalone agent's config) and the engine's sharding,
         which counts only where the layout's heads can't be sliced."""
-        if layout.kv_layout in HEAD_MAJOR_LAYOUTS:
+        if is_head_major(layout.kv_layout):
             tp_size, tp_rank = 1, 0
         return cls(model_id=layout.model_id, kv_dtype=layout.kv_dtype, num_layers=layout.num_layers,
                    num_kv_heads=layout.num_kv_heads, head_size=layout.head_size, block_size=layout.block_size,

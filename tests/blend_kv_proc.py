@@ -32,11 +32,12 @@ def main() -> int:
     out: dict[str, object] = {"refusal": blend_refusal(runner.vllm_config), "layout": blender.key_layout}
     cfg = runner.vllm_config
     parts = {f: getattr(cfg, f) for f in ("cache_config", "parallel_config", "model_config", "lora_config",
-                                          "speculative_config")}
+                                          "speculative_config", "device_config")}
     refused = {}
     out["prefix_caching_refused"] = blend_refusal(SimpleNamespace(**{**parts, "cache_config": SimpleNamespace(
-        enable_prefix_caching=True, cache_dtype="auto")}))
-    for name, change in [("fp8", {"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8")}),
+        enable_prefix_caching=True, cache_dtype="auto", block_size=cfg.cache_config.block_size)}))
+    for name, change in [("fp8", {"cache_config": SimpleNamespace(enable_prefix_caching=False, cache_dtype="fp8",
+                                                                  block_size=cfg.cache_config.block_size)}),
                          ("lora", {"lora_config": object()}), ("spec", {"speculative_config": object()}),
                          ("tp", {"parallel_config": SimpleNamespace(tensor_parallel_size=2,
                                                                     pipeline_parallel_size=1)})]:

@@ -91,7 +91,8 @@ def test_live_mesh_then_a_hung_agent(etcd, cluster_name, tmp_path):
         lines = table.stdout.splitlines()
         assert "nodes 3" in lines[0] and "etcd 1/1 up" in lines[0] and lines[-1] == "healthy"
         assert [ln.split()[0] for ln in lines[2:5]] == ["a", "b", "c"]
-        assert [ln.split()[8] for ln in lines[2:5]] == ["5", "10", "0"]
+        assert [ln.split()[9] for ln in lines[2:5]] == ["5", "10", "0"]
+        assert [ln.split()[7] for ln in lines[2:5]] == ["vllm-cpu"] * 3  # LAYOUT: each node's kv_layout
 
         stop_process(agents[2].proc.pid)
         rc, report = status_json(etcd.endpoints, cluster_name)

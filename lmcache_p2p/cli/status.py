@@ -65,6 +65,7 @@ class NodeStatus:
     config_revision: int = 0  # the cluster config revision the node runs
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)  # field -> "restart" | "node"
     heads: str = ""  # KV heads held, "first-end/total" ("" when all)
+    layouts: list[str] = dataclasses.field(default_factory=list)  # kv_layout per fingerprint (vllm-cpu+<probe digest>)
     objects_pending: float | None = None  # object tier: uploads queued or in flight (None: no object tier)
     objects_errors: float = 0.0  # object store calls that failed (put, get, delete)
 
@@ -123,7 +124,8 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 free_bytes=dict(record.free), config_revision=record.config_revision,
                 config_deviations=dict(record.config_deviations),
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for s in record.served.values()
-                               if (h := s.partial_heads) is not None)), record))
+                               if (h := s.partial_heads) is not None),
+                layouts=[str(s.layout.get("kv_layout", "?")) for s in record.served.values()]), record))
         nodes.sort(key=lambda n: (n[0].engine, n[0].node_id))  # the ranks of one engine together
         quarantined = await read_quarantine(client, schema)
         objects = await _objects(client, schema)
@@ -236,14 +238,14 @@ def _gib(x: float) -> str:
 
 
 def render(report: dict[str, Any]) -> str:
-    head = ["ENGINE", "NODE", "ROLE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LEASE", "CHUNKS", "CPU GiB",
-            "DISK GiB", "HIT%", "HANDOFF out/in/drop", "OBJECTS pend/err", "CONFIG", "VERSION"]
+    head = ["ENGINE", "NODE", "ROLE", "HEADS", "ADDRESS", "TRANSPORTS", "FINGERPRINT", "LAYOUT", "LEASE", "CHUNKS",
+            "CPU GiB", "DISK GiB", "HIT%", "HANDOFF out/in/drop", "OBJECTS pend/err", "CONFIG", "VERSION"]
     rows = [head]
     for n in report["nodes"]:
         used, cap = n["tier_used_bytes"], n["tier_capacity_bytes"]
         rows.append([
             n["engine"], n["node_id"], n["role"], n["heads"] or "all", n["address"], ",".join(n["transports"]),
-            ",".join(n["fingerprints"]),
+            ",".join(n["fingerprints"]), ",".join(n.get("layouts") or ["-"]),
             "-" if n["lease_ttl_left_s"] is None else f"{n['lease_ttl_left_s']:.0f}s", str(n["chunks_registered"]),
             f"{_gib(used.get('cpu', 0))}/{_gib(cap.get('cpu', 0))}" if "cpu" in cap else "?",
             f"{_gib(used.get('disk', 0))}/{_gib(cap.get('disk', 0))}" if "disk" in cap else "-",

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 
 from ...kernels.rope import RopeSpec, rerotate_, rope_spec
+from ...keys import KNOWN_CPU_LAYOUT
 from .key_layout import key_views, self_test
+from .probe import engine_cpu_layout
 
 log = logging.getLogger(__name__)
 VLLM_SERIES = "0.32."  # the model runner and attention internals this module was written against
@@ -57,6 +59,10 @@ def blend_refusal(vllm_config: Any) -> str | None:
         return "tensor or pipeline parallel: every rank would have to recompute in lockstep (not built)"
     if str(vllm_config.cache_config.cache_dtype) != "auto":
         return f"kv cache dtype {vllm_config.cache_config.cache_dtype}: keys can't be turned exactly"
+    if str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")) == "cpu":
+        layout = engine_cpu_layout(vllm_config)
+        if layout != KNOWN_CPU_LAYOUT:  # e.g. AMX: keys and values are read in the order the probe proved
+            return f"KV layout {layout}: the engine's cache-write op does not write the order blending reads"
     model = vllm_config.model_config
     if model.get_sliding_window() is not None:
         return "sliding-window attention"

@@ -14,6 +14,7 @@ from ...config import AgentConfig, LayoutConfig, load_config
 from ...coordinator.apply import read_at_start
 from ...keys import Fingerprint
 from ..engine_identity import engine_model_id
+from .probe import engine_cpu_layout
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,22 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
         num_kv_heads=model.get_total_num_kv_heads(),  # every rank's: which a rank holds is in its records
         head_size=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
-        kv_layout="vllm-cpu" if device == "cpu" else f"vllm-{device}",
+        kv_layout=engine_cpu_layout(vllm_config) if device == "cpu" else _named_layout(vllm_config, device),
         tenant_salt=tenant_salt,
     )
+
+
+def _named_layout(vllm_config: Any, device: str) -> str:
+    """A GPU engine's layout, named (not probed): the attention backend and ``VLLM_KV_CACHE_LAYOUT``
+    change where each element of a block lands, so both are in the name. With the backend left to
+    vLLM (``auto``) two GPU models may still pick different ones: fleets of mixed GPUs set it
+    (README: support matrix). Never head-major: TP size and rank stay in the fingerprint."""
+    import os
+
+    attention = getattr(vllm_config, "attention_config", None)
+    backend = getattr(getattr(attention, "backend", None), "name", None) or "auto"
+    order = os.environ.get("VLLM_KV_CACHE_LAYOUT") or "default"
+    return f"vllm-{device}:{backend}:{order}"
 
 
 def engine_fingerprint(vllm_config: Any, config: AgentConfig, tp_rank: int = 0) -> Fingerprint:

@@ -42,7 +42,7 @@ from ...canary import Canary
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
 from ...kernels.paged import PagedKV
-from ...keys import HEAD_MAJOR_LAYOUTS, ChunkKey, Fingerprint, HeadRange
+from ...keys import ChunkKey, Fingerprint, HeadRange, is_head_major
 from ...plan import LOCAL
 from ..blocks import ChunkTransfer, blocks_from
 from ..segments import BlendTransfer, SegmentChunks, SegmentSave, merge_runs, subtract_runs
@@ -93,7 +93,7 @@ class P2PWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
-        split = self._heads[1] - self._heads[0] if self._config.layout.kv_layout in HEAD_MAJOR_LAYOUTS else 1
+        split = self._heads[1] - self._heads[0] if is_head_major(self._config.layout.kv_layout) else 1
         self._kv = PagedKV(list(kv_caches.values()), heads=split)
         self._blender = self._find_blender(kv_caches) if self._config.blend.enabled else None
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
