@@ -563,7 +563,8 @@ class CacheAgent:
             log.error("canary: cannot quarantine %s without etcd", record.node)
             return
         try:
-            self.loop.run(self.quarantine.add(record), self.config.etcd.timeout_s * 2)
+            self.loop.run(self.quarantine.add(record, self.config.canary.quarantine_ttl_s),
+                          self.config.etcd.timeout_s * 2)
         except LMCacheP2PError as exc:
             log.error("canary: writing the quarantine of %s failed: %s", record.node, exc)
 

@@ -162,18 +162,23 @@ class CanaryConfig:
     mesh could serve is computed by the engine instead, and every owner's copy of their chunks is
     compared with what it computed (a request can also ask, whatever the rate). A copy further than
     ``tolerance`` (relative L2; default by KV dtype: fp32 1e-3, fp16 0.02, bf16 0.05, fp8 0.15)
-    quarantines its owner; ``max_owners`` owners are asked per chunk, each pull within ``timeout_s``."""
+    quarantines its owner; ``max_owners`` owners are asked per chunk, each pull within ``timeout_s``.
+    A quarantine lapses after ``quarantine_ttl_s`` unless a new mismatch renews it (None: it stands
+    until ``lmcache-p2p verify --release``)."""
 
     rate: float = 0.0
     tolerance: float | None = None
     max_owners: int = 4
     timeout_s: float = 5.0
+    quarantine_ttl_s: float | None = 3600.0
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.rate <= 1.0, "canary.rate", "must be in [0, 1]")
         _check(self.tolerance is None or self.tolerance > 0, "canary.tolerance", "must be > 0")
         _check(self.max_owners >= 1, "canary.max_owners", "must be >= 1")
         _check(self.timeout_s > 0, "canary.timeout_s", "must be > 0")
+        _check(self.quarantine_ttl_s is None or self.quarantine_ttl_s >= 1, "canary.quarantine_ttl_s",
+               "must be >= 1 (seconds) or null")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -147,3 +147,36 @@ def test_quarantine_records_are_followed_validated_and_released(etcd, cluster_na
     finally:
         loop.run(follower.stop(), 10.0)
         loop.run(client.close(), 10.0)
+
+
+def test_a_quarantine_lapses_unless_a_new_mismatch_renews_it(etcd, cluster_name: str, loop: LoopThread) -> None:
+    from conftest import agent_config
+
+    config = agent_config("tool", cluster_name, etcd.endpoints)
+    schema = Schema(cluster_name)
+    client = EtcdClient(config.etcd)
+    loop.run(client.connect(), 10.0)
+    writer, follower = Quarantine(client, schema), Quarantine(client, schema)
+    try:
+        assert loop.run(follower.start(5.0), 10.0)
+        record = QuarantineRecord(NodeId("engine-f"), "engine-b", "ab" * 16, 1.4)
+        loop.run(writer.add(record, ttl_s=3), 10.0)
+        assert wait_until(lambda: follower.blocked("engine-f"), 10.0)
+        time.sleep(2.0)
+        loop.run(writer.add(record, ttl_s=3), 10.0)  # confirmed again before it lapsed: 3 s more
+        time.sleep(2.0)  # 4 s after the first write: it stands
+        assert follower.blocked("engine-f")
+        assert wait_until(lambda: not follower.blocked("engine-f"), 15.0)  # no more confirmation: it lapses
+        assert loop.run(read_all(client, schema), 10.0) == []
+    finally:
+        loop.run(follower.stop(), 10.0)
+        loop.run(client.close(), 10.0)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

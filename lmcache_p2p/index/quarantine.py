@@ -1,7 +1,8 @@
 """Quarantine: owners whose chunks are wrong in meaning (the canary found), obeyed by every planner.
 
-    quarantine/<node_id>   msgpack {by, key, distance, reason, at}   standing until removed
+    quarantine/<node_id>   msgpack {by, key, distance, reason, at}   until removed
                            (``lmcache-p2p verify --release NODE``) or its lease lapses
+                           (``canary.quarantine_ttl_s`` after the last mismatch that wrote it)
 
 A checksum proves a chunk's bytes are the bytes its owner computed, not that they are the KV this
 model computes for these tokens: an owner running other weights under the same identity (an
@@ -111,10 +112,11 @@ class Quarantine:
     def blocked(self, node: str) -> bool:
         return node in self._records
 
-    async def add(self, record: QuarantineRecord) -> int:
-        """Quarantine ``record.node``: obeyed here at once, by every other planner when etcd has it."""
+    async def add(self, record: QuarantineRecord, ttl_s: float | None = None) -> int:
+        """Quarantine ``record.node``: obeyed here at once, by every other planner when etcd has it; for
+        ``ttl_s`` seconds (a lease: each new mismatch writes a new record, renewing it), or standing (None)."""
         self._records = {**self._records, record.node: record}
-        return await write(self._client, self._schema, record)
+        return await write(self._client, self._schema, record, ttl_s=None if ttl_s is None else math.ceil(ttl_s))
 
     def records(self) -> list[QuarantineRecord]:
         return list(self._records.values())
