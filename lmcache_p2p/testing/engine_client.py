@@ -107,6 +107,10 @@ class EngineProcess:
             extra["lora"] = lora
         return self.request("generate", prompts, **extra)
 
+    def batch(self, prompts: list[list[int]], max_tokens: int = 16) -> list[dict[str, Any]]:
+        """Greedy outputs of every prompt submitted at once (they share, and may outgrow, the KV cache)."""
+        return self.request("batch", prompts, max_tokens=max_tokens)
+
     def concurrent(self, prompts: list[list[int]], stream: list[int], stream_tokens: int = 4000
                    ) -> list[dict[str, Any]]:
         """Each prompt served (one token) while a decode stream runs: ``ttft_s``, ``tokens``,

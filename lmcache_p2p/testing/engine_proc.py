@@ -5,6 +5,7 @@
 Reads JSON requests, one per line, on stdin::
 
     {"op": "generate", "prompts": [[1, 2, ...], ...], "max_tokens": 16}   # optional "kv_transfer_params": {...}
+    {"op": "batch", "prompts": [[1, 2, ...], ...], "max_tokens": 16}   # all at once (they compete for KV)
     {"op": "ttft", "prompts": [[...], ...]}          # one request per prompt, max_tokens=1, timed
     {"op": "serve", "prompts": [[...], ...], "max_tokens": 8}   # greedy tokens and the real TTFT of each
     {"op": "quit"}
@@ -122,6 +123,11 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
         params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True,
                                 extra_args=extra)
         outs = [llm.generate([p], params, use_tqdm=False, lora_request=lora)[0] for p in prompts]
+        _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
+                             "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
+    elif req["op"] == "batch":  # every prompt at once: they compete for the KV cache (preemption)
+        params = SamplingParams(temperature=0.0, max_tokens=int(req.get("max_tokens", 16)), ignore_eos=True)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
         _reply({"results": [{"tokens": list(o.outputs[0].token_ids),
                              "num_cached_tokens": int(o.num_cached_tokens or 0)} for o in outs]})
     elif req["op"] == "ttft":
