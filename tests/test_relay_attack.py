@@ -155,7 +155,7 @@ def mesh(etcd: Any, cluster_name: str, tmp_path: Path, pki: Path) -> Iterator[An
                                         transfer={**tls_section(certs, "a"), **(transfer or {})}),
                              seeds=(SEED,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
         started.append(owner)
-        # the relay's first answer may be slow on a busy machine: the victim waits for it (a trust test, not a timing one)
+        # the relay's first answer may be slow on a busy machine: the victim waits (a trust test, not a timing one)
         agent = victim(tmp_path, cluster_name, etcd.endpoints,
                        {**tls_section(certs, "c"), "timeout_s": 10.0, "first_contact_s": 10.0, **(transfer or {})})
         started.append(agent)
