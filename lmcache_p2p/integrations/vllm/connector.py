@@ -30,7 +30,7 @@ from ...coordinator.apply import set_log_level
 from ...keys import head_range
 from .blend import blend_refusal
 from .layout import connector_config, engine_fingerprint
-from .metadata import LMCacheP2PMetadata
+from .metadata import LMCacheP2PMetadata, WorkerCapability
 from .scheduler import P2PScheduler
 from .support import kv_cache_refusal
 from .worker import P2PWorker
@@ -98,6 +98,18 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> WorkerCapability | None:
+        """Once, after ``register_kv_caches``: whether this worker can blend (vLLM hands it to the scheduler)."""
+        if self._worker is None:
+            return None
+        return WorkerCapability(blend_refusal=self._worker.blend_refusal)
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        """Scheduler side, before the first step: every worker's ``WorkerCapability`` (by TP rank)."""
+        if self._scheduler is not None:
+            self._scheduler.workers_told({rank: getattr(m, "blend_refusal", "no capability sent")
+                                          for rank, m in metadata.items()})
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)

@@ -1,16 +1,17 @@
 """What the scheduler-side connector tells the worker-side connector each step: the loads and saves
-(``ChunkTransfer``, see ``integrations/blocks.py`` for how chunks map to engine blocks)."""
+(``ChunkTransfer``, see ``integrations/blocks.py`` for how chunks map to engine blocks); and what each
+worker tells the scheduler once at start (``WorkerCapability``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
 from ..blocks import ChunkTransfer
 from ..segments import BlendTransfer, SegmentSave
 
-__all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave"]
+__all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave", "WorkerCapability"]
 
 
 @dataclasses.dataclass
@@ -21,3 +22,12 @@ class LMCacheP2PMetadata(KVConnectorMetadata):
     segment_saves: list[SegmentSave] = dataclasses.field(default_factory=list)
     num_scheduled_tokens: int = 0  # this step's tokens: the worker times prefill steps by it
     uncacheable: dict[str, int] = dataclasses.field(default_factory=dict)  # new requests not cached, by reason
+
+
+@dataclasses.dataclass
+class WorkerCapability(KVConnectorHandshakeMetadata):
+    """What a worker told its scheduler once, after its KV caches were registered (vLLM hands every
+    worker's ``get_handshake_metadata`` to the scheduler's ``set_xfer_handshake_metadata`` before the
+    first step): ``blend_refusal`` None when it can blend, else why not."""
+
+    blend_refusal: str | None

@@ -140,7 +140,10 @@ class P2PScheduler:
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (integrations/segments.py): blending needs this engine to place keys exactly (blend.py);
         # vLLM's prefix cache never hands blended blocks on as exact hits (_salt).
-        self._blend_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
+        self._config_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
+        # ... and the worker's own word (its runner, rotary class, key-layout self-test): prefix only until
+        # every worker has said it can (WorkerCapability, handed over by vLLM before the first step)
+        self._worker_refusal: str | None = "the worker has not said it can blend"
         self._blend_fraction = config.blend.recompute_fraction
         self._blend_selection = config.blend.selection
         # what one blend may run through the model: the operator's bound, within vLLM's step budget
@@ -271,6 +274,25 @@ class P2PScheduler:
                 log.warning("request %s: segments ignored (prefix reuse only): %s", req_id, exc)
             self._segments[req_id] = found
         return self._segments[req_id]
+
+    @property
+    def _blend_refusal(self) -> str | None:
+        """Why this engine can't blend now (None: it can): its config, then its workers' word."""
+        return self._config_refusal or self._worker_refusal
+
+    def workers_told(self, refusals: dict[int, str | None]) -> None:
+        """Every worker's blend capability (rank -> None, or why it can't); blends are planned only when all can."""
+        told = {rank: why for rank, why in refusals.items() if why is not None}
+        if not refusals:
+            self._worker_refusal = "no worker said it can blend"
+        elif told:
+            rank, why = min(told.items())
+            self._worker_refusal = f"worker rank {rank}: {why}"
+        else:
+            self._worker_refusal = None
+        if self._config_refusal is None:
+            log.info("lmcache-p2p: blending %s", "possible (every worker said it can)" if self._worker_refusal is None
+                     else f"refused: {self._worker_refusal}")
 
     def _blend(self, request: Any, prompt: list[int], identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]],
                exact_end: int) -> BlendPlan | None:

@@ -95,6 +95,7 @@ class P2PWorker:
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
         split = self._heads[1] - self._heads[0] if is_head_major(self._config.layout.kv_layout) else 1
         self._kv = PagedKV(list(kv_caches.values()), heads=split)
+        self.blend_refusal: str | None = "blend.enabled is false"  # told to the scheduler (WorkerCapability)
         self._blender = self._find_blender(kv_caches) if self._config.blend.enabled else None
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
         self.agent = CacheAgent(self._config, self._fingerprint, chunk_bytes,
@@ -125,14 +126,17 @@ class P2PWorker:
             blender = Blender(runner, kv_caches)
         except Exception as exc:  # never into vLLM: segments are then reused as prefixes only
             log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", exc)
+            self.blend_refusal = str(exc) or type(exc).__name__
             return None
         payload = blender.token_nbytes() * self._config.chunk_size
         assert self._kv is not None
         if payload > self._kv.payload_nbytes(self._blocks_per_chunk):
             log.warning("lmcache-p2p: a segment chunk (%d bytes) does not fit a slot; segments are not reused", payload)
+            self.blend_refusal = f"a segment chunk ({payload} bytes) does not fit a slot"
             return None
         log.info("lmcache-p2p: segments reused at any position (keys %s-major, rotary dim %d)", blender.key_layout,
                  blender.spec.rotary_dim)
+        self.blend_refusal = None
         return blender
 
     # -- steps: the engine's prefill rate, for the planner ---------------------------------------------
@@ -235,7 +239,9 @@ class P2PWorker:
             log.info("request %s: blend failed (%s); %d tokens recomputed by the engine", t.req_id, exc,
                      t.end - t.exact_end)
             metrics.blend_requests.labels("failed").inc()
-            return t, t.blocks(self._block_size) | exact_failed, []
+            # everything it was to fill: from the exact prefix's end (the whole prefix too when its load
+            # did not finish) to the end it had before a cut (``failed``: the blocks past the cut)
+            return t, t.blocks(self._block_size) | exact_failed | failed, []
         if place:
             self._count_blend(t, partial=bool(failed))
             return t, failed, []

