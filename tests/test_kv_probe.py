@@ -40,7 +40,8 @@ CASES = ["vec_isas_write_the_known_order", "amx_writes_another_order_and_shares_
          "a_layout_that_mixes_heads_keeps_tp_in_the_fingerprint",
          "the_engine_layout_follows_the_isa_vllm_picks_for_the_host",
          "a_probe_that_cannot_run_shares_with_nobody_elsewhere",
-         "a_gpu_layout_names_its_attention_backend_and_block_order"]
+         "a_gpu_layout_names_its_attention_backend_and_block_order",
+         "a_model_with_nope_layers_is_never_blended"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -120,19 +121,23 @@ def the_engine_layout_follows_the_isa_vllm_picks_for_the_host() -> None:
     from lmcache_p2p.integrations.vllm.blend import blend_refusal
     from lmcache_p2p.keys import KNOWN_CPU_LAYOUT
 
-    bf16 = engine_config(torch.bfloat16, 32)
-    torch.cpu._is_amx_tile_supported = lambda: False
-    assert probe.engine_isa(bf16) == "vec" and probe.engine_cpu_layout(bf16) == KNOWN_CPU_LAYOUT
-    assert blend_refusal(bf16) is None
-    torch.cpu._is_amx_tile_supported = lambda: True  # an AMX host
-    assert probe.engine_isa(bf16) == "amx"
-    amx_layout = probe.engine_cpu_layout(bf16)
-    assert amx_layout.startswith("vllm-cpu+") and amx_layout != KNOWN_CPU_LAYOUT
-    # the scheduler never plans a blend there (the blender reads the known order only)
-    refusal = blend_refusal(bf16)
-    assert refusal is not None and amx_layout in refusal
-    # fp32 on that host: vLLM uses vec, and so does the probe
-    assert probe.engine_cpu_layout(engine_config(torch.float32, 32)) == KNOWN_CPU_LAYOUT
+    real = torch.cpu._is_amx_tile_supported
+    try:
+        bf16 = engine_config(torch.bfloat16, 32)
+        torch.cpu._is_amx_tile_supported = lambda: False
+        assert probe.engine_isa(bf16) == "vec" and probe.engine_cpu_layout(bf16) == KNOWN_CPU_LAYOUT
+        assert blend_refusal(bf16) is None
+        torch.cpu._is_amx_tile_supported = lambda: True  # an AMX host
+        assert probe.engine_isa(bf16) == "amx"
+        amx_layout = probe.engine_cpu_layout(bf16)
+        assert amx_layout.startswith("vllm-cpu+") and amx_layout != KNOWN_CPU_LAYOUT
+        # the scheduler never plans a blend there (the blender reads the known order only)
+        refusal = blend_refusal(bf16)
+        assert refusal is not None and amx_layout in refusal
+        # fp32 on that host: vLLM uses vec, and so does the probe
+        assert probe.engine_cpu_layout(engine_config(torch.float32, 32)) == KNOWN_CPU_LAYOUT
+    finally:
+        torch.cpu._is_amx_tile_supported = real
 
 
 def a_probe_that_cannot_run_shares_with_nobody_elsewhere() -> None:
@@ -141,8 +146,12 @@ def a_probe_that_cannot_run_shares_with_nobody_elsewhere() -> None:
     from lmcache_p2p.integrations.vllm import probe
     from lmcache_p2p.keys import is_head_major
 
+    real = probe.engine_isa
     probe.engine_isa = lambda _config: "no-such-isa"
-    layout = probe.engine_cpu_layout(engine_config(torch.float32, 16))
+    try:
+        layout = probe.engine_cpu_layout(engine_config(torch.float32, 16))
+    finally:
+        probe.engine_isa = real
     assert layout.startswith("vllm-cpu-tp+unprobed-") and not is_head_major(layout)
 
 
@@ -160,6 +169,23 @@ def a_gpu_layout_names_its_attention_backend_and_block_order() -> None:
     os.environ["VLLM_KV_CACHE_LAYOUT"] = "HND"
     hnd = _named_layout(flashinfer, "cuda")
     assert hnd == "vllm-cuda:FLASHINFER:HND" and not is_head_major(hnd)
+
+
+def a_model_with_nope_layers_is_never_blended() -> None:
+    import torch
+
+    from lmcache_p2p.integrations.vllm.blend import blend_refusal
+
+    def with_hf(extra: dict[str, Any]) -> types.SimpleNamespace:
+        cfg = engine_config(torch.float32, 16)
+        cfg.model_config.hf_config = types.SimpleNamespace(to_dict=lambda: {"rope_theta": 10000.0, **extra})
+        return cfg
+
+    assert blend_refusal(with_hf({"no_rope_layers": [1, 1, 1, 1]})) is None  # every layer rotates
+    smollm3 = blend_refusal(with_hf({"no_rope_layers": [1, 1, 1, 0] * 2}))
+    assert smollm3 is not None and "NoPE" in smollm3 and "2 of 8" in smollm3, smollm3
+    llama4 = blend_refusal(with_hf({"nope_layer_interval": 4}))
+    assert llama4 is not None and "nope_layer_interval=4" in llama4, llama4
 
 
 def dtypes() -> list[Any]:

@@ -41,6 +41,30 @@ class RecordingBlender:
         self.recomputed.append(list(runs))
 
 
+class RaisingBlender(RecordingBlender):
+    """A blender whose ``step`` (decode, write or recompute) raises: the engine must recompute every
+    block the blend was to fill."""
+
+    def __init__(self, step: str) -> None:
+        super().__init__()
+        self.step = step
+
+    def decode(self, staged: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        if self.step == "decode":
+            raise RuntimeError("decode broke")
+        return super().decode(staged, num_tokens)
+
+    def write(self, kv: torch.Tensor, block_ids: list[int], start: int, segment_start: int) -> None:
+        if self.step == "write" and self.written:  # the second write: a segment half placed
+            raise RuntimeError("write broke")
+        super().write(kv, block_ids, start, segment_start)
+
+    def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> None:
+        if self.step == "recompute":
+            raise RuntimeError("recompute broke")
+        super().recompute(token_ids, runs, block_ids)
+
+
 def test_blends_are_counted_and_reported_by_how_far_their_segments_loaded() -> None:
     # In a process of its own: the worker imports vLLM, which must not load into the test runner.
     r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=120)
@@ -71,6 +95,8 @@ def main() -> None:
             agent.tiers.cpu.remove(key)
         payloads = [memoryview(bytes(per * BLOCK_BYTES)) for _ in held]
         assert agent.store_chunks([ChunkKey(k) for k in held], [chunk] * len(held), payloads).result(10) == len(held)
+        blender = worker._blender
+        assert isinstance(blender, RecordingBlender)
         blender.written.clear()
         blender.recomputed.clear()
         segments = [SegmentChunks(keys, [chunk, chunk], start=2 * chunk * s, end=2 * chunk * (s + 1))
@@ -96,6 +122,15 @@ def main() -> None:
         assert failed == set(blocks), sorted(failed)
         assert counts == {"loaded": 1, "partial": 1, "failed": 1}
         assert b.recomputed == [] and b.written == []
+
+        # a failure at every step of placing, with every chunk there and with a cut after the first
+        # segment: every block the blend was to fill is reported (vLLM recomputes them), nothing less
+        for step in ("decode", "write", "recompute"):
+            for held_case, held in (("all", seg_keys[0] + seg_keys[1]), ("cut", seg_keys[0])):
+                worker._blender = RaisingBlender(step)  # type: ignore[assignment]
+                failed, _, _ = blend(f"{step}-{held_case}", held)
+                assert failed == set(blocks), (step, held_case, sorted(set(blocks) - failed))
+        worker._blender = blender  # type: ignore[assignment]
 
         # a blend with an exact prefix that fails before that prefix is in place (no blender on this
         # worker; the exact load raising) reports the prefix's blocks too: nothing claimed goes unreported

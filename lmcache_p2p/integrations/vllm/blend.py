@@ -68,10 +68,26 @@ def blend_refusal(vllm_config: Any) -> str | None:
         return "sliding-window attention"
     if getattr(model, "is_multimodal_model", False):
         return "multimodal model (positions are not token offsets)"
+    hf = model.hf_config.to_dict()
+    nope = nope_layers(hf)
+    if nope:
+        return f"layers without rotary position encoding (NoPE: {nope}): their keys can't be moved by rotation"
     try:
-        rope_spec(model.hf_config.to_dict(), model.get_head_size())
+        rope_spec(hf, model.get_head_size())
     except (ValueError, KeyError, TypeError) as exc:
         return f"position encoding: {exc}"
+    return None
+
+
+def nope_layers(hf_config: dict[str, Any]) -> str | None:
+    """How a model config says some layers have no rotary encoding (SmolLM3, Llama 4: ``no_rope_layers``,
+    a 0 per NoPE layer; ``nope_layer_interval``), or None. The self-test sees one layer; this sees them all."""
+    flags = hf_config.get("no_rope_layers")
+    if isinstance(flags, list | tuple) and any(not f for f in flags):
+        return f"no_rope_layers has {sum(1 for f in flags if not f)} of {len(flags)} layers without"
+    for key in ("nope_layer_interval", "no_rope_layer_interval"):
+        if hf_config.get(key):
+            return f"{key}={hf_config[key]}"
     return None
 
 
