@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from agent_helpers import wait_until
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.canary import Canary, kv_distance, tolerance_for
@@ -172,11 +173,3 @@ def test_a_quarantine_lapses_unless_a_new_mismatch_renews_it(etcd, cluster_name:
         loop.run(follower.stop(), 10.0)
         loop.run(client.close(), 10.0)
 
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()

