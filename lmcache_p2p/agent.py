@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 
 from . import __version__, cputime
 from .aio import LoopThread, remaining
+from .canary import Copy
 from .chunk import ChunkHeader, make_header, verify
 from .config import AgentConfig, cluster_secret
 from .coordinator import apply as cluster_config_apply
@@ -53,7 +54,7 @@ from .coordinator.store import ConfigWatcher
 from .errors import ChunkError, LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
-from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeId
+from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeDigest, NodeId, node_digest
 from .index.protocol import BlockIndex
 from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
@@ -96,6 +97,7 @@ class CacheAgent:
         self.heads: HeadRange = heads if heads is not None else (0, fingerprint.num_kv_heads)
         self.role = role  # "engine" (inside vLLM) or "cache" (a cache-only agent: hand-offs go there first)
         self.node_id = NodeId(config.node_id)
+        self.origin = node_digest(self.node_id)  # in the header of every chunk this node computes
         self.chunk_bytes = chunk_bytes
         self._index_factory = index_factory
         self._transfers_factory = transfers
@@ -169,12 +171,13 @@ class CacheAgent:
                 self._config_watch = ConfigWatcher(client, self.config.cluster, self._on_cluster_config,
                                                    rejects=self.rejects)
                 self.loop.run(self._config_watch.start(0.0), self.config.etcd.timeout_s)
-                self.quarantine = Quarantine(client, self.index_schema, rejects=self.rejects)
+                self.quarantine = Quarantine(client, self.index_schema, rejects=self.rejects,
+                                             on_quarantined=self._on_quarantined)
                 self.loop.run(self.quarantine.start(self.config.etcd.start_wait_s),
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
             if self.config.objects.url is not None:
                 self._start_objects(client)
-            recovered = self.invalidation.vet_recovered(self.tiers.recover())
+            recovered = self._drop_quarantined(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
@@ -225,12 +228,35 @@ class CacheAgent:
                 and not self.handoff.others_hold(header.key))
 
     def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
-        """A standing invalidation covers a chunk ``holder`` made (an object's uploader)."""
+        """A standing invalidation covers a chunk ``holder`` held (an object's uploader)."""
         return self.invalidation.covers_held_by(header, holder)
 
     def blocked(self, node: NodeId) -> bool:
         """The canary quarantined ``node`` (its objects are not loaded either)."""
         return self.quarantine is not None and self.quarantine.blocked(node)
+
+    def computed_by_quarantined(self, header: ChunkHeader) -> bool:
+        """The chunk was computed by a quarantined node (wherever it is held: a pulled copy, an object)."""
+        return self.quarantine is not None and self.quarantine.blocks_origin(header.origin)
+
+    def _on_quarantined(self, _origins: frozenset[bytes]) -> None:
+        """(on the loop) A node was quarantined: drop the copies this node holds of chunks it computed."""
+        self.background(asyncio.get_running_loop().create_task(
+            asyncio.to_thread(lambda: self._drop_quarantined([h for h in map(self.tiers.header, self.tiers.inventory())
+                                                              if h is not None]))))
+
+    def _drop_quarantined(self, headers: list[ChunkHeader]) -> list[ChunkHeader]:
+        """Remove (blocking) the chunks of ``headers`` a quarantined node computed; the others."""
+        keep, dropped = [], 0
+        for header in headers:
+            if self.computed_by_quarantined(header):
+                dropped += self.tiers.remove(header.key)
+            else:
+                keep.append(header)
+        if dropped:
+            self.invalidation.removed.labels("quarantine").inc(dropped)
+            log.warning("dropped %d chunks computed by a quarantined node (copies this node held)", dropped)
+        return keep
 
     def observe_objects(self, nbytes: int, seconds: float) -> None:
         """An object read of ``nbytes`` took ``seconds``: the planner's estimate of the store."""
@@ -413,7 +439,11 @@ class CacheAgent:
         return header is not None and header.heads == self.heads
 
     def _admit(self, header: ChunkHeader) -> bool:
-        """The store's admission gate: nothing a standing invalidation covers gets in."""
+        """The store's admission gate: nothing a standing invalidation covers, nor a quarantined node
+        computed, gets in."""
+        if self.computed_by_quarantined(header):
+            self.invalidation.removed.labels("quarantine").inc()
+            return False
         if not self.invalidation.covers(header):
             return True
         self.invalidation.count_refused(header)
@@ -520,7 +550,7 @@ class CacheAgent:
         nodes = self.index.nodes()
         return [n for n in self.index.owners(self.fp, [key])[0] if n != self.node_id and self.usable(nodes.get(n))]
 
-    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None:
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None:
         """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key (never
         announced) and verified like every pull, then copied out of registered memory and verified
         again there; None if it could not be had by ``deadline``."""
@@ -529,20 +559,23 @@ class CacheAgent:
         scratch = piece_key(chunk.key, chunk.pieces[0].heads)
         try:
             missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline), remaining(deadline) + 1.0)
-            return None if missed else self._staged_copy(scratch)
+            if missed:
+                return None
+            held = self._staged_copy(scratch)
+            return None if held is None else Copy(held[1], held[0].origin)
         except LMCacheP2PError as exc:
             log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
             return None
         finally:
             self.tiers.cpu.remove(scratch)
 
-    def _staged_copy(self, key: ChunkKey) -> bytes | None:
+    def _staged_copy(self, key: ChunkKey) -> tuple[ChunkHeader, bytes] | None:
         pin = self.tiers.cpu.pin(key, self.config.tiers.pin_timeout_s)
         if pin is None:
             return None
         try:
             staged = self.tiers.cpu.stage(pin)
-            return staged.numpy().tobytes() if staged is not None else None
+            return (pin.header, staged.numpy().tobytes()) if staged is not None else None
         finally:
             self.tiers.cpu.unpin(pin)
 
@@ -551,11 +584,18 @@ class CacheAgent:
         """This node's copy of ``key``, if it differs from what its engine just computed
         (``reference``), is dropped and the computed one stored in its place."""
         held = self._staged_copy(key)
-        if held is None or not differs(reference, held):
+        if held is None or not differs(reference, held[1]):
             return
         log.error("canary: this node's copy of chunk %s is not the KV its engine computes: replaced", key.hex()[:16])
         self.tiers.remove(key)
         self.store_chunks([key], [num_tokens], [memoryview(reference)])
+
+    def node_named(self, origin: NodeDigest) -> NodeId | None:
+        """The node of the mesh (this one included) that ``origin`` (a chunk header's) names."""
+        if origin == self.origin:
+            return self.node_id
+        nodes = self.index.nodes() if self.index is not None else {}
+        return next((n for n in nodes if node_digest(n) == origin), None)
 
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         """Write ``record`` to etcd: every planner stops using the owner (this one at once)."""
@@ -729,7 +769,7 @@ class CacheAgent:
     def _commit_now(self, reservation: Reservation, key: ChunkKey, num_tokens: int, length: int) -> None:
         try:
             header = make_header(key, self.fp, reservation.view[:length], num_tokens, self.invalidation.epoch,
-                                 heads=self.heads)
+                                 heads=self.heads, origin=self.origin)
         except BaseException:
             self.tiers.cpu.release(reservation)
             raise
@@ -742,7 +782,8 @@ class CacheAgent:
             if self.holds(key):
                 continue
             try:
-                if self.tiers.put(key, self.fp, payload, ntok, self.invalidation.epoch, self.heads) is None:
+                if self.tiers.put(key, self.fp, payload, ntok, self.invalidation.epoch, self.heads,
+                                  self.origin) is None:
                     continue  # covered by a standing invalidation
             except TierError as exc:
                 log.warning("store of %s skipped: %s", key.hex(), exc)

@@ -5,10 +5,18 @@
     worker:    its full prompt chunks are gathered as computed (the reference), then, off the
                forward pass, each owner the index lists is asked for its copy of the same key and
                the two are compared within the KV dtype's tolerance
-    mismatch:  the owner is quarantined (``index/quarantine.py``: a record every planner obeys,
-               ``status`` shows) when another owner's copy agrees with the reference (two
-               computations against one); else it is counted as ``unconfirmed`` and logged
+    mismatch:  when another owner's copy agrees with the reference (two computations against
+               one), the node that *computed* the wrong copy (the origin in its header) is
+               quarantined (``index/quarantine.py``: a record every planner obeys, ``status``
+               shows), and every holder drops the copies it pulled of that node's chunks; a holder
+               that only pulled the copy is not. Else it is counted as ``unconfirmed`` and logged
                (``canary_checks_total{outcome}``); a copy this node holds that differs is replaced
+
+Whom a mismatch names: the copy's origin when the holder computed it itself; when the holder pulled
+it, the origin, unless the origin's own copy (or this node's reference, when this node is the
+origin) was found right in the same check: then the holder's copy is not what its origin computed
+and the holder is the wrong one. A copy whose origin names no node in the mesh (gone, or a chunk
+assembled from several nodes' head ranges) quarantines nobody: ``unconfirmed``, logged.
 
 A key is derived by this node from the tokens it just computed, so the check covers the key chain
 too: an owner whose chunk under this key is not the KV of these tokens under this model is wrong,
@@ -27,7 +35,7 @@ from typing import Protocol
 
 import torch
 
-from .ids import NodeId
+from .ids import NodeDigest, NodeId
 from .index.quarantine import QuarantineRecord
 from .keys import ChunkKey, HeadRange
 from .plan import Piece, PlannedChunk
@@ -66,11 +74,20 @@ def kv_distance(reference: memoryview | bytes, other: memoryview | bytes, kv_dty
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Copy:
+    """An owner's copy of a chunk, verified on arrival, and the node its header says computed it."""
+
+    payload: bytes
+    origin: NodeDigest
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Verdict:
-    owner: NodeId
+    owner: NodeId  # the holder asked
     key: ChunkKey
     distance: float | None  # None: the owner's copy could not be had
     outcome: str
+    quarantined: NodeId | None = None  # whom a mismatch quarantined (the computing node, or a lying holder)
 
 
 class CanaryNode(Protocol):
@@ -81,7 +98,10 @@ class CanaryNode(Protocol):
 
     def owners_of(self, key: ChunkKey) -> list[NodeId]: ...
 
-    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None: ...
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None: ...
+
+    def node_named(self, origin: NodeDigest) -> NodeId | None:
+        """The node of the mesh (this one included) whose :func:`~lmcache_p2p.ids.node_digest` is ``origin``."""
 
     def quarantine_owner(self, record: QuarantineRecord) -> None: ...
 
@@ -113,38 +133,57 @@ class Canary:
         for key, start, end, reference in chunks:
             self.node.replace_if_differs(key, end - start, reference, self._differs)
             owners = [o for o in self.node.owners_of(key) if o != self.node.node_id][: self.max_owners]
-            found: list[tuple[NodeId, float | None]] = []
+            found: list[_Found] = []
             for owner in owners:
                 planned = PlannedChunk(0, key, start, end, owner, heads=self.node.heads,
                                        pieces=(Piece(owner, self.node.heads),))
                 copy = self.node.fetch_copy(owner, planned, time.monotonic() + self.timeout_s)
-                found.append((owner, None if copy is None else kv_distance(reference, copy, self.kv_dtype)))
+                if copy is None:
+                    found.append(_Found(owner, None, None))
+                else:
+                    found.append(_Found(owner, kv_distance(reference, copy.payload, self.kv_dtype),
+                                        self.node.node_named(copy.origin)))
             verdicts += self._judge(key, found)
         return verdicts
 
     def _differs(self, reference: bytes, copy: bytes) -> bool:
         return kv_distance(reference, copy, self.kv_dtype) > self.tolerance
 
-    def _judge(self, key: ChunkKey, found: Sequence[tuple[NodeId, float | None]]) -> list[Verdict]:
-        corroborated = any(d is not None and d <= self.tolerance for _, d in found)
-        out = []
-        for owner, distance in found:
-            if distance is None:
+    def _judge(self, key: ChunkKey, found: Sequence[_Found]) -> list[Verdict]:
+        ok = {f.owner for f in found if f.distance is not None and f.distance <= self.tolerance}
+        right = ok | {self.node.node_id}  # nodes whose own copy of this key was found right (this one: the reference)
+        out, quarantined = [], set()
+        for f in found:
+            culprit = None
+            if f.distance is None:
                 outcome = "unavailable"
-            elif distance <= self.tolerance:
+            elif f.distance <= self.tolerance:
                 outcome = "match"
-                log.debug("canary: %s's chunk %s matches (distance %.3g)", owner, key.hex()[:16], distance)
-            elif corroborated:
+                log.debug("canary: %s's chunk %s matches (distance %.3g)", f.owner, key.hex()[:16], f.distance)
+            elif ok and f.computed_by is not None:
                 outcome = "mismatch"
-                log.error("canary: %s's chunk %s is not the KV this engine and another owner compute (distance "
-                          "%.3g > %.3g): quarantined", owner, key.hex()[:16], distance, self.tolerance)
-                self.node.quarantine_owner(QuarantineRecord(owner, self.node.node_id, key.hex(),
-                                                            min(distance, 1e300)))
+                # The computing node, unless its own copy is right here: then the holder's copy is not its.
+                culprit = f.owner if f.computed_by in right else f.computed_by
+                log.error("canary: %s's copy of chunk %s (computed by %s) is not the KV this engine and another "
+                          "owner compute (distance %.3g > %.3g): %s quarantined", f.owner, key.hex()[:16],
+                          f.computed_by, f.distance, self.tolerance, culprit)
+                if culprit not in quarantined:
+                    quarantined.add(culprit)
+                    self.node.quarantine_owner(QuarantineRecord(culprit, self.node.node_id, key.hex(),
+                                                                min(f.distance, 1e300)))
             else:
                 outcome = "unconfirmed"
                 log.warning("canary: %s's chunk %s differs from what this engine computes (distance %.3g > %.3g) "
-                            "and no other owner agrees with either side: not quarantined", owner, key.hex()[:16],
-                            distance, self.tolerance)
+                            "and %s: not quarantined", f.owner, key.hex()[:16], f.distance, self.tolerance,
+                            "its origin names no node in the mesh" if ok else
+                            "no other owner agrees with either side")
             self._count(outcome)
-            out.append(Verdict(owner, key, distance, outcome))
+            out.append(Verdict(f.owner, key, f.distance, outcome, culprit))
         return out
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Found:
+    owner: NodeId
+    distance: float | None  # None: no copy
+    computed_by: NodeId | None = None  # the node its origin names, if any

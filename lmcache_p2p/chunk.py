@@ -1,4 +1,4 @@
-"""The chunk format: a fixed 64-byte header and the payload.
+"""The chunk format: a fixed 80-byte header and the payload.
 
     offset size  field
     0      4     magic b"LMP2"
@@ -14,6 +14,10 @@
                  invalidation at revision R covers a chunk of another generation, or of this one
                  below R (``invalidation.py``, ``index/generation.py``)
     56     8     xxh3_64 of the payload (u64)
+    64     16    origin: the node that computed the chunk (``ids.node_digest``; zeros when several
+                 did, for a chunk assembled from other nodes' head ranges). Kept by every copy: a
+                 pulled chunk is re-served under its holder's name with its computer's origin, so
+                 the canary and ``invalidate --node`` judge the node that computed it, not each holder
 
 All integers little-endian. The payload is the bytes of the engine blocks that hold the
 chunk's tokens, head-major (``kernels/layout.py``): heads ``[h0, h1)`` are ``h1 - h0`` equal
@@ -30,15 +34,16 @@ import struct
 import xxhash
 
 from .errors import ChecksumMismatch, MalformedChunk
+from .ids import NO_ORIGIN, NodeDigest
 from .keys import ChunkKey, FingerprintDigest, HeadRange
 
 MAGIC = b"LMP2"
-CHUNK_FORMAT_VERSION = 3  # 2: u32 length and the epoch; 3: the head range
-_HEADER = struct.Struct("<4sHH16s16sIHHQQ")
+CHUNK_FORMAT_VERSION = 4  # 2: u32 length and the epoch; 3: the head range; 4: the origin
+_HEADER = struct.Struct("<4sHH16s16sIHHQQ16s")
 MAX_PAYLOAD = (1 << 32) - 1
 MAX_HEADS = (1 << 16) - 1
 HEADER_SIZE = _HEADER.size
-assert HEADER_SIZE == 64
+assert HEADER_SIZE == 80
 
 
 def checksum(payload: memoryview | bytes | bytearray) -> int:
@@ -54,36 +59,38 @@ class ChunkHeader:
     checksum: int
     epoch: int = 0
     heads: HeadRange = (0, 1)
+    origin: NodeDigest = NO_ORIGIN
     version: int = CHUNK_FORMAT_VERSION
 
     def pack(self) -> bytes:
         return _HEADER.pack(
             MAGIC, self.version, self.heads[0], self.key, self.fingerprint, self.length, self.num_tokens,
-            self.heads[1], self.epoch, self.checksum)
+            self.heads[1], self.epoch, self.checksum, self.origin)
 
     @classmethod
     def unpack(cls, data: bytes | bytearray | memoryview) -> ChunkHeader:
         if len(data) < HEADER_SIZE:
             raise MalformedChunk(f"header needs {HEADER_SIZE} bytes, got {len(data)}")
-        magic, version, h0, key, fp, length, ntok, h1, epoch, csum = _HEADER.unpack_from(data)
+        magic, version, h0, key, fp, length, ntok, h1, epoch, csum, origin = _HEADER.unpack_from(data)
         if magic != MAGIC:
             raise MalformedChunk(f"bad magic {magic!r}")
         if version != CHUNK_FORMAT_VERSION:
             raise MalformedChunk(f"unsupported chunk format version {version}")
         if not h0 < h1 or length % (h1 - h0):
             raise MalformedChunk(f"head range [{h0}, {h1}) does not split a {length}-byte payload")
-        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, epoch, (h0, h1), version)
+        return cls(ChunkKey(key), FingerprintDigest(fp), length, ntok, csum, epoch, (h0, h1), NodeDigest(origin),
+                   version)
 
 
 def make_header(
     key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview | bytes, num_tokens: int, epoch: int = 0,
-    heads: HeadRange = (0, 1),
+    heads: HeadRange = (0, 1), origin: NodeDigest = NO_ORIGIN,
 ) -> ChunkHeader:
     if len(payload) > MAX_PAYLOAD:
         raise MalformedChunk(f"payload of {len(payload)} bytes exceeds the format's {MAX_PAYLOAD}")
     if not 0 <= heads[0] < heads[1] <= MAX_HEADS or len(payload) % (heads[1] - heads[0]):
         raise MalformedChunk(f"head range {heads} does not split a {len(payload)}-byte payload")
-    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload), epoch, heads)
+    return ChunkHeader(key, fingerprint, len(payload), num_tokens, checksum(payload), epoch, heads, origin)
 
 
 def slice_heads(header: ChunkHeader, view: memoryview, heads: HeadRange) -> tuple[ChunkHeader, memoryview]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import re
 from typing import NewType
 
@@ -31,11 +32,25 @@ def is_owner_id(owner: str) -> bool:
     """Whether ``owner`` may own a block entry: a node id, or the object store (:data:`OBJECTS`)."""
     return owner == OBJECTS or NODE_ID_RE.fullmatch(owner) is not None
 
+NodeDigest = NewType("NodeDigest", bytes)
+"""16 bytes naming a node in a chunk's header (the node that computed it): :func:`node_digest`."""
+
+NO_ORIGIN = NodeDigest(bytes(16))
+"""The origin of a chunk no single node computed (assembled from pieces of several) or of unknown origin."""
+
+
+def node_digest(node_id: str) -> NodeDigest:
+    """The 16-byte name of ``node_id`` a chunk header carries (BLAKE2b, personalised: not forgeable
+    into another node's by choosing an id)."""
+    return NodeDigest(hashlib.blake2b(node_id.encode(), digest_size=16, person=b"lmcache-p2p/node").digest())
+
+
 # The transfer protocol's version (handshake and frames: transfer/wire.py); every node record carries it,
 # and nodes pull only from owners that speak the same (peers.compatible).
 # 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
-# 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node)
-WIRE_VERSION = 4
+# 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node);
+# 5: chunk format 4 (the computing node in the header)
+WIRE_VERSION = 5
 
 
 class TierCode(enum.IntEnum):

@@ -8,7 +8,8 @@ An operator (``lmcache-p2p invalidate``) writes one key; every agent follows the
     kind          value                 covers a chunk
     fingerprint   hex prefix (>= 8)     whose fingerprint digest starts with it (model upgrade)
     tenant        tenant digest         of a fingerprint salted with a salt of that digest
-    node          node id               held by that node
+    node          node id               computed by that node (the origin in its header), wherever
+                                        it is held (copies others pulled of it too), or held by it
 
 The barrier is the etcd revision R at which the record was written. Every chunk carries an
 *epoch* in its header: the generation of the etcd history and the revision up to which the node
@@ -57,7 +58,7 @@ from .aio import LoopThread
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
-from .ids import NodeId
+from .ids import NodeId, node_digest
 from .index.client import EtcdClient, KeyValue, WatchEvent
 from .index.generation import GenerationWatch, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from .index.schema import (
@@ -92,14 +93,15 @@ async def issue(client: EtcdClient, schema: Schema, kind: str, value: str, *, tt
     return Invalidation(inv.id, inv.kind, inv.value, inv.issued_at, revision), revision
 
 
-def matches(inv: Invalidation, header: ChunkHeader, tenant: str | None, node_id: str, generation: int) -> bool:
-    """Whether ``inv`` covers a chunk with ``header`` held by ``node_id``; ``tenant``: the digest of its
+def matches(inv: Invalidation, header: ChunkHeader, tenant: str | None, holder: str, generation: int) -> bool:
+    """Whether ``inv`` covers a chunk with ``header`` held by ``holder``; ``tenant``: the digest of its
     fingerprint's salt, if known; ``generation``: the etcd history followed (a chunk of another one is
-    ordered before every invalidation)."""
+    ordered before every invalidation). A ``node`` invalidation matches the node that computed the
+    chunk (its header's origin) wherever the chunk is held, and everything that node holds."""
     if epoch_generation(header.epoch) == generation and epoch_revision(header.epoch) >= inv.revision:
         return False
     if inv.kind == "node":
-        return inv.value == node_id
+        return inv.value == holder or header.origin == node_digest(inv.value)
     if inv.kind == "fingerprint":
         return header.fingerprint.hex().startswith(inv.value)
     return tenant is not None and tenant == inv.value
@@ -161,7 +163,7 @@ class MeshInvalidation:
         return any(matches(inv, header, tenant, self._node_id, generation) for inv in active.values())
 
     def covers_held_by(self, header: ChunkHeader, holder: str) -> bool:
-        """Whether a standing invalidation covers a chunk ``holder`` made (an object its uploader wrote)."""
+        """Whether a standing invalidation covers a chunk ``holder`` held (an object its uploader wrote)."""
         active = self._active
         if not active:
             return False

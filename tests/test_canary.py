@@ -11,8 +11,8 @@ import torch
 from agent_helpers import wait_until
 
 from lmcache_p2p.aio import LoopThread
-from lmcache_p2p.canary import Canary, kv_distance, tolerance_for
-from lmcache_p2p.ids import NodeId
+from lmcache_p2p.canary import Canary, Copy, kv_distance, tolerance_for
+from lmcache_p2p.ids import NO_ORIGIN, NodeDigest, NodeId, node_digest
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
 from lmcache_p2p.index.schema import Rejects, Schema
@@ -49,8 +49,10 @@ class _Node:
     node_id = NodeId("me")
     heads: HeadRange = (0, 2)
 
-    def __init__(self, copies: dict[NodeId, bytes | None], held: bytes | None = None) -> None:
+    def __init__(self, copies: dict[NodeId, bytes | None], held: bytes | None = None,
+                 origins: dict[NodeId, NodeDigest] | None = None) -> None:
         self.copies = copies
+        self.origins = origins or {}  # the origin in each holder's copy (default: the holder computed it)
         self.held = held  # this node's own copy of the key, if any
         self.replaced: list[ChunkKey] = []
         self.quarantined: list[QuarantineRecord] = []
@@ -59,10 +61,14 @@ class _Node:
     def owners_of(self, key: ChunkKey) -> list[NodeId]:
         return [self.node_id, *self.copies]
 
-    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> bytes | None:
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None:
         self.asked.append((owner, chunk))
         assert deadline > time.monotonic()
-        return self.copies[owner]
+        payload = self.copies[owner]
+        return None if payload is None else Copy(payload, self.origins.get(owner, node_digest(owner)))
+
+    def node_named(self, origin: NodeDigest) -> NodeId | None:
+        return next((n for n in (self.node_id, *self.copies, NodeId("elsewhere")) if node_digest(n) == origin), None)
 
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         self.quarantined.append(record)
@@ -87,6 +93,45 @@ def test_one_check_quarantines_the_wrong_owner_and_only_it() -> None:
     # Never asks itself; asks each owner for this node's heads, as a one-piece plan.
     assert [o for o, _ in node.asked] == ["good", "bad", "gone"]
     assert all(c.pieces and c.pieces[0].heads == (0, 2) and c.key == key for _, c in node.asked)
+
+
+def test_a_holder_of_a_pulled_copy_is_not_quarantined_its_computing_node_is() -> None:
+    """``puller`` pulled ``bad``'s chunk (its header names ``bad``); ``elsewhere`` computed one too but no
+    longer holds it, and ``far`` pulled that one: each mismatch quarantines the computing node, once,
+    never the holder."""
+    reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
+    key = ChunkKey(b"k" * 16)
+    node = _Node({NodeId("good"): reference, NodeId("bad"): wrong, NodeId("puller"): wrong, NodeId("far"): wrong},
+                 origins={NodeId("puller"): node_digest("bad"), NodeId("far"): node_digest("elsewhere")})
+    verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+    assert {v.owner: (v.outcome, v.quarantined) for v in verdicts} == {
+        "good": ("match", None), "bad": ("mismatch", "bad"), "puller": ("mismatch", "bad"),
+        "far": ("mismatch", "elsewhere")}
+    assert [r.node for r in node.quarantined] == ["bad", "elsewhere"]
+
+
+def test_a_copy_that_is_not_what_its_origin_computed_quarantines_its_holder() -> None:
+    """``liar`` serves other bytes under ``good``'s name (or this node's): ``good``'s own copy (this
+    node's reference) is right in the same check, so the holder is the wrong one."""
+    reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
+    key = ChunkKey(b"k" * 16)
+    for origin in (node_digest("good"), node_digest("me")):
+        node = _Node({NodeId("good"): reference, NodeId("liar"): wrong}, origins={NodeId("liar"): origin})
+        verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+        assert {v.owner: v.quarantined for v in verdicts} == {"good": None, "liar": "liar"}
+        assert [r.node for r in node.quarantined] == ["liar"]
+
+
+def test_a_copy_whose_origin_names_no_node_quarantines_nobody() -> None:
+    """Assembled from several nodes' head ranges (no single origin), or computed by a node gone from
+    the mesh: nobody to name; counted as unconfirmed."""
+    reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
+    key = ChunkKey(b"k" * 16)
+    for origin in (NO_ORIGIN, node_digest("gone-node")):
+        node = _Node({NodeId("good"): reference, NodeId("holder"): wrong}, origins={NodeId("holder"): origin})
+        verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+        assert {v.owner: v.outcome for v in verdicts} == {"good": "match", "holder": "unconfirmed"}
+        assert node.quarantined == []
 
 
 def test_one_computation_against_one_copy_quarantines_nobody() -> None:
@@ -173,3 +218,38 @@ def test_a_quarantine_lapses_unless_a_new_mismatch_renews_it(etcd, cluster_name:
         loop.run(follower.stop(), 10.0)
         loop.run(client.close(), 10.0)
 
+
+
+def test_a_holder_drops_the_copies_a_quarantined_node_computed_and_keeps_its_own(etcd, cluster_name: str,
+                                                                                 tmp_path) -> None:
+    """c pulls a's chunks (re-announced under c, a's origin in their headers) and computes its own; once a is
+    quarantined, c drops exactly the pulled copies (counted ``quarantine``), keeps serving its own, is not
+    quarantined itself, and does not take a's chunks back in while the record stands."""
+    from agent_helpers import AgentProcess, agent_yaml
+    from test_agent_mesh import load_and_check, requester
+
+    from lmcache_p2p.testing.synthetic import preload, synthetic_tokens
+
+    tokens = 1024 + 100
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints),
+                     seeds=(1,), tokens=tokens, log=tmp_path / "a.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
+    try:
+        pulled = sum(load_and_check(c, seed=1, num_tokens=tokens)[0])
+        assert pulled >= 2 and len(c.tiers.inventory()) == pulled
+        assert preload(c, 7, tokens) == 5
+        schema = Schema(cluster_name)
+        c.loop.run(write(c.index.client, schema, QuarantineRecord(NodeId("a"), "b", "ab" * 16, 1.4)), 10.0)
+        assert wait_until(lambda: len(c.tiers.inventory()) == 5, 10.0)
+        assert c.invalidation.removed.labels("quarantine")._value.get() == pulled
+        assert c.lookup(synthetic_tokens(7, tokens)).hit_tokens == tokens  # its own chunks: all still there
+        assert c.lookup(synthetic_tokens(1, tokens)).hit_tokens == 0  # a's: no owner to take them from
+        # Offered again (a pull from a lagging planner): refused at the gate while a stands quarantined.
+        payload = memoryview(bytes(c.chunk_bytes))
+        key = ChunkKey(b"q" * 16)
+        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=node_digest("a")) is None
+        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=node_digest("d")) is not None
+        assert c.invalidation.removed.labels("quarantine")._value.get() == pulled + 1
+    finally:
+        c.stop()
+        a.stop()

@@ -17,14 +17,14 @@ from typing import Any
 
 import yaml
 from agent_helpers import AgentProcess, agent_yaml, config, stop_process, wait_until
-from test_agent_mesh import requester
+from test_agent_mesh import load_and_check, requester
 from vllm_helpers import scrape
 
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
 from lmcache_p2p.keys import Fingerprint
-from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
+from lmcache_p2p.testing.synthetic import preload, synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100  # 5 chunks per seed
 CPU = "1MiB"  # two 512 KiB slots: of 5 chunks, 3 are written back to disk, so both tiers hold some
@@ -114,19 +114,29 @@ def test_fingerprint_invalidation_removes_entries_and_bytes_everywhere(etcd, clu
 
 
 def test_node_invalidation_and_catch_up_on_restart(etcd, cluster_name, tmp_path):
+    """``--node a`` covers what a computed, wherever it is held (the origin in each chunk's header), and
+    what a holds: c, which pulled a's chunks and computed its own, loses only the pulled copies."""
     agents = [start(tmp_path, "a", cluster_name, etcd.endpoints),
-              start(tmp_path, "b", cluster_name, etcd.endpoints),
-              start(tmp_path, "d", cluster_name, etcd.endpoints)]
+              start(tmp_path, "b", cluster_name, etcd.endpoints, seeds=(2,)),
+              start(tmp_path, "d", cluster_name, etcd.endpoints, seeds=(3,))]
+    c = requester(tmp_path, cluster_name, etcd.endpoints)
     try:
         a, b, d = (p.wait_ready() for p in agents)
         assert wait_until(lambda: len(block_entries(etcd, cluster_name)) == 15, 10)
+        pulled = sum(load_and_check(c, seed=1, num_tokens=TOKENS)[0])  # a's chunks (those the budget takes)
+        assert pulled >= 2
+        assert preload(c, 7, TOKENS) == 5
+        own = synthetic_tokens(7, TOKENS)
+        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "c") == 5 + pulled, 10)
         r = invalidate(etcd, cluster_name, "--node", "a", "--wait", "20")
         assert r.returncode == 0 and "removed 5 block entries" in r.stdout, r.stdout + r.stderr
+        assert wait_until(lambda: count(block_entries(etcd, cluster_name), "c") == 5, 10)
         entries = block_entries(etcd, cluster_name)
         assert count(entries, "a") == 0 and count(entries, "b") == 5 and count(entries, "d") == 5
         assert wait_until(lambda: held(a)["chunks"] == 0, 5)
         assert held(a)["used"] == 0 and held(a)["node"] == 5 and files(tmp_path, "a") == []
         assert held(b)["chunks"] == 5 and held(b)["node"] == 0 and files(tmp_path, "b")
+        assert len(c.tiers.inventory()) == 5 and c.lookup(own).hit_tokens == TOKENS  # its own, all of them
 
         # d is down when its invalidation is issued: on restart it reads it and drops its disk.
         assert d.stop() == 0 and len(files(tmp_path, "d")) == 5
@@ -138,6 +148,7 @@ def test_node_invalidation_and_catch_up_on_restart(etcd, cluster_name, tmp_path)
         assert wait_until(lambda: count(block_entries(etcd, cluster_name), "d") == 0, 5)
         assert count(block_entries(etcd, cluster_name), "b") == 5
     finally:
+        c.stop()
         for p in agents:
             p.stop()
 

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.chunk import make_header
+from lmcache_p2p.chunk import HEADER_SIZE, make_header
 from lmcache_p2p.cli import status
 from lmcache_p2p.config import ObjectsConfig
 from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing, ObjectStoreError
@@ -128,7 +128,7 @@ def test_an_object_round_trips_and_every_forgery_is_refused():
     plain = pack_object(header, payload, NodeId("node-a"), None)
     assert bytes(unpack_object(plain, key, fp, None)[1]) == payload
     bad = bytearray(plain)
-    bad[64 + 10] ^= 0xFF
+    bad[HEADER_SIZE + 10] ^= 0xFF
     with pytest.raises(ChunkError, match="checksum"):
         unpack_object(bytes(bad), key, fp, None)
     with pytest.raises(ChunkError):

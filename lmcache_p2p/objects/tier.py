@@ -11,7 +11,7 @@
 An object is immutable and content-addressed: its name is the chunk's (the key already hashes the
 tokens, the model and everything else that decides the KV), its body::
 
-    [64-byte chunk header][payload][uploader node id][u8 its length][32-byte MAC, when a secret is set]
+    [80-byte chunk header][payload][uploader node id][u8 its length][32-byte MAC, when a secret is set]
 
 A read checks the length, the header's key, fingerprint and checksum and, with a cluster secret,
 the keyed BLAKE3 MAC over everything before it (the store is not trusted: anyone with write access
@@ -81,6 +81,8 @@ class Node(Protocol):
     metrics: AgentMetrics
 
     def covers(self, header: ChunkHeader, holder: NodeId) -> bool: ...
+
+    def computed_by_quarantined(self, header: ChunkHeader) -> bool: ...
 
     def wants_upload(self, header: ChunkHeader) -> bool: ...
 
@@ -345,7 +347,7 @@ class ObjectTier:
         self.ops.labels("put", "ok").inc()
         if self._announce_wake is not None:
             self._unannounced.append(ObjectMeta(agent.fp, header.key, len(body), time.time(), agent.node_id,
-                                                header.epoch, header.num_tokens, header.heads))
+                                                header.epoch, header.num_tokens, header.heads, header.origin))
             self._announce_wake.set()
 
     async def _announce_forever(self) -> None:
@@ -387,8 +389,8 @@ class ObjectTier:
             raise
 
     def _covered(self, meta: ObjectMeta) -> bool:
-        return self.agent.covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads),
-                                 meta.node)
+        return self.agent.covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads,
+                                             meta.origin), meta.node)
 
     @property
     def unannounced(self) -> int:
@@ -467,7 +469,7 @@ class ObjectTier:
             log.error("object %s is not chunk %s: %s; deleted", name, chunk.key.hex()[:16], exc)
             self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
             return False
-        if self.agent.covers(header, uploader) or self.agent.blocked(uploader):
+        if self.agent.covers(header, uploader) or self.agent.computed_by_quarantined(header):
             self.ops.labels("get", "invalidated").inc()
             self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
             return False

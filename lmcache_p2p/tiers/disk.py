@@ -1,6 +1,6 @@
 """The disk tier: one file per chunk, written atomically, verified on every read.
 
-    <dir>/<key_hex>.chunk      64-byte header (see chunk.py) + payload
+    <dir>/<key_hex>.chunk      80-byte header (see chunk.py) + payload
     <dir>/.<key_hex>.<n>.tmp   a write in progress; renamed into place when complete
 
 A file is only ever visible under its final name complete (temp file + ``os.replace``).

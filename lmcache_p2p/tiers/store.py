@@ -25,6 +25,7 @@ from pathlib import Path
 from ..chunk import ChunkHeader, make_header
 from ..config import TierConfig
 from ..errors import TierError
+from ..ids import NO_ORIGIN, NodeDigest
 from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from .cpu_pool import CpuPool, Reservation
 from .disk import DiskTier
@@ -165,9 +166,9 @@ class TieredStore:
 
     # -- API --------------------------------------------------------------------------------------
     def put(self, key: ChunkKey, fingerprint: FingerprintDigest, payload: memoryview, num_tokens: int,
-            epoch: int = 0, heads: HeadRange = (0, 1)) -> ChunkHeader | None:
+            epoch: int = 0, heads: HeadRange = (0, 1), origin: NodeDigest = NO_ORIGIN) -> ChunkHeader | None:
         """Checksum and store; None when the admission hook refused the chunk."""
-        header = make_header(key, fingerprint, payload, num_tokens, epoch, heads)
+        header = make_header(key, fingerprint, payload, num_tokens, epoch, heads, origin)
         return header if self.put_verified(header, payload) else None
 
     def put_verified(self, header: ChunkHeader, payload: memoryview) -> bool:

@@ -39,7 +39,7 @@ from ..aio import LoopThread, remaining
 from ..chunk import ChunkHeader, make_header, verify
 from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
-from ..ids import NodeId, PeerAddress
+from ..ids import NO_ORIGIN, NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest, piece_key
 from ..metrics import AgentMetrics
 from ..peers import PeerRecord, compatible
@@ -385,8 +385,10 @@ class Puller:
             starts.append(offset)
             offset += n
         try:
+            origins = {p.header.origin for p in pieces}
             header = make_header(chunk.key, self.fp, view[:offset], pieces[0].header.num_tokens,
-                                 min(p.header.epoch for p in pieces), heads=chunk.heads)
+                                 min(p.header.epoch for p in pieces), heads=chunk.heads,
+                                 origin=origins.pop() if len(origins) == 1 else NO_ORIGIN)
         except ChunkError as exc:
             log.warning("pieces of chunk %s do not make a chunk (%s); recomputed", chunk.key.hex()[:16], exc)
             return None
