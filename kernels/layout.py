@@ -106,6 +106,20 @@ def describe(layers: Sequence[torch.Tensor], block_dim: int = 0, heads: int = 1)
     )
 
 
+def memory_order(layer: torch.Tensor) -> tuple[int, ...]:
+    """``layer``'s dims from the largest stride to the smallest (ties keep their order): the order its
+    elements lie in memory, whatever order its shape names them in."""
+    return tuple(sorted(range(layer.dim()), key=lambda d: (-layer.stride(d), d)))
+
+
+def physical_view(layer: torch.Tensor, block_dim: int = 0) -> tuple[torch.Tensor, int]:
+    """``layer`` with its dims permuted into memory order, and where ``block_dim`` went. A KV tensor
+    whose shape is logical (vLLM >= 0.32: ``(blocks, heads, tokens, content)`` under a stride
+    permutation, the KV cache layout) becomes one :func:`describe` can read."""
+    order = memory_order(layer)
+    return layer.permute(*order), order.index(block_dim)
+
+
 def _check_like(i: int, t: torch.Tensor, first: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"layers[{i}]: expected a torch.Tensor, got {type(t).__name__}")

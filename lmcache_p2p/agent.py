@@ -236,8 +236,11 @@ class CacheAgent:
         return self.quarantine is not None and self.quarantine.blocked(node)
 
     def computed_by_quarantined(self, header: ChunkHeader) -> bool:
-        """The chunk was computed by a quarantined node (wherever it is held: a pulled copy, an object)."""
-        return self.quarantine is not None and self.quarantine.blocks_origin(header.origin)
+        """The chunk was computed by a quarantined node other than this one (wherever it is held: a pulled
+        copy, an object). A quarantined node keeps its own: its engine reads them as it computes them, and
+        no other planner takes them from it."""
+        return (self.quarantine is not None and header.origin != self.origin
+                and self.quarantine.blocks_origin(header.origin))
 
     def _on_quarantined(self, _origins: frozenset[bytes]) -> None:
         """(on the loop) A node was quarantined: drop the copies this node holds of chunks it computed."""

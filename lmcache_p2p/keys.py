@@ -58,11 +58,19 @@ KNOWN_CPU_LAYOUT = "vllm-cpu"
 (``integrations/vllm/probe.py``); ``vllm-cpu+<digest>`` names another order the probe measured."""
 
 
+HEAD_MAJOR_ORDERS = frozenset({"LBHNC", "BLHNC"})
+"""vLLM's KV cache layouts (``vllm/v1/kv_cache_layout.py``: a stride permutation of the logical
+``[layer, block, head, token, content]``) whose blocks hold each KV head's tokens as one run."""
+
+
 def is_head_major(kv_layout: str) -> bool:
     """Layouts whose heads lead each block's bytes (see ``kernels/layout.py``; the probe checks each
     head's values stay in its own run): their chunks are stored head-major, so any TP layout can use
-    any other's. Elsewhere each TP rank's bytes are its own."""
-    return kv_layout == KNOWN_CPU_LAYOUT or kv_layout.startswith(KNOWN_CPU_LAYOUT + "+")
+    any other's. Elsewhere each TP rank's bytes are its own. GPU layouts are named
+    ``vllm-<device>:<backend>:<order>`` (``integrations/vllm/layout.py``)."""
+    if kv_layout == KNOWN_CPU_LAYOUT or kv_layout.startswith(KNOWN_CPU_LAYOUT + "+"):
+        return True
+    return kv_layout.startswith("vllm-") and ":" in kv_layout and kv_layout.rsplit(":", 1)[1] in HEAD_MAJOR_ORDERS
 
 
 def head_range(num_kv_heads: int, tp_size: int, tp_rank: int) -> HeadRange:

@@ -24,7 +24,9 @@ def test_kv_cache_configs_other_than_one_full_attention_group_are_refused_naming
     expected = {"hybrid": "2 KV cache groups", "mla": "MLAAttentionSpec", "sliding_group": "SlidingWindowSpec",
                 "sliding_full": "sliding-window", "chunked": "chunked local", "non_causal": "non-causal",
                 "per_token_quant": "FP8_PER_TOKEN_HEAD", "cross_layer": "3 layers hold a KV cache of the model's 4",
-                "values_other_size": "head size 128", "none": "0 KV cache groups"}
+                "values_other_size": "head size 128", "none": "0 KV cache groups",
+                "layout_bhlnc": "KV cache layout BHLNC"}
+    assert got["layout_hnd"] is None and got["layout_lbnhc"] is None
     for case, words in expected.items():
         assert got[case] is not None and words in got[case], (case, got[case])
 
@@ -73,6 +75,9 @@ def main() -> None:
         "cross_layer": one(full, layers[:3]),
         "values_other_size": one(dataclasses.replace(full, head_size_v=128)),
         "none": config(),
+        "layout_bhlnc": dataclasses.replace(one(full), kv_cache_layout="BHLNC"),
+        "layout_hnd": dataclasses.replace(one(full), kv_cache_layout="HND"),
+        "layout_lbnhc": dataclasses.replace(one(full), kv_cache_layout="LBNHC"),
     }
     print(json.dumps({name: kv_cache_refusal(c, 4) for name, c in cases.items()}))
 

@@ -46,7 +46,7 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        config = connector_config(vllm_config)
+        config = connector_config(vllm_config, kv_cache_config)
         # INFO unless set (LMCACHE_P2P_LOG_LEVEL=DEBUG: per-request timings), with a handler of our own
         # where vLLM's process has none for us: what the planner declined and why shows in vLLM's output.
         set_log_level(config.log_level or "INFO")

@@ -14,19 +14,20 @@ from ...config import AgentConfig, LayoutConfig, load_config
 from ...coordinator.apply import read_at_start
 from ...keys import Fingerprint
 from ..engine_identity import engine_model_id
+from ..kv_order import kv_cache_order
 from .probe import engine_cpu_layout
 
 log = logging.getLogger(__name__)
 
 
-def connector_config(vllm_config: Any) -> AgentConfig:
+def connector_config(vllm_config: Any, kv_cache_config: Any = None) -> AgentConfig:
     """The agent config: the file named by ``kv_connector_extra_config["config"]`` (optional),
     ``LMCACHE_P2P_*`` environment variables, then ``extra_config["overrides"]`` (dotted keys),
     with the layout taken from the engine. ``layout.model_id`` set there pins the model's identity
     by name instead of by content (copies of one model whose files differ)."""
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     overrides = dict(extra.get("overrides") or {})
-    layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""))
+    layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""), kv_cache_config)
     own = load_config(extra.get("config"), overrides=overrides)  # the node's file, environment, overrides
     pinned = own.layout.model_id if "layout.model_id" in own.set_by_node else None
     if pinned:  # the operator names the model: engines share by that name, whatever their files say
@@ -49,7 +50,7 @@ def _dtype_name(vllm_config: Any) -> str:
     return str(vllm_config.model_config.dtype).removeprefix("torch.")
 
 
-def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
+def engine_layout(vllm_config: Any, tenant_salt: str = "", kv_cache_config: Any = None) -> LayoutConfig:
     model = vllm_config.model_config
     parallel = vllm_config.parallel_config
     device = str(getattr(vllm_config.device_config, "device_type", "cpu"))
@@ -60,24 +61,25 @@ def engine_layout(vllm_config: Any, tenant_salt: str = "") -> LayoutConfig:
         num_kv_heads=model.get_total_num_kv_heads(),  # every rank's: which a rank holds is in its records
         head_size=model.get_head_size(),
         block_size=vllm_config.cache_config.block_size,
-        kv_layout=engine_cpu_layout(vllm_config) if device == "cpu" else _named_layout(vllm_config, device),
+        kv_layout=(engine_cpu_layout(vllm_config) if device == "cpu"
+                   else _named_layout(vllm_config, device, kv_cache_config)),
         tenant_salt=tenant_salt,
     )
 
 
-def _named_layout(vllm_config: Any, device: str) -> str:
-    """A GPU engine's layout, named (not probed): the attention backend and ``VLLM_KV_CACHE_LAYOUT``
-    change where each element of a block lands, so both are in the name. With the backend left to
-    vLLM (``auto``) two GPU models may still pick different ones: fleets of mixed GPUs set it
-    (README: support matrix). Never head-major: TP size and rank stay in the fingerprint."""
-    import os
-
+def _named_layout(vllm_config: Any, device: str, kv_cache_config: Any = None) -> str:
+    """A GPU engine's layout: ``vllm-<device>:<backend>:<order>``. Every vLLM attention backend for GPUs
+    reads and writes the same logical ``(block, head, token, K|V content)`` per layer through its strides
+    (vLLM 0.32: FlashAttention, FlashInfer, Triton and FlexAttention split the content into K then V), so
+    the layout order decides where each element lands; the backend stays in the name all the same (a
+    backend with a format of its own never shares by accident). Head-major orders (``LBHNC``,
+    ``BLHNC``) store chunks by KV head like vLLM-CPU's, so TP sizes share; for the rest TP size and rank
+    stay in the fingerprint. The worker checks the order against its KV tensors' strides at start
+    (:func:`observed_order`)."""
     attention = getattr(vllm_config, "attention_config", None)
     backend = getattr(getattr(attention, "backend", None), "name", None) or "auto"
-    order = os.environ.get("VLLM_KV_CACHE_LAYOUT") or "default"
-    return f"vllm-{device}:{backend}:{order}"
+    return f"vllm-{device}:{backend}:{kv_cache_order(vllm_config, kv_cache_config)}"
 
 
 def engine_fingerprint(vllm_config: Any, config: AgentConfig, tp_rank: int = 0) -> Fingerprint:
     return Fingerprint.of(config.layout, vllm_config.parallel_config.tensor_parallel_size, tp_rank)
-

@@ -13,6 +13,8 @@ were that, and handed to the model wrong:
     non-causal layers   a token's KV depends on what follows it: not a prefix's
     cross-layer sharing fewer layers hold a cache than the model has
     per-token scales    quantized KV whose scales live beside the blocks (not in them)
+    layout BHLNC        a block's heads interleaved with other layers' blocks: no contiguous run per
+                        block and layer for the gather to copy
 
 :func:`kv_cache_refusal` reads vLLM's ``kv_cache_config`` (what the engine core built, handed to
 both connector roles) and names the first such feature; the connector then neither loads nor saves
@@ -22,6 +24,8 @@ for that engine (``connector.py``), and says why once. Nothing here imports vLLM
 from __future__ import annotations
 
 from typing import Any
+
+from ..kv_order import LEGACY_ORDERS, SUPPORTED_ORDERS
 
 FLOAT_DTYPES = frozenset({"torch.float16", "torch.bfloat16", "torch.float32", "torch.float8_e4m3fn",
                           "torch.float8_e5m2"})
@@ -33,6 +37,9 @@ def kv_cache_refusal(kv_cache_config: Any, num_layers: int) -> str | None:
     model's attention layers (``LayoutConfig.num_layers``)."""
     if kv_cache_config is None:
         return None  # not handed over (an older vLLM): the worker's layout checks at register_kv_caches
+    order = getattr(kv_cache_config, "kv_cache_layout", None)
+    if order is not None and LEGACY_ORDERS.get(str(order), str(order)) not in SUPPORTED_ORDERS:
+        return f"KV cache layout {order}: supported are {', '.join(sorted(SUPPORTED_ORDERS))}"
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if len(groups) != 1:
         kinds = sorted({type(g.kv_cache_spec).__name__ for g in groups})

@@ -41,10 +41,12 @@ from ...aio import unpin_thread
 from ...canary import Canary
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
+from ...kernels.layout import physical_view
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey, Fingerprint, HeadRange, is_head_major
 from ...plan import LOCAL
 from ..blocks import ChunkTransfer, blocks_from
+from ..kv_order import layout_order, observed_order, orders_agree
 from ..segments import BlendTransfer, SegmentChunks, SegmentSave, merge_runs, subtract_runs
 from .blend import Blender, blend_refusal, find_runner
 from .metadata import LMCacheP2PMetadata
@@ -92,9 +94,16 @@ class P2PWorker:
         self._recompute: list[tuple[BlendTransfer, set[int], bool, list[Any]]] = []
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layers = list(kv_caches.values())
+        kv_layout = self._config.layout.kv_layout
+        observed, named = observed_order(layers[0]), layout_order(kv_layout)
+        if not orders_agree(observed, named, layers[0].shape[1]):  # the fingerprint would name other bytes
+            raise ValueError(f"lmcache-p2p: the KV cache tensors are laid out {observed} (read from their strides) "
+                             f"but the layout fingerprint names {named} ({kv_layout}): refusing to share them")
+        views = [physical_view(t) for t in layers]  # memory order: what the gather kernels read
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
-        split = self._heads[1] - self._heads[0] if is_head_major(self._config.layout.kv_layout) else 1
-        self._kv = PagedKV(list(kv_caches.values()), heads=split)
+        split = self._heads[1] - self._heads[0] if is_head_major(kv_layout) else 1
+        self._kv = PagedKV([v for v, _ in views], block_dim=views[0][1], heads=split)
         self.blend_refusal: str | None = "blend.enabled is false"  # told to the scheduler (WorkerCapability)
         self._blender = self._find_blender(kv_caches) if self._config.blend.enabled else None
         chunk_bytes = self._kv.payload_nbytes(self._blocks_per_chunk)
