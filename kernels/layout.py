@@ -109,7 +109,8 @@ def describe(layers: Sequence[torch.Tensor], block_dim: int = 0, heads: int = 1)
 def memory_order(layer: torch.Tensor) -> tuple[int, ...]:
     """``layer``'s dims from the largest stride to the smallest (ties keep their order): the order its
     elements lie in memory, whatever order its shape names them in."""
-    return tuple(sorted(range(layer.dim()), key=lambda d: (-layer.stride(d), d)))
+    strides = layer.stride()
+    return tuple(sorted(range(layer.dim()), key=lambda d: (-strides[d], d)))
 
 
 def physical_view(layer: torch.Tensor, block_dim: int = 0) -> tuple[torch.Tensor, int]:
