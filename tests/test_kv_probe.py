@@ -164,11 +164,15 @@ def a_gpu_layout_names_its_attention_backend_and_block_order() -> None:
     flashinfer = types.SimpleNamespace(attention_config=types.SimpleNamespace(
         backend=types.SimpleNamespace(name="FLASHINFER")))
     os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
-    assert _named_layout(flashinfer, "cuda") == "vllm-cuda:FLASHINFER:default"
-    assert _named_layout(types.SimpleNamespace(), "cuda") == "vllm-cuda:auto:default"
+    assert _named_layout(flashinfer, "cuda") == "vllm-cuda:FLASHINFER:LBNHC"  # vLLM's default order (NHD)
+    assert _named_layout(types.SimpleNamespace(), "cuda") == "vllm-cuda:auto:LBNHC"
+    assert not is_head_major("vllm-cuda:FLASHINFER:LBNHC")
     os.environ["VLLM_KV_CACHE_LAYOUT"] = "HND"
     hnd = _named_layout(flashinfer, "cuda")
-    assert hnd == "vllm-cuda:FLASHINFER:HND" and not is_head_major(hnd)
+    assert hnd == "vllm-cuda:FLASHINFER:LBHNC" and is_head_major(hnd)  # head-major: TP sizes share
+    os.environ.pop("VLLM_KV_CACHE_LAYOUT")
+    resolved = types.SimpleNamespace(kv_cache_layout="BLHNC")  # what the engine core resolved wins
+    assert _named_layout(flashinfer, "cuda", resolved) == "vllm-cuda:FLASHINFER:BLHNC"
 
 
 def a_model_with_nope_layers_is_never_blended() -> None:
