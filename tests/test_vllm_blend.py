@@ -45,6 +45,7 @@ from vllm_helpers import (  # noqa: E402
 )
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_path  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start on a loaded host
@@ -78,15 +79,12 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
                                recompute_when_faster=False)
 
-    cold = EngineProcess(model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     verbose = {"LMCACHE_P2P_LOG_LEVEL": "DEBUG"}  # what the agents did (plans, budgets, misses), in the engine logs
     a = EngineProcess(model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE, env=verbose)
     b = EngineProcess(model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE, env=verbose)
     try:
-        cold.wait_ready()
-        ref = {o: r["tokens"] for o, r in zip(prompts, cold.generate([p for p, _ in prompts.values()],
-                                                                     max_tokens=ANSWER), strict=True)}
-        cold.stop()
+        ref = dict(zip(prompts, reference_tokens(model, [p for p, _ in prompts.values()], max_tokens=ANSWER,
+                                                 log_path=tmp_path / "cold.log", dtype=DTYPE), strict=True))
         a.wait_ready()
         b.wait_ready()
 
@@ -154,7 +152,7 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         metrics = scrape(nodes["engine-b"].metrics_url)
         assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
     finally:
-        for engine in (cold, a, b):
+        for engine in (a, b):
             engine.stop()
 
 

@@ -25,6 +25,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_helpers import node_records, scrape, wait_registered, write_agent_config  # noqa: E402
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.trained_model import held_out_prompts, trained_model_path  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -56,13 +57,10 @@ def test_blends_beside_vllms_prefix_cache_never_become_exact_hits_and_stay_bound
 
     cfg = write_agent_config(tmp_path / "p.yaml", node="engine-p", cluster=cluster_name, endpoints=etcd.endpoints,
                              recompute_when_faster=False)
-    cold = EngineProcess(model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     engine = EngineProcess(model, cfg, name="engine-p", log_path=tmp_path / "p.log", dtype=DTYPE,
                            prefix_caching=True, env={"LMCACHE_P2P_BLEND_MAX_RECOMPUTE_TOKENS": str(LIMIT)})
     try:
-        cold.wait_ready()
-        ref = [r["tokens"] for r in cold.generate(prompts, max_tokens=ANSWER)]
-        cold.stop()
+        ref = reference_tokens(model, prompts, max_tokens=ANSWER, log_path=tmp_path / "cold.log", dtype=DTYPE)
         engine.wait_ready()
 
         def ask(prompt: list[int], spans: list[list[int]] | None) -> dict:
@@ -92,5 +90,5 @@ def test_blends_beside_vllms_prefix_cache_never_become_exact_hits_and_stay_bound
         metrics = scrape(node_records(cfg)["engine-p"].metrics_url)
         assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 1
     finally:
-        for e in (cold, engine):
+        for e in (engine,):
             e.stop()

@@ -28,6 +28,7 @@ from agent_helpers import wait_until  # noqa: E402
 from vllm_helpers import node_records, prompts, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -62,13 +63,11 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
     docs = prompts(8, 2000, seed=31)  # 0: first contact, 1: hung owner, 2: backed off, 3-7: a healthy pull
     warm = prompts(2, 2000, seed=77)
     stream = prompts(1, 40, seed=5)[0]
-    cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     a = b = None
     stopped = False
     try:
-        cold.wait_ready()
-        reference = cold.generate(docs, max_tokens=1)
-        cold.stop()
+        reference = [{"tokens": t} for t in reference_tokens(tiny_model, docs, max_tokens=1,
+                                                             log_path=tmp_path / "cold.log", dtype=DTYPE)]
         a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE).wait_ready()
         a.generate(docs, max_tokens=1)  # A computes and stores every document
         b = EngineProcess(tiny_model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE,
@@ -133,6 +132,6 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
     finally:
         if a is not None and stopped:
             os.killpg(a.pid, signal.SIGCONT)
-        for engine in (cold, a, b):
+        for engine in (a, b):
             if engine is not None:
                 engine.stop()

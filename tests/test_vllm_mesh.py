@@ -1,7 +1,8 @@
 """Real vLLM on CPU with the LMCacheP2PConnector: a peer hit that matches recompute token for token.
 
-Three engines, each in its own process: C without any connector (the reference), A and B with
-the connector and their own embedded agents, sharing a private etcd. A computes documents; B,
+Engines each in its own process: A and B with the connector and their own embedded agents, sharing a
+private etcd; the reference outputs are a plain engine's (no connector), computed once per machine and
+kept (``lmcache_p2p.testing.references``). A computes documents; B,
 started afterwards, answers the same prompts by pulling A's chunks.
 """
 
@@ -30,6 +31,7 @@ from lmcache_p2p.identity import model_identity
 from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -53,14 +55,12 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
     doc4 = prompts(1, 1100, seed=11)[0]  # computed on A, then held corrupted by peer D
 
     d: subprocess.Popen[str] | None = None
-    cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
     a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE)
     b = None
     try:
-        cold.wait_ready()
+        reference = [{"tokens": t} for t in reference_tokens(tiny_model, docs + [shared, late, doc4],
+                                                             log_path=tmp_path / "cold.log", dtype=DTYPE)]
         a.wait_ready()
-        reference = cold.generate(docs + [shared, late, doc4])
-        cold.stop()
         on_a = a.generate(docs + [late, doc4])
         assert [r["tokens"] for r in on_a] == [r["tokens"] for r in reference[:3] + reference[4:]]
         assert all(r["num_cached_tokens"] == 0 for r in on_a)  # nothing cached anywhere yet
@@ -105,7 +105,7 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
             d.wait()
             if d.stdout is not None:
                 d.stdout.close()
-        for engine in (cold, a, b):
+        for engine in (a, b):
             if engine is not None:
                 engine.stop()
 

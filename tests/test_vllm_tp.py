@@ -22,6 +22,7 @@ from agent_helpers import wait_for  # noqa: E402
 from vllm_helpers import node_records, prompts, registered, registered_chunks, scrape, write_agent_config  # noqa: E402, E501
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]  # four engine starts on a loaded host
@@ -74,9 +75,9 @@ def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_na
 
     refs: dict[int, list[dict]] = {}
     for tp in (1, 2):  # what each layout computes with no cache at all
-        with EngineProcess(tiny_model, None, name=f"cold-tp{tp}", log_path=tmp_path / f"cold{tp}.log", dtype=DTYPE,
-                           tensor_parallel_size=tp) as cold:
-            refs[tp] = cold.wait_ready().generate(docs)
+        tokens = reference_tokens(tiny_model, docs, name=f"cold-tp{tp}", log_path=tmp_path / f"cold{tp}.log",
+                                  dtype=DTYPE, tensor_parallel_size=tp)
+        refs[tp] = [{"tokens": t} for t in tokens]
     a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE)
     b = EngineProcess(tiny_model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE,
                       tensor_parallel_size=2)
