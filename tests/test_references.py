@@ -37,6 +37,13 @@ def test_the_key_covers_model_versions_engine_arguments_and_prompts(tmp_path: Pa
         references.reference_key(model, [[1, 2, 4]], 16, {"dtype": "bfloat16"}, versions=versions),
         references.reference_key(model, [[1, 2, 3]], 8, {"dtype": "bfloat16"}, versions=versions),
     ]
+    adapter = _model(tmp_path / "adapter")
+    with_lora = references.reference_key(model, [[1, 2, 3]], 16, {"dtype": "bfloat16"}, versions=versions,
+                                         loras=[{"name": "a", "id": 1, "path": str(adapter)}])
+    changed.append(with_lora)
+    (adapter / "model.safetensors").write_bytes(b"\x02" * 4096)  # the adapter's weights, not its path
+    changed.append(references.reference_key(model, [[1, 2, 3]], 16, {"dtype": "bfloat16"}, versions=versions,
+                                            loras=[{"name": "a", "id": 1, "path": str(adapter)}]))
     raw = bytearray((model / "model.safetensors").read_bytes())
     raw[100] ^= 1  # retrained, or another build of the tiny model: one byte of the weights
     (model / "model.safetensors").write_bytes(bytes(raw))

@@ -31,9 +31,11 @@ from vllm_helpers import lora, registered_chunks, wait_registered, write_agent_c
 from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.lora import write_lora_adapter  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.trained_model import held_out_prompts  # noqa: E402
 
-# The trained model's build (minutes, once per machine) and three engine starts fall in the first test.
+# The trained model's build (minutes, once per machine) and the engine starts fall in the first test (two, and a
+# reference engine on a machine that has not kept the reference outputs yet).
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1500)]
 DTYPE = "float32"  # as test_vllm_mesh: greedy comparisons across engines without bf16 near-ties
 DOC_LEN = 1024  # four 256-token chunks
@@ -70,23 +72,21 @@ def mesh(trained_model: Path, etcd: EtcdServer, tmp_path_factory: pytest.TempPat
                                        endpoints=etcd.endpoints) for n in ("a", "b"))
     engines = [EngineProcess(trained_model, cfg, name=name, log_path=work / f"{name}.log", dtype=DTYPE,
                              max_lora_rank=LORA_RANK)
-               for name, cfg in (("reference", None), ("engine-a", cfg_a), ("engine-b", cfg_b))]
-    ref, a, b = engines
+               for name, cfg in (("engine-a", cfg_a), ("engine-b", cfg_b))]
+    a, b = engines
     try:
+        # A plain engine's outputs (kept per machine: lmcache_p2p.testing.references)
+        names = ["salt:base", "lora:base", "lora:one", "lora:two"]
+        tokens = reference_tokens(trained_model, [salt_doc, lora_doc, lora_doc, lora_doc], max_tokens=MAX_TOKENS,
+                                  log_path=work / "reference.log", name="reference", dtype=DTYPE,
+                                  max_lora_rank=LORA_RANK, loras=[None, None, adapters["one"], adapters["two"]])
+        reference = dict(zip(names, tokens, strict=True))
         for engine in engines:
             engine.wait_ready()
-        reference = {"salt:base": _tokens(ref, salt_doc), "lora:base": _tokens(ref, lora_doc),
-                     "lora:one": _tokens(ref, lora_doc, adapters["one"]),
-                     "lora:two": _tokens(ref, lora_doc, adapters["two"])}
-        ref.stop()
         yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc}, adapters, reference)
     finally:
         for engine in engines:
             engine.stop()
-
-
-def _tokens(engine: EngineProcess, doc: list[int], adapter: dict[str, Any] | None = None) -> list[int]:
-    return list(engine.generate([doc], MAX_TOKENS, lora=adapter)[0]["tokens"])
 
 
 def _on_a(mesh: Mesh, doc: list[int], **identity: Any) -> dict[str, Any]:

