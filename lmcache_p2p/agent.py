@@ -45,13 +45,13 @@ from prometheus_client import CollectorRegistry
 from . import __version__, cputime
 from .aio import LoopThread, remaining
 from .canary import Copy
-from .chunk import ChunkHeader, make_header, verify
+from .chunk import ChunkHeader, make_header
 from .config import AgentConfig, cluster_secret
 from .coordinator import apply as cluster_config_apply
 from .coordinator.apply import set_log_level
 from .coordinator.cluster_config import ClusterConfig
 from .coordinator.store import ConfigWatcher
-from .errors import ChunkError, LMCacheP2PError, TierError
+from .errors import LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
 from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeDigest, NodeId, node_digest
@@ -60,9 +60,9 @@ from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
-from .load import load_pinned
+from .load import Loader
 from .metrics import AgentMetrics, MetricsServer
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, make_plan
 from .score import http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
@@ -135,6 +135,7 @@ class CacheAgent:
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
         self.objects: ObjectTier | None = None  # the object tier, when ``objects.url`` is set
+        self.loader: Loader | None = None  # the load path (load.py), once the parts it uses are up
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -177,6 +178,11 @@ class CacheAgent:
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
             if self.config.objects.url is not None:
                 self._start_objects(client)
+            self.loader = Loader(tiers=self.tiers, heads=self.heads, chunk_bytes=self.chunk_bytes,
+                                 transfer=self.config.transfer, tiers_config=self.config.tiers,
+                                 peer_estimates=self.peer_estimates, prefill=self.prefill, metrics=self.metrics,
+                                 puller=self.puller, objects=self.objects, loop=self.loop,
+                                 on_hit=self.handoff.on_hit)
             recovered = self._drop_quarantined(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
@@ -355,6 +361,7 @@ class CacheAgent:
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
         t0 = time.monotonic()
+        self.loader = None  # loads from here on are misses
         for future in (self._prune, self._handoff_task):
             if future is not None:
                 future.cancel()
@@ -645,14 +652,10 @@ class CacheAgent:
         m.recompute_chunk.set(self.prefill.recompute_s(self.config.chunk_size) or 0.0)
 
     def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:
-        """Cut ``plan`` to the pulls expected to beat recomputing and to finish in ``left_s`` (see
-        :func:`fetch_budget`)."""
-        return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
-                            expected_s=self.peer_estimates.expected_s,
-                            recompute_s=self.prefill.recompute_s if self.config.transfer.recompute_when_faster
-                            else lambda _tokens: None,
-                            max_s=self.config.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
-                            first_contact_s=self.config.transfer.first_contact_s)
+        """Cut ``plan`` to the pulls expected to beat recomputing and to finish in ``left_s`` (started only)."""
+        if self.loader is None:
+            raise RuntimeError("the agent is not started: nothing can be loaded")
+        return self.loader.budget(plan, left_s)
 
     def load_pinned(self, plan: HitPlan, deadline: float | None = None, *, remote: bool = True,
                     label: str = "") -> list[Pin | None]:
@@ -663,60 +666,17 @@ class CacheAgent:
         ``tiers.pin_timeout_s``. ``deadline`` is absolute (``time.monotonic()``; default
         ``transfer.timeout_s`` from now).
         """
-        return load_pinned(self, plan, deadline if deadline is not None else self.deadline(), remote=remote,
-                           label=label)
+        loader = self.loader
+        if loader is None:  # not started, or stopping: nothing to load from
+            return [None] * len(plan.chunks)
+        return loader.load_pinned(plan, deadline if deadline is not None else self.deadline(), remote=remote,
+                                  label=label)
 
     def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
-        """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until
-        ``patience``: see :meth:`Puller.pull`): from peers, and from the object store those planned there (at
-        the same time) or, while time is left, those a peer failed to send and the store also holds."""
-        objects, loop = self.objects, self.loop
-        stored = [c for c in chunks if c.source == OBJECTS]
-        peers = [c for c in chunks if c.source != OBJECTS]
-        reading = loop.submit(objects.fetch(stored, deadline)) if stored and objects and loop else None
-        if peers and self.puller is not None:
-            self.puller.pull(peers, deadline, patience)
-        if reading is not None:
-            with contextlib.suppress(concurrent.futures.TimeoutError, LMCacheP2PError):
-                reading.result(timeout=remaining(deadline) + 1.0)
-        fallback = [c for c in peers if OBJECTS in c.alternatives and not c.pieces and not self.holds(c.key)]
-        if fallback and objects is not None and loop is not None and remaining(deadline) > 0:
-            with contextlib.suppress(LMCacheP2PError):
-                loop.run(objects.fetch(fallback, deadline), remaining(deadline) + 1.0)
-
-    def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
-        """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With
-        ``remote=False`` nothing is read from disk (a disk chunk is promoted in the background)."""
-        pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-        if pin is None and not remote:
-            self.tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
-        elif pin is None and self.tiers.ensure_in_cpu(chunk.key):
-            pin = self.tiers.cpu.pin(chunk.key, self.config.tiers.pin_timeout_s)
-        if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
-            self.tiers.cpu.unpin(pin)
-            pin = None
-        if pin is not None and not (self._admit(pin.header) and self._intact(pin)):
-            self.tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
-            self.tiers.remove(chunk.key)
-            pin = None
-        if pin is not None:
-            self.handoff.on_hit(chunk.key)
-            source = "local" if chunk.source == LOCAL else "objects" if chunk.source == OBJECTS else "peer"
-            self.metrics.loaded_chunks.labels(source).inc()
-        else:
-            self.metrics.load_failures.labels("missing").inc()
-        return pin
-
-    def _intact(self, pin: Pin) -> bool:
-        """Re-verify a slot before the engine reads it: registered memory can be changed after commit
-        (a NIXL WRITE by a peer, a stray write); changed bytes never reach the engine."""
-        try:
-            verify(pin.header, self.tiers.cpu.slot_view(pin.slot, pin.header.length))
-            return True
-        except ChunkError as exc:
-            log.error("chunk %s changed in memory after it was committed; dropped: %s", pin.key.hex()[:16], exc)
-            self.metrics.checksum_failures.inc()
-            return False
+        """Pull ``chunks`` into the CPU pool by ``deadline`` (:meth:`Loader.pull`); nothing when not started."""
+        loader = self.loader
+        if loader is not None:
+            loader.pull(chunks, deadline, patience)
 
     def unpin_chunk(self, pin: Pin) -> None:
         self.tiers.cpu.unpin(pin)

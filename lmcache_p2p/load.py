@@ -5,8 +5,12 @@
          ──pin─────▶ one pinned, re-verified CPU slot per chunk (None: not to be had; the caller
                      recomputes it and everything after it)
 
-The worker connector (``integrations/vllm/worker.py``) scatters the pins into the engine's
-blocks; :meth:`CacheAgent.load` copies them out. Both go through :func:`load_pinned`.
+:class:`Loader` owns the whole path, built by the agent once its parts are up (tiers, transports,
+the object tier, estimates, metrics) and given them, never the agent: the worker connector
+(``integrations/vllm/worker.py``) scatters its pins into the engine's blocks, :meth:`CacheAgent.load`
+copies them out; both go through :meth:`Loader.load_pinned`. Reads from the object store are planned
+like a slow peer's (its measured latency and bandwidth in the same estimates) and a chunk a peer failed
+to send is read from the store while time is left.
 
 One deadline: absolute, on ``time.monotonic()`` (one clock for every process of a host, so the
 scheduler side sets it when it offers the hit and its workers keep it). The budget may only bring
@@ -16,97 +20,188 @@ goes unchanged to :meth:`Puller.pull` and the transports. Nothing converts it ba
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-from .aio import remaining
-from .keys import ChunkKey
+from .aio import LoopThread, remaining
+from .chunk import verify
+from .config import TierConfig, TransferConfig
+from .errors import ChunkError, LMCacheP2PError
+from .estimates import PeerEstimates, PrefillRate
+from .ids import OBJECTS
+from .keys import ChunkKey, HeadRange
 from .metrics import AgentMetrics
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk
-from .tiers import Pin
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget
+from .tiers import Pin, TieredStore
+from .transfer.pull import Puller
+
+if TYPE_CHECKING:
+    from .objects.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
 
-class Loading(Protocol):
-    """What a load uses of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+class Loader:
+    """Plan -> budget -> pull (peers, the object store) -> pin -> re-verify, for one agent's tiers.
 
-    metrics: AgentMetrics
+    ``admit``: the tiers' own admission gate (standing invalidations, quarantined origins), asked
+    again of every chunk before it is handed over; ``on_hit``: told each chunk handed over (the
+    hand-off's hit counts). ``puller``, ``objects`` and ``loop`` are None where the agent has no
+    transports, object tier or loop: those chunks are then misses."""
 
-    def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget: ...
+    def __init__(self, *, tiers: TieredStore, heads: HeadRange, chunk_bytes: int, transfer: TransferConfig,
+                 tiers_config: TierConfig, peer_estimates: PeerEstimates, prefill: PrefillRate,
+                 metrics: AgentMetrics, puller: Puller | None, objects: ObjectTier | None, loop: LoopThread | None,
+                 on_hit: Callable[[ChunkKey], None]) -> None:
+        self.tiers = tiers
+        self.heads = heads
+        self.chunk_bytes = chunk_bytes
+        self.transfer = transfer
+        self.pin_timeout_s = tiers_config.pin_timeout_s
+        self.peer_estimates = peer_estimates
+        self.prefill = prefill
+        self.metrics = metrics
+        self.puller = puller
+        self.objects = objects
+        self.loop = loop
+        self._on_hit = on_hit
 
-    def holds(self, key: ChunkKey) -> bool: ...
+    # -- budget ---------------------------------------------------------------------------------------
+    def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:
+        """Cut ``plan`` to the pulls expected to beat recomputing and to finish in ``left_s`` (see
+        :func:`~lmcache_p2p.plan.fetch_budget`)."""
+        return fetch_budget(plan, chunk_bytes=lambda c: self.chunk_bytes,
+                            expected_s=self.peer_estimates.expected_s,
+                            recompute_s=self.prefill.recompute_s if self.transfer.recompute_when_faster
+                            else lambda _tokens: None,
+                            max_s=self.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
+                            first_contact_s=self.transfer.first_contact_s)
 
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None: ...
+    def budgeted(self, plan: HitPlan, deadline: float, label: str = "") -> tuple[FetchBudget, float]:
+        """The budget: ``plan`` cut to the pulls expected to beat recomputing and to finish before
+        ``deadline`` (the load may have queued behind others), and ``deadline`` brought as close as the
+        kept pulls' own allowance. Each decision is counted (``fetch_decisions_total``: pull,
+        recompute_faster, deadline; the declined ones in ``load_failures_total`` too)."""
+        budget = self.budget(plan, left_s=remaining(deadline))
+        declined = len(plan.chunks) - len(budget.plan.chunks)
+        metrics = self.metrics
+        pulled = sum(1 for c in budget.plan.chunks if c.source != LOCAL)
+        if pulled:
+            metrics.fetch_decisions.labels("pull").inc(pulled)
+        if budget.late:
+            metrics.fetch_decisions.labels("deadline").inc(budget.late)
+            metrics.load_failures.labels("deadline").inc(budget.late)
+        if declined > budget.late:
+            metrics.fetch_decisions.labels("recompute_faster").inc(declined - budget.late)
+            metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
+        if declined:
+            why = ""
+            if budget.declined_at is not None:
+                pull_s, recompute_s = budget.declined_at
+                why = (f"; the first declined as slower than recomputing: pull expected {1e3 * pull_s:.1f} ms, "
+                       f"recompute {1e3 * recompute_s:.1f} ms")
+            log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left%s)",
+                     label, len(budget.plan.chunks), len(plan.chunks), budget.late, 1e3 * remaining(deadline), why)
+        kept = min(deadline, time.monotonic() + budget.deadline_s)
+        log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,
+                  len(budget.plan.chunks), 1e3 * budget.expected_s,
+                  "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
+                  1e3 * (kept - time.monotonic()))
+        return budget, kept
 
-    def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None: ...
+    # -- the path ---------------------------------------------------------------------------------------
+    def load_pinned(self, plan: HitPlan, deadline: float, *, remote: bool = True, label: str = "") -> list[Pin | None]:
+        """One pin (or None) per chunk of ``plan``; the caller unpins every pin it got.
 
+        ``remote``: budget the plan, pull what peers hold until ``deadline``, read what the disk tier
+        holds until ``deadline``. Without it, or past the deadline, nothing is pulled and no disk is read
+        (the caller is the engine's forward thread, or the engine has waited long enough): only what the
+        CPU pool holds now is pinned, and disk chunks are promoted in the background for the next request.
+        Chunks the budget declined are None.
+        """
+        kept, late, load_deadline = plan, set(), deadline
+        if remote:
+            budget, deadline = self.budgeted(plan, deadline, label)
+            kept = budget.plan
+            pulls = [c for c in kept.chunks if c.source != LOCAL and not self.holds(c.key)]
+            if pulls and remaining(deadline) <= 0:
+                # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
+                # would only hold it while an answer nobody waits for arrives. The engine recomputes.
+                late = {c.key for c in pulls}
+                self.metrics.load_failures.labels("deadline").inc(len(late))
+                log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
+            elif pulls:
+                started = time.monotonic()
+                # An answer still arriving at the deadline is worth waiting for while it keeps coming, as
+                # long as the engine could not have computed the tokens sooner (nor past the load's deadline).
+                patience = load_deadline if budget.recompute_s is None else min(load_deadline,
+                                                                                started + budget.recompute_s)
+                self.pull(pulls, deadline, patience if patience > deadline else None)
+                if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
+                    self.metrics.estimate_ratio.labels("pull").observe(
+                        (time.monotonic() - started) / budget.expected_s)
+        pins = [None if chunk.key in late else self.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)
+                for chunk in kept.chunks]
+        return pins + [None] * (len(plan.chunks) - len(kept.chunks))
 
-def budgeted(node: Loading, plan: HitPlan, deadline: float, label: str = "") -> tuple[FetchBudget, float]:
-    """The budget: ``plan`` cut to the pulls expected to beat recomputing and to finish before
-    ``deadline`` (the load may have queued behind others), and ``deadline`` brought as close as the
-    kept pulls' own allowance. Each decision is counted (``fetch_decisions_total``: pull,
-    recompute_faster, deadline; the declined ones in ``load_failures_total`` too)."""
-    budget = node.budget(plan, left_s=remaining(deadline))
-    declined = len(plan.chunks) - len(budget.plan.chunks)
-    metrics = node.metrics
-    pulled = sum(1 for c in budget.plan.chunks if c.source != LOCAL)
-    if pulled:
-        metrics.fetch_decisions.labels("pull").inc(pulled)
-    if budget.late:
-        metrics.fetch_decisions.labels("deadline").inc(budget.late)
-        metrics.load_failures.labels("deadline").inc(budget.late)
-    if declined > budget.late:
-        metrics.fetch_decisions.labels("recompute_faster").inc(declined - budget.late)
-        metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
-    if declined:
-        why = ""
-        if budget.declined_at is not None:
-            pull_s, recompute_s = budget.declined_at
-            why = (f"; the first declined as slower than recomputing: pull expected {1e3 * pull_s:.1f} ms, "
-                   f"recompute {1e3 * recompute_s:.1f} ms")
-        log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left%s)", label,
-                 len(budget.plan.chunks), len(plan.chunks), budget.late, 1e3 * remaining(deadline), why)
-    kept = min(deadline, time.monotonic() + budget.deadline_s)
-    log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,
-              len(budget.plan.chunks), 1e3 * budget.expected_s,
-              "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
-              1e3 * (kept - time.monotonic()))
-    return budget, kept
+    def holds(self, key: ChunkKey) -> bool:
+        """This node holds the chunk, in some tier, with the heads its engine needs."""
+        header = self.tiers.header(key)
+        return header is not None and header.heads == self.heads
 
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
+        """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until
+        ``patience``: see :meth:`Puller.pull`): from peers, and from the object store those planned there (at
+        the same time) or, while time is left, those a peer failed to send and the store also holds."""
+        objects, loop = self.objects, self.loop
+        stored = [c for c in chunks if c.source == OBJECTS]
+        peers = [c for c in chunks if c.source != OBJECTS]
+        reading = loop.submit(objects.fetch(stored, deadline)) if stored and objects and loop else None
+        if peers and self.puller is not None:
+            self.puller.pull(peers, deadline, patience)
+        if reading is not None:
+            with contextlib.suppress(concurrent.futures.TimeoutError, LMCacheP2PError):
+                reading.result(timeout=remaining(deadline) + 1.0)
+        fallback = [c for c in peers if OBJECTS in c.alternatives and not c.pieces and not self.holds(c.key)]
+        if fallback and objects is not None and loop is not None and remaining(deadline) > 0:
+            with contextlib.suppress(LMCacheP2PError):
+                loop.run(objects.fetch(fallback, deadline), remaining(deadline) + 1.0)
 
-def load_pinned(node: Loading, plan: HitPlan, deadline: float, *, remote: bool = True,
-                label: str = "") -> list[Pin | None]:
-    """One pin (or None) per chunk of ``plan``; the caller unpins every pin it got.
+    def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
+        """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With
+        ``remote=False`` nothing is read from disk (a disk chunk is promoted in the background)."""
+        tiers = self.tiers
+        pin = tiers.cpu.pin(chunk.key, self.pin_timeout_s)
+        if pin is None and not remote:
+            tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
+        elif pin is None and tiers.ensure_in_cpu(chunk.key):
+            pin = tiers.cpu.pin(chunk.key, self.pin_timeout_s)
+        if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
+            tiers.cpu.unpin(pin)
+            pin = None
+        if pin is not None and not (tiers.admits(pin.header) and self._intact(pin)):
+            tiers.cpu.unpin(pin)  # covered by an invalidation since it was stored, or changed in memory
+            tiers.remove(chunk.key)
+            pin = None
+        if pin is not None:
+            self._on_hit(chunk.key)
+            source = "local" if chunk.source == LOCAL else "objects" if chunk.source == OBJECTS else "peer"
+            self.metrics.loaded_chunks.labels(source).inc()
+        else:
+            self.metrics.load_failures.labels("missing").inc()
+        return pin
 
-    ``remote``: budget the plan, pull what peers hold until ``deadline``, read what the disk tier
-    holds until ``deadline``. Without it, or past the deadline, nothing is pulled and no disk is read
-    (the caller is the engine's forward thread, or the engine has waited long enough): only what the
-    CPU pool holds now is pinned, and disk chunks are promoted in the background for the next request.
-    Chunks the budget declined are None.
-    """
-    kept, late, load_deadline = plan, set(), deadline
-    if remote:
-        budget, deadline = budgeted(node, plan, deadline, label)
-        kept = budget.plan
-        pulls = [c for c in kept.chunks if c.source != LOCAL and not node.holds(c.key)]
-        if pulls and remaining(deadline) <= 0:
-            # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
-            # would only hold it while an answer nobody waits for arrives. The engine recomputes.
-            late = {c.key for c in pulls}
-            node.metrics.load_failures.labels("deadline").inc(len(late))
-            log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
-        elif pulls:
-            started = time.monotonic()
-            # An answer still arriving at the deadline is worth waiting for while it keeps coming, as
-            # long as the engine could not have computed the tokens sooner (nor past the load's deadline).
-            patience = load_deadline if budget.recompute_s is None else min(load_deadline,
-                                                                            started + budget.recompute_s)
-            node.pull(pulls, deadline, patience if patience > deadline else None)
-            if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
-                node.metrics.estimate_ratio.labels("pull").observe((time.monotonic() - started) / budget.expected_s)
-    pins = [None if chunk.key in late else node.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)
-            for chunk in kept.chunks]
-    return pins + [None] * (len(plan.chunks) - len(kept.chunks))
+    def _intact(self, pin: Pin) -> bool:
+        """Re-verify a slot before the engine reads it: registered memory can be changed after commit
+        (a NIXL WRITE by a peer, a stray write); changed bytes never reach the engine."""
+        try:
+            verify(pin.header, self.tiers.cpu.slot_view(pin.slot, pin.header.length))
+            return True
+        except ChunkError as exc:
+            log.error("chunk %s changed in memory after it was committed; dropped: %s", pin.key.hex()[:16], exc)
+            self.metrics.checksum_failures.inc()
+            return False

@@ -223,6 +223,11 @@ class TieredStore:
         self._promote(header, dst)
         return header
 
+    def admits(self, header: ChunkHeader) -> bool:
+        """Whether the admission gate lets this chunk in now (and so out to an engine: a standing
+        invalidation or a quarantine may have come since it was stored); a refusal is counted there."""
+        return self._admit is None or self._admit(header)
+
     def ensure_in_cpu(self, key: ChunkKey) -> bool:
         """Make a chunk servable from CPU memory (peers read slots); promotes a disk hit."""
         if self.cpu.contains(key):
