@@ -184,7 +184,7 @@ class CanaryConfig:
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlendConfig:
     """Reuse of a request's declared segments (RAG documents) at any position
-    (``integrations/segments.py``): ``enabled`` lets requests that declare segments blend when they ask
+    (``segments.py``): ``enabled`` lets requests that declare segments blend when they ask
     (``lmcache_p2p_blend``, or a fraction or selection of their own), or all of them (``by_default``):
     on the graded task of ``bench blend`` no setting keeps a full prefill's answers (README);
     ``recompute_fraction`` of each placed segment's tokens is recomputed through the model against the

@@ -15,7 +15,7 @@ each document message's tokens in the prompt, from tokenizations with the engine
 
 Every document message is tokenized alone after the same context, so when the prompt is that
 concatenation a document's tokens are the same in every prompt with this base: what segment keys need
-(``integrations/segments.py``). Delimiters such as ChatML's ``<|im_start|>`` keep a message's tokens from
+(``segments.py``). Delimiters such as ChatML's ``<|im_start|>`` keep a message's tokens from
 merging with its neighbours'; a template that merges them, or renders a message by its position
 (numbers it), fails the check and the request is served by prefix reuse only, with the reason. With no
 message before the first document the context is the last message, and the base is what the template
@@ -31,7 +31,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .integrations.segments import MAX_SEGMENTS, SEGMENTS_PARAM
+from .segments import MAX_SEGMENTS, SEGMENTS_PARAM
 
 DOCUMENTS_FIELD = "documents"  # vLLM's chat field
 DOCUMENT_FLAG = "lmcache_p2p_document"  # on a message: it is a document

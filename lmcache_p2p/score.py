@@ -21,7 +21,7 @@ measurements: its pull-time model per source peer (pulls from several peers over
 read rate, and its engine's prefill rate for the tokens left to compute (unknown until it
 prefilled once: then only the load is estimated).
 
-Segments (RAG documents, ``integrations/segments.py``) of a request that asks to be blended: after a
+Segments (RAG documents, ``segments.py``) of a request that asks to be blended: after a
 node's exact prefix (``matched_tokens``), its blend is planned as its scheduler side plans it
 (``plan_blend``, with this agent's ``blend`` settings): a declared segment is held there when the node
 holds or can pull all of its chunks.
@@ -56,10 +56,10 @@ from .estimates import PeerEstimates, PrefillRate
 from .ids import TIER_NAMES, NodeId
 from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
-from .integrations.segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, plan_blend, read_segments
-from .integrations.segments import segment_chunks as segment_chunks_of
 from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, tokens_to_array
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
+from .segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, plan_blend, read_segments
+from .segments import segment_chunks as segment_chunks_of
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lmcache_p2p.integrations.blocks import blocks_from, chunk_transfer
+from lmcache_p2p.blocks import blocks_from, chunk_transfer
 from lmcache_p2p.keys import ChunkKey
 
 KEYS = [ChunkKey(bytes([i]) * 16) for i in range(5)]

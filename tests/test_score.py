@@ -16,9 +16,9 @@ from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.estimates import PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord, Served
-from lmcache_p2p.integrations.segments import segment_chunks
 from lmcache_p2p.keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
 from lmcache_p2p.score import ScoreError, ScoreRequest, parse_request, score
+from lmcache_p2p.segments import segment_chunks
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 
 CONFIG = AgentConfig(node_id="e")

@@ -1,10 +1,11 @@
-"""Segments (``integrations/segments.py``): declared spans, their keys, and the blend plan."""
+"""Segments (``segments.py``): declared spans, their keys, and the blend plan."""
 
 from __future__ import annotations
 
 import pytest
 
-from lmcache_p2p.integrations.segments import (
+from lmcache_p2p.keys import FingerprintDigest, chunk_keys
+from lmcache_p2p.segments import (
     BLEND_PARAM,
     FRACTION_PARAM,
     SEGMENTS_PARAM,
@@ -16,7 +17,6 @@ from lmcache_p2p.integrations.segments import (
     segment_chunks,
     wants_blend,
 )
-from lmcache_p2p.keys import FingerprintDigest, chunk_keys
 
 ROOT = FingerprintDigest(b"r" * 16)
 C = 256

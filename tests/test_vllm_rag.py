@@ -6,7 +6,7 @@ no chat template: the engines are given one (``--chat-template``) whose messages
 ``<s>``/``</s>`` delimit, as ChatML's do. The router runs ``--policy round_robin`` so the second request
 lands on the other engine whatever the score says (the score itself is checked directly).
 
-A segment's KV is canonical (``integrations/segments.py``): a prefill saves its first document only (the
+A segment's KV is canonical (``segments.py``): a prefill saves its first document only (the
 others were computed after documents the client chose), and a blend computes a document held nowhere
 after the base alone (the base here is a short system message, not a whole chunk: the blend computes it
 first). Blending is opt-in: the requests ask for it (``lmcache_p2p_blend``).

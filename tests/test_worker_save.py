@@ -13,8 +13,8 @@ import sys
 import torch
 
 from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.blocks import ChunkTransfer
 from lmcache_p2p.config import load_config
-from lmcache_p2p.integrations.blocks import ChunkTransfer
 from lmcache_p2p.keys import ChunkKey, Fingerprint
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 

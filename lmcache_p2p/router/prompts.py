@@ -27,7 +27,8 @@ from typing import Any
 import aiohttp
 from prometheus_client import Counter
 
-from ..integrations.segments import (
+from ..rag import DOCUMENTS_FIELD, NotSegmentable, SpanPlan
+from ..segments import (
     BLEND_PARAM,
     FRACTION_PARAM,
     SEGMENTS_PARAM,
@@ -36,7 +37,6 @@ from ..integrations.segments import (
     read_segments,
     wants_blend,
 )
-from ..rag import DOCUMENTS_FIELD, NotSegmentable, SpanPlan
 from .engines import Engine
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """What the scheduler-side connector tells the worker-side connector each step: the loads and saves
-(``ChunkTransfer``, see ``integrations/blocks.py`` for how chunks map to engine blocks); and what each
+(``ChunkTransfer``, see ``blocks.py`` for how chunks map to engine blocks); and what each
 worker tells the scheduler once at start (``WorkerCapability``)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import dataclasses
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from ..blocks import ChunkTransfer
-from ..segments import BlendTransfer, SegmentSave
+from ...blocks import ChunkTransfer
+from ...segments import BlendTransfer, SegmentSave
 
 __all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave", "WorkerCapability"]
 

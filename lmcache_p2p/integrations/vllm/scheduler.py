@@ -56,6 +56,7 @@ from typing import Any
 import xxhash
 
 from ...aio import LoopThread
+from ...blocks import ChunkTransfer, chunk_transfer
 from ...config import AgentConfig
 from ...index.reader import IndexReader
 from ...index.schema import NodeRecord
@@ -69,10 +70,7 @@ from ...keys import (
     request_root,
 )
 from ...peers import compatible
-from ..blocks import ChunkTransfer, chunk_transfer
-from ..engine_identity import file_adapter, request_identity
-from ..freshness import Freshness, named_revision
-from ..segments import (
+from ...segments import (
     BlendPlan,
     BlendTransfer,
     SegmentChunks,
@@ -85,6 +83,8 @@ from ..segments import (
     segment_chunks,
     wants_blend,
 )
+from ..engine_identity import file_adapter, request_identity
+from ..freshness import Freshness, named_revision
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ class P2PScheduler:
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
-        # Segments (integrations/segments.py): blending needs this engine to place keys exactly (blend.py);
+        # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
         # vLLM's prefix cache never hands blended blocks on as exact hits (_salt).
         self._config_refusal = blend_refusal if config.blend.enabled else "blend.enabled is false"
         # ... and the worker's own word (its runner, rotary class, key-layout self-test): prefix only until

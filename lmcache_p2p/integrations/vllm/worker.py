@@ -38,6 +38,7 @@ import torch
 from ... import cputime
 from ...agent import CacheAgent
 from ...aio import unpin_thread
+from ...blocks import ChunkTransfer, blocks_from
 from ...canary import Canary
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
@@ -45,9 +46,8 @@ from ...kernels.layout import physical_view
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey, Fingerprint, HeadRange, is_head_major
 from ...plan import LOCAL
-from ..blocks import ChunkTransfer, blocks_from
+from ...segments import BlendTransfer, SegmentChunks, SegmentSave, merge_runs, subtract_runs
 from ..kv_order import layout_order, observed_order, orders_agree
-from ..segments import BlendTransfer, SegmentChunks, SegmentSave, merge_runs, subtract_runs
 from .blend import Blender, blend_refusal, find_runner
 from .metadata import LMCacheP2PMetadata
 

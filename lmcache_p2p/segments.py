@@ -36,8 +36,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..keys import FingerprintDigest, chunk_keys, chunk_spans, segment_root
 from .blocks import ChunkTransfer
+from .keys import FingerprintDigest, chunk_keys, chunk_spans, segment_root
 
 SEGMENTS_PARAM = "lmcache_p2p_segments"
 FRACTION_PARAM = "lmcache_p2p_recompute_fraction"  # a request's own blend.recompute_fraction

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..keys import ChunkKey, chunk_spans
+from .keys import ChunkKey, chunk_spans
 
 
 @dataclasses.dataclass(slots=True)
