@@ -394,7 +394,8 @@ def test_chunks_invalidated_while_their_uploads_wait_never_reach_the_store(etcd,
 
 
 def test_a_quarantined_uploaders_objects_are_not_loaded(etcd, cluster_name, tmp_path, s3_env):
-    """The canary quarantined the node that uploaded a chunk: its object is deleted, never loaded."""
+    """The canary quarantined the node that computed (and uploaded) a chunk: its object is deleted, never
+    loaded (judged by the origin in the object's chunk header)."""
     s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
     try:
         keys = evict_into_store(s, 10)

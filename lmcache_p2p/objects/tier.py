@@ -88,8 +88,6 @@ class Node(Protocol):
 
     def observe_objects(self, nbytes: int, seconds: float) -> None: ...
 
-    def blocked(self, node: NodeId) -> bool: ...
-
 
 @dataclasses.dataclass(slots=True)
 class _Upload:
