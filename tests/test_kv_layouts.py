@@ -72,6 +72,8 @@ def test_the_order_read_from_the_strides_is_the_one_named(order: str, heads: int
         assert observed_order(layer) == order
         others = [o for o in ORDERS if o != order]
         assert not any(orders_agree(observed_order(layer), o, heads) for o in others)
+    five_d = torch.zeros(2, 6, 16, heads, 8)  # an older vLLM's (K|V, block, token, head, dim): named, never read
+    assert observed_order(five_d).startswith("other:5-d") and not orders_agree(observed_order(five_d), order, heads)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -43,6 +43,8 @@ def observed_order(layer: Any) -> str:
     strides: ``LBHNC``, ``BLHNC`` (blocks of all layers interleaved), ``LBNHC``, ``BLNHC``, ``LHBNC``,
     ``BHLNC``, or ``other:<memory order>``. With one head per block the two head/token orders hold the
     same bytes and read as the head-major one."""
+    if layer.dim() != 4:
+        return f"other:{layer.dim()}-d {tuple(layer.shape)}"
     blocks, heads, tokens, content = layer.shape
     stride = layer.stride()
     order = memory_order(layer)
