@@ -13,10 +13,11 @@
                (``canary_checks_total{outcome}``); a copy this node holds that differs is replaced
 
 Whom a mismatch names: the copy's origin when the holder computed it itself; when the holder pulled
-it, the origin, unless the origin's own copy (or this node's reference, when this node is the
-origin) was found right in the same check: then the holder's copy is not what its origin computed
-and the holder is the wrong one. A copy whose origin names no node in the mesh (gone, or a chunk
-assembled from several nodes' head ranges) quarantines nobody: ``unconfirmed``, logged.
+it, the origin, unless the origin's computation was found right in the same check (its own copy,
+another holder's copy of it, or this node's reference when this node is the origin): then the
+holder's copy is not what its origin computed and the holder is the wrong one. A copy whose origin
+names no node in the mesh (gone, or a chunk assembled from several nodes' head ranges) quarantines
+nobody: ``unconfirmed``, logged.
 
 A key is derived by this node from the tokens it just computed, so the check covers the key chain
 too: an owner whose chunk under this key is not the KV of these tokens under this model is wrong,
@@ -150,8 +151,11 @@ class Canary:
         return kv_distance(reference, copy, self.kv_dtype) > self.tolerance
 
     def _judge(self, key: ChunkKey, found: Sequence[_Found]) -> list[Verdict]:
-        ok = {f.owner for f in found if f.distance is not None and f.distance <= self.tolerance}
-        right = ok | {self.node.node_id}  # nodes whose own copy of this key was found right (this one: the reference)
+        matched = [f for f in found if f.distance is not None and f.distance <= self.tolerance]
+        ok = {f.owner for f in matched}
+        # nodes whose computation of this key was found right here: a holder's own copy, any copy whose
+        # origin names them, and this node (the reference)
+        right = ok | {f.computed_by for f in matched if f.computed_by is not None} | {self.node.node_id}
         out, quarantined = [], set()
         for f in found:
             culprit = None

@@ -120,6 +120,11 @@ def test_a_copy_that_is_not_what_its_origin_computed_quarantines_its_holder() ->
         verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
         assert {v.owner: v.quarantined for v in verdicts} == {"good": None, "liar": "liar"}
         assert [r.node for r in node.quarantined] == ["liar"]
+    # "elsewhere" no longer holds its chunk, but an honest holder's copy of it is right: its computation was.
+    node = _Node({NodeId("honest"): reference, NodeId("liar"): wrong},
+                 origins={NodeId("honest"): node_digest("elsewhere"), NodeId("liar"): node_digest("elsewhere")})
+    verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+    assert {v.owner: v.quarantined for v in verdicts} == {"honest": None, "liar": "liar"}
 
 
 def test_a_copy_whose_origin_names_no_node_quarantines_nobody() -> None:
