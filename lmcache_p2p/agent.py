@@ -445,8 +445,7 @@ class CacheAgent:
 
     def holds(self, key: ChunkKey) -> bool:
         """This agent holds the chunk, in some tier, with the heads its engine needs."""
-        header = self.tiers.header(key)
-        return header is not None and header.heads == self.heads
+        return self.tiers.holds(key, self.heads)
 
     def _admit(self, header: ChunkHeader) -> bool:
         """The store's admission gate: nothing a standing invalidation covers, nor a quarantined node

@@ -150,8 +150,7 @@ class Loader:
 
     def holds(self, key: ChunkKey) -> bool:
         """This node holds the chunk, in some tier, with the heads its engine needs."""
-        header = self.tiers.header(key)
-        return header is not None and header.heads == self.heads
+        return self.tiers.holds(key, self.heads)
 
     def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
         """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until

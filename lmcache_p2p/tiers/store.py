@@ -223,6 +223,11 @@ class TieredStore:
         self._promote(header, dst)
         return header
 
+    def holds(self, key: ChunkKey, heads: HeadRange) -> bool:
+        """The chunk is held, in some tier, with exactly ``heads`` (a TP rank's, or all)."""
+        header = self.header(key)
+        return header is not None and header.heads == heads
+
     def admits(self, header: ChunkHeader) -> bool:
         """Whether the admission gate lets this chunk in now (and so out to an engine: a standing
         invalidation or a quarantine may have come since it was stored); a refusal is counted there."""
