@@ -109,12 +109,16 @@ class CacheAgent:
         self.rejects = Rejects()  # malformed etcd contents skipped by every reader of this agent
         self.peer_estimates = PeerEstimates()  # pull latency and bandwidth per peer, measured here
         self.prefill = PrefillRate()  # this engine's prefill rate (the worker connector feeds it)
+        # The object tier, when ``objects.url`` is set: uploads of what this node evicts, reads as a transport.
+        self.objects: ObjectTier | None = self._object_tier() if config.objects.url is not None else None
         # The hooks are this agent's methods, over parts made just below (each needs the tiers).
         self.tiers = TieredStore.from_config(
             config.tiers, chunk_bytes, admit=self._admit, stamp=self._stamp, listener=self._on_tier_change,
-            evict_first=self._held_elsewhere if config.handoff.evict_copies_first else None)
-        self.invalidation = MeshInvalidation(config, self.tiers, {self.fp: fingerprint}, self.metrics.registry,
-                                             rejects=self.rejects)
+            evict_first=self._held_elsewhere if config.handoff.evict_copies_first else None,
+            spill=self.objects.offer if self.objects is not None else None)
+        self.invalidation = MeshInvalidation(
+            config, self.tiers, {self.fp: fingerprint}, self.metrics.registry, rejects=self.rejects,
+            listeners=[self.objects.cleanup_soon] if self.objects is not None else [])
         self.metrics.watch_rejects(self.rejects)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
@@ -134,7 +138,6 @@ class CacheAgent:
         self.config_revision = 0  # of the cluster config applied
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
-        self.objects: ObjectTier | None = None  # the object tier, when ``objects.url`` is set
         self.loader: Loader | None = None  # the load path (load.py), once the parts it uses are up
         self._started = False
 
@@ -150,11 +153,13 @@ class CacheAgent:
                                 on_served=self.handoff.on_served, on_recent=self.dropped_ago)
             self._stack = self._transfers_factory(self.config, self.tiers.cpu, [self.fp], self._secret, hooks)
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
+            objects = self.objects
             self.puller = Puller(self.node_id, self.fp, self.tiers.cpu, self._stack.transports,
                                  list(self._stack.transports), self._stack.health, self._nodes, self.metrics,
                                  self.peer_estimates, self.loop, tls=self.config.transfer.tls,
                                  pin_timeout_s=self.config.tiers.pin_timeout_s,
-                                 on_loaded=lambda key: self._on_tier_change(key, "cpu"))
+                                 on_loaded=lambda key: self._on_tier_change(key, "cpu"),
+                                 sources={OBJECTS: (objects.transport, objects.transport.address)} if objects else None)
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
                                                      self.config.metrics_port,
@@ -176,13 +181,12 @@ class CacheAgent:
                                              on_quarantined=self._on_quarantined)
                 self.loop.run(self.quarantine.start(self.config.etcd.start_wait_s),
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
-            if self.config.objects.url is not None:
-                self._start_objects(client)
+            if self.objects is not None:
+                self._start_objects(self.objects, client)
             self.loader = Loader(tiers=self.tiers, heads=self.heads, chunk_bytes=self.chunk_bytes,
                                  transfer=self.config.transfer, tiers_config=self.config.tiers,
                                  peer_estimates=self.peer_estimates, prefill=self.prefill, metrics=self.metrics,
-                                 puller=self.puller, objects=self.objects, loop=self.loop,
-                                 on_hit=self.handoff.on_hit)
+                                 puller=self.puller, on_hit=self.handoff.on_hit)
             recovered = self._drop_quarantined(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
@@ -200,27 +204,29 @@ class CacheAgent:
                  "" if getattr(self.index, "online", True) else " (degraded: etcd not reachable yet)")
         return self
 
-    def _start_objects(self, client: Any) -> None:
-        """The object tier (``objects/``): loads at once; uploads of what this node evicts from here on."""
+    def _object_tier(self) -> ObjectTier:
+        """The object tier (``objects/``), given what it uses of this node; started by :meth:`start`."""
         from .objects.store import ObjectStore
         from .objects.tier import ObjectTier
 
-        assert self.loop is not None
         spill_dir = None
         if self.config.tiers.disk_path:  # a disk victim's file is moved aside until its upload is confirmed
             spill_dir = Path(self.config.tiers.disk_path) / ".objects-spill"
             spill_dir.mkdir(parents=True, exist_ok=True)
         secret = self._secret if self._secret is not None else cluster_secret(self.config)
-        objects = ObjectTier(self, ObjectStore(self.config.objects), client, secret=secret, spill_dir=spill_dir,
-                             rejects=self.rejects)
+        return ObjectTier(self.config, ObjectStore(self.config.objects), fp=self.fp, node_id=self.node_id,
+                          metrics=self.metrics, keep=self.wants_upload, covers=self._covers_object,
+                          ttl_s=lambda: self.config.tiers.chunk_ttl_s, secret=secret, spill_dir=spill_dir,
+                          rejects=self.rejects)
+
+    def _start_objects(self, objects: ObjectTier, client: Any) -> None:
+        """Loads at once; uploads of what this node evicts from here on; records and cleanup in etcd."""
+        assert self.loop is not None
 
         async def start() -> None:
-            objects.start()
+            objects.start(client)
 
         self.loop.run(start(), self.config.etcd.timeout_s)
-        self.objects = objects
-        self.invalidation.listeners.append(objects.cleanup_soon)
-        self.tiers.set_spill(objects.offer)
         log.info("object tier: %s bucket %s prefix %s", objects.store.url, self.config.objects.bucket,
                  self.config.objects.prefix)
 
@@ -233,13 +239,10 @@ class CacheAgent:
                 and self.handoff.hits.get(header.key, 0) >= self.config.objects.min_hits
                 and not self.handoff.others_hold(header.key))
 
-    def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
-        """A standing invalidation covers a chunk ``holder`` held (an object's uploader)."""
-        return self.invalidation.covers_held_by(header, holder)
-
-    def blocked(self, node: NodeId) -> bool:
-        """The canary quarantined ``node`` (its objects are not loaded either)."""
-        return self.quarantine is not None and self.quarantine.blocked(node)
+    def _covers_object(self, header: ChunkHeader, holder: NodeId) -> bool:
+        """An object ``holder`` uploaded must not be loaded (nor kept): a standing invalidation covers it, or
+        a quarantined node computed it."""
+        return self.invalidation.covers_held_by(header, holder) or self.computed_by_quarantined(header)
 
     def computed_by_quarantined(self, header: ChunkHeader) -> bool:
         """The chunk was computed by a quarantined node other than this one (wherever it is held: a pulled
@@ -266,10 +269,6 @@ class CacheAgent:
             self.invalidation.removed.labels("quarantine").inc(dropped)
             log.warning("dropped %d chunks computed by a quarantined node (copies this node held)", dropped)
         return keep
-
-    def observe_objects(self, nbytes: int, seconds: float) -> None:
-        """An object read of ``nbytes`` took ``seconds``: the planner's estimate of the store."""
-        self.peer_estimates.observe(OBJECTS, nbytes, seconds)
 
     def node_record(self) -> NodeRecord:
         stack = self._stack
@@ -315,8 +314,11 @@ class CacheAgent:
             self.background(asyncio.get_running_loop().create_task(self.invalidation.set_ttl(new.tiers.chunk_ttl_s)))
         if new.tiers.eviction != old.tiers.eviction:
             self.tiers.set_eviction(new.tiers.eviction)
-        if new.transfer.backoff_s != old.transfer.backoff_s and self._stack is not None:
-            self._stack.health.set_base(new.transfer.backoff_s)
+        if new.transfer.backoff_s != old.transfer.backoff_s:
+            if self._stack is not None:
+                self._stack.health.set_base(new.transfer.backoff_s)
+            if self.objects is not None:
+                self.objects.health.set_base(max(new.transfer.backoff_s, 0.1))
         if new.log_level != old.log_level:
             set_log_level(new.log_level)
         # handoff.* are read at every use
@@ -376,12 +378,9 @@ class CacheAgent:
             self.quarantine = None
         self.invalidation.stop()
         self._writer.shutdown(wait=True)
-        if self.objects is not None:
-            self.tiers.set_spill(None)
-            if self.loop is not None:
-                with contextlib.suppress(LMCacheP2PError, RuntimeError):
-                    self.loop.run(self.objects.stop(), self.config.etcd.timeout_s)
-            self.objects = None
+        if self.objects is not None and self.loop is not None:  # stopped, it takes no more uploads
+            with contextlib.suppress(LMCacheP2PError, RuntimeError):
+                self.loop.run(self.objects.stop(), self.config.etcd.timeout_s)
         self.tiers.close()  # the tier worker finishes the write-backs queued so far
         if flush_to_disk and self._started:
             self.tiers.flush_to_disk()

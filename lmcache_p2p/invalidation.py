@@ -117,7 +117,7 @@ class MeshInvalidation:
 
     def __init__(self, config: AgentConfig, store: TieredStore, fingerprints: Mapping[FingerprintDigest, Fingerprint],
                  registry: CollectorRegistry, *, wall_clock: Callable[[], float] = time.time,
-                 rejects: Rejects | None = None) -> None:
+                 rejects: Rejects | None = None, listeners: Sequence[Callable[[], None]] = ()) -> None:
         self._schema = Schema(config.cluster)
         self._timeout = config.etcd.timeout_s
         self._wait_s = config.etcd.start_wait_s
@@ -137,7 +137,7 @@ class MeshInvalidation:
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: LoopThread | None = None
         # Called on the loop when standing invalidations are new to this node (the object tier cleans up).
-        self.listeners: list[Callable[[], None]] = []
+        self.listeners = tuple(listeners)
 
     # -- the barrier (any thread) ----------------------------------------------------------------
     @property

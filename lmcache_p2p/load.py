@@ -8,9 +8,10 @@
 :class:`Loader` owns the whole path, built by the agent once its parts are up (tiers, transports,
 the object tier, estimates, metrics) and given them, never the agent: the worker connector
 (``integrations/vllm/worker.py``) scatters its pins into the engine's blocks, :meth:`CacheAgent.load`
-copies them out; both go through :meth:`Loader.load_pinned`. Reads from the object store are planned
-like a slow peer's (its measured latency and bandwidth in the same estimates) and a chunk a peer failed
-to send is read from the store while time is left.
+copies them out; both go through :meth:`Loader.load_pinned`. The object store is one more owner to the
+planner and the puller (``@objects``, behind its own transport, ``objects/tier.py``): planned like a slow
+peer (its measured latency and bandwidth in the same estimates), retried and backed off by the same rules,
+and read for a chunk a peer failed to send while time is left.
 
 One deadline: absolute, on ``time.monotonic()`` (one clock for every process of a host, so the
 scheduler side sets it when it offers the hit and its workers keep it). The budget may only bring
@@ -20,17 +21,14 @@ goes unchanged to :meth:`Puller.pull` and the transports. Nothing converts it ba
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
-from .aio import LoopThread, remaining
+from .aio import remaining
 from .chunk import verify
 from .config import TierConfig, TransferConfig
-from .errors import ChunkError, LMCacheP2PError
+from .errors import ChunkError
 from .estimates import PeerEstimates, PrefillRate
 from .ids import OBJECTS
 from .keys import ChunkKey, HeadRange
@@ -38,9 +36,6 @@ from .metrics import AgentMetrics
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget
 from .tiers import Pin, TieredStore
 from .transfer.pull import Puller
-
-if TYPE_CHECKING:
-    from .objects.tier import ObjectTier
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +45,12 @@ class Loader:
 
     ``admit``: the tiers' own admission gate (standing invalidations, quarantined origins), asked
     again of every chunk before it is handed over; ``on_hit``: told each chunk handed over (the
-    hand-off's hit counts). ``puller``, ``objects`` and ``loop`` are None where the agent has no
-    transports, object tier or loop: those chunks are then misses."""
+    hand-off's hit counts). ``puller`` is None where the agent has no transports: remote chunks are
+    then misses."""
 
     def __init__(self, *, tiers: TieredStore, heads: HeadRange, chunk_bytes: int, transfer: TransferConfig,
                  tiers_config: TierConfig, peer_estimates: PeerEstimates, prefill: PrefillRate,
-                 metrics: AgentMetrics, puller: Puller | None, objects: ObjectTier | None, loop: LoopThread | None,
-                 on_hit: Callable[[ChunkKey], None]) -> None:
+                 metrics: AgentMetrics, puller: Puller | None, on_hit: Callable[[ChunkKey], None]) -> None:
         self.tiers = tiers
         self.heads = heads
         self.chunk_bytes = chunk_bytes
@@ -66,8 +60,6 @@ class Loader:
         self.prefill = prefill
         self.metrics = metrics
         self.puller = puller
-        self.objects = objects
-        self.loop = loop
         self._on_hit = on_hit
 
     # -- budget ---------------------------------------------------------------------------------------
@@ -154,21 +146,10 @@ class Loader:
 
     def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
         """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until
-        ``patience``: see :meth:`Puller.pull`): from peers, and from the object store those planned there (at
-        the same time) or, while time is left, those a peer failed to send and the store also holds."""
-        objects, loop = self.objects, self.loop
-        stored = [c for c in chunks if c.source == OBJECTS]
-        peers = [c for c in chunks if c.source != OBJECTS]
-        reading = loop.submit(objects.fetch(stored, deadline)) if stored and objects and loop else None
-        if peers and self.puller is not None:
-            self.puller.pull(peers, deadline, patience)
-        if reading is not None:
-            with contextlib.suppress(concurrent.futures.TimeoutError, LMCacheP2PError):
-                reading.result(timeout=remaining(deadline) + 1.0)
-        fallback = [c for c in peers if OBJECTS in c.alternatives and not c.pieces and not self.holds(c.key)]
-        if fallback and objects is not None and loop is not None and remaining(deadline) > 0:
-            with contextlib.suppress(LMCacheP2PError):
-                loop.run(objects.fetch(fallback, deadline), remaining(deadline) + 1.0)
+        ``patience``: see :meth:`Puller.pull`): from peers and the object store alike (the store is one more
+        owner behind its own transport), each missed chunk retried on its alternatives while time is left."""
+        if self.puller is not None:
+            self.puller.pull(chunks, deadline, patience)
 
     def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
         """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With

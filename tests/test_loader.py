@@ -31,7 +31,7 @@ def _parts(refused: set[bytes], *, prefill_tokens_per_s: float | None = None) ->
     loader = Loader(tiers=tiers, heads=HEADS, chunk_bytes=SLOT, transfer=TransferConfig(),
                     tiers_config=TierConfig(), peer_estimates=PeerEstimates(),
                     prefill=PrefillRate(prefill_tokens_per_s), metrics=AgentMetrics(CollectorRegistry()),
-                    puller=None, objects=None, loop=None, on_hit=hits.append)
+                    puller=None, on_hit=hits.append)
     return loader, tiers, hits
 
 
@@ -87,7 +87,7 @@ def test_without_remote_nothing_is_pulled_or_read_from_disk(tmp_path) -> None:
     tiers = TieredStore.from_config(TierConfig(cpu_capacity=2 * SLOT, disk_path=str(tmp_path)), SLOT)
     loader = Loader(tiers=tiers, heads=HEADS, chunk_bytes=SLOT, transfer=TransferConfig(), tiers_config=TierConfig(),
                     peer_estimates=PeerEstimates(), prefill=PrefillRate(), metrics=AgentMetrics(CollectorRegistry()),
-                    puller=None, objects=None, loop=None, on_hit=lambda key: None)
+                    puller=None, on_hit=lambda key: None)
     chunks = [_chunk(i) for i in range(4)]
     for c in chunks:  # two CPU slots: the first two are written back to disk
         tiers.put(c.key, FP, memoryview(os.urandom(SLOT)), 256, heads=HEADS)

@@ -298,7 +298,8 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
                 assert not any(loaded)
                 assert waited < 1.0 + 1.5, waited  # its deadline, plus the loop's own slack
                 assert ops(r, "get", "error") >= 1
-                assert r.objects is not None and r.objects._failures == 1  # one backoff step for the whole load
+                assert r.objects is not None  # one backoff step for the whole load, by the peers' rule
+                assert r.objects.health.failures(r.objects.transport.address) == 1
                 # Backed off: the planner leaves the store out, nothing waits.
                 assert not r.lookup(synthetic_tokens(5, TOKENS)).chunks
                 # Saves never wait on the store: evictions only queue their uploads.
@@ -310,7 +311,7 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
             finally:
                 own.resume()
             own.kill()
-            time.sleep(max(0.0, r.objects._backoff_until - time.monotonic()) if r.objects else 0.0)
+            assert wait_until(lambda: r.objects is not None and r.objects.usable(), 10)
             plan = r.lookup(synthetic_tokens(5, TOKENS))
             assert plan.chunks and plan.chunks[0].source == OBJECTS
             t0 = time.monotonic()
@@ -405,7 +406,7 @@ def test_a_quarantined_uploaders_objects_are_not_loaded(etcd, cluster_name, tmp_
     try:
         assert wait_until(lambda: in_store(r, keys), 10)
         r.quarantine_owner(QuarantineRecord(NodeId("s"), by="test", key=keys[0].hex(), distance=1.0))
-        assert wait_until(lambda: r.blocked(NodeId("s")), 10)
+        assert wait_until(lambda: r.quarantine is not None and r.quarantine.blocked(NodeId("s")), 10)
         loaded, _ = load_and_check(r, 10)
         assert not any(loaded) and ops(r, "get", "invalidated") == 5
         assert wait_until(lambda: not any(OBJECTS in o for o in r.index.owners(r.fp, keys)), 10)

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import make_header
 from lmcache_p2p.estimates import PeerEstimates
-from lmcache_p2p.ids import WIRE_VERSION, NodeId, PeerAddress
+from lmcache_p2p.ids import OBJECTS, WIRE_VERSION, NodeId, PeerAddress
 from lmcache_p2p.index.schema import NodeRecord, Served
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
 from lmcache_p2p.metrics import AgentMetrics
@@ -356,3 +356,35 @@ def test_two_loads_sharing_pieces_both_get_the_chunk_and_leave_no_pieces(mesh: M
         assert mesh.held(key) == payload(key)
         assert not mesh.pool.contains(piece_key(key, (0, 1))) and not mesh.pool.contains(piece_key(key, (1, HEADS)))
     assert mesh.net.owner(r0).served == 4 and mesh.puller._piece_users == {}
+
+
+def test_a_chunk_two_peers_fail_to_send_comes_from_a_source_without_a_node_record(mesh: Mesh) -> None:
+    """The object store is one more owner behind its own transport (``sources``, no node record): a part
+    that missed on its source is tried on each alternative in turn, the store last, within one deadline;
+    the store's failures back it off by the same rule as a peer's."""
+    store_net, store_health = LoopbackNet(), PeerHealth(30.0)
+    store = LoopbackTransport(store_net, store_health, name="objects")
+    address = PeerAddress("127.0.0.1", 9000, OBJECTS)
+    bucket = CpuPool(16 * SLOT, SLOT)
+    for key in KEYS:
+        bucket.put(make_header(key, FP, payload(key), CHUNK, heads=(0, HEADS)), memoryview(payload(key)))
+    held = store_net.add(address, bucket)
+    puller = Puller(NodeId("me"), FP, mesh.pool, {"loopback": mesh.transport}, ["loopback"], mesh.health,
+                    mesh.me.nodes, mesh.metrics, mesh.estimates, mesh.loop, on_loaded=mesh.announced.append,
+                    sources={OBJECTS: (store, address)})
+    dead = mesh.owner("a", KEYS)
+    mesh.net.owner(dead).fault = "dead"
+    mesh.owner("b", [])  # listed as an alternative, holds none of them
+    plan = [PlannedChunk(i, k, i * CHUNK, (i + 1) * CHUNK, NodeId("a"), alternatives=(NodeId("b"), OBJECTS),
+                         heads=(0, HEADS)) for i, k in enumerate(KEYS)]
+    puller.pull(plan, time.monotonic() + 3.0)
+    assert all(mesh.held(k) == payload(k) for k in KEYS)
+    assert sorted(mesh.announced) == sorted(KEYS)
+    assert len(store.pulls) == 1 and mesh.estimates.known(OBJECTS)  # one read of them all, measured
+    for k in KEYS:
+        mesh.pool.remove(k)
+    held.fault = "dead"  # the store fails: backed off like a peer, then not asked at all
+    puller.pull(plan, time.monotonic() + 1.0)
+    assert not any(mesh.pool.contains(k) for k in KEYS) and not store_health.available(address)
+    puller.pull(plan, time.monotonic() + 1.0)
+    assert mesh.value("pull_chunks_total", transport="objects", outcome="backoff") == len(KEYS)

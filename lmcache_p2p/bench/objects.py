@@ -74,8 +74,8 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
     agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
                        metrics=AgentMetrics(CollectorRegistry())).start()
     try:
-        assert agent.objects is not None and agent.loop is not None
-        tier, loop = agent.objects, agent.loop
+        assert agent.objects is not None
+        tier = agent.objects
         raw = ObjectStore(cfg.objects)
         raw_prefix = f"{cfg.objects.prefix}-raw"
         need = (0, agent.fingerprint.num_kv_heads)
@@ -131,7 +131,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
                 ones_raw.append(time.perf_counter() - t0)
                 agent.tiers.remove(chunk.key)
                 t0 = time.perf_counter()
-                loop.run(tier.fetch([chunk], time.monotonic() + 60), 70)
+                agent.pull([chunk], time.monotonic() + 60)
                 ones_tier.append(time.perf_counter() - t0)
             for name, ones in (("raw_get_one_ms", ones_raw), ("tier_load_one_ms", ones_tier)):
                 median = round(1e3 * statistics.median(ones), 2)

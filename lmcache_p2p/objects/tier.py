@@ -21,9 +21,11 @@ epoch, fingerprint or uploader) is never loaded and is deleted. The cleanup pass
 ``objects/`` records of this node's fingerprint and deletes what an invalidation covers or
 ``tiers.chunk_ttl_s`` expired (every node with the tier runs it: deletes are idempotent).
 
+Reads are a transport (:class:`ObjectTransport`): the puller asks the store for chunks planned there, or
+for those a peer failed to send when the store is their alternative, in the same retry round as peers.
 Faults: every store call has a deadline (a load's own; ``objects.timeout_s`` for the rest), an error is
-a miss and backs the store off (doubling from ``transfer.backoff_s``) but is never remembered as
-"absent"; only a 404 removes the index entries. Saves never wait on the store: an offer only
+a miss and backs the store off (the peers' rule, :class:`~lmcache_p2p.transfer.health.PeerHealth`) but is
+never remembered as "absent"; only a 404 removes the index entries. Saves never wait on the store: an offer only
 enqueues, and past ``objects.spill_bytes`` of bytes waiting it drops the chunk (counted).
 """
 
@@ -39,24 +41,36 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 import uuid
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import blake3
 
 from ..aio import remaining
 from ..chunk import HEADER_SIZE, ChunkHeader, slice_heads, verify
 from ..config import AgentConfig
-from ..errors import ChunkError, LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
-from ..ids import NODE_ID_RE, OBJECTS, TIER_OBJECT, NodeId
+from ..errors import (
+    ChunkError,
+    LMCacheP2PError,
+    MalformedChunk,
+    MalformedRecord,
+    ObjectMissing,
+    ObjectStoreError,
+    PeerTimeout,
+    TransferError,
+)
+from ..ids import NODE_ID_RE, OBJECTS, TIER_OBJECT, NodeId, PeerAddress
 from ..index.client import EtcdClient, op_delete, op_put
 from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta
-from ..keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange
+from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import AgentMetrics
-from ..plan import PlannedChunk
-from ..tiers import TieredStore
+from ..tiers.cpu_pool import CpuPool
+from ..transfer.base import MissReason, PullResult, Want, wants_of
+from ..transfer.client import guarded_pull
+from ..transfer.health import PeerHealth
 from .store import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -69,24 +83,7 @@ MAX_UNANNOUNCED = 65536  # uploads confirmed but not yet in etcd (etcd down): be
 ANNOUNCE_RETRY_S = 1.0
 
 
-class Node(Protocol):
-    """What the object tier uses of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
-
-    config: AgentConfig
-    fp: FingerprintDigest
-    fingerprint: Fingerprint
-    node_id: NodeId
-    heads: HeadRange
-    tiers: TieredStore
-    metrics: AgentMetrics
-
-    def covers(self, header: ChunkHeader, holder: NodeId) -> bool: ...
-
-    def computed_by_quarantined(self, header: ChunkHeader) -> bool: ...
-
-    def wants_upload(self, header: ChunkHeader) -> bool: ...
-
-    def observe_objects(self, nbytes: int, seconds: float) -> None: ...
+Covers = Callable[[ChunkHeader, NodeId], bool]  # (header, holder): an invalidation or quarantine stands against it
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,14 +130,28 @@ def unpack_object(data: bytes, key: ChunkKey, fp: FingerprintDigest, secret: byt
 
 
 class ObjectTier:
-    def __init__(self, agent: Node, store: ObjectStore, client: EtcdClient | None, *, secret: bytes | None = None,
-                 spill_dir: Path | None = None, rejects: Rejects | None = None) -> None:
-        self.agent = agent
+    """Uploads (behind eviction), their etcd records and the cleanup; reads are :attr:`transport`'s.
+
+    Given what it uses, never the agent: ``keep(header)`` whether a chunk leaving this node is worth an
+    upload; ``covers(header, holder)`` whether an invalidation (or a quarantine of its computing node)
+    stands against a chunk ``holder`` held; ``ttl_s()`` the chunk TTL now (the cluster config may change
+    it). Started on the loop with the etcd client (None: no index, nothing announced or cleaned up)."""
+
+    def __init__(self, config: AgentConfig, store: ObjectStore, *, fp: FingerprintDigest, node_id: NodeId,
+                 metrics: AgentMetrics, keep: Callable[[ChunkHeader], bool], covers: Covers,
+                 ttl_s: Callable[[], float | None], secret: bytes | None = None, spill_dir: Path | None = None,
+                 rejects: Rejects | None = None) -> None:
         self.store = store
-        self.client = client
-        self.config = agent.config.objects
+        self.client: EtcdClient | None = None
+        self.config = config.objects
+        self.cluster = config.cluster
+        self.fp = fp
+        self.node_id = node_id
+        self._keep = keep
+        self._covers = covers
+        self._ttl_s = ttl_s
         self._secret = secret
-        self._schema = Schema(agent.config.cluster)
+        self._schema = Schema(config.cluster)
         self._spill_dir = spill_dir
         self.rejects = rejects if rejects is not None else Rejects()
         self._queue: collections.deque[_Upload] = collections.deque()
@@ -151,8 +162,6 @@ class ObjectTier:
         self._tokens = float(self.config.budget_bytes_per_s)
         self._refilled = time.monotonic()
         self._inflight = 0
-        self._failures = 0
-        self._backoff_until = 0.0
         self._tasks: set[asyncio.Task[None]] = set()
         self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
         self._announce_wake: asyncio.Event | None = None
@@ -160,16 +169,20 @@ class ObjectTier:
         self.offered = {"memory": 0, "file": 0}  # chunks taken for upload: CPU victims' bytes, disk victims' files
         self.objects = 0  # this fingerprint's objects and their bytes, as of the last cleanup pass
         self.object_bytes = 0
-        metrics = agent.metrics
+        self.metrics = metrics
         self.ops, self.bytes, self.dropped = metrics.object_ops, metrics.object_bytes, metrics.object_uploads_dropped
         metrics.on_collect(self._gauges)
+        # The store's backoff is the peers' rule (``PeerHealth``): one for every source a load reads from.
+        backoff_s = max(config.transfer.backoff_s, 0.1)
+        self.health = PeerHealth(backoff_s, max(backoff_s, MAX_BACKOFF_S))
+        self.transport = ObjectTransport(self)
         if spill_dir is not None:  # bytes kept by a previous run for uploads it never made: not ours to trust
             with contextlib.suppress(OSError):
                 for stale in spill_dir.glob("*.chunk"):
                     stale.unlink(missing_ok=True)
 
     def _gauges(self) -> None:
-        metrics = self.agent.metrics
+        metrics = self.metrics
         running = self._loop is not None
         metrics.object_tier.set(1 if running else 0)
         metrics.object_uploads_pending.set(self.pending if running else 0)
@@ -177,7 +190,7 @@ class ObjectTier:
 
     def name(self, key: ChunkKey, fp: FingerprintDigest | None = None) -> str:
         """``<prefix>/<cluster>/<fingerprint>/<key>``: clusters sharing a bucket never see each other's objects."""
-        return f"{self.config.prefix}/{self.agent.config.cluster}/{(fp or self.agent.fp).hex()}/{key.hex()}"
+        return f"{self.config.prefix}/{self.cluster}/{(fp or self.fp).hex()}/{key.hex()}"
 
     @property
     def pending(self) -> int:
@@ -185,7 +198,8 @@ class ObjectTier:
         return len(self._queue) + self._inflight + len(self._unannounced)
 
     # -- lifecycle (on the loop) ----------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, client: EtcdClient | None) -> None:
+        self.client = client
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._announce_wake = asyncio.Event()
@@ -231,7 +245,7 @@ class ObjectTier:
         enqueues). ``data``: its payload in memory, or the disk tier's file. True when it is kept for an
         upload (a file is then this tier's to delete)."""
         loop = self._loop
-        if loop is None or self.config.budget_bytes_per_s == 0 or not self.agent.wants_upload(header):
+        if loop is None or self.config.budget_bytes_per_s == 0 or not self._keep(header):
             if loop is not None and self.config.budget_bytes_per_s == 0:
                 self.dropped.labels("budget_off").inc()
             return False
@@ -321,8 +335,8 @@ class ObjectTier:
             await asyncio.sleep((size - self._tokens) / budget)
 
     async def _upload(self, item: _Upload) -> None:
-        header, agent = item.header, self.agent
-        if agent.covers(header, agent.node_id):  # invalidated while it waited: never stored
+        header = item.header
+        if self._covers(header, self.node_id):  # invalidated while it waited: never stored
             self.dropped.labels("invalidated").inc()
             return
         try:
@@ -335,7 +349,7 @@ class ObjectTier:
                     raise MalformedChunk("the disk file kept for upload holds another chunk")
                 payload = verify(header, memoryview(raw)[HEADER_SIZE:])  # a disk fault is never uploaded
             # MAC and copy off the loop (it serves pulls; hashlib releases the GIL on large buffers)
-            body = await asyncio.to_thread(pack_object, header, payload, agent.node_id, self._secret)
+            body = await asyncio.to_thread(pack_object, header, payload, self.node_id, self._secret)
             await self.store.put(self.name(header.key), body, time.monotonic() + self.config.timeout_s)
             self.bytes.labels("up").inc(len(body))
         except (ObjectStoreError, LMCacheP2PError, OSError) as exc:
@@ -344,7 +358,7 @@ class ObjectTier:
             return
         self.ops.labels("put", "ok").inc()
         if self._announce_wake is not None:
-            self._unannounced.append(ObjectMeta(agent.fp, header.key, len(body), time.time(), agent.node_id,
+            self._unannounced.append(ObjectMeta(self.fp, header.key, len(body), time.time(), self.node_id,
                                                 header.epoch, header.num_tokens, header.heads, header.origin))
             self._announce_wake.set()
 
@@ -387,104 +401,21 @@ class ObjectTier:
             raise
 
     def _covered(self, meta: ObjectMeta) -> bool:
-        return self.agent.covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads,
+        return self._covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads,
                                              meta.origin), meta.node)
 
     @property
     def unannounced(self) -> int:
         return len(self._unannounced)
 
-    # -- loads -------------------------------------------------------------------------------------------
+    # -- reads (the transport's) -------------------------------------------------------------------------
     def usable(self) -> bool:
         """Not backed off after errors (an unreachable store costs one deadline, then is left alone)."""
-        return time.monotonic() >= self._backoff_until
-
-    def _failed(self) -> None:
-        self._failures += 1
-        base = max(self.agent.config.transfer.backoff_s, 0.1)
-        self._backoff_until = time.monotonic() + min(MAX_BACKOFF_S, base * 2 ** (self._failures - 1))
-
-    async def fetch(self, chunks: Sequence[PlannedChunk], deadline: float) -> list[PlannedChunk]:
-        """Read ``chunks`` from the store into the CPU pool by ``deadline``; returns those that missed.
-
-        The store's speed is measured per load (its bytes over the load's wall time, reads in parallel),
-        which is what the fetch-or-recompute budget predicts."""
-        gate = asyncio.Semaphore(FETCH_PARALLEL)
-        failed = False
-        got = 0
-        t0 = time.perf_counter()
-
-        async def one(chunk: PlannedChunk) -> bool:
-            nonlocal failed, got
-            async with gate:
-                try:
-                    data = await self._read(chunk, deadline)
-                except ObjectStoreError:
-                    failed = True
-                    return False
-                if data is None:
-                    return False
-                got += len(data)
-                return await self._land(chunk, data, deadline)
-
-        results = await asyncio.gather(*(one(c) for c in chunks))
-        if failed:  # one backoff step per load, however many of its reads hung on the same store
-            self._failed()
-        elif got:
-            self._failures = 0
-            self.agent.observe_objects(got, time.perf_counter() - t0)
-        return [c for c, ok in zip(chunks, results, strict=True) if not ok]
-
-    async def _read(self, chunk: PlannedChunk, deadline: float) -> bytes | None:
-        """The object's bytes; None when it is not to be had (a 404 forgets it); raises ObjectStoreError when
-        the store failed."""
-        if remaining(deadline) <= 0 or not self.usable():
-            return None
-        try:
-            data = await self.store.get(self.name(chunk.key), deadline)
-        except ObjectMissing:
-            self.ops.labels("get", "missing").inc()
-            self._spawn(self._forget(chunk.key, delete_object=False), "object-forget")
-            return None
-        except ObjectStoreError as exc:
-            self.ops.labels("get", "error").inc()
-            log.warning("object read of %s failed: %s", chunk.key.hex()[:16], exc)
-            raise
-        self.bytes.labels("down").inc(len(data))
-        return data
-
-    async def _land(self, chunk: PlannedChunk, data: bytes, deadline: float) -> bool:
-        """Verify an object read for ``chunk`` and store it in the CPU pool; True when it landed. A bad,
-        invalidated or quarantined uploader's object is deleted."""
-        name = self.name(chunk.key)
-        try:
-            header, payload, uploader = await asyncio.to_thread(unpack_object, data, chunk.key, self.agent.fp,
-                                                                self._secret)
-            if header.heads != chunk.heads:
-                header, payload = slice_heads(header, payload, chunk.heads)
-        except ChunkError as exc:
-            self.ops.labels("get", "corrupt").inc()
-            log.error("object %s is not chunk %s: %s; deleted", name, chunk.key.hex()[:16], exc)
-            self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
-            return False
-        if self.agent.covers(header, uploader) or self.agent.computed_by_quarantined(header):
-            self.ops.labels("get", "invalidated").inc()
-            self._spawn(self._forget(chunk.key, delete_object=True), "object-forget")
-            return False
-        if remaining(deadline) <= 0:  # verified too late: the engine is recomputing it already
-            self.ops.labels("get", "late").inc()
-            return False
-        try:
-            stored = await asyncio.to_thread(self.agent.tiers.put_verified, header, payload)
-        except LMCacheP2PError as exc:
-            log.warning("storing object %s failed: %s", chunk.key.hex()[:16], exc)
-            stored = False
-        self.ops.labels("get", "ok" if stored else "refused").inc()
-        return stored
+        return self.health.available(self.transport.address)
 
     async def _forget(self, key: ChunkKey, *, delete_object: bool, fp: FingerprintDigest | None = None) -> None:
         """Delete an object (when asked) and its etcd entries; failures are logged, the next cleanup retries."""
-        fp = fp or self.agent.fp
+        fp = fp or self.fp
         try:
             if delete_object:
                 with contextlib.suppress(ObjectMissing):
@@ -528,14 +459,125 @@ class ObjectTier:
                 metas.append(decode_object_meta(kv.key, kv.value, prefix_len=len(self._schema.objects)))
             except MalformedRecord as exc:
                 self.rejects.add(exc, kv.key)
-        ttl, now = self.agent.config.tiers.chunk_ttl_s, time.time()
+        ttl, now = self._ttl_s(), time.time()
         doomed = [m for m in metas if (ttl is not None and now - m.uploaded_at >= ttl) or self._covered(m)]
         for meta in doomed:
             await self._forget(meta.key, delete_object=True, fp=meta.fp)
         gone = {(m.fp, m.key) for m in doomed}
-        mine = [m for m in metas if m.fp == self.agent.fp and (m.fp, m.key) not in gone]
+        mine = [m for m in metas if m.fp == self.fp and (m.fp, m.key) not in gone]
         self.objects, self.object_bytes = len(mine), sum(m.size for m in mine)
         if doomed:
             log.info("object cleanup: deleted %d objects (invalidated or past the chunk TTL), %d of this fingerprint "
                      "kept", len(doomed), len(mine))
         return len(doomed)
+
+
+class ObjectTransport:
+    """The object store as one more transport (``objects``): the :class:`~lmcache_p2p.transfer.pull.Puller`
+    pulls from it like from a slow peer (the node ``@objects``), through the same retry round and backoff
+    rule (:func:`~lmcache_p2p.transfer.client.guarded_pull`, :class:`PeerHealth`).
+
+    A read checks the object (length, key, fingerprint, checksum, MAC), cuts it to the heads wanted and
+    commits it into the pool (the pool's admission gate applies); an object that is not its chunk, or that
+    an invalidation or quarantine stands against, is deleted with its etcd entries. A 404 is ``absent`` (its
+    entries are forgotten); a store error or a read past the deadline fails the rest of the pull and backs
+    the store off, never "absent". The store's speed is measured per pull (its bytes over the pull's wall
+    time, reads in parallel): what the fetch-or-recompute budget predicts."""
+
+    name = "objects"
+
+    def __init__(self, tier: ObjectTier) -> None:
+        self.tier = tier
+        url = urllib.parse.urlsplit(tier.store.url)
+        self.address = PeerAddress(url.hostname or "", url.port or (443 if url.scheme == "https" else 80), OBJECTS)
+
+    async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
+                   dst: CpuPool, deadline: float) -> PullResult:
+        wants = wants_of(keys)
+        return await guarded_pull(self.tier.health, peer, wants,
+                                  lambda result: self._pull(fingerprint, wants, dst, result, deadline))
+
+    async def _pull(self, fp: FingerprintDigest, wants: list[Want], dst: CpuPool, result: PullResult,
+                    deadline: float) -> None:
+        gate = asyncio.Semaphore(FETCH_PARALLEL)
+        failed: list[ObjectStoreError] = []
+
+        async def one(want: Want) -> None:
+            async with gate:
+                if failed or remaining(deadline) <= 0:
+                    return  # the store failed this pull already, or time is up: missed with the rest
+                try:
+                    data = await self._read(want.key, fp, deadline)
+                except ObjectStoreError as exc:
+                    failed.append(exc)
+                    return
+                if data is None:
+                    result.missed[want.key] = MissReason.ABSENT
+                    return
+                self._land(want, fp, data, dst, result, deadline)
+
+        await asyncio.gather(*(one(w) for w in wants))
+        if failed:  # one backoff step per pull, however many of its reads hung on the same store
+            raise TransferError(f"object store: {failed[0]}")
+        if remaining(deadline) <= 0 and any(w.key not in result.loaded and w.key not in result.missed for w in wants):
+            raise PeerTimeout("object store: reads not done by the deadline")
+
+    async def _read(self, key: ChunkKey, fp: FingerprintDigest, deadline: float) -> bytes | None:
+        """The object's bytes; None when it is not there (a 404 forgets it); raises ObjectStoreError when the
+        store failed."""
+        tier = self.tier
+        try:
+            data = await tier.store.get(tier.name(key, fp), deadline)
+        except ObjectMissing:
+            tier.ops.labels("get", "missing").inc()
+            tier._spawn(tier._forget(key, delete_object=False, fp=fp), "object-forget")
+            return None
+        except ObjectStoreError as exc:
+            tier.ops.labels("get", "error").inc()
+            log.warning("object read of %s failed: %s", key.hex()[:16], exc)
+            raise
+        tier.bytes.labels("down").inc(len(data))
+        return data
+
+    def _land(self, want: Want, fp: FingerprintDigest, data: bytes, dst: CpuPool, result: PullResult,
+              deadline: float) -> None:
+        """Verify an object read for ``want`` and commit it into ``dst``. A bad object, or one an invalidation
+        or quarantine stands against, is deleted."""
+        tier, key = self.tier, want.key
+        name = tier.name(key, fp)
+        try:
+            header, payload, uploader = unpack_object(data, key, fp, tier._secret)
+            if want.heads is not None and header.heads != want.heads:
+                header, payload = slice_heads(header, payload, want.heads)
+        except ChunkError as exc:
+            tier.ops.labels("get", "corrupt").inc()
+            log.error("object %s is not chunk %s: %s; deleted", name, key.hex()[:16], exc)
+            tier._spawn(tier._forget(key, delete_object=True, fp=fp), "object-forget")
+            result.missed[key] = MissReason.CHECKSUM
+            return
+        if tier._covers(header, uploader):
+            tier.ops.labels("get", "invalidated").inc()
+            tier._spawn(tier._forget(key, delete_object=True, fp=fp), "object-forget")
+            result.missed[key] = MissReason.INVALIDATED
+            return
+        if remaining(deadline) <= 0:  # verified too late: the engine is recomputing it already
+            tier.ops.labels("get", "late").inc()
+            result.missed[key] = MissReason.LATE
+            return
+        try:
+            stored = dst.put(header if want.store_as is None else dataclasses.replace(header, key=want.store_as),
+                             payload)
+        except LMCacheP2PError as exc:
+            log.warning("storing object %s failed: %s", key.hex()[:16], exc)
+            stored = False
+        tier.ops.labels("get", "ok" if stored else "refused").inc()
+        if stored:
+            result.loaded[key] = header
+        else:
+            result.missed[key] = MissReason.INVALIDATED
+
+    def forget_except(self, live: Collection[PeerAddress]) -> None:
+        """No per-peer state: the store is one address."""
+
+    async def close(self) -> None:
+        """Nothing held open."""

@@ -41,7 +41,7 @@ Spill = Callable[[ChunkHeader, memoryview | Path], bool]
 
 class TieredStore:
     def __init__(self, cpu: CpuPool, disk: DiskTier | None = None, *, listener: Listener | None = None,
-                 admit: Admit | None = None) -> None:
+                 admit: Admit | None = None, spill: Spill | None = None) -> None:
         self.cpu = cpu
         self.disk = disk
         self._listener = listener
@@ -51,42 +51,39 @@ class TieredStore:
         self._staged: dict[ChunkKey, tuple[ChunkHeader, bytes]] = {}  # evicted, not yet on disk
         self._staged_bytes = 0
         self._staging_lock = threading.Lock()
-        self._spill: Spill | None = None
+        self._spill = spill
         cpu._on_evict = self._on_cpu_evict  # the store owns both tiers' wiring
         if disk is not None:
             disk._on_evict = self._on_disk_evict
             self.worker = TierWorker(self._write_back_now, self.ensure_in_cpu)
+            if spill is not None:  # a disk victim the CPU pool still holds has not left this node
+                disk.spill = lambda header, path: not self.cpu.contains(header.key) and spill(header, path)
 
     @classmethod
     def from_config(cls, config: TierConfig, slot_bytes: int, *, listener: Listener | None = None,
                     admit: Admit | None = None, stamp: Callable[[ChunkHeader], ChunkHeader] | None = None,
-                    evict_first: Callable[[ChunkKey], bool] | None = None) -> TieredStore:
+                    evict_first: Callable[[ChunkKey], bool] | None = None, spill: Spill | None = None) -> TieredStore:
         """``admit(header)`` gates every chunk entering the store (see :class:`CpuPool`) and every
         chunk recovered from disk; ``listener(key, tier)`` hears every chunk entering or leaving a
         tier (not those :meth:`recover` finds: their caller announces what it keeps); ``stamp`` and
-        ``evict_first`` go to the CPU pool."""
+        ``evict_first`` go to the CPU pool.
+
+        ``spill(header, data)`` hears every chunk leaving the last tier by eviction (not by removal)
+        with its bytes: the CPU slot's (a view, valid only during the call) or the disk tier's file (the
+        hook may move it away; True: it did, or it copied the view). Called with tier locks held: it
+        must only copy, rename and enqueue (the object tier's uploads, ``objects/tier.py``)."""
         cpu = CpuPool(config.cpu_capacity, slot_bytes, policy=make_policy(config.eviction), admit=admit,
                       stamp=stamp, evict_first=evict_first)
         disk = None
         if config.disk_path:
             disk = DiskTier(config.disk_path, config.disk_capacity, policy=make_policy(config.eviction))
-        return cls(cpu, disk, listener=listener, admit=admit)
+        return cls(cpu, disk, listener=listener, admit=admit, spill=spill)
 
     def set_eviction(self, name: str) -> None:
         """Switch every tier to eviction policy ``name`` (``lru``, ``lfu``, ``s3fifo``) while running."""
         self.cpu.set_policy(make_policy(name))
         if self.disk is not None:
             self.disk.set_policy(make_policy(name))
-
-    def set_spill(self, spill: Spill | None) -> None:
-        """``spill(header, data)`` hears every chunk leaving the last tier by eviction (not by removal)
-        with its bytes: the CPU slot's (a view, valid only during the call) or the disk tier's file (the
-        hook may move it away; True: it did, or it copied the view). Called with tier locks held: it
-        must only copy, rename and enqueue (the object tier's uploads, ``objects/tier.py``)."""
-        self._spill = spill
-        if self.disk is not None:  # a disk victim the CPU pool still holds has not left this node
-            self.disk.spill = None if spill is None else (
-                lambda header, path: not self.cpu.contains(header.key) and spill(header, path))
 
     def _spill_out(self, header: ChunkHeader, view: memoryview | None) -> None:
         if self._spill is None or view is None:

@@ -9,8 +9,9 @@ Every deadline is absolute, on ``time.monotonic()``, and handed down unchanged t
 One pass: the planned chunks are grouped by owner (a chunk assembled from several owners' head
 ranges is one *part* per piece), every group is pulled concurrently over the first transport in
 ``preference`` both sides speak, verified on arrival by the transport and committed into the
-pool; the parts that missed are tried once more on their planned alternative owner while the
-deadline allows; pieces are then concatenated into their chunk, each checked again in the copy
+pool; the parts that missed are tried on their planned alternative owners, one per round, while the
+deadline allows (peers, and the object store: one more owner, behind its own transport in
+``sources``); pieces are then concatenated into their chunk, each checked again in the copy
 (a piece changed in memory since it landed is dropped, the chunk recomputed). Metrics (pull
 latency, bytes, outcome per chunk, checksum failures, peer errors) and the per-peer latency
 model are fed here.
@@ -89,6 +90,7 @@ class Puller:
         tls: bool = False,
         pin_timeout_s: float = 5.0,
         on_loaded: Callable[[ChunkKey], None] | None = None,
+        sources: Mapping[NodeId, tuple[Transport, PeerAddress]] | None = None,
     ) -> None:
         self.node_id = node_id
         self.fp = fp
@@ -103,6 +105,8 @@ class Puller:
         self.tls = tls
         self.pin_timeout_s = pin_timeout_s
         self.on_loaded = on_loaded  # a whole chunk landed in the pool (the agent announces it)
+        # Owners with no node record, each behind its own transport (the object store: ``@objects``)
+        self.sources = dict(sources or {})
         self._inflight: dict[NodeId, int] = {}
         self._inflight_lock = threading.Lock()  # the planner reads it from the engine's threads
         self._error_peers: set[NodeId] = set()  # label values of peer_errors, pruned with the peers
@@ -160,8 +164,9 @@ class Puller:
             self._drop_pieces(pieces)
 
     async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
-        """On the loop: one concurrent pull per owner, then one retry round on the alternatives.
-        Nothing is asked once ``deadline`` has passed (a late pull would only back a healthy peer off)."""
+        """On the loop: one concurrent pull per owner, then retry rounds on the alternatives (peers, the
+        object store), each part's next one per round, while the deadline allows. Nothing is asked once
+        ``deadline`` has passed (a late pull would only back a healthy peer off)."""
         if remaining(deadline) <= 0:
             return
         groups: dict[NodeId, list[Part]] = {}
@@ -170,14 +175,16 @@ class Puller:
                 groups.setdefault(piece.source, []).append(Part(c, piece))
         results = await asyncio.gather(*(self._pull_parts(peer, group, deadline, patience)
                                          for peer, group in groups.items()))
-        retry: dict[NodeId, list[Part]] = {}
-        for missed in results:
+        missed = [part for result in results for part in result]
+        for round_ in range(max((len(p.piece.alternatives) for p in missed), default=0)):
+            retry: dict[NodeId, list[Part]] = {}
             for part in missed:
-                alt = next(iter(part.piece.alternatives), None)
-                if alt is not None:
-                    retry.setdefault(alt, []).append(part)
-        if retry and remaining(deadline) > 0:
-            await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
+                if round_ < len(part.piece.alternatives):
+                    retry.setdefault(part.piece.alternatives[round_], []).append(part)
+            if not retry or remaining(deadline) <= 0:
+                return
+            results = await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
+            missed = [part for result in results for part in result]
 
     async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
         """Pull whole ``chunks`` (this node's heads) from ``node`` into the pool; those that missed. Always
@@ -236,8 +243,12 @@ class Puller:
     async def _pull_own(self, node: NodeId, parts: list[Part], deadline: float,
                         patience: float | None = None) -> list[Part]:
         record = self.nodes().get(node)
-        transport = self.transport_for(record)
-        peer = record.peer() if record is not None else None
+        transport: Transport | None
+        peer: PeerAddress | None
+        if node in self.sources:
+            transport, peer = self.sources[node]
+        else:
+            transport, peer = self.transport_for(record), record.peer() if record is not None else None
         if transport is None or peer is None:
             log.info("no %s for %s: %d chunks not pulled", "node record" if record is None else "usable transport",
                      node, len(parts))
