@@ -109,6 +109,27 @@ class _Active:
     blended: bool = False  # its KV is blended (close to a prefill's, not equal): nothing of it is saved
 
 
+_UNREAD: Any = object()  # a field of _Request not read from the request yet
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """Everything this side knows of one request, from its first lookup until vLLM says it finished: one
+    record, dropped whole (``request_finished``)."""
+
+    identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None = _UNREAD  # None: its KV can't be keyed
+    segments: list[SegmentChunks] | None = _UNREAD  # its declared segments, keyed (None: none usable)
+    local_hit: int = 0  # tokens vLLM's own prefix cache supplied when the hit was offered
+    load_async: bool | None = None  # how the hit was announced to vLLM (None: no hit offered)
+    loaded: bool = False  # it got a load: never offered a hit twice (until its prompt is computed)
+    canary: bool = False  # computed to check the mesh's copies against
+    tail: tuple[int, int, ChunkKey] | None = None  # its hit ends in a cut chunk: (chunk, tokens, key)
+    blend: BlendPlan | None = None  # its hit offered as a blend, until its blocks are allocated
+    blended: bool = False  # its KV is blended, until it finishes: never saved
+    salted: bool = False  # its vLLM block hashes were made its own
+    active: _Active | None = None  # being computed: what is saved of it
+
+
 class P2PScheduler:
     def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int, *,
                  blend_refusal: str | None = "not checked", token_budget: int | None = None) -> None:
@@ -122,21 +143,15 @@ class P2PScheduler:
         except Exception:
             self._loop.stop()
             raise
-        self._requests: dict[str, _Active] = {}
+        self._requests: dict[str, _Request] = {}  # every request vLLM asked about and has not finished
         self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
         self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
-        self._local_hit: dict[str, int] = {}  # tokens vLLM's own prefix cache supplies, per request
-        self._async: dict[str, bool] = {}  # per request: was the hit announced as an async load
-        self._loaded: set[str] = set()  # requests that got a load: never offered a hit twice
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
-        self._identities: dict[str, tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None] = {}
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
         self._adapters: dict[tuple[int, str, str], str | None] = {}  # first identity seen per adapter
         self._canary_rate = config.canary.rate
         self._random = random.Random()
-        self._canaries: set[str] = set()  # requests computed to check the mesh's copies against
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
-        self._tails: dict[str, tuple[int, int, ChunkKey]] = {}  # hits ending in a cut chunk: (chunk, tokens, key)
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
         # vLLM's prefix cache never hands blended blocks on as exact hits (_salt).
@@ -148,39 +163,41 @@ class P2PScheduler:
         self._blend_selection = config.blend.selection
         # what one blend may run through the model: the operator's bound, within vLLM's step budget
         self._blend_limit = min(config.blend.max_recompute_tokens, token_budget or config.blend.max_recompute_tokens)
-        self._salted: set[str] = set()  # blended requests whose vLLM block hashes were made their own
-        self._segments: dict[str, list[SegmentChunks] | None] = {}  # per request: its declared segments
-        self._blends: dict[str, BlendPlan] = {}  # hits offered as blends, until their blocks are allocated
         self._blend_loads: list[BlendTransfer] = []  # decided this step; handed to the worker in the next meta
-        self._blended: set[str] = set()  # requests whose KV is blended, until they finish: never saved
         self._told: set[str] = set()  # reasons for not blending already logged
+
+    def _record(self, request: Any) -> _Request:
+        found = self._requests.get(request.request_id)
+        if found is None:
+            found = self._requests[request.request_id] = _Request()
+        return found
 
     def _usable(self, record: NodeRecord) -> bool:
         """An owner this engine's worker can pull from (the same rule its plan applies)."""
         return (compatible(record, tls=self._tls, transports=self._transports)
                 and not self._index.quarantine.blocked(record.node_id))
 
-    def _canary(self, request: Any, hit: int, num_computed_tokens: int) -> bool:
+    def _canary(self, request: Any, record: _Request, hit: int, num_computed_tokens: int) -> bool:
         """Whether ``request`` is computed as a canary (asked for, or sampled among hits). Only when
         the engine computes every token itself: blocks from vLLM's own prefix cache may hold KV
         loaded from the mesh, which would make the reference the very bytes under test; and never
         for multimodal requests, whose item hashes a client can name (``multi_modal_uuids``)."""
-        identity = self._identities.get(request.request_id)
-        if num_computed_tokens > 0 or (identity is not None and identity[1]):
+        identity = record.identity
+        if num_computed_tokens > 0 or (identity is not None and identity is not _UNREAD and identity[1]):
             return False
         params = getattr(request, "kv_transfer_params", None)
         asked = isinstance(params, dict) and params.get("lmcache_p2p_canary") is True
         if asked or (hit > 0 and self._canary_rate > 0 and self._random.random() < self._canary_rate):
-            self._canaries.add(request.request_id)
+            record.canary = True
             return True
         return False
 
-    def _identity(self, request: Any) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
+    def _identity(self, request: Any, record: _Request) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
         """The key chain's root and multimodal items of ``request``; None (and counted once per
         request) when its KV can't be keyed."""
         req_id = request.request_id
-        if req_id in self._identities:
-            return self._identities[req_id]
+        if record.identity is not _UNREAD:
+            return record.identity
         try:
             reason, found = request_identity(request, self._adapter)
         except Exception:  # never into vLLM's scheduler: a request we can't key is computed, not cached
@@ -192,7 +209,7 @@ class P2PScheduler:
             result = None
         else:
             result = request_root(self._fp, found), found.mm_items
-        self._identities[req_id] = result
+        record.identity = result
         return result
 
     def _adapter(self, lora: Any) -> str | None:
@@ -210,12 +227,13 @@ class P2PScheduler:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
-        if not prompt or request.request_id in self._loaded:
+        record = self._record(request)
+        if not prompt or record.loaded:
             # Asked again after a load for this request, before its prompt was computed: the load failed
             # (vLLM reset the request to recompute it). Offering the same hit again would loop; the engine
             # computes it. (Asked again after its prompt was computed: vLLM preempted it; offered again.)
             return 0, False
-        identity = self._identity(request)
+        identity = self._identity(request, record)
         if identity is None:
             return 0, False
         keys = self._keys(prompt, *identity)
@@ -227,44 +245,43 @@ class P2PScheduler:
                                                      self._index.mirror.blocks_revision, self._index.connected,
                                                      held):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
-        self._tails.pop(request.request_id, None)
-        self._blends.pop(request.request_id, None)
+        record.tail = record.blend = None
         tail = self._tail(prompt, keys, held, *identity) if held < len(keys) else None
         exact = min(held * self._chunk + (tail[0] if tail else 0), len(prompt) - 1)
-        blend = self._blend(request, prompt, identity, max(exact, num_computed_tokens))
+        blend = self._blend(request, record, prompt, identity, max(exact, num_computed_tokens))
         hit = blend.end if blend is not None else exact
-        self._local_hit[request.request_id] = num_computed_tokens
+        record.local_hit = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
-        if request.request_id in self._canaries or self._canary(request, n, num_computed_tokens) or n == 0:
+        if record.canary or self._canary(request, record, n, num_computed_tokens) or n == 0:
             return 0, False
         if tail is not None:
-            self._tails[request.request_id] = (held, *tail)
+            record.tail = (held, *tail)
             keys = keys[:held] + [tail[1]]
         needed = keys[num_computed_tokens // self._chunk: -(-exact // self._chunk)]
         if exact <= num_computed_tokens:
             needed = []
         if blend is not None:
-            self._blends[request.request_id] = blend
-            self._salt(request, blend.exact_end)  # before vLLM allocates (a sync hit is cached there)
+            record.blend = blend
+            self._salt(request, record, blend.exact_end)  # before vLLM allocates (a sync hit is cached there)
             needed += [ChunkKey(k) for seg in blend.segments if not seg.fresh for k in seg.keys]
         load_async = not all(k in self._saved for k in needed)
         if load_async and blend is None and num_computed_tokens > 0 and n < self._chunk:
             # Less than a chunk on top of the engine's own prefix-cache hit (a prompt's tail another
             # engine computed): computed within the step the engine runs anyway, it is there sooner than
             # an asynchronous load brings it (a step's wait at least, behind other loads).
-            self._tails.pop(request.request_id, None)
+            record.tail = None
             log.debug("request %s: %d tokens on top of %d in vLLM's prefix cache computed, not pulled",
                       request.request_id, n, num_computed_tokens)
             return 0, False
-        self._async[request.request_id] = load_async  # what vLLM was told decides how the worker loads
+        record.load_async = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
 
-    def _declared(self, request: Any, prompt: list[int],
+    def _declared(self, request: Any, record: _Request, prompt: list[int],
                   identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[SegmentChunks] | None:
         """The segments ``request`` declares, keyed (None: none, malformed, multimodal, or under a LoRA
         adapter, which the recompute would not apply)."""
         req_id = request.request_id
-        if req_id not in self._segments:
+        if record.segments is _UNREAD:
             found = None
             try:
                 spans = read_segments(getattr(request, "kv_transfer_params", None), len(prompt))
@@ -272,8 +289,8 @@ class P2PScheduler:
                     found = segment_chunks(identity[0], prompt, spans, self._chunk)
             except SegmentError as exc:
                 log.warning("request %s: segments ignored (prefix reuse only): %s", req_id, exc)
-            self._segments[req_id] = found
-        return self._segments[req_id]
+            record.segments = found
+        return record.segments
 
     @property
     def _blend_refusal(self) -> str | None:
@@ -294,11 +311,11 @@ class P2PScheduler:
             log.info("lmcache-p2p: blending %s", "possible (every worker said it can)" if self._worker_refusal is None
                      else f"refused: {self._worker_refusal}")
 
-    def _blend(self, request: Any, prompt: list[int], identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]],
-               exact_end: int) -> BlendPlan | None:
+    def _blend(self, request: Any, record: _Request, prompt: list[int],
+               identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]], exact_end: int) -> BlendPlan | None:
         """The blend that extends the exact hit (ending at ``exact_end``) over the request's cached
         segments, or None (no segments declared, none held past it, or this engine can't blend)."""
-        segments = self._declared(request, prompt, identity)
+        segments = self._declared(request, record, prompt, identity)
         if not segments:
             return None
         refusal = self._blend_refusal
@@ -335,15 +352,15 @@ class P2PScheduler:
             return None
         return plan
 
-    def _salt(self, request: Any, exact_end: int) -> None:
+    def _salt(self, request: Any, record: _Request, exact_end: int) -> None:
         """Make the vLLM block hashes of a blended request's blocks from ``exact_end`` on its own: with
         vLLM's prefix cache on, its blocks are registered under them, and under the prompt's true
         hashes a later request would take blended KV as an exact prefix hit. Later hashes chain from
         these (vLLM's hasher extends the list), so every block from there on is this request's alone."""
         hashes = getattr(request, "block_hashes", None)
-        if request.request_id in self._salted or not isinstance(hashes, list):
+        if record.salted or not isinstance(hashes, list):
             return
-        self._salted.add(request.request_id)
+        record.salted = True
         nonce = secrets.token_bytes(16)
         for i in range(exact_end // self._block, len(hashes)):
             hashes[i] = type(hashes[i])(xxhash.xxh3_128_digest(bytes(hashes[i]) + nonce))
@@ -372,27 +389,29 @@ class P2PScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         prompt = list(request.prompt_token_ids or [])
-        identity = self._identity(request)
-        local_hit = self._local_hit.pop(request.request_id, 0)
+        record = self._record(request)
+        identity = self._identity(request, record)
+        local_hit, record.local_hit = record.local_hit, 0
         if identity is None or not prompt:
             return  # nothing loaded (no hit was offered), nothing saved
         keys = self._keys(prompt, *identity)
         state = _Active(request, prompt, keys, [], *identity)
-        blend = self._blends.pop(request.request_id, None)
+        blend, record.blend = record.blend, None
         # Called again once a pulled load is in place (with no external tokens): a blended request stays so.
-        state.blended = request.request_id in self._blended
+        state.blended = record.blended
         if blend is None and not state.blended and self._blend_refusal is None:
-            state.segments = self._declared(request, prompt, identity)  # saved once computed
+            state.segments = self._declared(request, record, prompt, identity)  # saved once computed
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
             block_ids = list(blocks.get_block_ids()[0])
-            sync = not self._async.pop(request.request_id, True)
+            load_async, record.load_async = record.load_async, None
+            sync = load_async is False
             revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
             deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
             if blend is not None:  # vLLM grants the whole hit or none: end == blend.end
-                exact = (self._exact_load(request.request_id, prompt, keys, block_ids, start, blend.exact_end)
-                         if blend.exact_end > start else None)
+                exact = (self._exact_load(request.request_id, record, prompt, keys, block_ids, start,
+                                          blend.exact_end) if blend.exact_end > start else None)
                 if exact is not None:
                     exact.sync, exact.index_revision, exact.deadline = sync, revision, deadline
                 self._blend_loads.append(BlendTransfer(
@@ -401,20 +420,19 @@ class P2PScheduler:
                     max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
                     index_revision=revision, deadline=deadline))
                 self._remember_saved([ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys])
-                state.blended = True
-                self._blended.add(request.request_id)
+                state.blended = record.blended = True
             else:
-                load = self._exact_load(request.request_id, prompt, keys, block_ids, start, end)
+                load = self._exact_load(request.request_id, record, prompt, keys, block_ids, start, end)
                 load.sync, load.index_revision, load.deadline = sync, revision, deadline
                 self._loads.append(load)
-            self._loaded.add(request.request_id)
-        self._requests[request.request_id] = state
+            record.loaded = True
+        record.active = state
 
-    def _exact_load(self, req_id: str, prompt: list[int], keys: list[ChunkKey], block_ids: list[int], start: int,
-                    end: int) -> ChunkTransfer:
+    def _exact_load(self, req_id: str, record: _Request, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
+                    start: int, end: int) -> ChunkTransfer:
         """The prefix chunks covering ``[start, end)``; a hit ending in a chunk held cut short loads it as a
         chunk of that many tokens."""
-        tail = self._tails.pop(req_id, None)
+        tail, record.tail = record.tail, None
         if tail is None:
             return self._transfer(req_id, prompt, keys, block_ids, start, end)
         held, n, key = tail
@@ -434,30 +452,33 @@ class P2PScheduler:
         meta.blends, self._blend_loads = self._blend_loads, []
         meta.saves, self._finished = self._finished, []  # finished requests' tails: vLLM holds their blocks
         for new in out.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
+            state = self._active(new.req_id)
             if state is not None:
                 state.block_ids = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
+            state = self._active(req_id)
             new_ids = cached.new_block_ids[i]
             if state is not None and new_ids is not None:
                 if req_id in getattr(cached, "resumed_req_ids", ()):
                     state.block_ids = list(new_ids[0])
                 else:
                     state.block_ids.extend(new_ids[0])
-        for req_id, state in self._requests.items():
+        for req_id, record in self._requests.items():
+            state = record.active
+            if state is None:
+                continue
             done = _computed_after_step(out, req_id)
             if done is not None and done > len(state.prompt):
                 # decoding: its prompt was computed in an earlier step (its load, if any, went through, or vLLM
                 # has recomputed what failed); were vLLM to preempt it now, its hit may be offered again when
                 # it is rescheduled (its KV freed, its chunks in the mesh)
-                self._loaded.discard(req_id)
+                record.loaded = False
             if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
                 save = self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0, len(state.prompt))
-                save.canary = req_id in self._canaries
+                save.canary = record.canary
                 meta.saves.append(save)
                 if state.segments:  # only the first: computed right after the base (the others are
                     # computed after documents this client chose; a blend computes them fresh)
@@ -471,6 +492,10 @@ class P2PScheduler:
             if full > state.full_chunks_saved:
                 meta.saves.append(self._generated(state, full))
         return meta
+
+    def _active(self, req_id: str) -> _Active | None:
+        record = self._requests.get(req_id)
+        return record.active if record is not None else None
 
     def _generated(self, state: _Active, full: int) -> ChunkTransfer:
         """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's keys."""
@@ -494,18 +519,9 @@ class P2PScheduler:
     def request_finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
         """Forget ``request``; True when its tail is to be saved: vLLM then keeps its blocks (``block_ids``,
         what vLLM holds for it) until the worker reports the request as sent (``get_finished``)."""
-        self._async.pop(request.request_id, None)
-        self._loaded.discard(request.request_id)
-        self._tails.pop(request.request_id, None)
-        self._blends.pop(request.request_id, None)
-        self._segments.pop(request.request_id, None)
-        self._blended.discard(request.request_id)
-        self._salted.discard(request.request_id)
-        state = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
+        record = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
         # holds the request's blocks until the worker reports it finished
-        self._local_hit.pop(request.request_id, None)
-        self._identities.pop(request.request_id, None)
-        self._canaries.discard(request.request_id)
+        state = record.active if record is not None else None
         self._freshness.forget(request.request_id)
         try:
             tail = self._finished_tail(state, block_ids) if state is not None else None
