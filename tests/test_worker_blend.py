@@ -80,10 +80,13 @@ def main() -> None:
     chunk, per = config.chunk_size, config.chunk_size // BLOCK
     fingerprint = Fingerprint.of(config.layout)
     worker = P2PWorker(config, fingerprint, BLOCK)
-    worker.agent = CacheAgent(config, fingerprint, per * BLOCK_BYTES, secret=os.urandom(32),
-                              index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start()
     blender = RecordingBlender()
-    worker._blender = blender  # type: ignore[assignment]  # as register_kv_caches sets it on a blending engine
+    # as register_kv_caches builds the parts on a blending engine (no paged KV here: nothing is scattered)
+    worker.attach(CacheAgent(config, fingerprint, per * BLOCK_BYTES, secret=os.urandom(32),
+                             index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start(),
+                  None, blender)  # type: ignore[arg-type]
+    loads = worker.segments
+    assert loads is not None and worker.exact is not None
     seg_keys = [[bytes([s * 16 + i + 1]) * 16 for i in range(2)] for s in range(2)]  # 2 segments of 2 chunks
     blocks = list(range(4 * per))
     end = 4 * chunk
@@ -95,7 +98,7 @@ def main() -> None:
             agent.tiers.cpu.remove(key)
         payloads = [memoryview(bytes(per * BLOCK_BYTES)) for _ in held]
         assert agent.store_chunks([ChunkKey(k) for k in held], [chunk] * len(held), payloads).result(10) == len(held)
-        blender = worker._blender
+        blender = loads.blender
         assert isinstance(blender, RecordingBlender)
         blender.written.clear()
         blender.recomputed.clear()
@@ -127,10 +130,10 @@ def main() -> None:
         # segment: every block the blend was to fill is reported (vLLM recomputes them), nothing less
         for step in ("decode", "write", "recompute"):
             for held_case, held in (("all", seg_keys[0] + seg_keys[1]), ("cut", seg_keys[0])):
-                worker._blender = RaisingBlender(step)  # type: ignore[assignment]
+                loads.blender = RaisingBlender(step)  # type: ignore[assignment]
                 failed, _, _ = blend(f"{step}-{held_case}", held)
                 assert failed == set(blocks), (step, held_case, sorted(set(blocks) - failed))
-        worker._blender = blender  # type: ignore[assignment]
+        loads.blender = blender  # type: ignore[assignment]
 
         # a blend with an exact prefix that fails before that prefix is in place (no blender on this
         # worker; the exact load raising) reports the prefix's blocks too: nothing claimed goes unreported
@@ -143,18 +146,18 @@ def main() -> None:
             t = BlendTransfer(case, exact, [SegmentChunks(seg_keys[0], [chunk, chunk], start=chunk, end=3 * chunk)],
                               recompute=[], token_ids=list(range(3 * chunk)), block_ids=prefix_blocks + blocks,
                               exact_end=chunk, end=3 * chunk, sync=True)
-            saved_blender, saved_load = worker._blender, worker._load
+            saved_blender, saved_load = loads.blender, worker.exact.load
             if case == "no-blender":
-                worker._blender = None
+                loads.blender = None
             else:
                 def raising(*args: object, **kwargs: object) -> set[int]:
                     raise RuntimeError("the exact load broke")
-                worker._load = raising  # type: ignore[method-assign]
+                worker.exact.load = raising  # type: ignore[method-assign]
             try:
                 worker.start_load_kv(LMCacheP2PMetadata(blends=[t]))
                 failed = worker.get_block_ids_with_load_errors()
             finally:
-                worker._blender, worker._load = saved_blender, saved_load  # type: ignore[method-assign]
+                loads.blender, worker.exact.load = saved_blender, saved_load  # type: ignore[method-assign]
             assert set(prefix_blocks) <= failed and set(blocks[:2 * per]) <= failed, (case, sorted(failed))
     finally:
         worker.shutdown()

@@ -63,9 +63,11 @@ def failed_gather() -> None:
     kv = FlakyKV()
     chunk_bytes = kv.payload_nbytes(config.chunk_size // BLOCK)
     mesh = MemoryMesh()
-    worker.agent = CacheAgent(config, fingerprint, chunk_bytes, secret=os.urandom(32),
-                              index_factory=lambda loop, record: MemoryIndex(mesh, record)).start()
-    worker._kv = kv  # type: ignore[assignment]  # the engine's KV, as register_kv_caches sets it
+    # the engine's KV, as register_kv_caches gives it to the parts
+    worker.attach(CacheAgent(config, fingerprint, chunk_bytes, secret=os.urandom(32),
+                             index_factory=lambda loop, record: MemoryIndex(mesh, record)).start(),
+                  kv, None)  # type: ignore[arg-type]
+    assert worker.agent is not None
     try:
         pool = worker.agent.tiers.cpu
         assert pool.num_slots == 4
@@ -95,9 +97,11 @@ def failed_sync_load() -> None:
     kv.failing = False
     chunk, per = config.chunk_size, config.chunk_size // BLOCK
     mesh = MemoryMesh()
-    worker.agent = CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
-                              index_factory=lambda loop, record: MemoryIndex(mesh, record)).start()
-    worker._kv = kv  # type: ignore[assignment]  # the engine's KV, as register_kv_caches sets it
+    # the engine's KV, as register_kv_caches gives it to the parts
+    worker.attach(CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
+                             index_factory=lambda loop, record: MemoryIndex(mesh, record)).start(),
+                  kv, None)  # type: ignore[arg-type]
+    assert worker.agent is not None
     keys = [bytes([i + 1]) * 16 for i in range(3)]
     blocks = [list(range(i * per, (i + 1) * per)) for i in range(3)]
 
@@ -106,6 +110,7 @@ def failed_sync_load() -> None:
         worker.start_load_kv(meta)
         worker.wait_for_save(meta)
         worker.step_finished()
+        assert worker.agent is not None
         worker.agent._writer.submit(lambda: None).result(10)  # the commits behind the saves are done
         return worker.get_block_ids_with_load_errors()
 

@@ -1,0 +1,117 @@
+"""Exact prefix loads on the worker side: a hit's chunks into the request's blocks.
+
+    plan (this rank's mirror) -> the agent's Loader (budget, pulls until the deadline, pinned verified
+    slots) -> a private verified copy of each -> scattered into the engine's blocks
+
+A chunk that fails, and every later one, is returned by block id: vLLM recomputes them (fail closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ...agent import CacheAgent
+from ...blocks import ChunkTransfer, blocks_from
+from ...kernels.paged import PagedKV
+from ...keys import ChunkKey
+from ...plan import LOCAL
+from ...segments import BlendTransfer
+
+log = logging.getLogger(__name__)
+INDEX_WAIT_S = 0.5  # at most, per load, for this rank's mirror to reach the scheduler's (one event behind)
+
+
+def load_deadline(agent: CacheAgent, t: ChunkTransfer | BlendTransfer) -> float:
+    """The load's absolute deadline, set by the scheduler side when it offered the hit (one host, one
+    monotonic clock); never more than ``transfer.timeout_s`` from now (a rank on another host, whose
+    clock differs, or a transfer from an older scheduler without one)."""
+    latest = time.monotonic() + agent.config.transfer.timeout_s
+    return latest if t.deadline <= 0 else min(t.deadline, latest)
+
+
+def wait_for_index(agent: CacheAgent, t: ChunkTransfer | BlendTransfer, keys: list[ChunkKey], deadline: float) -> None:
+    """Give this rank's mirror (at most ``INDEX_WAIT_S``) to reach the revision its scheduler offered from."""
+    if not agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
+        log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
+                 t.index_revision)
+
+
+class ExactLoads:
+    """Loads of exact prefixes into the engine's paged KV (``kv``: None in tests without an engine)."""
+
+    def __init__(self, agent: CacheAgent, kv: PagedKV | None) -> None:
+        self.agent = agent
+        self.kv = kv
+
+    def load(self, t: ChunkTransfer, remote: bool) -> set[int]:
+        """Load ``t``'s chunks into its blocks; returns the blocks that must be recomputed. ``remote``: pull
+        what peers hold (a load thread); else only what this node holds now (the forward thread)."""
+        agent, kv = self.agent, self.kv
+        assert kv is not None
+        t0 = time.perf_counter()
+        keys = [ChunkKey(k) for k in t.keys]
+        spans, pos = [], 0
+        for n in t.num_tokens:
+            spans.append((pos, pos + n))
+            pos += n
+        deadline = load_deadline(agent, t)
+        if remote:
+            wait_for_index(agent, t, keys, deadline)
+        plan = agent.plan(keys, spans, pos)
+        agent.count_lookup(plan, 0)
+        t1 = time.perf_counter()
+        pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
+        t2 = time.perf_counter()
+        failed: set[int] = set()
+        try:
+            for i, blocks in enumerate(t.block_ids):
+                pin = pins[i] if i < len(pins) else None
+                if pin is not None and pin.header.length != kv.payload_nbytes(len(blocks)):
+                    log.error("request %s: chunk %d is %d bytes, its %d blocks need %d: layout mismatch", t.req_id,
+                              i, pin.header.length, len(blocks), kv.payload_nbytes(len(blocks)))
+                    pin = None
+                if pin is None:
+                    failed = blocks_from(t, i)
+                    if i >= len(plan.chunks):  # offered by the scheduler side, but no owner this worker may ask
+                        agent.metrics.load_failures.labels("no_usable_owner").inc(len(keys) - i)
+                    why = ("no usable owner (backed off, awaited for an overdue answer, or gone)"
+                           if i >= len(plan.chunks) else "its pull missed or was declined")
+                    log.info("request %s: chunk %d of %d not loaded: %s; %d blocks recomputed", t.req_id, i,
+                             len(keys), why, len(failed))
+                    break
+                # Scattered from a private copy verified there: pool slots are registered memory a peer
+                # may write to, so bytes checked in a slot are not the bytes the engine would read.
+                staged = agent.tiers.cpu.stage(pin)
+                if staged is None:
+                    agent.metrics.checksum_failures.inc()
+                    failed = blocks_from(t, i)
+                    log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
+                                t.req_id, i, len(failed))
+                    break
+                self._scatter(staged, blocks, t.skip_blocks if i == 0 else 0)
+        finally:
+            for pin in pins:
+                if pin is not None:
+                    agent.unpin_chunk(pin)
+        log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
+                  len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
+                  1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+        return failed
+
+    def _scatter(self, staging: torch.Tensor, blocks: list[int], skip: int) -> None:
+        kv = self.kv
+        assert kv is not None
+        nbytes = kv.payload_nbytes(len(blocks))
+        payload = staging[:nbytes]
+        if skip:
+            # Payload is head-major, then layer-major; drop the first ``skip`` blocks of every head and
+            # layer (they belong to vLLM's own prefix cache and may be shared with other requests).
+            heads, layers = kv.geometry.heads, self.agent.config.layout.num_layers
+            parts = payload.view(heads, layers, len(blocks), kv.payload_nbytes(1) // (layers * heads))
+            payload = parts[:, :, skip:, :].contiguous().view(-1)
+            blocks = blocks[skip:]
+        if blocks:
+            kv.scatter(payload, torch.tensor(blocks, dtype=torch.int64))
