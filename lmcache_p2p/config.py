@@ -164,19 +164,24 @@ class CanaryConfig:
     ``tolerance`` (relative L2; default by KV dtype: fp32 1e-3, fp16 0.02, bf16 0.05, fp8 0.15)
     quarantines its owner; ``max_owners`` owners are asked per chunk, each pull within ``timeout_s``.
     A quarantine lapses after ``quarantine_ttl_s`` unless a new mismatch renews it (None: it stands
-    until ``lmcache-p2p verify --release``)."""
+    until ``lmcache-p2p verify --release``). Clients of the engine's API may ask for checks at most
+    ``requested_per_minute`` times a minute per engine (a burst of a sixth of that, at least one);
+    beyond, the request is served as any other and the ask counted (``request_params_refused_total``):
+    each check copies up to 16 chunks on the forward thread and pulls every owner's copy."""
 
     rate: float = 0.0
     tolerance: float | None = None
     max_owners: int = 4
     timeout_s: float = 5.0
     quarantine_ttl_s: float | None = 3600.0
+    requested_per_minute: float = 30.0
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.rate <= 1.0, "canary.rate", "must be in [0, 1]")
         _check(self.tolerance is None or self.tolerance > 0, "canary.tolerance", "must be > 0")
         _check(self.max_owners >= 1, "canary.max_owners", "must be >= 1")
         _check(self.timeout_s > 0, "canary.timeout_s", "must be > 0")
+        _check(self.requested_per_minute >= 0, "canary.requested_per_minute", "must be >= 0")
         _check(self.quarantine_ttl_s is None or self.quarantine_ttl_s >= 1, "canary.quarantine_ttl_s",
                "must be >= 1 (seconds) or null")
 

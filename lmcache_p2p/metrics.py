@@ -48,6 +48,10 @@ class AgentMetrics:
         self.uncacheable_requests = Counter(
             "uncacheable_requests", "Requests whose KV can't be keyed, neither loaded nor saved, by reason "
             "(prompt_embeds, unknown_adapter, multimodal_unhashed)", ["reason"], namespace=ns, registry=registry)
+        self.request_params_refused = Counter(
+            "request_params_refused", "kv_transfer_params a client sent that were not honoured (over an operator "
+            "limit, or naming what cannot be: an index revision etcd has not reached), by parameter", ["param"],
+            namespace=ns, registry=registry)
         self.canary_checks = Counter(
             "canary_checks", "Owners' copies of chunks compared with what this engine computed (canary.py), by "
             "outcome (match, mismatch: the owner was quarantined, unavailable)", ["outcome"], namespace=ns,

@@ -22,6 +22,7 @@ class LMCacheP2PMetadata(KVConnectorMetadata):
     segment_saves: list[SegmentSave] = dataclasses.field(default_factory=list)
     num_scheduled_tokens: int = 0  # this step's tokens: the worker times prefill steps by it
     uncacheable: dict[str, int] = dataclasses.field(default_factory=dict)  # new requests not cached, by reason
+    refused: dict[str, int] = dataclasses.field(default_factory=dict)  # request parameters not honoured, by name
 
 
 @dataclasses.dataclass

@@ -84,10 +84,11 @@ from ...segments import (
     wants_blend,
 )
 from ..engine_identity import file_adapter, request_identity
-from ..freshness import Freshness, named_revision
+from ..freshness import REVISION_PARAM, Freshness, named_revision
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
+CANARY_PARAM = "lmcache_p2p_canary"
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
 
@@ -123,6 +124,7 @@ class _Request:
     load_async: bool | None = None  # how the hit was announced to vLLM (None: no hit offered)
     loaded: bool = False  # it got a load: never offered a hit twice (until its prompt is computed)
     canary: bool = False  # computed to check the mesh's copies against
+    refused: frozenset[str] = frozenset()  # its kv_transfer_params not honoured (counted once each)
     tail: tuple[int, int, ChunkKey] | None = None  # its hit ends in a cut chunk: (chunk, tokens, key)
     blend: BlendPlan | None = None  # its hit offered as a blend, until its blocks are allocated
     blended: bool = False  # its KV is blended, until it finishes: never saved
@@ -151,6 +153,11 @@ class P2PScheduler:
         self._adapters: dict[tuple[int, str, str], str | None] = {}  # first identity seen per adapter
         self._canary_rate = config.canary.rate
         self._random = random.Random()
+        # canary checks clients may ask for: a token bucket (config.canary.requested_per_minute)
+        self._asked_per_s = config.canary.requested_per_minute / 60.0
+        self._asked_burst = max(1.0, config.canary.requested_per_minute / 6.0) if self._asked_per_s > 0 else 0.0
+        self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
+        self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
@@ -186,11 +193,32 @@ class P2PScheduler:
         if num_computed_tokens > 0 or (identity is not None and identity is not _UNREAD and identity[1]):
             return False
         params = getattr(request, "kv_transfer_params", None)
-        asked = isinstance(params, dict) and params.get("lmcache_p2p_canary") is True
+        asked = isinstance(params, dict) and params.get(CANARY_PARAM) is True
+        if asked and not self._may_ask_canary():
+            self._refuse(record, request.request_id, CANARY_PARAM, "over canary.requested_per_minute")
+            asked = False  # served as any other request
         if asked or (hit > 0 and self._canary_rate > 0 and self._random.random() < self._canary_rate):
             record.canary = True
             return True
         return False
+
+    def _may_ask_canary(self) -> bool:
+        """A client's canary ask fits ``canary.requested_per_minute`` (takes a token when it does)."""
+        now = time.monotonic()
+        self._asked_tokens = min(self._asked_burst, self._asked_tokens + (now - self._asked_at) * self._asked_per_s)
+        self._asked_at = now
+        if self._asked_tokens < 1.0:
+            return False
+        self._asked_tokens -= 1.0
+        return True
+
+    def _refuse(self, record: _Request, req_id: str, param: str, why: str) -> None:
+        """A request parameter is not honoured: counted (``request_params_refused_total``) once per request."""
+        if param in record.refused:
+            return
+        record.refused |= {param}
+        self._refused[param] = self._refused.get(param, 0) + 1
+        log.info("request %s: %s not honoured (%s)", req_id, param, why)
 
     def _identity(self, request: Any, record: _Request) -> tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None:
         """The key chain's root and multimodal items of ``request``; None (and counted once per
@@ -237,13 +265,22 @@ class P2PScheduler:
         if identity is None:
             return 0, False
         keys = self._keys(prompt, *identity)
-        wanted = named_revision(getattr(request, "kv_transfer_params", None))
+        params = getattr(request, "kv_transfer_params", None)
+        wanted = 0 if REVISION_PARAM in record.refused else named_revision(params)
+        mirror = self._index.mirror
         if wanted:  # etcd.index lookup: read these keys as of that revision (the watch: nothing to do)
-            self._index.mirror.prefetch(keys, wanted)
+            mirror.prefetch(keys, wanted)
+            if mirror.reads_etcd and mirror.blocks_revision < wanted:
+                # The read just made (linearizable) found etcd below the revision the request names: no read
+                # will reach it soon, and each would cost a scheduler step an etcd round trip.
+                self._refuse(record, request.request_id, REVISION_PARAM,
+                             f"etcd is at revision {mirror.blocks_revision}, below {wanted}")
+                wanted = 0
+        if REVISION_PARAM in record.refused and isinstance(params, dict):
+            params = {k: v for k, v in params.items() if k != REVISION_PARAM}
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
-        if held < len(keys) and self._freshness.hold(request.request_id, getattr(request, "kv_transfer_params", None),
-                                                     self._index.mirror.blocks_revision, self._index.connected,
-                                                     held):
+        if held < len(keys) and self._freshness.hold(request.request_id, params, mirror.blocks_revision,
+                                                     self._index.connected, held):
             return None, False  # not scheduled this step: the mirror is behind what the request saw
         record.tail = record.blend = None
         tail = self._tail(prompt, keys, held, *identity) if held < len(keys) else None
@@ -446,6 +483,7 @@ class P2PScheduler:
     def build_connector_meta(self, out: Any) -> LMCacheP2PMetadata:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
         meta.uncacheable, self._uncacheable = self._uncacheable, {}
+        meta.refused, self._refused = self._refused, {}
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []

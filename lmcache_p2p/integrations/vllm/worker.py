@@ -209,6 +209,8 @@ class P2PWorker:
         if self.agent is not None:
             for reason, n in meta.uncacheable.items():
                 self.agent.metrics.uncacheable_requests.labels(reason).inc(n)
+            for param, n in meta.refused.items():
+                self.agent.metrics.request_params_refused.labels(param).inc(n)
 
     def step_finished(self) -> None:
         self._unloaded.clear()

