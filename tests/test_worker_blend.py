@@ -3,7 +3,8 @@
 A sync blend over segment chunks held in the worker's own agent (in-memory index, no peers): all
 chunks there (loaded, the recompute runs), the second segment missing (partial: blocks from the cut
 on go back to vLLM, the recompute runs over what was written), the first one missing (failed: not one
-segment token was reused, every block of the blend goes back, nothing is recomputed here). The
+segment token was reused, every block of the blend goes back, nothing is recomputed here), and a
+blend whose model work would outrun its deadline at the engine's prefill rate (refused). The
 blender is a stand-in that records its calls: the KV maths is ``test_vllm_blend.py``'s, on real
 engines.
 """
@@ -134,6 +135,19 @@ def main() -> None:
                 failed, _, _ = blend(f"{step}-{held_case}", held)
                 assert failed == set(blocks), (step, held_case, sorted(set(blocks) - failed))
         loads.blender = blender  # type: ignore[assignment]
+
+        # a blend whose model work would run past its load's deadline at this engine's measured prefill rate
+        # (a client's fraction, or a slow engine): refused, every block back to vLLM, nothing recomputed here
+        agent = worker.agent
+        assert agent is not None
+        rate = agent.prefill
+        agent.prefill = type(rate)(1.0)  # one token a second: 32 tokens of recompute take 32 s, past 5 s
+        try:
+            failed, b, counts = blend("too-slow", seg_keys[0] + seg_keys[1])
+        finally:
+            agent.prefill = rate
+        assert failed == set(blocks) and b.recomputed == [] and b.written == [], sorted(failed)
+        assert agent.metrics.load_failures.labels("deadline")._value.get() >= 1
 
         # a blend with an exact prefix that fails before that prefix is in place (no blender on this
         # worker; the exact load raising) reports the prefix's blocks too: nothing claimed goes unreported

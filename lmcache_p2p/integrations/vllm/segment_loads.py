@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ...agent import CacheAgent
+from ...aio import remaining
 from ...blocks import blocks_from
 from ...keys import ChunkKey
 from ...segments import BlendTransfer, SegmentChunks, merge_runs, subtract_runs
@@ -52,6 +53,7 @@ class SegmentLoads:
         try:
             if self.blender is None:
                 raise ValueError("this engine can't blend (see the warning at start)")
+            self._within_deadline(t)
             if t.exact is not None:
                 exact_failed = self.exact.load(t.exact, remote=remote)
                 if exact_failed:
@@ -78,6 +80,19 @@ class SegmentLoads:
             self.count(t, partial=bool(failed))
             return t, failed, []
         return t, failed, gathered
+
+    def _within_deadline(self, t: BlendTransfer) -> None:
+        """Refuse (ValueError) a blend whose model work (recomputed runs, selected tokens, fresh segments) is
+        expected, at this engine's measured prefill rate, to run past its load's deadline: it would run as one
+        nested forward outside vLLM's step budget, stalling every other request's decode for that long;
+        refused, vLLM computes the prompt itself, chunked into its steps."""
+        tokens = sum(e - s for s, e in t.recompute) + t.select + sum(seg.length for seg in t.segments if seg.fresh)
+        expected = self.agent.prefill.recompute_s(tokens)
+        left = remaining(load_deadline(self.agent, t))
+        if expected is not None and expected > left:
+            self.agent.metrics.load_failures.labels("deadline").inc()
+            raise ValueError(f"its model work ({tokens} tokens) is expected to take {expected:.2f} s, "
+                             f"more than the {max(left, 0.0):.2f} s left before its deadline")
 
     def count(self, t: BlendTransfer, partial: bool) -> None:
         recomputed = sum(e - s for s, e in t.recompute) + t.select
