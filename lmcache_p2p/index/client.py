@@ -45,6 +45,7 @@ from etcd3aio.lease import LeaseService
 from etcd3aio.maintenance import MaintenanceService
 
 from ..aio import cancel_and_wait
+from ..backoff import jittered
 from ..config import EtcdConfig
 from ..errors import IndexError_, LeaseLost, WatchBehind, WatchCompacted
 
@@ -248,7 +249,7 @@ class EtcdClient:
             except IndexError_ as exc:
                 log.warning("etcd authentication failed (retrying in %.1fs): %s", backoff, exc)
                 authenticated = False
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(jittered(backoff))
                 backoff = min(backoff * 2, 10.0)
 
     async def close(self) -> None:

@@ -27,6 +27,7 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 
 from ..aio import LoopThread, cancel_and_wait
+from ..backoff import jittered
 from ..config import AgentConfig
 from ..errors import IndexError_
 from ..ids import NodeId
@@ -249,7 +250,7 @@ class EtcdBlockIndex:
             except Exception as exc:  # IndexError_ while etcd is down; anything else is logged too
                 log.log(logging.INFO if isinstance(exc, IndexError_) else logging.ERROR,
                         "index: taking a lease failed (retrying in %.1fs): %s", backoff, exc)
-                await asyncio.sleep(backoff)
+                await asyncio.sleep(jittered(backoff))
                 backoff = min(backoff * 2, 1.0)
                 continue
             backoff = 0.1

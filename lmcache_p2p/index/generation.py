@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 
+from ..backoff import jittered
 from ..errors import IndexError_, MalformedRecord
 from .client import EtcdClient, KeyValue, WatchEvent, compare_mod_revision, op_put
 from .schema import MAX_GENERATION, Generation, Rejects, Schema, decode_generation
@@ -167,7 +168,7 @@ class GenerationWatch:
                 log.info("settling the etcd generation failed (retrying in %.1fs): %s", backoff, exc)
             except Exception:  # supervised: logged, retried
                 log.exception("settling the etcd generation failed; retrying")
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(jittered(backoff))
             backoff = min(backoff * 2, 2.0)
         if seen is not None and seen == self._replacing:
             self._replacing = None

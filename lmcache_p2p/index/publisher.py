@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterable
 
 from ..aio import cancel_and_wait
+from ..backoff import jittered
 from ..errors import IndexError_, LeaseLost
 from ..keys import ChunkKey, FingerprintDigest
 from .client import EtcdClient, is_transient, op_delete, op_put
@@ -177,7 +178,7 @@ class Publisher:
                 self._idle.set()
             else:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(backoff):
+                    async with asyncio.timeout(jittered(backoff)):
                         await self._new_session.wait()
                 backoff = 0.05 if self._new_session.is_set() else min(backoff * 2, 2.0)
                 self._wake.set()

@@ -25,6 +25,7 @@ import logging
 import time
 
 from ..aio import cancel_and_wait
+from ..backoff import jittered
 from ..errors import IndexError_, LeaseLost
 from .client import EtcdClient
 
@@ -125,7 +126,7 @@ class Session:
                 log.exception("lease %x keep-alive failed unexpectedly; retrying", self.lease_id)
             if self.ttl_left_s > 0.0:
                 backoff = min(backoff, max(self.ttl_left_s / 4, 0.05))
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(jittered(backoff))
             backoff = min(backoff * 2, 1.0)
 
     async def _watch_refreshes(self) -> None:

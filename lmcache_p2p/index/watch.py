@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from ..aio import cancel_and_wait
+from ..backoff import jittered
 from ..errors import IndexError_, WatchBehind, WatchCompacted
 from .client import EtcdClient, KeyValue, WatchEvent
 
@@ -119,7 +120,7 @@ class ResumableWatch:
             if self._followed_at and time.monotonic() - self._followed_at >= self._max_backoff_s:
                 backoff = 0.05  # a stream that lived a while broke: a new failure, not the same one again
             self._followed_at = 0.0
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(jittered(backoff))
             backoff = min(backoff * 2, self._max_backoff_s)
 
     async def _sync(self) -> None:
