@@ -84,7 +84,9 @@ class TierConfig:
         _check(self.disk_capacity >= 0, "tiers.disk_capacity", "must be >= 0")
         _check(self.eviction in EVICTION_POLICIES, "tiers.eviction", f"must be one of {EVICTION_POLICIES}")
         _check(self.pin_timeout_s > 0, "tiers.pin_timeout_s", "must be > 0")
-        _check(self.chunk_ttl_s is None or self.chunk_ttl_s > 0, "tiers.chunk_ttl_s", "must be > 0")
+        # a floor: a TTL near zero (a cluster-config writer's) would sweep every chunk as it lands, several
+        # thousand times a second
+        _check(self.chunk_ttl_s is None or self.chunk_ttl_s >= 1, "tiers.chunk_ttl_s", "must be >= 1 (seconds) or null")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -44,7 +44,7 @@ def test_sizes(text, expected):
     ("chunk_size", 100), ("chunk_size", "abc"), ("node_id", "bad id!"), ("cluster", ""),
     ("metrics_port", 70000), ("tiers.cpu_capacity", "lots"), ("tiers.cpu_capacity", -1),
     ("tiers.disk_capacity", "1 parsec"), ("tiers.eviction", "fifo"), ("tiers.pin_timeout_s", 0),
-    ("tiers.chunk_ttl_s", -5), ("etcd.endpoints", ["not a url"]), ("etcd.lease_ttl_s", 1),
+    ("tiers.chunk_ttl_s", -5), ("tiers.chunk_ttl_s", 0.01), ("etcd.endpoints", ["not a url"]), ("etcd.lease_ttl_s", 1),
     ("etcd.timeout_s", 0), ("transfer.transports", ["carrier-pigeon"]), ("transfer.transports", []),
     ("transfer.port", 99999), ("transfer.timeout_s", -1), ("transfer.max_frame_bytes", 10),
     ("transfer.backoff_s", -1), ("tiers.nonsense", 1), ("nonsense", 1), ("tiers", 5),
