@@ -63,6 +63,7 @@ from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, pie
 from .load import Loader
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, make_plan
+from .router.proof import engine_proof, router_key
 from .score import http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
@@ -277,6 +278,12 @@ class CacheAgent:
             metrics_url = f"http://{self._advertise_host()}:{self._metrics_server.port}/metrics"
         transfer = stack.node_record() if stack is not None else {}
         address = f"{transfer.get('host')}:{transfer.get('port')}"
+        proof = None  # routers use the engine this record announces only with its proof
+        secret = self._secret if self._secret is not None else cluster_secret(self.config)
+        if self.config.engine_url and secret:
+            proof = engine_proof(router_key(secret), cluster=self.config.cluster, node_id=self.node_id,
+                                 engine_url=self.config.engine_url, engine_pool=self.config.engine_pool,
+                                 metrics_url=metrics_url)
         return NodeRecord(
             node_id=self.node_id,
             addresses={t: address for t in transfer.get("transports", ())},
@@ -298,6 +305,7 @@ class CacheAgent:
             config_deviations=dict(self.config_deviations),
             engine_url=self.config.engine_url,
             engine_pool=self.config.engine_pool,
+            engine_proof=proof,
         )
 
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:

@@ -7,6 +7,7 @@ engines on CPU, SIGKILLed and SIGSTOPped ones and disaggregated prefill: ``tests
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -21,6 +22,17 @@ from lmcache_p2p.index.schema import NodeRecord
 from lmcache_p2p.router.app import ENGINE_HEADER, EXPECT_PARAM, Router, RouterConfig, client_session
 from lmcache_p2p.router.engines import Engine, Fleet, FleetSource
 from lmcache_p2p.router.policy import Pending, Policy
+from lmcache_p2p.router.proof import engine_proof
+
+KEY = bytes(range(32))  # a router key for records proven in these tests
+
+
+def proven(record: NodeRecord, cluster: str = "default") -> NodeRecord:
+    """``record`` with the proof its agent would publish under ``KEY``."""
+    assert record.engine_url is not None
+    proof = engine_proof(KEY, cluster=cluster, node_id=record.node_id, engine_url=record.engine_url,
+                         engine_pool=record.engine_pool, metrics_url=record.metrics_url)
+    return dataclasses.replace(record, engine_proof=proof)
 
 
 class FakeEngine:
@@ -324,15 +336,16 @@ def test_ties_go_by_rendezvous_hashing_on_the_prompts_first_chunk():
 
 def test_engines_come_from_node_records_and_leave_with_them():
     def record(node: str, url: str | None, pool: str = "mixed", role: str = "engine") -> NodeRecord:
-        return NodeRecord(node_id=NodeId(node), addresses={}, transports=(), metrics_url=f"http://{node}:9100/metrics",
-                          role=role, engine_url=url, engine_pool=pool)
+        r = NodeRecord(node_id=NodeId(node), addresses={}, transports=(), metrics_url=f"http://{node}:9100/metrics",
+                       role=role, engine_url=url, engine_pool=pool)
+        return proven(r) if url else r
 
     records = [record("a", "http://a:8000"), record("b", "http://b:8000/", "decode"), record("c", None),
                record("cache", "http://x:1", role="cache")]
 
     async def main() -> None:
         async with aiohttp.ClientSession() as session:
-            fleet = Fleet(FleetSource(records=lambda: records), session)
+            fleet = Fleet(FleetSource(records=lambda: records, router_key=KEY), session)
             assert {e.url: (e.node, e.pool, e.score_url) for e in fleet.engines.values()} == {
                 "http://a:8000": ("a", "mixed", "http://a:9100/v1/score"),
                 "http://b:8000": ("b", "decode", "http://b:9100/v1/score")}
@@ -413,7 +426,7 @@ def test_disaggregated_round_robin_takes_each_pool_in_turn():
 
 
 def test_a_failed_read_of_the_node_records_keeps_the_engines_known():
-    records = [NodeRecord(node_id=NodeId("a"), addresses={}, transports=(), engine_url="http://a:8000")]
+    records = [proven(NodeRecord(node_id=NodeId("a"), addresses={}, transports=(), engine_url="http://a:8000"))]
     broken = False
 
     def read() -> list[NodeRecord]:
@@ -424,7 +437,7 @@ def test_a_failed_read_of_the_node_records_keeps_the_engines_known():
     async def main() -> None:
         nonlocal broken
         async with client_session() as session:
-            fleet = Fleet(FleetSource(records=read), session)
+            fleet = Fleet(FleetSource(records=read, router_key=KEY), session)
             broken = True
             fleet._discover()
             assert list(fleet.engines) == ["http://a:8000"]

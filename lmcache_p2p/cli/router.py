@@ -3,11 +3,17 @@
     lmcache-p2p router --etcd http://etcd:2379 [--cluster C] [--config agent.yaml]   # engines from node records
     lmcache-p2p router --engine http://10.0.0.5:8000 --engine ... [--score-url http://agent:9100/v1/score]
     lmcache-p2p router --prefill-engine URL ... --decode-engine URL ... --disaggregated
+    lmcache-p2p router key --config agent.yaml    # print the router key of a node's cluster secret
 
 With etcd, every engine whose agent sets ``engine_url`` (and ``engine_pool``: mixed, prefill or decode)
-is found and scored through its own agent; engines come and go with their node records. Static
-engines may be named ``NODE=URL`` so the score (which names engines by their agent's node id) applies
-to them. Listens on ``--host``/``--port`` (default 127.0.0.1:8080).
+and proves it (``engine_proof`` in its node record, under the router key) is found and scored through its
+own agent; engines come and go with their node records. The router key (``--router-key-file`` or
+LMCACHE_P2P_ROUTER_KEY, hex) is derived from the cluster secret for this one purpose: the router never
+holds the secret itself. Without it, or for a record whose proof does not hold, announced engines are
+ignored (logged, counted in lmcache_p2p_router_engines_refused_total) and never contacted; static engines
+(``--engine`` ...) are the operator's and always used. Static engines may be named ``NODE=URL`` so the
+score (which names engines by their agent's node id) applies to them. Listens on ``--host``/``--port``
+(default 127.0.0.1:8080).
 """
 
 from __future__ import annotations
@@ -16,27 +22,33 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from ..config import valid_engine_url
+from ..config import cluster_secret, parse_size
+from ..router.proof import parse_router_key, plain_url, router_key
 from .common import add_etcd_arguments, tool_config
 
 PROG = "lmcache-p2p router"
+ROUTER_KEY_ENV = "LMCACHE_P2P_ROUTER_KEY"
+API_KEY_ENV = "LMCACHE_P2P_ROUTER_API_KEY"
 
 
 def _engine(spec: str, pool: str) -> tuple[str, str, str | None]:
     node, sep, url = spec.partition("=")
     if not sep:
         node, url = "", spec
-    if not valid_engine_url(url):
+    if not plain_url(url):
         raise argparse.ArgumentTypeError(f"not an http(s) engine URL: {spec!r}")
     return url.rstrip("/"), pool, node or None
 
 
 def parser() -> argparse.ArgumentParser:
+    from ..router.engines import FORWARD_AUTHORIZATION
     from ..router.policy import POLICIES
 
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,6 +72,18 @@ def parser() -> argparse.ArgumentParser:
                    "its /tokenize calls together; past it, forwarded without spans (default 2 s)")
     p.add_argument("--health-interval", type=float, default=1.0)
     p.add_argument("--health-timeout", type=float, default=1.0)
+    p.add_argument("--router-key-file", metavar="PATH", help="the router key (hex; `lmcache-p2p router key` "
+                   f"prints it), else ${ROUTER_KEY_ENV}; without it engines announced in etcd are ignored")
+    p.add_argument("--forward-authorization", default="all-trusted", choices=FORWARD_AUTHORIZATION,
+                   help="which engines get the client's Authorization header: all-trusted (static and proven "
+                   "engines; the default), static (--engine ... only), none")
+    p.add_argument("--api-key-file", metavar="PATH", help=f"clients must send Authorization: Bearer <this key> "
+                   f"(else ${API_KEY_ENV}; none: no check) on every route but /health and /metrics")
+    p.add_argument("--max-body", default="8MiB", help="largest request body (default 8MiB; larger: 413)")
+    p.add_argument("--read-timeout", type=float, default=30.0, help="seconds for a request's headers, and for "
+                   "its body (default 30; then the connection is closed, a body: 408)")
+    p.add_argument("--max-concurrent", type=int, default=512, help="requests in flight; past it: 503 with "
+                   "Retry-After (default 512)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -86,17 +110,27 @@ def _records(args: argparse.Namespace) -> Iterator[Any]:
             reader.close()
 
 
+def _read_key(path: str | None, env: str) -> str | None:
+    """A key from ``path`` (its first line) or the environment variable ``env``; None: neither."""
+    if path:
+        return Path(path).read_text().strip()
+    return os.environ.get(env) or None
+
+
 async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, str, str | None], ...],
-                records: Any) -> None:
+                records: Any, key: bytes | None, cluster: str) -> None:
     from aiohttp import web
 
-    from ..router.app import Router, client_session
+    from ..router.app import Metrics, Router, client_session
     from ..router.engines import Fleet, FleetSource
 
     async with client_session() as session:
-        fleet = Fleet(FleetSource(static=static, records=records, score_url=args.score_url), session,
-                      interval_s=args.health_interval, timeout_s=args.health_timeout)
-        router = Router(fleet, config, session)
+        metrics = Metrics()
+        source = FleetSource(static=static, records=records, score_url=args.score_url, router_key=key,
+                             cluster=cluster, forward_authorization=args.forward_authorization)
+        fleet = Fleet(source, session, interval_s=args.health_interval, timeout_s=args.health_timeout,
+                      refused=metrics.engines_refused)
+        router = Router(fleet, config, session, metrics)
         await fleet.start()
         runner = router.runner()
         await runner.setup()
@@ -118,7 +152,29 @@ async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, 
             await fleet.stop()
 
 
+def key_main(argv: list[str]) -> int:
+    """``lmcache-p2p router key``: the router key of the cluster secret a node's config holds, as hex."""
+    p = argparse.ArgumentParser(prog=f"{PROG} key", description="Print the router key (hex) derived from the "
+                                "cluster secret (transfer.secret in --config, or LMCACHE_P2P_SECRET): give it to "
+                                "routers (--router-key-file), never the secret itself.")
+    p.add_argument("--config", help="a node's agent config file")
+    args = p.parse_args(argv)
+    args.etcd = args.cluster = None
+    try:
+        secret = cluster_secret(tool_config(args, f"{PROG} key", require_endpoints=False))
+    except ValueError as exc:
+        print(f"{PROG} key: {exc}", file=sys.stderr)
+        return 2
+    if secret is None:
+        print(f"{PROG} key: no cluster secret (transfer.secret or LMCACHE_P2P_SECRET)", file=sys.stderr)
+        return 2
+    print(router_key(secret).hex())
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["key"]:
+        return key_main(argv[1:])
     args = parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -137,15 +193,24 @@ def main(argv: list[str]) -> int:
     from ..router.app import CHUNK_TOKENS, RouterConfig
 
     try:
-        chunk = args.chunk_size or (tool_config(args, PROG, require_endpoints=False).chunk_size if args.config
-                                    else CHUNK_TOKENS)
+        node_config = tool_config(args, PROG, require_endpoints=False) if args.config or args.etcd else None
+        chunk = args.chunk_size or (node_config.chunk_size if args.config and node_config else CHUNK_TOKENS)
+        key_text = _read_key(args.router_key_file, ROUTER_KEY_ENV)
+        key = parse_router_key(key_text, args.router_key_file or ROUTER_KEY_ENV) if key_text is not None else None
         config = RouterConfig(policy=args.policy, disaggregated=args.disaggregated, attempts=args.attempts,
                               first_byte_timeout_s=args.first_byte_timeout, request_timeout_s=args.request_timeout,
                               route_timeout_s=args.route_timeout, documents_timeout_s=args.documents_timeout,
-                              chunk_tokens=chunk)
-    except ValueError as exc:
+                              chunk_tokens=chunk, max_body_bytes=parse_size(args.max_body, "--max-body"),
+                              read_timeout_s=args.read_timeout, max_concurrent=args.max_concurrent,
+                              api_key=_read_key(args.api_key_file, API_KEY_ENV))
+    except (ValueError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
+    cluster = node_config.cluster if node_config is not None else "default"
+    if node_config is not None and key is None:
+        logging.getLogger(__name__).warning(
+            "no router key (--router-key-file or $%s): engines announced in etcd are ignored, only static "
+            "engines are used; `lmcache-p2p router key --config agent.yaml` prints the key", ROUTER_KEY_ENV)
     with _records(args) as records:
-        asyncio.run(serve(args, config, tuple(static), records))
+        asyncio.run(serve(args, config, tuple(static), records, key, cluster))
     return 0

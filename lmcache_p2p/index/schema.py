@@ -222,6 +222,9 @@ class NodeRecord:
     config_deviations: dict[str, str] = dataclasses.field(default_factory=dict)
     engine_url: str | None = None  # the engine's OpenAI-compatible base URL (config engine_url), for the router
     engine_pool: str = "mixed"  # the router's pool: mixed, prefill or decode
+    # hex HMAC under the router key over the engine's announcement (lmcache_p2p/router/proof.py): routers
+    # use an engine from a record only when it holds
+    engine_proof: str | None = None
 
     @property
     def fingerprints(self) -> tuple[str, ...]:
@@ -284,7 +287,7 @@ def decode_node_record(data: bytes, node_id: NodeId | None = None) -> NodeRecord
         started_at=started_at, metrics_url=metrics_url, tls=_field(raw, "tls", bool, False), role=_role(raw),
         free=_sizes(raw, "free"), config_revision=_field(raw, "config_revision", int, 0),
         config_deviations=_deviations(raw), engine_url=_engine_url(raw),
-        engine_pool=_one_of(raw, "engine_pool", ENGINE_POOLS, "mixed"))
+        engine_pool=_one_of(raw, "engine_pool", ENGINE_POOLS, "mixed"), engine_proof=_engine_proof(raw))
 
 
 _FP_HEX_RE = re.compile("[0-9a-f]{32}")
@@ -361,6 +364,16 @@ def _one_of(raw: dict[str, Any], name: str, allowed: tuple[str, ...], default: s
     if value not in allowed:
         raise MalformedRecord("node record", f"{name}: expected one of {allowed}, got {value[:20]!r}")
     return value
+
+
+_PROOF_RE = re.compile("[0-9a-f]{64}")
+
+
+def _engine_proof(raw: dict[str, Any]) -> str | None:
+    proof = _field(raw, "engine_proof", (str, type(None)), None)
+    if proof is not None and not _PROOF_RE.fullmatch(proof):
+        raise MalformedRecord("node record", "engine_proof: expected 64 lower-case hex chars")
+    return proof
 
 
 def _engine_url(raw: dict[str, Any]) -> str | None:

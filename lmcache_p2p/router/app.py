@@ -9,6 +9,15 @@
 
 Every routed answer names its engine in ``X-LMCache-P2P-Engine`` (its agent's node id, else its URL).
 
+What a client can make the router do is bounded: a body over ``max_body_bytes`` is a 413, headers or a
+body not in within ``read_timeout_s`` end the connection (a body: 408), more than ``max_concurrent``
+requests in flight are answered 503 with ``Retry-After`` (``/health`` and ``/metrics`` are never held
+back), token ids outside [0, 2^31) are a 400 naming the first. With ``api_key`` every route but
+``/health`` and ``/metrics`` asks for ``Authorization: Bearer <api_key>`` (401 without). The client's
+``Authorization`` and ``X-Request-Id`` go with every call made for its request (the routed request,
+``/tokenize``, ``/v1/models``) to engines the operator trusts (``engines.py``: static engines and engines
+whose node record is proven; ``forward_authorization`` narrows it); never to an agent's ``/v1/score``.
+
 A request is tokenized once (``prompts.py``: the least busy engine's ``/tokenize``, with the chat
 template for chat: the exact tokens that engine will see), scored once (the least busy engine's agent's
 ``/v1/score``), and sent to the engine the policy picks (``policy.py``). Until the engine's first byte of
@@ -37,10 +46,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import itertools
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -52,13 +63,16 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from ..rag import DOCUMENTS_FIELD, DocumentError, place_documents
 from .engines import Engine, Fleet
 from .policy import Choice, Pending, Policy
-from .prompts import Prompts
+from .prompts import BadPrompt, Prompts
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 GET_PATHS = ("/v1/models", "/health", "/metrics", "/router/engines")
-MAX_BODY_BYTES = 32 << 20
+OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no API key, never held back by the limit
+MAX_BODY_BYTES = 8 << 20
+PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed off the event loop
 CHUNK_TOKENS = 256
 EXPECT_PARAM = "lmcache_p2p_expect_chunks"
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
@@ -75,13 +89,21 @@ class RouterConfig:
     route_timeout_s: float = 0.5  # tokenize + score, each
     documents_timeout_s: float = 2.0  # placing a request's documents: its /tokenize calls together
     chunk_tokens: int = CHUNK_TOKENS
+    max_body_bytes: int = MAX_BODY_BYTES  # a request body
+    read_timeout_s: float = 30.0  # a request's headers (and an idle connection), and its body, each
+    max_concurrent: int = 512  # requests in flight (routed and proxied); past it: 503
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # clients must present it
 
     def __post_init__(self) -> None:
-        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s", "documents_timeout_s"):
+        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s", "documents_timeout_s",
+                     "read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
-        if self.attempts < 1:
-            raise ValueError("attempts must be >= 1")
+        for name in ("attempts", "max_body_bytes", "max_concurrent"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be empty")
 
 
 def client_session() -> aiohttp.ClientSession:
@@ -121,16 +143,24 @@ class Metrics:
         self.documents = Counter("lmcache_p2p_router_documents", "chat requests carrying documents, by outcome: "
                                  "segments (their spans declared), else why not (prefix reuse only)", ["outcome"],
                                  registry=r)
+        self.engines_refused = Counter("lmcache_p2p_router_engines_refused", "engines announced in node records "
+                                       "and never contacted, by reason (each record as it stands, once)",
+                                       ["reason"], registry=r)
+        self.refused = Counter("lmcache_p2p_router_refused", "client requests refused by the router's own limits, "
+                               "by reason", ["reason"], registry=r)
 
 
 class Router:
-    def __init__(self, fleet: Fleet, config: RouterConfig, session: aiohttp.ClientSession) -> None:
+    def __init__(self, fleet: Fleet, config: RouterConfig, session: aiohttp.ClientSession,
+                 metrics: Metrics | None = None) -> None:
+        """``metrics``: the one whose ``engines_refused`` the fleet counts into (else a new one)."""
         self.fleet = fleet
         self.config = config
         self.session = session
         self.policy = Policy(config.policy)
         self.pending = Pending(config.chunk_tokens)  # score_load: prompts routed moments ago, by prefix
-        self.metrics = Metrics()
+        self.metrics = metrics if metrics is not None else Metrics()
+        self.in_flight = 0  # client requests being handled (OPEN_PATHS aside)
         self.prompts = Prompts(session, self._least_busy, route_timeout_s=config.route_timeout_s,
                                documents_timeout_s=config.documents_timeout_s,
                                failures=self.metrics.score_failures, outcomes=self.metrics.documents)
@@ -143,11 +173,14 @@ class Router:
             self.metrics.engines.labels(state).set(n)
 
     def runner(self) -> web.AppRunner:
-        """The app as served: a handler is cancelled when its client leaves (its engine request with it)."""
-        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=10.0)
+        """The app as served: a handler is cancelled when its client leaves (its engine request with it); a
+        connection whose request headers are not in ``read_timeout_s`` after it opened (or after its last
+        answer) is closed (aiohttp's keep-alive deadline, which data arriving does not extend)."""
+        return web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=10.0,
+                             keepalive_timeout=self.config.read_timeout_s)
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._gate])
         for path in ROUTED_PATHS:
             app.router.add_post(path, self.handle_routed)
         handlers = {"/v1/models": self.handle_models, "/health": self.handle_health, "/metrics": self.handle_metrics,
@@ -155,6 +188,28 @@ class Router:
         for path in GET_PATHS:
             app.router.add_get(path, handlers[path])
         return app
+
+    @web.middleware
+    async def _gate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """The API key and the limit on requests in flight, before anything is read or sent."""
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        if self.config.api_key is not None and not _bearer_is(request, self.config.api_key):
+            self.metrics.refused.labels("unauthorized").inc()
+            response = _error(401, "missing or wrong API key (Authorization: Bearer ...)", "authentication_error")
+            response.headers["WWW-Authenticate"] = "Bearer"
+            return response
+        if self.in_flight >= self.config.max_concurrent:
+            self.metrics.refused.labels("busy").inc()
+            response = _error(503, f"the router has {self.in_flight} requests in flight (its limit); retry later",
+                              "service_unavailable")
+            response.headers["Retry-After"] = "1"
+            return response
+        self.in_flight += 1
+        try:
+            return await handler(request)
+        finally:
+            self.in_flight -= 1
 
     # -- small endpoints ------------------------------------------------------------------------
 
@@ -174,12 +229,16 @@ class Router:
                                   "engines": self.fleet.describe()})
 
     async def handle_models(self, request: web.Request) -> web.StreamResponse:
+        """A healthy engine's answer (an engine's 4xx, e.g. a wrong API key, as it is)."""
+        headers = _client_headers(request)
         for engine in self._any_engines():
             try:
-                async with self.session.get(engine.url + "/v1/models", timeout=self._short()) as resp:
+                async with self.session.get(engine.url + "/v1/models", headers=engine.headers(headers),
+                                            timeout=self._short()) as resp:
                     body = await resp.read()
-                    if resp.status == 200:
-                        return web.Response(body=body, status=200, content_type="application/json")
+                    if resp.status < 500:
+                        return web.Response(body=body, status=resp.status, content_type="application/json",
+                                            headers={ENGINE_HEADER: engine.name})
             except (TimeoutError, aiohttp.ClientError):
                 continue
         return _error(503, "no engine answered /v1/models", "service_unavailable")
@@ -203,27 +262,32 @@ class Router:
 
     async def handle_routed(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
+        body = await self._read_body(request)
+        if isinstance(body, web.Response):
+            return body
         try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-        try:
-            payload = json.loads(body)
+            payload = await asyncio.to_thread(json.loads, body) if len(body) > PARSE_INLINE_BYTES else json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             return _error(400, f"body is not JSON: {exc}", "invalid_request_error")
+        except RecursionError:
+            return _error(400, "body is not JSON: nested too deeply", "invalid_request_error")
         if not isinstance(payload, dict):
             return _error(400, "body must be a JSON object", "invalid_request_error")
-        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        headers = _client_headers(request)
         chat = request.path == "/v1/chat/completions"
         try:
             plan = place_documents(payload.get("messages"), payload.get(DOCUMENTS_FIELD)) if chat else None
         except DocumentError as exc:
             return _error(400, str(exc), "invalid_request_error")
         if plan is not None:
-            payload, tokens = await self.prompts.documents(payload, plan)
+            payload, tokens = await self.prompts.documents(payload, plan, headers)
             body = json.dumps(payload).encode()
         else:
-            tokens = await self.prompts.tokens(payload, chat)
+            try:
+                tokens = await self.prompts.tokens(payload, chat, headers)
+            except BadPrompt as exc:
+                self.metrics.refused.labels("bad_prompt").inc()
+                return _error(400, str(exc), "invalid_request_error")
         if self.config.disaggregated:
             expect = await self._prefill(request.path, payload, tokens, headers)
             if expect:
@@ -236,6 +300,22 @@ class Router:
         else:
             pool = "mixed"
         return await self._serve(request, request.path, body, payload, tokens, pool, headers, started)
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The request's body within ``max_body_bytes`` and ``read_timeout_s``, else the error to answer
+        (the connection closed after it: the rest of the body is never read)."""
+        try:
+            async with asyncio.timeout(self.config.read_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            reason, response = "too_large", _error(413, f"request body over {self.config.max_body_bytes} bytes",
+                                                   "invalid_request_error")
+        except TimeoutError:
+            reason, response = "read_timeout", _error(408, f"request body not received within "
+                                                           f"{self.config.read_timeout_s:g} s", "invalid_request_error")
+        self.metrics.refused.labels(reason).inc()
+        response.force_close()
+        return response
 
     async def _serve(self, request: web.Request, path: str, body: bytes, payload: dict[str, Any],
                      tokens: list[int] | None, pool: str, headers: dict[str, str],
@@ -332,7 +412,7 @@ class Router:
 
         async def first() -> tuple[aiohttp.ClientResponse, bytes, bool]:
             resp = await stack.enter_async_context(self.session.post(
-                engine.url + path, data=body, headers={"Content-Type": "application/json", **headers},
+                engine.url + path, data=body, headers={"Content-Type": "application/json", **engine.headers(headers)},
                 timeout=timeout))
             if resp.status >= 500:
                 text = (await resp.read())[:300].decode(errors="replace")
@@ -404,6 +484,16 @@ def _hash_key(tokens: list[int] | None, payload: dict[str, Any], chunk: int) -> 
         return b"t" + xxhash.xxh3_128_digest(json.dumps(tokens[:chunk]).encode())
     text = json.dumps(payload.get("messages") or payload.get("prompt") or "")[:4 * chunk]
     return b"s" + xxhash.xxh3_128_digest(text.encode())
+
+
+def _client_headers(request: web.Request) -> dict[str, str]:
+    """What of the client's request goes with the calls made for it (``Engine.headers`` filters per engine)."""
+    return {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+
+
+def _bearer_is(request: web.Request, key: str) -> bool:
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode())
 
 
 def _error(status: int, message: str, kind: str) -> web.Response:

@@ -2,10 +2,15 @@
 
 An :class:`Engine` is one vLLM OpenAI server: its base URL, the node id of its agent (the score API
 names engines by it), and its pool (``mixed``, or ``prefill`` / ``decode`` for disaggregated serving).
-Engines come from the node records in etcd (``engine_url`` / ``engine_pool``, published by each agent)
-or from a static list. :class:`Fleet` keeps them fresh in the background: every ``interval_s`` it
-re-reads the records, asks each engine's ``/health`` and reads its ``/metrics`` (running and waiting
-requests, KV-cache usage), each call bounded by ``timeout_s``. ``fails_down`` failed checks in a row
+Engines come from a static list (the operator's: trusted as given) or from the node records in etcd
+(``engine_url`` / ``engine_pool``, published by each agent), where only a record whose ``engine_proof``
+holds under the router key (``proof.py``) is used: any other is never contacted at all (no health
+check, prompt or header), counted by reason and logged once per record as it stands. Without a router
+key, every announced engine is refused. The client's ``Authorization`` goes to an engine only where
+``forward_authorization`` allows (``all-trusted``: static and proven engines; ``static``; ``none``).
+:class:`Fleet` keeps them fresh in the background: every ``interval_s`` it re-reads the records, asks each
+engine's ``/health`` and reads its ``/metrics`` (running and waiting requests, KV-cache usage), each call
+bounded by ``timeout_s``. ``fails_down`` failed checks in a row
 take an engine out (requests waiting on it before their first byte are retried elsewhere); one good
 check brings it back.
 
@@ -21,11 +26,14 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import aiohttp
+from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
+
+from .proof import plain_url, proof_holds
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +41,7 @@ POOLS = ("mixed", "prefill", "decode")
 DEFAULT_PREFILL_S_PER_TOKEN = 2e-4  # until the router has seen a first token (CPU engines run ~0.1-1 ms)
 KV_FULL = 0.95  # KV usage above which an engine's next request is likely to wait for or cause a preemption
 MAX_METRICS_BYTES = 4 << 20
+FORWARD_AUTHORIZATION = ("all-trusted", "static", "none")
 
 
 @dataclasses.dataclass
@@ -41,6 +50,8 @@ class Engine:
     node: str | None = None  # its agent's node id (score rows name engines by it)
     pool: str = "mixed"
     score_url: str | None = None  # its agent's /v1/score (from the node record's metrics URL)
+    static: bool = False  # given by the operator (else: announced in a proven node record)
+    gets_authorization: bool = True  # the client's Authorization header may be sent to it
     healthy: bool = False
     checked: bool = False  # at least one health check answered (or failed)
     fails: int = 0  # failed health checks in a row
@@ -55,6 +66,10 @@ class Engine:
     def name(self) -> str:
         return self.node or self.url
 
+    def headers(self, client: Mapping[str, str]) -> dict[str, str]:
+        """The client's headers as this engine may see them."""
+        return {k: v for k, v in client.items() if self.gets_authorization or k.lower() != "authorization"}
+
     def queue_s(self, mean_prefill_s: float) -> float:
         """Seconds a request sent now waits before its own prefill starts (see the module docstring)."""
         outside = max(0.0, self.waiting - len(self.prefilling))
@@ -64,18 +79,28 @@ class Engine:
 
 @dataclasses.dataclass(frozen=True)
 class FleetSource:
-    """Where engines come from: static URLs per pool, and/or a function returning node records."""
+    """Where engines come from: static URLs per pool, and/or a function returning node records (used
+    only where their proof holds under ``router_key`` for ``cluster``)."""
 
     static: tuple[tuple[str, str, str | None], ...] = ()  # (url, pool, node id)
     records: Callable[[], Iterable[Any]] | None = None  # -> NodeRecords (an etcd mirror's nodes)
     score_url: str | None = None  # static: the agent asked for scores
+    router_key: bytes | None = dataclasses.field(default=None, repr=False)
+    cluster: str = "default"
+    forward_authorization: str = "all-trusted"  # which engines get the client's Authorization
+
+    def __post_init__(self) -> None:
+        if self.forward_authorization not in FORWARD_AUTHORIZATION:
+            raise ValueError(f"forward_authorization must be one of {FORWARD_AUTHORIZATION}, "
+                             f"got {self.forward_authorization!r}")
 
 
 class Fleet:
     """The engines, refreshed in the background (``start``/``stop``); see the module docstring."""
 
     def __init__(self, source: FleetSource, session: aiohttp.ClientSession, *, interval_s: float = 1.0,
-                 timeout_s: float = 1.0, fails_down: int = 2) -> None:
+                 timeout_s: float = 1.0, fails_down: int = 2, refused: Counter | None = None) -> None:
+        """``refused``: counts announced engines refused, by reason (each record as it stands, once)."""
         self.source = source
         self.session = session
         self.interval_s = interval_s
@@ -86,40 +111,88 @@ class Fleet:
         self.mean_prefill_s = 0.1
         self._task: asyncio.Task[None] | None = None
         self.on_change: Callable[[], None] = lambda: None
+        self._refused_counter = refused
+        self._refused: dict[str, tuple[Any, ...]] = {}  # node id -> the refused record's values, last seen
         self._discover()
 
     def _discover(self) -> None:
-        found: dict[str, tuple[str, str | None, str | None]] = {}
+        found: dict[str, tuple[str, str | None, str | None, bool]] = {}
         for url, pool, node in self.source.static:
-            found[url.rstrip("/")] = (pool, node, self.source.score_url)
+            found[url.rstrip("/")] = (pool, node, self.source.score_url, True)
         if self.source.records is not None:
             try:
                 records = list(self.source.records())
             except Exception as exc:  # a bug there must not stop routing: keep the engines known so far
                 log.warning("reading node records failed (engines kept as they were): %s", exc)
                 return
+            refused: dict[str, tuple[Any, ...]] = {}
             for record in records:
                 if record.role != "engine" or not record.engine_url:
                     continue
-                score = record.metrics_url.rsplit("/metrics", 1)[0] + "/v1/score" if record.metrics_url else None
-                found[record.engine_url.rstrip("/")] = (record.engine_pool, record.node_id, score)
+                reason = self._refusal(record)
+                if reason is not None:
+                    refused[record.node_id] = self._refuse(record, reason)
+                    continue
+                url = record.engine_url.rstrip("/")
+                if url in found and found[url][3]:
+                    continue  # the operator's own entry for it stands
+                found[url] = (record.engine_pool, record.node_id, _score_url(record), False)
+            self._refused = refused
         for url in list(self.engines):
             if url not in found:
                 log.info("engine %s left (its node record is gone)", self.engines[url].name)
                 self.engines.pop(url).down.set()
-        for url, (pool, node, score) in found.items():
+        policy = self.source.forward_authorization
+        for url, (pool, node, score, static) in found.items():
             engine = self.engines.get(url)
             if engine is None:
                 self.engines[url] = engine = Engine(url, node, pool, score)
                 engine.down.set()  # until its first health check
-                log.info("engine %s at %s (pool %s)", engine.name, url, pool)
-            engine.node, engine.pool, engine.score_url = node, pool, score
+                log.info("engine %s at %s (pool %s, %s)", engine.name, url, pool, "static" if static else "proven")
+            engine.node, engine.pool, engine.score_url, engine.static = node, pool, score, static
+            engine.gets_authorization = policy == "all-trusted" or (policy == "static" and static)
+
+    def _refusal(self, record: Any) -> str | None:
+        """Why an announced engine may not be used (None: its proof holds)."""
+        key = self.source.router_key
+        if key is None:
+            return "no_router_key"
+        if not plain_url(record.engine_url):
+            return "bad_url"
+        if record.engine_proof is None:
+            return "no_proof"
+        if not proof_holds(key, record.engine_proof, cluster=self.source.cluster, node_id=record.node_id,
+                           engine_url=record.engine_url, engine_pool=record.engine_pool,
+                           metrics_url=record.metrics_url):
+            return "bad_proof"
+        return None
+
+    def _refuse(self, record: Any, reason: str) -> tuple[Any, ...]:
+        """Count and log a refused record once as it stands (again only when it changes)."""
+        seen = (reason, record.engine_url, record.engine_pool, record.metrics_url, record.engine_proof)
+        if self._refused.get(record.node_id) != seen:
+            if self._refused_counter is not None:
+                self._refused_counter.labels(reason).inc()
+            why = {"no_router_key": "the router has no router key (--router-key-file): announced engines are "
+                                    "ignored",
+                   "bad_url": "its engine URL is not a plain http(s) URL",
+                   "no_proof": "its record carries no engine_proof",
+                   "bad_proof": "its engine_proof does not hold under the router key (forged or edited record, "
+                                "or another cluster secret)"}[reason]
+            log.warning("engine at %.200r announced by node record %r ignored: %s", record.engine_url,
+                        record.node_id, why)
+        return seen
 
     def candidates(self, pool: str, exclude: Iterable[str] = ()) -> list[Engine]:
         """Healthy engines able to serve ``pool`` (mixed engines serve every pool)."""
         skip = set(exclude)
         return [e for e in self.engines.values()
                 if e.healthy and e.url not in skip and (e.pool == pool or e.pool == "mixed")]
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Node id -> why its announced engine is not used (as of the last discovery)."""
+        return {node: seen[0] for node, seen in self._refused.items()}
 
     def by_node(self) -> dict[str, Engine]:
         return {e.node: e for e in self.engines.values() if e.node}
@@ -217,6 +290,15 @@ class Fleet:
         return out
 
     def describe(self) -> list[dict[str, Any]]:
-        return [{"url": e.url, "node": e.node, "pool": e.pool, "healthy": e.healthy, "running": e.running,
+        return [{"url": e.url, "node": e.node, "pool": e.pool, "static": e.static, "healthy": e.healthy,
+                 "running": e.running,
                  "waiting": e.waiting, "kv_usage": round(e.kv_usage, 4), "inflight": e.inflight,
                  "queue_s": round(e.queue_s(self.mean_prefill_s), 4)} for e in self.engines.values()]
+
+
+def _score_url(record: Any) -> str | None:
+    """A proven record's agent's /v1/score (None: its metrics URL is not a plain http(s) URL)."""
+    url = record.metrics_url
+    if not plain_url(url) or not url.endswith("/metrics"):
+        return None
+    return url[: -len("/metrics")] + "/v1/score"

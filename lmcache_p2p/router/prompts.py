@@ -11,8 +11,10 @@
                it asks to be blended, when its ``kv_transfer_params`` say)
 
 Every ``/tokenize`` call carries what shapes the engine's rendering (:func:`chat_ask`), so the tokens are
-those the engine makes of the forwarded request and the spans refer to its prompt. Every call is bounded;
-one that fails or runs out of time is counted, and the request is routed (or forwarded) without it.
+those the engine makes of the forwarded request and the spans refer to its prompt, and the client's headers
+as that engine may see them (``Engine.headers``: its API key). Every call is bounded; one that fails or runs
+out of time is counted, and the request is routed (or forwarded) without it. A completion's prompt given as
+token ids is checked first: each an integer in [0, 2^31) (:class:`BadPrompt` names the first that is not).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -45,6 +47,11 @@ log = logging.getLogger(__name__)
 TOKENIZE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                    "add_special_tokens", "tools", "model")
 PARALLEL_CALLS = 8  # per request: 64 documents must not open 129 connections to one engine at once
+MAX_TOKEN_ID = 1 << 31  # token ids are int32 everywhere downstream (vLLM, the chunk keys)
+
+
+class BadPrompt(ValueError):
+    """A request's prompt the router refuses (a 400): the message names the offending element."""
 
 Tokenize = Callable[[dict[str, Any]], Awaitable[list[int] | None]]
 """An engine's ``/tokenize``: the request body -> token ids (None: the call failed)."""
@@ -69,19 +76,21 @@ class Prompts:
         self.failures = failures
         self.outcomes = outcomes
 
-    async def tokens(self, payload: dict[str, Any], chat: bool) -> list[int] | None:
-        """The prompt's token ids as an engine will see them; None when unknown (routed without a score)."""
+    async def tokens(self, payload: dict[str, Any], chat: bool, headers: Mapping[str, str]) -> list[int] | None:
+        """The prompt's token ids as an engine will see them; None when unknown (routed without a score).
+        Raises BadPrompt for token ids out of range."""
         ask = chat_ask(payload) if chat else _prompt_ask(payload)
         if ask is None or isinstance(ask, list):
             return ask
         for engine in self.engines()[:1]:
-            tokens = await self._tokenize(engine, ask, timeout=self._short())
+            tokens = await self._tokenize(engine, ask, headers, timeout=self._short())
             if tokens is not None:
                 return tokens
         self.failures.labels("tokenize").inc()
         return None
 
-    async def documents(self, payload: dict[str, Any], plan: SpanPlan) -> tuple[dict[str, Any], list[int] | None]:
+    async def documents(self, payload: dict[str, Any], plan: SpanPlan,
+                        headers: Mapping[str, str]) -> tuple[dict[str, Any], list[int] | None]:
         """A request carrying documents as data, as it is forwarded (its documents messages of their own, their
         spans in ``kv_transfer_params`` where the engine's template places them), and its prompt's tokens."""
         payload = {k: v for k, v in payload.items() if k != DOCUMENTS_FIELD}
@@ -92,7 +101,7 @@ class Prompts:
             try:
                 async with asyncio.timeout(self.documents_timeout_s):
                     placed = await place(plan, chat_ask(payload) or {},
-                                         functools.partial(self._tokenize, engine, timeout=timeout))
+                                         functools.partial(self._tokenize, engine, headers=headers, timeout=timeout))
                 outcome = placed.outcome
             except TimeoutError:
                 outcome = "timeout"
@@ -130,15 +139,16 @@ class Prompts:
         self.failures.labels("score").inc()
         return None
 
-    async def _tokenize(self, engine: Engine, ask: dict[str, Any], *,
+    async def _tokenize(self, engine: Engine, ask: dict[str, Any], headers: Mapping[str, str], *,
                         timeout: aiohttp.ClientTimeout) -> list[int] | None:
         try:
-            async with self.session.post(engine.url + "/tokenize", json=ask, timeout=timeout) as resp:
+            async with self.session.post(engine.url + "/tokenize", json=ask, headers=engine.headers(headers),
+                                         timeout=timeout) as resp:
                 data = await resp.json() if resp.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return None
         tokens = data.get("tokens") if isinstance(data, dict) else None
-        return tokens if isinstance(tokens, list) and all(isinstance(t, int) for t in tokens) else None
+        return tokens if isinstance(tokens, list) and all(_token_id(t) for t in tokens) else None
 
     def _short(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.route_timeout_s)
@@ -172,9 +182,30 @@ def _asks_blend(params: Any) -> bool | None:
         return False  # a malformed flag: the engine does not blend
 
 
+def _token_id(value: Any) -> bool:
+    return type(value) is int and 0 <= value < MAX_TOKEN_ID
+
+
+def check_token_ids(prompt: Any) -> None:
+    """A completion's prompt given as token ids (a list, or a batch of lists, not all strings): every id an
+    integer in [0, 2^31); BadPrompt names the first that is not."""
+    if not isinstance(prompt, list) or all(isinstance(p, str) for p in prompt):
+        return
+    batch = prompt if prompt and all(isinstance(p, list) for p in prompt) else [prompt]
+    for k, ids in enumerate(batch):
+        where = f"prompt[{k}]" if batch is prompt else "prompt"
+        for i, t in enumerate(ids):
+            if type(t) is not int:
+                raise BadPrompt(f"{where}[{i}]: token ids must be integers, got {type(t).__name__}")
+            if not 0 <= t < MAX_TOKEN_ID:
+                raise BadPrompt(f"{where}[{i}]: token id {t} out of range [0, 2^31)")
+
+
 def _prompt_ask(payload: dict[str, Any]) -> dict[str, Any] | list[int] | None:
-    """The ``/tokenize`` body for a completion's prompt; its token ids when it is ids; None: no prompt."""
+    """The ``/tokenize`` body for a completion's prompt; its token ids when it is ids; None: no prompt.
+    Raises BadPrompt for token ids out of range."""
     prompt = payload.get("prompt")
+    check_token_ids(prompt)
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
         prompt = prompt[0]  # a batch: routed by its first prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
