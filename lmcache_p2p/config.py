@@ -278,6 +278,9 @@ class TransferConfig:
     tls_ca_cert: str | None = None  # all three: mutual TLS under the cluster CA (see transfer/tls.py)
     tls_cert: str | None = None
     tls_key: str | None = None
+    # Refuse an owner whose certificate names no node (transfer/tls.py). None (unset): on when this
+    # node's own certificate names a node (per-node certificates); off with one certificate shared by all.
+    tls_require_node_name: bool | None = None
 
     def __post_init__(self) -> None:
         _check(len(self.transports) > 0, "transfer.transports", "must name at least one transport")
@@ -295,6 +298,8 @@ class TransferConfig:
         for name, value in zip(("tls_ca_cert", "tls_cert", "tls_key"), tls, strict=True):
             _check(all(v is None for v in tls) or value is not None, f"transfer.{name}",
                    "TLS needs all three of tls_ca_cert, tls_cert and tls_key")  # files: read at start
+        _check(not self.tls_require_node_name or self.tls_cert is not None, "transfer.tls_require_node_name",
+               "needs TLS (tls_ca_cert, tls_cert and tls_key)")
 
     @property
     def tls(self) -> bool:

@@ -673,8 +673,7 @@ def tls_problems(docs: list[Doc], cfg: AgentConfig, pki: Path | None = None) -> 
     """etcd speaks TLS with client-certificate auth; agents use https endpoints and etcd client
     files that are keys of Secrets mounted in every agent container, and transfer certificates of
     their own per pod (:func:`transfer_tls_problems`), in Secrets apart from the etcd client key;
-    with ``pki`` (generated), the certificates chain to the CA, each transfer certificate names its
-    pod, and etcd's names cover the agents' endpoints and its peers."""
+    with ``pki`` (generated), :func:`pki_problems`."""
     problems = []
     sts = one(docs, "StatefulSet", "lmcache-etcd")
     (c,) = sts["spec"]["template"]["spec"]["containers"]
@@ -699,30 +698,73 @@ def tls_problems(docs: list[Doc], cfg: AgentConfig, pki: Path | None = None) -> 
                                 "other keys")
         problems += transfer_tls_problems(docs, w, ac, transfer)
     if pki is not None:
-        ca = pki / "ca.crt"
-        pods = {k[:-4]: pki / f.name for k, f in generated_files("lmcache-p2p-transfer-tls").items()
-                if k.endswith(".crt") and k != "ca.crt"}
-        if not pods:
-            problems.append("no per-pod transfer certificates in the secretGenerator lmcache-p2p-transfer-tls")
-        for cert in [pki / "etcd-server.crt", pki / "etcd-client.crt", *pods.values()]:
-            r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(cert)], capture_output=True, text=True)
-            if r.returncode != 0:
-                problems.append(f"{cert.name} does not chain to ca.crt: {r.stdout}{r.stderr}")
-        for pod, cert in pods.items():
-            out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
-                                 capture_output=True, text=True).stdout
-            if f"URI:urn:lmcache-p2p:node:{pod}" not in re.split(r"[,\s]+", out):
-                problems.append(f"{cert.name} does not name the pod {pod} (SANs: {out.strip()!r})")
-        out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
-                              str(pki / "etcd-server.crt")], capture_output=True, text=True).stdout
-        names = set(re.findall(r"DNS:([^,\s]+)", out))
-        kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-        peer = f"{sts['metadata']['name']}-0.{sts['spec']['serviceName']}.{kust['namespace']}.svc"
-        wanted = [re.sub(r"^https://([^:/]+).*", r"\1", ep) for ep in cfg.etcd.endpoints] + [peer]
-        for host in wanted:
-            if not any(n == host or (n.startswith("*.") and host.split(".", 1)[-1] == n[2:]) for n in names):
-                problems.append(f"etcd's certificate does not name {host} (SANs: {sorted(names)})")
+        problems += pki_problems(pki, sts, cfg)
     return problems
+
+
+def generated_pki(pki: Path, secret: str) -> dict[str, Path]:
+    """Key -> file under a generated ``pki`` (a copy of k8s/pki) of the secretGenerator ``secret``."""
+    return {k: pki / f.relative_to(K8S / "pki") for k, f in generated_files(secret).items()}
+
+
+def chains(cert: Path, ca: Path) -> tuple[bool, str]:
+    r = subprocess.run(["openssl", "verify", "-CAfile", str(ca), str(cert)], capture_output=True, text=True)
+    return r.returncode == 0, f"{r.stdout}{r.stderr}".strip()
+
+
+def pki_problems(pki: Path, etcd_sts: Doc, cfg: AgentConfig) -> list[str]:
+    """The generated certificates (``generate-certs.sh``): etcd's chain to the etcd CA and transfer
+    certificates to a transfer CA of their own, neither to the other's (so no etcd certificate, which
+    names no node and whose key the router holds too, passes the transfer TLS as a node); each
+    transfer certificate names its pod; etcd's names cover the agents' endpoints and its peers."""
+    problems = []
+    etcd, client = generated_pki(pki, "lmcache-etcd-tls"), generated_pki(pki, "lmcache-p2p-etcd-client")
+    transfer = generated_pki(pki, "lmcache-p2p-transfer-tls")
+    pods = {k[:-4]: f for k, f in transfer.items() if k.endswith(".crt") and k != "ca.crt"}
+    if not pods:
+        problems.append("no per-pod transfer certificates in the secretGenerator lmcache-p2p-transfer-tls")
+    etcd_certs = [etcd["server.crt"], client["etcd-client.crt"]]
+    for ca, own, other in ((etcd["ca.crt"], etcd_certs, list(pods.values())),
+                           (transfer["ca.crt"], list(pods.values()), etcd_certs)):
+        for cert in own:
+            ok, out = chains(cert, ca)
+            if not ok:
+                problems.append(f"{cert.name} does not chain to {ca.parent.name}/{ca.name}: {out}")
+        for cert in other:
+            if chains(cert, ca)[0]:
+                problems.append(f"{cert.name} chains to {ca.parent.name}/{ca.name} too: one CA for etcd and transfer")
+    if client["ca.crt"] != etcd["ca.crt"]:
+        problems.append("the etcd client Secret's ca.crt is not etcd's CA")
+    for pod, cert in pods.items():
+        out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+                             capture_output=True, text=True).stdout
+        if f"URI:urn:lmcache-p2p:node:{pod}" not in re.split(r"[,\s]+", out):
+            problems.append(f"{cert.name} does not name the pod {pod} (SANs: {out.strip()!r})")
+    out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in",
+                          str(etcd["server.crt"])], capture_output=True, text=True).stdout
+    names = set(re.findall(r"DNS:([^,\s]+)", out))
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    peer = f"{etcd_sts['metadata']['name']}-0.{etcd_sts['spec']['serviceName']}.{kust['namespace']}.svc"
+    wanted = [re.sub(r"^https://([^:/]+).*", r"\1", ep) for ep in cfg.etcd.endpoints] + [peer]
+    for host in wanted:
+        if not any(n == host or (n.startswith("*.") and host.split(".", 1)[-1] == n[2:]) for n in names):
+            problems.append(f"etcd's certificate does not name {host} (SANs: {sorted(names)})")
+    return problems
+
+
+def test_generated_certificates_keep_etcd_and_transfer_apart(tmp_path):
+    """generate-certs.sh (no kubectl needed): two CAs; and the check notices one CA for both."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt", "pki"))
+    subprocess.run([str(k8s / "generate-certs.sh")], check=True, timeout=60, capture_output=True,
+                   env={**os.environ, "PYTHON": sys.executable})
+    sts, cfg = one(DOCS, "StatefulSet", "lmcache-etcd"), config_of(DOCS, tmp_path)
+    assert pki_problems(k8s / "pki", sts, cfg) == []
+    shutil.copy(k8s / "pki/etcd/ca.crt", k8s / "pki/transfer/ca.crt")  # as if issued from the etcd CA
+    shutil.copy(k8s / "pki/etcd/etcd-client.crt", k8s / "pki/transfer/lmcache-vllm-0.crt")
+    problems = pki_problems(k8s / "pki", sts, cfg)
+    assert "etcd-client.crt chains to transfer/ca.crt too: one CA for etcd and transfer" in problems
+    assert any(p.startswith("lmcache-vllm-0.crt does not name the pod lmcache-vllm-0") for p in problems)
 
 
 def test_etcd_and_agents_use_tls_with_mounted_certificates(tmp_path):

@@ -326,8 +326,8 @@ def test_a_slow_answer_arrives_after_its_load_gave_up_and_the_owner_is_not_backe
 
 def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(requester: Requester) -> None:
     """Two loads pull from a hung owner over the one connection they share; both overrun their deadlines
-    (``late``). At the first one's liveness deadline the connection is closed; the second is cut short
-    with it (``aborted``), and the owner is backed off once."""
+    (``late``). At the first one's liveness deadline no byte has come on the connection for the liveness
+    period: it is closed; the second is cut short with it (``aborted``), and the owner is backed off once."""
     o = owner(12)
     health = requester.clients["tcp"].health
     try:
@@ -350,6 +350,59 @@ def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(r
         assert health.failures(peer_of(o)) == 1
         assert requester.free_slots() + len(requester.pool) == requester.pool.num_slots
     finally:
+        o.kill()
+
+
+class ThrottlingRelay(Relay):
+    """Carries the owner's answers at ``rate`` bytes per second: a slow link, but a live one."""
+
+    def __init__(self, target_port: int, rate: int) -> None:
+        self._rate = rate
+        super().__init__(target_port)
+
+    def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
+        self.pipe(owner, requester, self._rate)
+
+
+def test_an_overrun_pull_gives_up_alone_and_the_others_on_its_connection_complete(requester: Requester) -> None:
+    """Two loads share a connection to an owner behind a 2 MiB/s link: A asks for 3 MiB (>= 1.5 s) with
+    a 0.2 s deadline, B for 0.5 MiB queued behind it with a patient one. A overruns its liveness period
+    (the transport's 1 s) while bytes keep coming: A alone gives up (``timeout``; the rest of its frames
+    are read and dropped, none lands in the pool), the connection stays, and B completes byte-exact
+    (the overrun used to close the connection and fail B ``aborted``)."""
+    o = owner(14)
+    relay = ThrottlingRelay(o.port, 2 << 20)
+    client = TcpTransport(SECRET.encode(), 1.0)
+    peer, pool = PeerAddress("127.0.0.1", relay.port, o.node_id), requester.pool
+    try:
+        keys = [o.key(i) for i in range(N)]
+        warm = requester.loop.run(client.pull(peer, FP, keys[15:], pool, time.monotonic() + 10), 20)
+        assert warm.complete  # the connection both loads share is open
+        requester.clear()
+
+        async def both() -> tuple[PullResult, PullResult]:
+            a = asyncio.ensure_future(client.pull(peer, FP, keys[:12], pool, time.monotonic() + 0.2))
+            await asyncio.sleep(0.05)  # B's request goes out after A's: the owner answers it after A's
+            b = await client.pull(peer, FP, keys[12:14], pool, time.monotonic() + 20)
+            early = await a
+            assert early.late is not None and MissReason.LATE in early.missed.values()
+            return await early.late, b
+
+        a, b = requester.loop.run(both(), 40)
+        assert b.complete and set(b.loaded) == set(keys[12:14])
+        for i in (12, 13):
+            assert_exact(pool, o, i)
+        given_up = [k for k, why in a.missed.items() if why == MissReason.TIMEOUT]
+        assert given_up and set(a.missed.values()) == {MissReason.TIMEOUT}
+        assert not set(given_up) & set(pool.keys())  # their frames came (before B's) and were dropped
+        for key in a.loaded:
+            assert_exact(pool, o, keys.index(key))
+        assert requester.free_slots() + len(pool) == pool.num_slots  # no reservation leaked
+        assert client.health.failures(peer) == 0  # B's answer after A's timeout: the peer is healthy
+        assert requester.loop.run(client.pull(peer, FP, keys[14:15], pool, time.monotonic() + 10), 20).complete
+    finally:
+        requester.loop.run(client.close(), 10)
+        relay.close()
         o.kill()
 
 

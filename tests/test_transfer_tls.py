@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import socket
 import ssl
 import threading
@@ -18,7 +19,7 @@ from relay import Relay
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.certs import make_certs
-from lmcache_p2p.config import TransferConfig
+from lmcache_p2p.config import AgentConfig, TransferConfig
 from lmcache_p2p.errors import ConfigError, PeerIdentityError, TransferError
 from lmcache_p2p.ids import PeerAddress
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
@@ -26,6 +27,7 @@ from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer.base import MissReason, PullResult
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
+from lmcache_p2p.transfer.stack import TransferStack
 from lmcache_p2p.transfer.tls import client_context, server_context
 
 SECRET = "tls-test-secret-7f3a9c1e5b2d80461c9e4a7b0c"
@@ -283,3 +285,94 @@ def test_an_owner_refuses_to_start_with_another_nodes_certificate(named_pki: Pat
         owner_with(named_pki, "other", "eng")
     err = capfd.readouterr().err
     assert "transfer.tls_cert: " in err and "names the nodes ['other'], not this node 'eng'" in err
+
+
+def test_an_unnamed_certificate_is_refused_as_any_node_where_names_are_required(named_pki: Path,
+                                                                                loop: LoopThread) -> None:
+    """Per-node certificates (``transfer.tls_require_node_name``, on by default when one's own
+    certificate names a node): an owner presenting a certificate of the same CA that names no node
+    (one shared by all, or any other the CA issued) is refused as the node it claims, before the HMAC
+    handshake, counted and logged; a node with names off (a shared certificate) still accepts it."""
+    make_certs(named_pki, ["unnamed"])
+    o = owner_with(named_pki, "unnamed", "eng")  # holds the secret, claims to be "eng"
+    try:
+        keys, peer = [o.key(0), o.key(1)], PeerAddress("127.0.0.1", o.port, "eng")
+        ctx = client_context(tls_config(named_pki, "requester"))
+        strict = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, tls=ctx, require_node_name=True)
+
+        async def connect() -> None:
+            try:
+                await strict.get(peer, FP, 5.0)
+            finally:
+                await strict.close()
+
+        with pytest.raises(PeerIdentityError, match="the owner's certificate names no node"):
+            loop.run(connect(), 15)
+        assert strict.refused_certificates == 1
+        pool = CpuPool(SIZE * 4, SIZE)
+        client = TcpTransport(SECRET.encode(), 3.0, tls=ctx, require_node_name=True)
+        result = pull(loop, client, o.port, keys, pool, node="eng")
+        assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR} and len(pool) == 0
+        assert client.health.failures(peer) == 1  # a peer error: backed off
+        assert o.command({"cmd": "stats"})["rejected"] == 0  # refused on the certificate, nothing asked
+        lax = TcpTransport(SECRET.encode(), 3.0, tls=ctx, require_node_name=False)
+        assert pull(loop, lax, o.port, keys, pool, node="eng").complete  # names off: only the proofs tell
+    finally:
+        o.close()
+
+
+def test_the_default_requires_names_when_this_nodes_own_certificate_names_it(named_pki: Path) -> None:
+    make_certs(named_pki, ["unnamed"])
+    pool = CpuPool(SIZE * 2, SIZE)
+
+    def requires(cert: str, node: str, setting: bool | None = None) -> bool:
+        tc = dataclasses.replace(tls_config(named_pki, cert), tls_require_node_name=setting)
+        stack = TransferStack.build(AgentConfig(node_id=node, transfer=tc), pool, [FP], SECRET.encode())
+        return stack.control.require_node_name
+
+    assert requires("requester", "requester")  # a per-node certificate: on
+    assert not requires("unnamed", "x")  # one shared by all: off (only the proofs tell nodes apart)
+    assert requires("unnamed", "x", True) and not requires("requester", "requester", False)
+    with pytest.raises(ConfigError, match="transfer.tls_require_node_name"):
+        TransferConfig(tls_require_node_name=True)  # without TLS
+
+
+@pytest.fixture(scope="module")
+def split_pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As ``k8s/generate-certs.sh`` issues them: an etcd CA and a transfer CA (same subject name)."""
+    d = tmp_path_factory.mktemp("split-pki")
+    make_certs(d / "etcd", ["etcd-client", "etcd-server=DNS:localhost"])
+    make_certs(d / "transfer", ["eng=node:eng", "requester=node:requester"])
+    return d
+
+
+def test_an_etcd_certificate_is_refused_on_the_transfer_port(split_pki: Path, loop: LoopThread) -> None:
+    """The etcd client key is in every agent and router pod: with the transfer CA apart from etcd's,
+    an owner presenting it (with the secret, as any node) fails TLS, and so does a requester."""
+    etcd, transfer = split_pki / "etcd", split_pki / "transfer"
+    assert (etcd / "ca.crt").read_bytes() != (transfer / "ca.crt").read_bytes()
+    for cert in ("etcd-client", "etcd-server"):
+        o = OwnerProcess(SECRET, FP, 2, SIZE, node_id="eng",
+                         tls=(str(etcd / "ca.crt"), str(etcd / f"{cert}.crt"), str(etcd / f"{cert}.key")))
+        try:
+            pool = CpuPool(SIZE * 4, SIZE)
+            client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(transfer, "requester")),
+                                  require_node_name=True)
+            result = pull(loop, client, o.port, [o.key(0)], pool, node="eng")
+            assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}, cert
+            assert len(pool) == 0
+        finally:
+            o.close()
+    o = owner_with(transfer, "eng", "eng")
+    try:
+        before = o.command({"cmd": "stats"})["rejected"]
+        pool = CpuPool(SIZE * 4, SIZE)
+        as_requester = client_context(tls_config(etcd, "etcd-client", transfer / "ca.crt"))
+        result = pull(loop, TcpTransport(SECRET.encode(), 3.0, tls=as_requester), o.port, [o.key(0)], pool,
+                      node="eng")
+        assert not result.loaded and len(pool) == 0
+        assert o.command({"cmd": "stats"})["rejected"] - before == 1  # refused in TLS, before the handshake
+        client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(transfer, "requester")))
+        assert pull(loop, client, o.port, [o.key(0)], pool, node="eng").complete
+    finally:
+        o.close()

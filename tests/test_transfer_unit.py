@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import random
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -58,7 +59,7 @@ def test_proofs_bind_role_secret_nonces_channel_and_both_node_ids() -> None:
 
 def test_peer_health_backs_off_exponentially() -> None:
     now = [0.0]
-    health = PeerHealth(1.0, 4.0, clock=lambda: now[0])
+    health = PeerHealth(1.0, 4.0, clock=lambda: now[0], rng=lambda: 1.0)  # the top of each jitter range
     assert health.available(A) and health.backed_off() == 0
     health.record_failure(A, "boom")
     assert not health.available(A) and health.available(B) and health.backed_off() == 1
@@ -73,6 +74,35 @@ def test_peer_health_backs_off_exponentially() -> None:
     assert health.available(A) and health.backed_off() == 0
     health.record_success(A)
     assert health.failures(A) == 0
+
+
+def test_peer_health_backoff_is_jittered_between_half_and_all_of_it() -> None:
+    """Requesters that saw a peer fail together come back spread over [d/2, d], not all at once."""
+    now, draw = [0.0], [0.0]
+    health = PeerHealth(1.0, 4.0, clock=lambda: now[0], rng=lambda: draw[0])
+    for failures, nominal in ((1, 1.0), (2, 2.0), (3, 4.0), (4, 4.0)):
+        health.record_failure(A, "boom")
+        assert health.failures(A) == failures
+        now[0] += nominal / 2 - 1e-9
+        assert not health.available(A)  # never less than half the nominal wait
+        now[0] += 1e-9
+        assert health.available(A)
+    for _ in range(2000):  # past 2.0**1024 without overflowing; still max_s at most
+        health.record_failure(B, "boom")
+    draw[0] = 0.999
+    health.record_failure(B, "boom")
+    assert not health.available(B)
+    now[0] += 4.0
+    assert health.available(B)
+    t = [0.0]
+    spread = PeerHealth(2.0, clock=lambda: t[0], rng=random.Random(7).random)
+    peers = [PeerAddress("127.0.0.1", 100 + i, f"p{i}") for i in range(20)]
+    for peer in peers:  # all fail at once
+        spread.record_failure(peer, "boom")
+    t[0] = 1.5
+    assert 0 < spread.backed_off() < len(peers)  # and come back spread over [1 s, 2 s]
+    t[0] = 2.0
+    assert spread.backed_off() == 0
 
 
 def test_plan_stripes_balances_owners() -> None:

@@ -41,7 +41,7 @@ class MissReason(enum.StrEnum):
     INVALIDATED = "invalidated"  # arrived intact, but a standing invalidation covers it: dropped
     TIMEOUT = "timeout"  # the pull ran past its deadline (the peer is hung or gone: backed off)
     LATE = "late"  # not in by the load's deadline, still arriving: the engine recomputes it, the pool keeps it
-    ABORTED = "aborted"  # cut short with its shared connection, which another pull's overrun closed
+    ABORTED = "aborted"  # cut short with its shared connection: no byte came on it for the liveness period
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
     BACKOFF = "backoff"  # the peer erred recently; not asked
     CAPACITY = "capacity"  # no free slot in the destination pool

@@ -2,7 +2,8 @@
 
 One connection per (peer, fingerprint), opened on first use, handshaken (the server must prove
 the cluster secret too, *as the node the peer address names*: ``PeerAddress.node_id``, from the
-node record the pull was planned from), then shared by every concurrent pull to that peer.
+node record the pull was planned from), then shared by every concurrent pull to that peer. With
+TLS the owner's certificate must name that node too, or, unless ``require_node_name``, no node.
 """
 
 from __future__ import annotations
@@ -37,21 +38,28 @@ def batch_size(max_frame_bytes: int) -> int:
 class ConnectionPool:
     def __init__(self, secret: bytes, timeout_s: float, max_frame_bytes: int, want_nixl: bool = False,
                  payload_mac: bool | None = None, tls: ssl.SSLContext | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, require_node_name: bool = False) -> None:
         """``payload_mac``: as ``transfer.payload_mac`` (None: on unless ``tls``). ``node_id``: the node
         this requester is (bound in the proofs, told to the owner); None for a tool that is no node
-        (``lookup --explain``)."""
+        (``lookup --explain``). ``require_node_name``: with ``tls``, refuse an owner whose certificate
+        names no node (``transfer.tls_require_node_name``)."""
         if not secret:
             raise ValueError("secret must not be empty")
         self._secret = secret
         self._node_id = node_id
         self._tls = tls  # mutual TLS under the cluster CA (client context), see tls.py
+        self._require_node_name = require_node_name
+        self.refused_certificates = 0  # owners refused for what their certificate names (or does not)
         self._payload_mac = wire.mac_on(payload_mac, tls is not None)
         self._timeout = timeout_s
         self.max_frame_bytes = max_frame_bytes
         self._want_nixl = want_nixl
         self._conns: dict[tuple[PeerAddress, bytes], Connection] = {}
         self._locks: dict[tuple[PeerAddress, bytes], asyncio.Lock] = {}
+
+    @property
+    def require_node_name(self) -> bool:
+        return self._require_node_name
 
     async def get(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> Connection:
         key = (peer, bytes(fp))
@@ -106,10 +114,7 @@ class ConnectionPool:
         binding = b""
         if self._tls is not None:
             binding = peer_binding(conn.ssl_object())
-            named = peer_nodes(conn.ssl_object())
-            if named and not names_node(named, peer.node_id):
-                raise PeerIdentityError(f"{peer}: the owner's certificate names {sorted(named)}, not the node "
-                                        f"{peer.node_id!r} this pull was planned from")
+            self._check_owner_certificate(peer, peer_nodes(conn.ssl_object()))
         nonce_c = wire.nonce()
         hello: wire.Message = {"t": "hello", "v": WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
                                "nixl": self._want_nixl, "mac": self._payload_mac}
@@ -140,6 +145,18 @@ class ConnectionPool:
         nixl = ready.get("nixl")
         conn.nixl = nixl if isinstance(nixl, dict) else None
 
+    def _check_owner_certificate(self, peer: PeerAddress, named: frozenset[str]) -> None:
+        """The owner's certificate may serve as ``peer.node_id``: it names that node (or its engine), or
+        names none and names are not required. Before a byte of the HMAC handshake."""
+        if names_node(named, peer.node_id) or not (named or self._require_node_name):
+            return
+        why = (f"names {sorted(named)}, not the node {peer.node_id!r} this pull was planned from" if named else
+               "names no node, and transfer.tls_require_node_name is on (a certificate that is no node's "
+               "transfer certificate, or one shared by several nodes, would let its holder answer as any node)")
+        self.refused_certificates += 1
+        log.error("refusing %s as node %r: its TLS certificate %s", peer, peer.node_id, why)
+        raise PeerIdentityError(f"{peer}: the owner's certificate {why}")
+
     def forget_except(self, live: Collection[PeerAddress]) -> None:
         """Close and drop the connections (and their locks) to peers not in ``live``; closed ones too."""
         for key in [k for k, c in self._conns.items() if k[0] not in live or c.closed]:
@@ -158,12 +175,14 @@ class ConnectionPool:
 
 class _Overdue(Exception):
     """Raised inside a pull whose answer is still arriving at its load's deadline: the rest may arrive
-    until ``hung_at`` (absolute), then the peer counts as hung."""
+    until ``hung_at`` (absolute); then the pull gives up (``give_up``: its requests' remaining frames are
+    read and dropped), and the connection is closed if no byte came on it for ``liveness_s``."""
 
-    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], allowance_s: float, hung_at: float,
-                 why: str) -> None:
+    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], give_up: Callable[[], None],
+                 allowance_s: float, hung_at: float, liveness_s: float, why: str) -> None:
         super().__init__(why)
-        self.conn, self.futures, self.allowance_s, self.hung_at = conn, futures, allowance_s, hung_at
+        self.conn, self.futures, self.give_up = conn, futures, give_up
+        self.allowance_s, self.hung_at, self.liveness_s = allowance_s, hung_at, liveness_s
 
 
 async def guarded_pull(
@@ -177,7 +196,9 @@ async def guarded_pull(
     ``LATE``, and the rest goes on arriving in the background (``PullResult.late``). Meanwhile the peer
     is held (``PeerHealth.hold``: no new pulls once a grace as long as the pull's allowance has passed
     with no byte from it). If everything arrives, the peer is released, healthy; if not by its liveness
-    deadline, the connection is closed and the peer backed off, as for a timeout."""
+    deadline, the pull gives up on its own requests and the peer is backed off, as for a timeout. Other
+    pulls on the connection go on: it is closed (and they fail ``ABORTED``) only if no byte at all came
+    on it for the liveness period."""
     result = PullResult(peer)
     if not keys:
         return result
@@ -216,11 +237,9 @@ async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Wan
             result.miss_rest(keys, MissReason.ABORTED)
             return result
         if pending:
-            # Close rather than drain: a hung peer may never send the rest, and no more bytes may land in
-            # our slots after we gave up; every pull sharing the connection fails with it.
-            overdue.conn.abort(SharedConnectionAborted(f"{peer}: a pull on this connection never finished"))
+            _give_up(overdue, peer)
             result.miss_rest(keys, MissReason.TIMEOUT)
-            health.record_failure(peer, PeerTimeout(f"{peer}: {overdue} and no answer before its liveness deadline"))
+            health.record_failure(peer, PeerTimeout(f"{peer}: {overdue} and was not all in by its liveness deadline"))
             return result
         errors = [e for f in overdue.futures if (e := f.exception()) is not None]
         own = [e for e in errors if not isinstance(e, SharedConnectionAborted)]
@@ -236,6 +255,17 @@ async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Wan
         health.release(peer, token)
 
 
+def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
+    """Stop waiting for an overdue pull. Either way nothing more lands in its slots: its requests are
+    abandoned (the rest of their frames is read into scratch and dropped) or the connection is closed."""
+    if overdue.conn.last_progress <= overdue.hung_at - overdue.liveness_s:
+        # No byte at all for the liveness period: the peer is hung; every pull sharing it fails with it.
+        overdue.conn.abort(SharedConnectionAborted(f"{peer}: no byte on this connection for "
+                                                   f"{overdue.liveness_s:.1f}s"))
+    else:  # the connection is alive (this answer or others' still arriving): only this pull gives up
+        overdue.give_up()
+
+
 class TcpTransport:
     """Pulls chunk payloads over the authenticated TCP connection itself."""
 
@@ -243,11 +273,13 @@ class TcpTransport:
 
     def __init__(self, secret: bytes, timeout_s: float = 5.0, max_frame_bytes: int = 1 << 20,
                  health: PeerHealth | None = None, payload_mac: bool | None = None,
-                 tls: ssl.SSLContext | None = None, node_id: str | None = None) -> None:
-        """``timeout_s``: connecting, and how long from its start a pull may still arrive after its
-        load's deadline before the peer counts as hung (see :func:`guarded_pull`)."""
+                 tls: ssl.SSLContext | None = None, node_id: str | None = None,
+                 require_node_name: bool = False) -> None:
+        """``timeout_s``: connecting, and the liveness period: how long from its start a pull may still
+        arrive after its load's deadline before it gives up, and how long a connection with a pull overdue
+        may go without a byte before it is closed (see :func:`guarded_pull`)."""
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls,
-                                    node_id=node_id)
+                                    node_id=node_id, require_node_name=require_node_name)
         self._liveness_s = timeout_s
         self.health = health if health is not None else PeerHealth(2.0)
 
@@ -267,16 +299,21 @@ class TcpTransport:
         step = batch_size(self._pool.max_frame_bytes)
         requests = [conn.start_get(keys[i : i + step], fp, dst, result) for i in range(0, len(keys), step)]
         futures = [r.future for r in requests]
+
+        def give_up() -> None:  # nothing more lands in our slots; other pulls on the connection go on
+            for request in requests:
+                conn.abandon(request)
+
         try:
             _, pending = await asyncio.wait(futures, timeout=remaining(deadline))
-        except BaseException:  # cancelled: nothing more may land in our slots
-            conn.abort(SharedConnectionAborted(f"{peer}: a pull on this connection was cancelled"))
+        except BaseException:  # cancelled
+            give_up()
             raise
         if pending:
             # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
             # (the answer then lands in the pool for later requests); see guarded_pull.
-            raise _Overdue(conn, futures, deadline - started, max(deadline, started + self._liveness_s),
-                           f"pull of {len(keys)} chunks ran past its deadline")
+            raise _Overdue(conn, futures, give_up, deadline - started, max(deadline, started + self._liveness_s),
+                           self._liveness_s, f"pull of {len(keys)} chunks ran past its deadline")
         for future in futures:
             exc = future.exception()
             if exc is not None:

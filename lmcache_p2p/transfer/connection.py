@@ -6,11 +6,12 @@ Receive states (one frame at a time, each buffer handed to the kernel is exactly
 
 A chunk's payload lands in ``dst.reserve().view`` with no intermediate copy, is verified
 against its header and only then committed; a mismatch releases the slot and counts as a miss.
-Many requests are in flight at once, told apart by id. A request given up on is either
-*abandoned* (its remaining frames are read and dropped, its slot released, the connection stays
-usable: NIXL's small pin answers) or, when a TCP pull overruns its deadline, the connection is
-aborted (``abort``): no more bytes land in any slot, every request on it fails. A frame that breaks
-the protocol closes the connection and fails every request on it.
+Many requests are in flight at once, told apart by id. A request given up on is *abandoned*
+(``abandon``: its remaining frames are read into scratch and dropped, the slot it was filling is
+released, the connection and the other requests on it go on) or its connection is aborted
+(``abort``: a peer that sent no byte for the liveness period); either way no byte lands in a slot
+of a request after it was given up. A frame that breaks the protocol closes the connection and
+fails every request on it.
 """
 
 from __future__ import annotations

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 import time
 from collections.abc import Callable, Collection
 
+from ..backoff import jittered
 from ..ids import PeerAddress
 
 log = logging.getLogger(__name__)
@@ -26,14 +28,18 @@ class _State:
 
 
 class PeerHealth:
-    """Exponential backoff per peer: ``base_s * 2**(failures-1)``, at most ``max_s``."""
+    """Exponential backoff per peer: ``base_s * 2**(failures-1)``, at most ``max_s``, with equal jitter
+    (:func:`~lmcache_p2p.backoff.jittered`: uniform in half to all of it, so requesters that saw a peer
+    fail together do not all come back at once). ``rng``: uniform in [0, 1)."""
 
-    def __init__(self, base_s: float, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, base_s: float, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 rng: Callable[[], float] = random.random) -> None:
         if base_s < 0 or max_s < base_s:
             raise ValueError(f"need 0 <= base_s <= max_s, got {base_s}, {max_s}")
         self._base = base_s
         self._max = max_s
         self._clock = clock
+        self._rng = rng
         self._peers: dict[PeerAddress, _State] = {}
         # overdue answers: token -> (when the hold starts, its grace, when the peer's bytes last came)
         self._held: dict[PeerAddress, dict[int, tuple[float, float, Callable[[], float] | None]]] = {}
@@ -102,6 +108,7 @@ class PeerHealth:
     def record_failure(self, peer: PeerAddress, why: object) -> None:
         state = self._peers.setdefault(peer, _State())
         state.failures += 1
-        delay = min(self._max, self._base * 2 ** (state.failures - 1))
+        doublings = min(state.failures - 1, 62)  # past max_s long before; 2.0**1024 would overflow
+        delay = jittered(min(self._max, self._base * 2.0**doublings), self._rng)
         state.until = self._clock() + delay
         log.warning("peer %s failed (%s); backing off %.1fs (failure %d)", peer, why, delay, state.failures)

@@ -58,10 +58,11 @@ class NixlTransport:
 
     def __init__(self, engine: NixlEngine, secret: bytes, timeout_s: float = 5.0,
                  max_frame_bytes: int = 1 << 20, health: PeerHealth | None = None,
-                 tls: ssl.SSLContext | None = None, payload_mac: bool = False) -> None:
+                 tls: ssl.SSLContext | None = None, payload_mac: bool = False,
+                 require_node_name: bool = False) -> None:
         self.engine = engine
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, want_nixl=True, tls=tls,
-                                    payload_mac=payload_mac)
+                                    payload_mac=payload_mac, require_node_name=require_node_name)
         self.health = health if health is not None else PeerHealth(2.0)
         self._verifier = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="nixl-verify",
                                                                initializer=cputime.initializer("verify"))

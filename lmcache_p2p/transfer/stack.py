@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import ssl
 import uuid
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Protocol
@@ -69,6 +70,29 @@ TransfersFactory = Callable[[AgentConfig, CpuPool, Collection[FingerprintDigest]
 """Builds an agent's transfers: (config, pool, fingerprints served, secret, hooks) -> Transfers."""
 
 
+def _tls_contexts(config: AgentConfig) -> tuple[tuple[ssl.SSLContext, bytes] | None, ssl.SSLContext | None, bool]:
+    """(server context and channel binding, client context, whether owners' certificates must name a
+    node); all None and False without TLS. Refuses a certificate that names another node than this one."""
+    tc = config.transfer
+    if not tc.tls:
+        return None, None, False
+    assert tc.tls_cert is not None
+    server, client = tls.server_context(tc), tls.client_context(tc)
+    named = tls.own_nodes(server, client)
+    if named and not tls.names_node(named, config.node_id):
+        raise ConfigError("transfer.tls_cert", f"{tc.tls_cert} names the nodes {sorted(named)}, not this "
+                          f"node {config.node_id!r}: every peer would refuse it")
+    if not named and tc.payload_mac is None:
+        log.warning("%s names no node: if other nodes share it, whoever holds it and can write etcd can "
+                    "relay this node's connections and inject chunks; issue one per node (lmcache-p2p "
+                    "certs DIR NODE=node:NODE) or set transfer.payload_mac: true", tc.tls_cert)
+    require = tc.tls_require_node_name if tc.tls_require_node_name is not None else bool(named)
+    if require and not named:
+        log.warning("transfer.tls_require_node_name is on but %s names no node: peers that require names "
+                    "refuse this node as an owner", tc.tls_cert)
+    return (server, tls.own_binding(tc.tls_cert)), client, require
+
+
 @dataclasses.dataclass(slots=True)
 class TransferStack:
     config: AgentConfig
@@ -102,18 +126,7 @@ class TransferStack:
                             "the network in the clear after the handshake; on a network you do not trust, "
                             "set transfer.tls_ca_cert, tls_cert and tls_key")
             nixl = NixlEngine(f"{config.node_id}-{os.getpid()}-{uuid.uuid4().hex[:8]}", pool)
-        server_tls = client_tls = None
-        if tc.tls:
-            assert tc.tls_cert is not None
-            server_tls, client_tls = (tls.server_context(tc), tls.own_binding(tc.tls_cert)), tls.client_context(tc)
-            named = tls.own_nodes(server_tls[0], client_tls)
-            if named and not tls.names_node(named, config.node_id):
-                raise ConfigError("transfer.tls_cert", f"{tc.tls_cert} names the nodes {sorted(named)}, not this "
-                                  f"node {config.node_id!r}: every peer would refuse it")
-            if not named and tc.payload_mac is None:
-                log.warning("%s names no node: if other nodes share it, whoever holds it and can write etcd can "
-                            "relay this node's connections and inject chunks; issue one per node (lmcache-p2p "
-                            "certs DIR NODE=node:NODE) or set transfer.payload_mac: true", tc.tls_cert)
+        server_tls, client_tls, require_name = _tls_contexts(config)
         mac = wire.mac_on(tc.payload_mac, tc.tls)
         server = TransferServer(
             pool, fingerprints, secret, node_id=config.node_id, host=tc.listen_host, port=tc.port,
@@ -125,12 +138,13 @@ class TransferStack:
         for name in tc.transports:
             if name == "tcp":
                 transports[name] = TcpTransport(secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                payload_mac=mac, tls=client_tls, node_id=config.node_id)
+                                                payload_mac=mac, tls=client_tls, node_id=config.node_id,
+                                                require_node_name=require_name)
             elif name == "nixl" and nixl is not None:
                 transports[name] = NixlTransport(nixl, secret, tc.timeout_s, tc.max_frame_bytes, health,
-                                                 tls=client_tls, payload_mac=mac)
+                                                 tls=client_tls, payload_mac=mac, require_node_name=require_name)
         control = ConnectionPool(secret, tc.timeout_s, tc.max_frame_bytes, payload_mac=mac, tls=client_tls,
-                                 node_id=config.node_id)
+                                 node_id=config.node_id, require_node_name=require_name)
         return cls(config, server, transports, nixl, health, control)
 
     async def offer(self, peer: PeerAddress, fp: FingerprintDigest, node_id: str, keys: Sequence[ChunkKey],

@@ -15,8 +15,14 @@ A certificate may *name nodes* (``lmcache-p2p certs DIR NAME=node:NODE_ID``: a U
 but not the one it planned the pull from (:class:`~lmcache_p2p.errors.PeerIdentityError`, before
 the HMAC handshake); a name covers that node and its tensor-parallel ranks ``<name>-r<k>``
 (``config.rank_config``). An owner refuses to start with a certificate that names nodes other
-than its own. Certificates that name no node (one shared by every node) are still accepted: then
-only the proofs say which node answers.
+than its own. With ``transfer.tls_require_node_name`` (unset: on when this node's own certificate
+names a node) a requester also refuses an owner whose certificate names no node: such a
+certificate (one shared by every node, or any other certificate the CA issued) could otherwise
+answer as any node. Off (one certificate shared by all), only the proofs say which node answers.
+
+Issue transfer certificates from a CA of their own (``k8s/generate-certs.sh`` does: ``pki/transfer``
+apart from ``pki/etcd``): ``transfer.tls_ca_cert`` then trusts no etcd client or server certificate,
+so a key that opens etcd does not open the transfer port, and the other way round.
 
 Requesters use asyncio's TLS transport. The owner serves on raw non-blocking sockets (zero-copy
 ``sendmsg`` of pinned slots when TLS is off); with TLS, :class:`TlsChannel` drives an
