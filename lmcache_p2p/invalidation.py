@@ -112,7 +112,8 @@ class MeshInvalidation:
     on the agent's loop.
 
     ``fingerprints`` are those this agent serves (digest -> fingerprint): a tenant is matched
-    through them; a chunk of an unknown fingerprint (an old disk file) matches by digest only.
+    through them; a chunk of an unknown fingerprint (an old disk file) matches by digest only, unless
+    it carries its tenant with it (an object's meta: :meth:`covers_tenant`).
     """
 
     def __init__(self, config: AgentConfig, store: TieredStore, fingerprints: Mapping[FingerprintDigest, Fingerprint],
@@ -169,6 +170,15 @@ class MeshInvalidation:
             return False
         tenant, generation = self._tenants.get(header.fingerprint), self.generation
         return any(matches(inv, header, tenant, holder, generation) for inv in active.values())
+
+    def covers_tenant(self, header: ChunkHeader, tenant: str) -> bool:
+        """Whether a standing ``tenant`` invalidation covers a chunk whose fingerprint's tenant is ``tenant``
+        (what an object's meta carries: its fingerprint may be one no node here, nor anywhere, serves)."""
+        active = self._active
+        if not active or not tenant:
+            return False
+        generation = self.generation
+        return any(inv.kind == "tenant" and matches(inv, header, tenant, "", generation) for inv in active.values())
 
     def stamp(self, header: ChunkHeader) -> ChunkHeader:
         """The header an admitted chunk is held under: its epoch capped at this node's own."""

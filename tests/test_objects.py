@@ -1,10 +1,11 @@
 """The object tier: a real SeaweedFS (``weed mini``), real etcd, real agents.
 
 A chunk that left every node's memory and disk is loaded from the store on a node that never saw it,
-byte for byte; a corrupted or forged object is rejected and deleted; an invalidated chunk's object is
-never loaded and is cleaned up; the store SIGSTOPped or SIGKILLed costs a load no more than its
-deadline and never makes a save wait. Agents run in this process with small CPU pools (8 slots of the
-tiny layout's 512 KiB chunks), so storing a few prompts evicts the first.
+byte for byte; a corrupted, forged, oversized or replayed object is rejected and deleted; a bucket
+reader finds no plaintext KV; an invalidated chunk's object is never loaded and is cleaned up (a
+tenant's also when no running node serves its fingerprint); the store SIGSTOPped or SIGKILLed costs a
+load no more than its deadline and never makes a save wait. Agents run in this process with small CPU
+pools (8 slots of the tiny layout's 512 KiB chunks), so storing a few prompts evicts the first.
 """
 
 from __future__ import annotations
@@ -24,19 +25,21 @@ from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.chunk import HEADER_SIZE, make_header
-from lmcache_p2p.cli import status
+from lmcache_p2p.chunk import make_header
+from lmcache_p2p.cli import invalidate, status
 from lmcache_p2p.config import ObjectsConfig
 from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectMissing, ObjectStoreError
 from lmcache_p2p.ids import OBJECTS, TIER_OBJECT, NodeId
+from lmcache_p2p.index.client import op_delete
 from lmcache_p2p.index.quarantine import QuarantineRecord
-from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta
+from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta, tenant_digest
 from lmcache_p2p.invalidation import issue
 from lmcache_p2p.keys import ChunkKey, Fingerprint, FingerprintDigest
 from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.objects.format import PREAMBLE_SIZE, max_object_size, object_key, pack_object, unpack_object
 from lmcache_p2p.objects.seaweed import SeaweedServer
 from lmcache_p2p.objects.store import ObjectStore, credentials
-from lmcache_p2p.objects.tier import pack_object, unpack_object
+from lmcache_p2p.objects.tier import ObjectTier
 from lmcache_p2p.plan import make_plan
 from lmcache_p2p.testing.synthetic import preload, synthetic_payload, synthetic_tokens
 
@@ -57,7 +60,8 @@ def s3_env(seaweed: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> SeaweedSe
 
 
 def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, server: SeaweedServer,
-                  *, cpu: str = SMALL, disk: str | None = None, backoff_s: float = 0.2, **objects: Any) -> CacheAgent:
+                  *, cpu: str = SMALL, disk: str | None = None, backoff_s: float = 0.2, tenant_salt: str = "",
+                  **objects: Any) -> CacheAgent:
     tiers: dict[str, Any] = {"cpu_capacity": cpu}
     if disk is not None:
         tiers.update(disk_path=str(tmp_path / f"{name}-disk"), disk_capacity=disk)
@@ -69,6 +73,7 @@ def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name
         "handoff": {"budget_bytes_per_s": 0},  # nothing handed to peers: eviction drops (or uploads) sole copies
         "metrics_port": 0,
         "objects": {"url": server.url, "bucket": server.bucket, "min_hits": 0, "cleanup_interval_s": 0, **objects},
+        **({"layout": {"tenant_salt": tenant_salt}} if tenant_salt else {}),
     }))
     cfg = config(path)
     return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
@@ -104,35 +109,54 @@ def run(a: CacheAgent, coro: Any) -> Any:
     return a.loop.run(coro, 30)
 
 
+def raw_get(a: CacheAgent, name: str) -> bytes:
+    """An object's bytes as a bucket reader gets them."""
+    assert a.objects is not None
+    return run(a, a.objects.store.get(name, time.monotonic() + 5, limit=64 << 20))  # type: ignore[no-any-return]
+
+
 # -- the format ----------------------------------------------------------------------------------------------
-def test_an_object_round_trips_and_every_forgery_is_refused():
+def test_an_object_round_trips_sealed_and_every_forgery_is_refused():
     key, fp = ChunkKey(bytes(range(16))), FingerprintDigest(bytes(16))
     payload = bytes(range(256)) * 8
-    header = make_header(key, fp, payload, 256, heads=(0, 2))
-    secret = b"s3cret"
-    body = pack_object(header, payload, NodeId("node-a"), secret)
-    got, view, node = unpack_object(body, key, fp, secret)
+    header = make_header(key, fp, payload, 256, heads=(0, 2), epoch=7)
+    secret, name = b"s3cret", "chunks/c/fp/key"
+    sealed = object_key(secret, "")
+    body = pack_object(header, payload, NodeId("node-a"), name, sealed)
+    assert len(body) <= max_object_size(len(payload))
+    got, view, node = unpack_object(body, name, key, fp, sealed)
     assert got == header and bytes(view) == payload and node == "node-a"
-    with pytest.raises(ChunkError, match="holds chunk"):
-        unpack_object(body, ChunkKey(bytes(16)), fp, secret)  # the right object under another chunk's name
+    assert payload[100:164] not in body and header.pack()[8:40] not in body  # nothing of the chunk in clear
+    with pytest.raises(ChunkError, match="authenticate"):  # the right object moved under another chunk's name
+        unpack_object(body, "chunks/c/fp/other", key, fp, sealed)
     flipped = bytearray(body)
     flipped[100] ^= 1
-    with pytest.raises(ChunkError, match="MAC"):
-        unpack_object(bytes(flipped), key, fp, secret)
-    # Someone with write access to the bucket but not the secret: other bytes, a matching xxh3, no MAC.
-    forged_payload = bytes(len(payload))
-    forged = pack_object(make_header(key, fp, forged_payload, 256, heads=(0, 2)), forged_payload, NodeId("x"), None)
-    with pytest.raises(ChunkError):
-        unpack_object(forged, key, fp, secret)
+    with pytest.raises(ChunkError, match="authenticate"):
+        unpack_object(bytes(flipped), name, key, fp, sealed)
+    other_tenant = object_key(secret, tenant_digest("acme"))
+    with pytest.raises(ChunkError, match="authenticate"):  # another tenant's key opens nothing
+        unpack_object(body, name, key, fp, other_tenant)
+    with pytest.raises(ChunkError, match="authenticate"):
+        unpack_object(body, name, key, fp, object_key(b"other secret", ""))
+    # Someone with write access to the bucket but not the secret: an unsealed object with a matching xxh3.
+    forged = pack_object(header, payload, NodeId("x"), name, None)
+    with pytest.raises(ChunkError, match="not sealed"):
+        unpack_object(forged, name, key, fp, sealed)
+    # Format 1 (the chunk in clear, a BLAKE3 MAC) is refused as such, not misread.
+    v1 = header.pack() + payload + b"node-a" + bytes([6]) + bytes(32)
+    with pytest.raises(ChunkError, match="format 1"):
+        unpack_object(v1, name, key, fp, sealed)
     # Without a secret the checksum still catches a flipped bit and a truncation.
-    plain = pack_object(header, payload, NodeId("node-a"), None)
-    assert bytes(unpack_object(plain, key, fp, None)[1]) == payload
+    plain = pack_object(header, payload, NodeId("node-a"), name, None)
+    assert bytes(unpack_object(plain, name, key, fp, None)[1]) == payload
     bad = bytearray(plain)
-    bad[HEADER_SIZE + 10] ^= 0xFF
+    bad[PREAMBLE_SIZE + 80 + 10] ^= 0xFF
     with pytest.raises(ChunkError, match="checksum"):
-        unpack_object(bytes(bad), key, fp, None)
+        unpack_object(bytes(bad), name, key, fp, None)
     with pytest.raises(ChunkError):
-        unpack_object(plain[:-40], key, fp, None)
+        unpack_object(plain[:-40], name, key, fp, None)
+    with pytest.raises(ChunkError, match="sealed"):
+        unpack_object(body, name, key, fp, None)
 
 
 def test_object_config_names_the_field_and_credentials_come_from_env_or_file(tmp_path):
@@ -159,11 +183,12 @@ def test_object_config_names_the_field_and_credentials_come_from_env_or_file(tmp
 def test_malformed_object_records_are_refused():
     schema = Schema("c")
     fp, key = FingerprintDigest(bytes(16)), ChunkKey(bytes(range(16)))
-    meta = ObjectMeta(fp, key, 100, 1.5, NodeId("n"), 7, 256, (0, 2))
+    meta = ObjectMeta(fp, key, 100, 1.5, NodeId("n"), 7, 256, (0, 2), tenant=tenant_digest("acme"))
     etcd_key = schema.object_meta(fp, key)
     assert decode_object_meta(etcd_key, meta.pack(), prefix_len=len(schema.objects)) == meta
     for bad_key, value in ((etcd_key[:-1], meta.pack()), (etcd_key, b"\x01"), (etcd_key, b"\x80"),
-                           (etcd_key, ObjectMeta(fp, key, 1, 1.0, NodeId("n/../x"), 0, 1, (0, 1)).pack())):
+                           (etcd_key, ObjectMeta(fp, key, 1, 1.0, NodeId("n/../x"), 0, 1, (0, 1)).pack()),
+                           (etcd_key, dataclasses.replace(meta, tenant="acme").pack())):  # a salt, not a digest
         with pytest.raises(MalformedRecord):
             decode_object_meta(bad_key, value, prefix_len=len(schema.objects))
 
@@ -233,7 +258,7 @@ def test_a_corrupted_object_is_rejected_and_deleted(etcd, cluster_name, tmp_path
         assert wait_until(lambda: in_store(r, keys), 10)
         assert s.objects is not None
         store, name = s.objects.store, s.objects.name(keys[1])
-        body = bytearray(run(s, store.get(name, time.monotonic() + 5)))
+        body = bytearray(raw_get(s, name))
         body[200] ^= 0x40
         run(s, store.put(name, bytes(body), time.monotonic() + 5))
         loaded, _ = load_and_check(r, 2)
@@ -241,7 +266,7 @@ def test_a_corrupted_object_is_rejected_and_deleted(etcd, cluster_name, tmp_path
         assert ops(r, "get", "corrupt") == 1
         assert wait_until(lambda: r.index is not None and OBJECTS not in r.index.owners(r.fp, [keys[1]])[0], 10)
         with pytest.raises(ObjectMissing):
-            run(s, store.get(name, time.monotonic() + 5))
+            raw_get(s, name)
         assert not r.holds(keys[1])
     finally:
         r.stop()
@@ -370,7 +395,7 @@ def test_weed_serves_s3_only_when_ready_and_refuses_unsigned_requests():
             asyncio.run(anonymous.put("x", b"1", time.monotonic() + 3))
         signed = ObjectStore(server.objects_config(timeout_s=2.0), env=server.env)
         asyncio.run(signed.put("x", b"1", time.monotonic() + 3))
-        assert asyncio.run(signed.get("x", time.monotonic() + 3)) == b"1"
+        assert asyncio.run(signed.get("x", time.monotonic() + 3, limit=1)) == b"1"
         assert os.path.isdir(server.dir)
 
 
@@ -425,3 +450,139 @@ def test_the_planner_takes_the_store_only_where_no_peer_holds_the_chunk():
                      inflight={}, num_tokens=1024)
     assert [c.source for c in plan.chunks] == [peer, peer, peer, OBJECTS]
     assert all(c.alternatives == (OBJECTS,) for c in plan.chunks[:3])
+
+
+# -- the store is not trusted ----------------------------------------------------------------------------------
+def test_a_bucket_reader_finds_no_plaintext_of_the_kv(etcd, cluster_name, tmp_path, s3_env):
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        keys = evict_into_store(s, 13)
+        assert s.objects is not None and s.objects.seal_key is not None
+        _, spans = s.keys_for(synthetic_tokens(13, TOKENS))
+        for key, (start, end) in zip(keys, spans, strict=True):
+            body = raw_get(s, s.objects.name(key))
+            payload = synthetic_payload(key, s.config.layout.chunk_bytes(end - start))
+            assert len(body) > len(payload)
+            for at in (0, len(payload) // 2, len(payload) - 64):  # distinctive runs of the chunk's KV
+                assert payload[at:at + 64] not in body
+            assert key not in body and s.fp not in body  # nor its header
+    finally:
+        s.stop()
+
+
+def test_an_object_larger_than_any_chunk_is_refused_without_reading_it(etcd, cluster_name, tmp_path, s3_env):
+    """A bucket writer puts a few MB over the bound under a chunk's name: the load's GET is ranged to the
+    bound, the object's size (from the response) refuses it before its body is read, and it is deleted."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        keys = evict_into_store(s, 14)
+        assert wait_until(lambda: in_store(r, keys), 10) and s.objects is not None and r.objects is not None
+        bound = max_object_size(r.tiers.cpu.slot_bytes)
+        name = s.objects.name(keys[2])
+        run(s, s.objects.store.put(name, os.urandom(bound + (4 << 20)), time.monotonic() + 10))
+        read_before = r.objects.store.bytes_read
+        loaded, _ = load_and_check(r, 14)
+        assert loaded == [True, True, False, True, True]
+        assert ops(r, "get", "oversize") == 1
+        # Four objects read, each at most the bound; none of the oversized one's bytes.
+        assert r.objects.store.bytes_read - read_before <= 4 * bound
+        assert r.objects.health.failures(r.objects.transport.address) == 0  # the object's fault, not the store's
+        assert wait_until(lambda: r.index is not None and OBJECTS not in r.index.owners(r.fp, [keys[2]])[0], 10)
+        with pytest.raises(ObjectMissing):
+            raw_get(s, name)
+    finally:
+        r.stop()
+        s.stop()
+
+
+def test_an_older_object_put_back_after_an_invalidation_lapsed_is_refused(etcd, cluster_name, tmp_path, s3_env):
+    """A chunk uploaded at epoch E1; a fingerprint invalidation deletes it and lapses; the chunk is computed
+    and uploaded again at E2 > E1 (its meta says E2). A bucket writer puts the E1 object back under the
+    name (it authenticates: it once was that chunk): the load refuses it as a replay and deletes it."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        keys = evict_into_store(s, 15)
+        assert s.objects is not None and s.index is not None
+        name = s.objects.name(keys[0])
+        old = raw_get(s, name)
+        client, schema = s.index.client, Schema(cluster_name)  # type: ignore[attr-defined]
+        inv, _ = run(s, issue(client, schema, "fingerprint", s.fp.hex()))
+        assert wait_until(lambda: s.invalidation.active(), 10)
+        assert run(s, s.objects.cleanup()) >= 5
+        run(s, client.txn([], [op_delete(schema.invalidations + inv.id.encode())]))  # lapsed (as a --ttl lease ends)
+        assert wait_until(lambda: not s.invalidation.active(), 10)
+        assert wait_until(lambda: not in_store(s, keys[:1]), 10)
+        keys_again = evict_into_store(s, 15)  # computed again, now after the barrier: uploaded again
+        assert keys_again == keys
+        metas = {m.key: m for m in run(s, metas_of(s))}
+        first_epoch = unpack_epoch(s, old, keys[0])
+        assert metas[keys[0]].epoch > first_epoch
+        run(s, s.objects.store.put(name, old, time.monotonic() + 5))  # the replay
+    finally:
+        s.stop()
+    r = objects_agent(tmp_path, cluster_name, etcd.endpoints, "r", s3_env, cpu="64MiB")
+    try:
+        assert wait_until(lambda: in_store(r, keys), 10)
+        loaded, _ = load_and_check(r, 15)
+        assert loaded == [False, True, True, True, True]
+        assert ops(r, "get", "replayed") == 1 and ops(r, "get", "ok") == 4
+        assert wait_until(lambda: r.index is not None and OBJECTS not in r.index.owners(r.fp, [keys[0]])[0], 10)
+    finally:
+        r.stop()
+
+
+async def metas_of(a: CacheAgent) -> list[ObjectMeta]:
+    assert a.index is not None
+    schema = Schema(a.config.cluster)
+    kvs, _ = await a.index.client.get_prefix(schema.objects)  # type: ignore[attr-defined]
+    return [decode_object_meta(kv.key, kv.value, prefix_len=len(schema.objects)) for kv in kvs]
+
+
+def unpack_epoch(a: CacheAgent, body: bytes, key: ChunkKey) -> int:
+    assert a.objects is not None
+    return unpack_object(body, a.objects.name(key), key, a.fp, a.objects.seal_key)[0].epoch
+
+
+def test_invalidate_tenant_finds_the_objects_of_a_fingerprint_no_running_node_serves(etcd, cluster_name, tmp_path,
+                                                                                     s3_env, capsys):
+    """Tenant "acme"'s node uploaded its chunks and is gone: no node record names its fingerprint. The CLI
+    counts its objects by the tenant their metas carry, and a cleanup matching tenants through the metas
+    (``covers_tenant``, the invalidation's) deletes them; another tenant's objects stay."""
+    t = objects_agent(tmp_path, cluster_name, etcd.endpoints, "t", s3_env, tenant_salt="acme")
+    try:
+        acme = evict_into_store(t, 16)
+        assert t.objects is not None and t.objects.tenant == tenant_digest("acme")
+    finally:
+        t.stop()
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        mine = evict_into_store(s, 17)
+        assert s.fp != t.fp and s.objects is not None and s.index is not None
+        metas = run(s, metas_of(s))
+        assert {m.tenant for m in metas if m.fp == t.fp} == {tenant_digest("acme")}
+        assert invalidate.main(["--etcd", ",".join(etcd.endpoints), "--cluster", cluster_name, "--tenant", "acme"]) == 0
+        out = capsys.readouterr().out
+        acme_objects = sum(m.fp == t.fp for m in metas)
+        assert acme_objects >= 5 and f"{acme_objects} objects in the object store" in out
+        assert wait_until(lambda: s.invalidation.active(), 10)
+        # The tier given the tenant hook (as the agent wires it): every node with the tier cleans up.
+        cleaner = ObjectTier(s.config, s.objects.store, fp=s.fp, node_id=s.node_id,
+                             metrics=AgentMetrics(CollectorRegistry()), keep=lambda _h: False,
+                             covers=lambda _h, _n: False, covers_tenant=s.invalidation.covers_tenant,
+                             ttl_s=lambda: None)
+
+        async def clean() -> int:
+            cleaner.start(s.index.client)  # type: ignore[union-attr]
+            try:
+                return await cleaner.cleanup()
+            finally:
+                await cleaner.stop()
+
+        assert run(s, clean()) == acme_objects
+        names = run(s, s.objects.store.names(f"{s.config.objects.prefix}/{cluster_name}/", time.monotonic() + 5))
+        assert not any(k.hex() in n for n in names for k in acme)
+        assert all(any(k.hex() in n for n in names) for k in mine)
+        assert not any(m.fp == t.fp for m in run(s, metas_of(s)))
+    finally:
+        s.stop()

@@ -6,9 +6,10 @@ AWS environment variables then), one etcd:
     store phase (an in-process agent, chunks of the tiny layout, ``--inflight`` requests at once; ``--rounds``
     rounds in which raw and ours alternate on fresh keys, the best round of each reported)
       raw_put_mbps / raw_get_mbps     obstore PUT / GET of the same payloads, nothing else
-      tier_upload_mbps                our uploads: pack + MAC + PUT + the etcd announce, queued from
-                                      eviction offers, until the last is confirmed
-      tier_load_mbps                  our loads: GET + verify (MAC, checksum) + into the CPU pool
+      tier_upload_mbps                our uploads: pack + encrypt (AES-256-GCM) + PUT + the etcd announce,
+                                      queued from eviction offers, until the last is confirmed
+      tier_load_mbps                  our loads: the metas' epochs (etcd) + a bounded GET + decrypt and
+                                      verify (AEAD tag, checksum, epoch) + into the CPU pool
       *_vs_raw                        ours / raw (1.0: the tier costs nothing over the client)
       raw_get_one_ms / tier_load_one_ms   one chunk, p50
 
@@ -45,6 +46,7 @@ from ..ids import OBJECTS, TIER_OBJECT
 from ..index.etcd_server import EtcdServer
 from ..keys import ChunkKey, Fingerprint
 from ..metrics import AgentMetrics
+from ..objects.format import max_object_size
 from ..objects.seaweed import SeaweedServer
 from ..objects.store import ObjectStore
 from ..plan import PlannedChunk
@@ -79,6 +81,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
         raw = ObjectStore(cfg.objects)
         raw_prefix = f"{cfg.objects.prefix}-raw"
         need = (0, agent.fingerprint.num_kv_heads)
+        limit = max_object_size(agent.chunk_bytes)
         out: dict[str, Any] = {"chunks": args.chunks, "chunk_bytes": agent.chunk_bytes, "inflight": args.inflight,
                                "rounds": args.rounds}
         best: dict[str, float] = {}
@@ -97,7 +100,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
                 async def one(i: int) -> None:
                     async with gate:
                         name, deadline = f"{raw_prefix}/{keys[i].hex()}", time.monotonic() + 60
-                        await (raw.put(name, payloads[i], deadline) if put else raw.get(name, deadline))
+                        await (raw.put(name, payloads[i], deadline) if put else raw.get(name, deadline, limit=limit))
 
                 t0 = time.perf_counter()
                 await asyncio.gather(*(one(i) for i in range(len(keys))))
@@ -127,7 +130,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
             ones_raw, ones_tier = [], []
             for i, chunk in enumerate(planned[:16]):
                 t0 = time.perf_counter()
-                asyncio.run(raw.get(f"{raw_prefix}/{keys[i].hex()}", time.monotonic() + 60))
+                asyncio.run(raw.get(f"{raw_prefix}/{keys[i].hex()}", time.monotonic() + 60, limit=limit))
                 ones_raw.append(time.perf_counter() - t0)
                 agent.tiers.remove(chunk.key)
                 t0 = time.perf_counter()

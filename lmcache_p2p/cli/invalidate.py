@@ -13,8 +13,11 @@ del``), or for ``--ttl`` seconds. With ``--wait`` it then watches the block inde
 entry that matched when it was issued is gone (deleted, or re-stored after the invalidation) and
 reports how many were removed. ``--node X`` covers every chunk X computed (the origin in the
 chunk's header), wherever it is held, and everything X holds; the entries counted and waited for
-are X's own (copies elsewhere go as their holders apply it). Exit code 0 when issued (and, with
-``--wait``, done), 1 when ``--wait`` timed out, 2 on bad arguments or when etcd cannot be reached.
+are X's own (copies elsewhere go as their holders apply it). The objects in the object store that
+match are counted from their etcd metas (each carries its fingerprint, uploader, origin and tenant: a
+fingerprint no running node serves too); the object tier's next cleanup, on any node that runs it,
+deletes them. Exit code 0 when issued (and, with ``--wait``, done), 1 when ``--wait`` timed out, 2 on
+bad arguments or when etcd cannot be reached.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import time
 
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
-from ..ids import OBJECTS
+from ..ids import OBJECTS, node_digest
 from ..index.client import EtcdClient, KeyValue
-from ..index.schema import Schema, decode_node_record, tenant_digest
+from ..index.schema import ObjectMeta, Schema, decode_node_record, decode_object_meta, tenant_digest
 from ..invalidation import Invalidation, issue
 from .common import add_etcd_arguments, tool_config
 
@@ -65,13 +68,29 @@ async def _matching_all(client: EtcdClient, schema: Schema, kind: str, value: st
     return out
 
 
+async def _matching_objects(client: EtcdClient, schema: Schema, kind: str, value: str) -> list[ObjectMeta]:
+    """The objects an invalidation of ``kind``/``value`` covers, by their metas (as uploaded: before it)."""
+    out = []
+    for kv in (await client.get_prefix(schema.objects))[0]:
+        try:
+            meta = decode_object_meta(kv.key, kv.value, prefix_len=len(schema.objects))
+        except MalformedRecord:
+            continue  # the cleanup skips it too
+        if (kind == "fingerprint" and meta.fp.hex().startswith(value)) or (kind == "tenant" and meta.tenant == value) \
+                or (kind == "node" and (meta.node == value or meta.origin == node_digest(value))):
+            out.append(meta)
+    return out
+
+
 async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None, ttl_s: int | None) -> int:
     schema = Schema(config.cluster)
     async with EtcdClient(config.etcd) as client:
         before = await _matching(client, schema, kind, value)
+        objects = await _matching_objects(client, schema, kind, value)
         inv, revision = await issue(client, schema, kind, value, ttl_s=ttl_s)
         print(f"issued invalidate/{inv.id}: {inv.kind}={inv.value} in cluster {config.cluster!r} "
-              f"(revision {revision}); {len(before)} block entries match", flush=True)
+              f"(revision {revision}); {len(before)} block entries match, and {len(objects)} objects in the object "
+              f"store", flush=True)
         if wait_s is None:
             return 0
         return await _wait(client, schema, inv, {kv.key for kv in before}, revision, wait_s)

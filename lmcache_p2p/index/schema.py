@@ -488,7 +488,10 @@ def decode_invalidation(etcd_key: bytes, data: bytes, revision: int, *, prefix_l
 class ObjectMeta:
     """``objects/<fp>/<key>``: what the cleanup needs to know of an object without reading it: its size,
     when it was uploaded (wall clock), by which node, and the chunk's epoch, tokens, heads and origin
-    (the node that computed it: ``invalidate --node`` finds its objects without reading them)."""
+    (the node that computed it: ``invalidate --node`` finds its objects without reading them), and the
+    :func:`tenant_digest` of its fingerprint ("" without a tenant: ``invalidate --tenant`` finds the objects
+    of a fingerprint no running node serves). A reader takes the object only if the epoch in its
+    authenticated header is this ``epoch`` (an older object put back under the name is a replay)."""
 
     fp: FingerprintDigest
     key: ChunkKey
@@ -499,10 +502,12 @@ class ObjectMeta:
     num_tokens: int
     heads: tuple[int, int]
     origin: NodeDigest = NO_ORIGIN
+    tenant: str = ""
 
     def pack(self) -> bytes:
         return msgpack.packb({"size": self.size, "at": self.uploaded_at, "node": self.node, "epoch": self.epoch,
-                              "tokens": self.num_tokens, "heads": list(self.heads), "origin": bytes(self.origin)})
+                              "tokens": self.num_tokens, "heads": list(self.heads), "origin": bytes(self.origin),
+                              "tenant": self.tenant})
 
 
 def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> ObjectMeta:
@@ -519,9 +524,11 @@ def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> Obje
             raise TypeError(f"expected a map, got {type(raw).__name__}")
         size, at, node, epoch, tokens, heads = (raw["size"], raw["at"], raw["node"], raw["epoch"], raw["tokens"],
                                                 raw["heads"])
-        origin = raw.get("origin", NO_ORIGIN)
+        origin, tenant = raw.get("origin", NO_ORIGIN), raw.get("tenant", "")
         if not (isinstance(origin, bytes) and len(origin) == len(NO_ORIGIN)):
             raise TypeError("origin: 16 bytes")
+        if not (isinstance(tenant, str) and (not tenant or _TENANT_DIGEST_RE.fullmatch(tenant))):
+            raise TypeError("tenant: a tenant digest (64 lower-case hex chars) or empty")
         if not (isinstance(size, int) and isinstance(at, (int, float)) and isinstance(node, str)
                 and isinstance(epoch, int) and isinstance(tokens, int) and isinstance(heads, list)
                 and len(heads) == 2 and all(isinstance(h, int) for h in heads)):
@@ -529,7 +536,8 @@ def decode_object_meta(etcd_key: bytes, data: bytes, *, prefix_len: int) -> Obje
         if not NODE_ID_RE.fullmatch(node) or size < 0 or epoch < 0 or not 0 <= heads[0] < heads[1]:
             raise ValueError("node id, size, epoch or heads out of range")
         return ObjectMeta(FingerprintDigest(bytes.fromhex(fp_hex.decode())), ChunkKey(bytes.fromhex(key_hex.decode())),
-                          size, float(at), NodeId(node), epoch, tokens, (heads[0], heads[1]), NodeDigest(origin))
+                          size, float(at), NodeId(node), epoch, tokens, (heads[0], heads[1]), NodeDigest(origin),
+                          tenant)
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise MalformedRecord("object meta", f"{etcd_key[-80:]!r}: {exc}") from exc
 

@@ -12,8 +12,10 @@ credentials file (``AWS_SHARED_CREDENTIALS_FILE`` or ``~/.aws/credentials``, pro
 or ``default``). They are never logged and never published in a node record.
 
 Every failure (connection refused, a timeout, a 5xx, a denied request) becomes
-:class:`~lmcache_p2p.errors.ObjectStoreError`; a missing object is :class:`ObjectMissing`. Retries
-are the caller's business: obstore's own are limited to one, so a dead store costs one deadline.
+:class:`~lmcache_p2p.errors.ObjectStoreError`; a missing object is :class:`ObjectMissing`; an object a
+bounded GET refuses by its size is :class:`ObjectSizeRefused` (the object's fault, not the store's: the
+caller does not back the store off for it). Retries are the caller's business: obstore's own are limited
+to one, so a dead store costs one deadline.
 """
 
 from __future__ import annotations
@@ -28,7 +30,16 @@ from typing import Any
 
 from ..aio import remaining
 from ..config import ObjectsConfig
-from ..errors import ObjectMissing, ObjectStoreError
+from ..errors import LMCacheP2PError, ObjectMissing, ObjectStoreError
+
+
+class ObjectSizeRefused(LMCacheP2PError):
+    """A GET found an object whose ``size`` the reader does not take (larger than its bound, or empty): the
+    object is there and the store answered, so it is the object's fault, not the store's."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size
 
 
 def credentials(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -74,6 +85,7 @@ class ObjectStore:
             retry_config={"max_retries": 1, "retry_timeout": timeout},
             **credentials(env))  # type: ignore[arg-type]
         self.calls = 0
+        self.bytes_read = 0  # object bytes GETs returned (bounded: see :meth:`get`)
 
     def __repr__(self) -> str:  # never the credentials
         return f"ObjectStore({self.url}, bucket={self.config.bucket})"
@@ -90,9 +102,13 @@ class ObjectStore:
             raise ObjectStoreError(f"{what} {name}: no answer in {left:.3f} s") from exc
         except FileNotFoundError as exc:  # obstore's NotFoundError subclasses it
             raise ObjectMissing(f"{what} {name}: not found") from exc
+        except ObjectSizeRefused:
+            raise
         except Exception as exc:  # obstore raises its own error classes for every failure
             if type(exc).__name__ == "NotFoundError":
                 raise ObjectMissing(f"{what} {name}: not found") from exc
+            if what == "GET" and "416 Range Not Satisfiable" in str(exc):  # an empty object: no byte 0
+                raise ObjectSizeRefused(f"{what} {name}: an empty object", 0) from exc
             raise ObjectStoreError(f"{what} {name}: {type(exc).__name__}: {_short(exc)}") from exc
 
     async def put(self, name: str, data: bytes | memoryview, deadline: float) -> None:
@@ -100,14 +116,23 @@ class ObjectStore:
 
         await self._bounded("PUT", name, deadline, obstore.put_async(self._store, name, data))
 
-    async def get(self, name: str, deadline: float) -> bytes:
+    async def get(self, name: str, deadline: float, *, limit: int) -> bytes:
+        """The object's bytes, if it holds at most ``limit``: one ranged GET of ``[0, limit)``, so a larger
+        object (anyone with write access to the bucket can put one) costs at most ``limit`` bytes on the wire
+        and none in memory; it raises :class:`ObjectSizeRefused` (as does an empty one) before its body is
+        read."""
         import obstore
 
-        async def whole() -> bytes:
-            result = await obstore.get_async(self._store, name)
-            return bytes(await result.bytes_async())
+        async def bounded() -> bytes:
+            result = await obstore.get_async(self._store, name, options={"range": (0, limit)})
+            size = int(result.meta["size"])
+            if size > limit:  # the object's whole size, from the response's Content-Range
+                raise ObjectSizeRefused(f"GET {name}: {size} bytes, more than the {limit} a reader takes", size)
+            data = bytes(await result.bytes_async())
+            self.bytes_read += len(data)
+            return data
 
-        data: bytes = await self._bounded("GET", name, deadline, whole())
+        data: bytes = await self._bounded("GET", name, deadline, bounded())
         return data
 
     async def delete(self, name: str, deadline: float) -> None:

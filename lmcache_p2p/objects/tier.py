@@ -9,24 +9,26 @@
     and queue it                 kept bytes go once the PUT answered    bandwidth) -> GET, verify, pool
 
 An object is immutable and content-addressed: its name is the chunk's (the key already hashes the
-tokens, the model and everything else that decides the KV), its body::
+tokens, the model and everything else that decides the KV); its body is the chunk and its uploader,
+encrypted and authenticated (AES-256-GCM) under a key of the cluster secret and the fingerprint's tenant,
+bound to its name (``format.py``). The store is not trusted: a bucket reader learns sizes, not KV; a
+bucket writer can delete, put oversized or garbage objects, or put back an older object of the same name.
+A read fetches at most the largest object a chunk of the pool's slot size packs into (a ranged GET:
+a larger object is refused before its body is read), authenticates it, checks its header's key,
+fingerprint and checksum, and takes it only if its epoch is the one the etcd meta recorded at upload
+(an older object under the name is a replay: refused). A bad object is deleted with its etcd entries
+and never served; an object a standing invalidation covers (by its epoch, fingerprint, tenant or
+uploader) is never loaded and is deleted. The cleanup pass reads every ``objects/`` record and deletes
+what an invalidation covers (a tenant's by the tenant the meta carries: also a fingerprint no running
+node serves) or ``tiers.chunk_ttl_s`` expired (every node with the tier runs it: deletes are idempotent).
 
-    [80-byte chunk header][payload][uploader node id][u8 its length][32-byte MAC, when a secret is set]
-
-A read checks the length, the header's key, fingerprint and checksum and, with a cluster secret,
-the keyed BLAKE3 MAC over everything before it (the store is not trusted: anyone with write access
-could put bytes with a matching xxh3 there; without the secret they cannot MAC them). A bad object
-is deleted with its etcd entries and never served; an object a standing invalidation covers (by its
-epoch, fingerprint or uploader) is never loaded and is deleted. The cleanup pass reads the
-``objects/`` records of this node's fingerprint and deletes what an invalidation covers or
-``tiers.chunk_ttl_s`` expired (every node with the tier runs it: deletes are idempotent).
-
-Reads are a transport (:class:`ObjectTransport`): the puller asks the store for chunks planned there, or
-for those a peer failed to send when the store is their alternative, in the same retry round as peers.
-Faults: every store call has a deadline (a load's own; ``objects.timeout_s`` for the rest), an error is
-a miss and backs the store off (the peers' rule, :class:`~lmcache_p2p.transfer.health.PeerHealth`) but is
-never remembered as "absent"; only a 404 removes the index entries. Saves never wait on the store: an offer only
-enqueues, and past ``objects.spill_bytes`` of bytes waiting it drops the chunk (counted).
+Reads are a transport (:class:`~lmcache_p2p.objects.transport.ObjectTransport`): the puller asks the store
+for chunks planned there, or for those a peer failed to send when the store is their alternative, in the
+same retry round as peers. Faults: every store call has a deadline (a load's own; ``objects.timeout_s``
+for the rest), an error is a miss and backs the store off (the peers' rule,
+:class:`~lmcache_p2p.transfer.health.PeerHealth`) but is never remembered as "absent"; only a 404 removes
+the index entries. Saves never wait on the store: an offer only enqueues, and past ``objects.spill_bytes``
+of bytes waiting it drops the chunk (counted). Retry loops wait a jittered backoff (``backoff.py``).
 """
 
 from __future__ import annotations
@@ -35,55 +37,39 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
-import hashlib
-import hmac
 import logging
 import os
 import threading
 import time
-import urllib.parse
 import uuid
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import blake3
-
-from ..aio import remaining
-from ..chunk import HEADER_SIZE, ChunkHeader, slice_heads, verify
+from ..backoff import Backoff
+from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
-from ..errors import (
-    ChunkError,
-    LMCacheP2PError,
-    MalformedChunk,
-    MalformedRecord,
-    ObjectMissing,
-    ObjectStoreError,
-    PeerTimeout,
-    TransferError,
-)
-from ..ids import NODE_ID_RE, OBJECTS, TIER_OBJECT, NodeId, PeerAddress
+from ..errors import LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
+from ..ids import OBJECTS, TIER_OBJECT, NodeId
 from ..index.client import EtcdClient, op_delete, op_put
-from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta
+from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta, tenant_digest
 from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import AgentMetrics
-from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import MissReason, PullResult, Want, wants_of
-from ..transfer.client import guarded_pull
 from ..transfer.health import PeerHealth
+from .format import object_key, pack_object
 from .store import ObjectStore
+from .transport import ObjectTransport
 
 log = logging.getLogger(__name__)
 
-MAC_BYTES = 32
-FETCH_PARALLEL = 8  # object reads in flight per load
 MAX_BACKOFF_S = 30.0
 ANNOUNCE_BATCH = 64  # uploads announced per etcd txn (2 operations each: etcd's default --max-txn-ops is 128)
 MAX_UNANNOUNCED = 65536  # uploads confirmed but not yet in etcd (etcd down): beyond, the oldest are forgotten
-ANNOUNCE_RETRY_S = 1.0
+RETRY_FIRST_S = 1.0  # the first wait of a retry loop (uploads, announces), doubling up to MAX_BACKOFF_S
 
 
 Covers = Callable[[ChunkHeader, NodeId], bool]  # (header, holder): an invalidation or quarantine stands against it
+CoversTenant = Callable[[ChunkHeader, str], bool]  # (header, tenant digest): a tenant invalidation stands against it
 
 
 @dataclasses.dataclass(slots=True)
@@ -94,53 +80,22 @@ class _Upload:
     size: int
 
 
-def object_mac(secret: bytes, body: bytes | memoryview) -> bytes:
-    """Keyed BLAKE3 under a key derived from the cluster secret (4.4x BLAKE2b's speed here: 2.5 GB/s)."""
-    return blake3.blake3(body, key=hashlib.sha256(b"lmcache-p2p object\0" + secret).digest()).digest(MAC_BYTES)
-
-
-def pack_object(header: ChunkHeader, payload: bytes | memoryview, node: NodeId, secret: bytes | None) -> bytes:
-    node_bytes = node.encode()
-    body = b"".join((header.pack(), payload, node_bytes, bytes([len(node_bytes)])))
-    return body + object_mac(secret, body) if secret else body
-
-
-def unpack_object(data: bytes, key: ChunkKey, fp: FingerprintDigest, secret: bytes | None
-                  ) -> tuple[ChunkHeader, memoryview, NodeId]:
-    """The verified header, payload and uploader of an object that should hold chunk ``key``; raises
-    :class:`~lmcache_p2p.errors.ChunkError` for anything else."""
-    view = memoryview(data)
-    if secret:
-        if len(view) < HEADER_SIZE + 2 + MAC_BYTES:
-            raise MalformedChunk(f"object of {len(view)} bytes is too short")
-        body, mac = view[:-MAC_BYTES], view[-MAC_BYTES:]
-        if not hmac.compare_digest(object_mac(secret, body), mac):
-            raise MalformedChunk("object MAC does not match the cluster secret")
-        view = body
-    header = ChunkHeader.unpack(view)
-    if header.key != key or header.fingerprint != fp:
-        raise MalformedChunk(f"object holds chunk {header.key.hex()[:16]} of {header.fingerprint.hex()[:8]}")
-    end = HEADER_SIZE + header.length
-    if len(view) < end + 1 or len(view) != end + view[-1] + 1:
-        raise MalformedChunk(f"object is {len(view)} bytes, its header says a {header.length}-byte payload")
-    node = bytes(view[end:-1]).decode("ascii", errors="replace")
-    if not NODE_ID_RE.fullmatch(node):
-        raise MalformedChunk(f"object names an invalid uploader {node[:40]!r}")
-    return header, verify(header, view[HEADER_SIZE:end]), NodeId(node)
-
-
 class ObjectTier:
     """Uploads (behind eviction), their etcd records and the cleanup; reads are :attr:`transport`'s.
 
     Given what it uses, never the agent: ``keep(header)`` whether a chunk leaving this node is worth an
     upload; ``covers(header, holder)`` whether an invalidation (or a quarantine of its computing node)
     stands against a chunk ``holder`` held; ``ttl_s()`` the chunk TTL now (the cluster config may change
-    it). Started on the loop with the etcd client (None: no index, nothing announced or cleaned up)."""
+    it); ``covers_tenant(header, tenant)`` whether a tenant invalidation stands against a chunk of that tenant
+    (the tenant an object's meta carries: the cleanup's, for fingerprints this node does not serve). Objects
+    are sealed under a key of ``secret`` and this fingerprint's tenant (``config.layout.tenant_salt``); without
+    a secret they are only checksummed. Started on the loop with the etcd client (None: no index, nothing
+    announced or cleaned up, and no object is read: a read needs its meta's epoch)."""
 
     def __init__(self, config: AgentConfig, store: ObjectStore, *, fp: FingerprintDigest, node_id: NodeId,
                  metrics: AgentMetrics, keep: Callable[[ChunkHeader], bool], covers: Covers,
                  ttl_s: Callable[[], float | None], secret: bytes | None = None, spill_dir: Path | None = None,
-                 rejects: Rejects | None = None) -> None:
+                 rejects: Rejects | None = None, covers_tenant: CoversTenant | None = None) -> None:
         self.store = store
         self.client: EtcdClient | None = None
         self.config = config.objects
@@ -149,9 +104,12 @@ class ObjectTier:
         self.node_id = node_id
         self._keep = keep
         self._covers = covers
+        self._covers_tenant = covers_tenant
         self._ttl_s = ttl_s
-        self._secret = secret
-        self._schema = Schema(config.cluster)
+        salt = config.layout.tenant_salt
+        self.tenant = tenant_digest(salt) if salt else ""  # this fingerprint's, in every meta it announces
+        self.seal_key = object_key(secret, self.tenant) if secret else None
+        self.schema = Schema(config.cluster)
         self._spill_dir = spill_dir
         self.rejects = rejects if rejects is not None else Rejects()
         self._queue: collections.deque[_Upload] = collections.deque()
@@ -289,12 +247,16 @@ class ObjectTier:
             item.path.unlink(missing_ok=True)
 
     async def _upload_forever(self) -> None:
+        backoff = Backoff(RETRY_FIRST_S, MAX_BACKOFF_S)
         while True:
+            started = time.monotonic()
             try:
                 await self._uploads()
             except Exception:  # supervised: logged, and uploads go on
                 log.exception("object uploads failed")
-                await asyncio.sleep(ANNOUNCE_RETRY_S)
+                if time.monotonic() - started > MAX_BACKOFF_S:  # it ran a while: a new failure, not a loop
+                    backoff.reset()
+                await asyncio.sleep(backoff.next())
 
     async def _uploads(self) -> None:
         assert self._wake is not None
@@ -348,9 +310,10 @@ class ObjectTier:
                 if ChunkHeader.unpack(raw) != header:
                     raise MalformedChunk("the disk file kept for upload holds another chunk")
                 payload = verify(header, memoryview(raw)[HEADER_SIZE:])  # a disk fault is never uploaded
-            # MAC and copy off the loop (it serves pulls; hashlib releases the GIL on large buffers)
-            body = await asyncio.to_thread(pack_object, header, payload, self.node_id, self._secret)
-            await self.store.put(self.name(header.key), body, time.monotonic() + self.config.timeout_s)
+            # seal and copy off the loop (it serves pulls; OpenSSL releases the GIL)
+            name = self.name(header.key)
+            body = await asyncio.to_thread(pack_object, header, payload, self.node_id, name, self.seal_key)
+            await self.store.put(name, body, time.monotonic() + self.config.timeout_s)
             self.bytes.labels("up").inc(len(body))
         except (ObjectStoreError, LMCacheP2PError, OSError) as exc:
             self.ops.labels("put", "error").inc()
@@ -359,13 +322,15 @@ class ObjectTier:
         self.ops.labels("put", "ok").inc()
         if self._announce_wake is not None:
             self._unannounced.append(ObjectMeta(self.fp, header.key, len(body), time.time(), self.node_id,
-                                                header.epoch, header.num_tokens, header.heads, header.origin))
+                                                header.epoch, header.num_tokens, header.heads, header.origin,
+                                                self.tenant))
             self._announce_wake.set()
 
     async def _announce_forever(self) -> None:
         """Confirmed uploads into etcd, in batches: per object its index entry (``@objects``, tier 3) and the
         cleanup's record, without a lease. With etcd down they wait (the newest ``MAX_UNANNOUNCED``)."""
         assert self._announce_wake is not None and self.client is not None
+        backoff = Backoff(RETRY_FIRST_S, MAX_BACKOFF_S)
         while True:
             if not self._unannounced:
                 self._announce_wake.clear()
@@ -373,12 +338,13 @@ class ObjectTier:
                 continue
             try:
                 await self._announce_batch()
+                backoff.reset()
             except LMCacheP2PError as exc:
                 log.warning("announcing uploaded objects failed (retried): %s", exc)
-                await asyncio.sleep(ANNOUNCE_RETRY_S)
+                await asyncio.sleep(backoff.next())
             except Exception:  # supervised: logged, and the next batch is tried
                 log.exception("announcing uploaded objects failed")
-                await asyncio.sleep(ANNOUNCE_RETRY_S)
+                await asyncio.sleep(backoff.next())
 
     async def _announce_batch(self) -> None:
         """One txn of up to ``ANNOUNCE_BATCH`` confirmed uploads (put back in front if it fails). An object an
@@ -388,10 +354,10 @@ class ObjectTier:
         ops: list[object] = []
         for meta in batch:
             if self._covered(meta):
-                self._spawn(self._forget(meta.key, delete_object=True, fp=meta.fp), "object-forget")
+                self.forget_soon(meta.key, meta.fp, delete_object=True)
                 continue
-            ops += [op_put(self._schema.object_meta(meta.fp, meta.key), meta.pack()),
-                    op_put(self._schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
+            ops += [op_put(self.schema.object_meta(meta.fp, meta.key), meta.pack()),
+                    op_put(self.schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
         if not ops:
             return
         try:
@@ -401,8 +367,10 @@ class ObjectTier:
             raise
 
     def _covered(self, meta: ObjectMeta) -> bool:
-        return self._covers(ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads,
-                                             meta.origin), meta.node)
+        header = ChunkHeader(meta.key, meta.fp, 0, meta.num_tokens, 0, meta.epoch, meta.heads, meta.origin)
+        if self._covers(header, meta.node):
+            return True
+        return bool(meta.tenant) and self._covers_tenant is not None and self._covers_tenant(header, meta.tenant)
 
     @property
     def unannounced(self) -> int:
@@ -413,6 +381,14 @@ class ObjectTier:
         """Not backed off after errors (an unreachable store costs one deadline, then is left alone)."""
         return self.health.available(self.transport.address)
 
+    def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
+        """Whether an invalidation or quarantine stands against an object ``holder`` uploaded."""
+        return self._covers(header, holder)
+
+    def forget_soon(self, key: ChunkKey, fp: FingerprintDigest, *, delete_object: bool) -> None:
+        """On the loop: :meth:`_forget` in the background."""
+        self._spawn(self._forget(key, delete_object=delete_object, fp=fp), "object-forget")
+
     async def _forget(self, key: ChunkKey, *, delete_object: bool, fp: FingerprintDigest | None = None) -> None:
         """Delete an object (when asked) and its etcd entries; failures are logged, the next cleanup retries."""
         fp = fp or self.fp
@@ -422,8 +398,8 @@ class ObjectTier:
                     await self.store.delete(self.name(key, fp), time.monotonic() + self.config.timeout_s)
                 self.ops.labels("delete", "ok").inc()
             if self.client is not None:
-                await self.client.txn([], [op_delete(self._schema.object_meta(fp, key)),
-                                           op_delete(self._schema.block(fp, key, OBJECTS))])
+                await self.client.txn([], [op_delete(self.schema.object_meta(fp, key)),
+                                           op_delete(self.schema.block(fp, key, OBJECTS))])
         except LMCacheP2PError as exc:
             self.ops.labels("delete", "error").inc()
             log.warning("forgetting object %s failed: %s", key.hex()[:16], exc)
@@ -452,11 +428,11 @@ class ObjectTier:
         covers or the chunk TTL expired; returns how many. Also counts this fingerprint's objects and bytes."""
         if self.client is None:
             return 0
-        kvs, _rev = await self.client.get_prefix(self._schema.objects)
+        kvs, _rev = await self.client.get_prefix(self.schema.objects)
         metas: list[ObjectMeta] = []
         for kv in kvs:
             try:
-                metas.append(decode_object_meta(kv.key, kv.value, prefix_len=len(self._schema.objects)))
+                metas.append(decode_object_meta(kv.key, kv.value, prefix_len=len(self.schema.objects)))
             except MalformedRecord as exc:
                 self.rejects.add(exc, kv.key)
         ttl, now = self._ttl_s(), time.time()
@@ -470,114 +446,3 @@ class ObjectTier:
             log.info("object cleanup: deleted %d objects (invalidated or past the chunk TTL), %d of this fingerprint "
                      "kept", len(doomed), len(mine))
         return len(doomed)
-
-
-class ObjectTransport:
-    """The object store as one more transport (``objects``): the :class:`~lmcache_p2p.transfer.pull.Puller`
-    pulls from it like from a slow peer (the node ``@objects``), through the same retry round and backoff
-    rule (:func:`~lmcache_p2p.transfer.client.guarded_pull`, :class:`PeerHealth`).
-
-    A read checks the object (length, key, fingerprint, checksum, MAC), cuts it to the heads wanted and
-    commits it into the pool (the pool's admission gate applies); an object that is not its chunk, or that
-    an invalidation or quarantine stands against, is deleted with its etcd entries. A 404 is ``absent`` (its
-    entries are forgotten); a store error or a read past the deadline fails the rest of the pull and backs
-    the store off, never "absent". The store's speed is measured per pull (its bytes over the pull's wall
-    time, reads in parallel): what the fetch-or-recompute budget predicts."""
-
-    name = "objects"
-
-    def __init__(self, tier: ObjectTier) -> None:
-        self.tier = tier
-        url = urllib.parse.urlsplit(tier.store.url)
-        self.address = PeerAddress(url.hostname or "", url.port or (443 if url.scheme == "https" else 80), OBJECTS)
-
-    async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
-                   dst: CpuPool, deadline: float) -> PullResult:
-        wants = wants_of(keys)
-        return await guarded_pull(self.tier.health, peer, wants,
-                                  lambda result: self._pull(fingerprint, wants, dst, result, deadline))
-
-    async def _pull(self, fp: FingerprintDigest, wants: list[Want], dst: CpuPool, result: PullResult,
-                    deadline: float) -> None:
-        gate = asyncio.Semaphore(FETCH_PARALLEL)
-        failed: list[ObjectStoreError] = []
-
-        async def one(want: Want) -> None:
-            async with gate:
-                if failed or remaining(deadline) <= 0:
-                    return  # the store failed this pull already, or time is up: missed with the rest
-                try:
-                    data = await self._read(want.key, fp, deadline)
-                except ObjectStoreError as exc:
-                    failed.append(exc)
-                    return
-                if data is None:
-                    result.missed[want.key] = MissReason.ABSENT
-                    return
-                self._land(want, fp, data, dst, result, deadline)
-
-        await asyncio.gather(*(one(w) for w in wants))
-        if failed:  # one backoff step per pull, however many of its reads hung on the same store
-            raise TransferError(f"object store: {failed[0]}")
-        if remaining(deadline) <= 0 and any(w.key not in result.loaded and w.key not in result.missed for w in wants):
-            raise PeerTimeout("object store: reads not done by the deadline")
-
-    async def _read(self, key: ChunkKey, fp: FingerprintDigest, deadline: float) -> bytes | None:
-        """The object's bytes; None when it is not there (a 404 forgets it); raises ObjectStoreError when the
-        store failed."""
-        tier = self.tier
-        try:
-            data = await tier.store.get(tier.name(key, fp), deadline)
-        except ObjectMissing:
-            tier.ops.labels("get", "missing").inc()
-            tier._spawn(tier._forget(key, delete_object=False, fp=fp), "object-forget")
-            return None
-        except ObjectStoreError as exc:
-            tier.ops.labels("get", "error").inc()
-            log.warning("object read of %s failed: %s", key.hex()[:16], exc)
-            raise
-        tier.bytes.labels("down").inc(len(data))
-        return data
-
-    def _land(self, want: Want, fp: FingerprintDigest, data: bytes, dst: CpuPool, result: PullResult,
-              deadline: float) -> None:
-        """Verify an object read for ``want`` and commit it into ``dst``. A bad object, or one an invalidation
-        or quarantine stands against, is deleted."""
-        tier, key = self.tier, want.key
-        name = tier.name(key, fp)
-        try:
-            header, payload, uploader = unpack_object(data, key, fp, tier._secret)
-            if want.heads is not None and header.heads != want.heads:
-                header, payload = slice_heads(header, payload, want.heads)
-        except ChunkError as exc:
-            tier.ops.labels("get", "corrupt").inc()
-            log.error("object %s is not chunk %s: %s; deleted", name, key.hex()[:16], exc)
-            tier._spawn(tier._forget(key, delete_object=True, fp=fp), "object-forget")
-            result.missed[key] = MissReason.CHECKSUM
-            return
-        if tier._covers(header, uploader):
-            tier.ops.labels("get", "invalidated").inc()
-            tier._spawn(tier._forget(key, delete_object=True, fp=fp), "object-forget")
-            result.missed[key] = MissReason.INVALIDATED
-            return
-        if remaining(deadline) <= 0:  # verified too late: the engine is recomputing it already
-            tier.ops.labels("get", "late").inc()
-            result.missed[key] = MissReason.LATE
-            return
-        try:
-            stored = dst.put(header if want.store_as is None else dataclasses.replace(header, key=want.store_as),
-                             payload)
-        except LMCacheP2PError as exc:
-            log.warning("storing object %s failed: %s", key.hex()[:16], exc)
-            stored = False
-        tier.ops.labels("get", "ok" if stored else "refused").inc()
-        if stored:
-            result.loaded[key] = header
-        else:
-            result.missed[key] = MissReason.INVALIDATED
-
-    def forget_except(self, live: Collection[PeerAddress]) -> None:
-        """No per-peer state: the store is one address."""
-
-    async def close(self) -> None:
-        """Nothing held open."""
