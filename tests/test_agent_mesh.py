@@ -28,6 +28,7 @@ from lmcache_p2p.plan import LOCAL, HitPlan
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 from lmcache_p2p.transfer.client import ConnectionPool
 from lmcache_p2p.transfer.nixl_engine import nixl_available
+from lmcache_p2p.transfer.stack import TransferStack
 
 TOKENS = 1024 + 100  # 4 full chunks and a partial tail
 
@@ -306,3 +307,38 @@ def test_a_tls_mesh_pulls_over_tls_and_skips_plain_peers(etcd, cluster_name, tmp
         c.stop()
         a.stop()
         b.stop()
+
+
+def test_with_per_node_certificates_an_owner_whose_certificate_names_no_node_is_refused(etcd, cluster_name,
+                                                                                        tmp_path):
+    """A mesh of per-node certificates (``lmcache-p2p certs DIR NODE=node:NODE``): requester c, whose
+    own certificate names it, requires names by default. Owner m holds the secret and a certificate of
+    the same CA that names no node (a shared one, or any other the CA issued): c refuses it as m, before
+    the HMAC handshake, counts it as a peer error of m's and recomputes; a's named certificate serves."""
+    made = make_certs(tmp_path / "pki", ["a=node:a", "c=node:c", "unnamed"])
+
+    def tls(name: str) -> dict[str, str]:
+        return {"tls_ca_cert": str(tmp_path / "pki" / "ca.crt"), "tls_cert": str(made[name][0]),
+                "tls_key": str(made[name][1])}
+
+    a = AgentProcess(agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints,
+                                transfer=tls("a")), seeds=(1,), tokens=TOKENS, log=tmp_path / "a.log").wait_ready()
+    m = AgentProcess(agent_yaml(tmp_path / "m.yaml", node="m", cluster=cluster_name, endpoints=etcd.endpoints,
+                                transfer=tls("unnamed")), seeds=(2,), tokens=TOKENS,
+                     log=tmp_path / "m.log").wait_ready()
+    c = requester(tmp_path, cluster_name, etcd.endpoints, transfer=tls("c"))
+    try:
+        stack = c.transfer_stack
+        assert isinstance(stack, TransferStack) and stack.control.require_node_name  # unset: on (c's names c)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(1, TOKENS)).hit_tokens == TOKENS, 10)
+        assert wait_until(lambda: c.lookup(synthetic_tokens(2, TOKENS)).hit_tokens == TOKENS, 10)
+        loaded, plan = load_and_check(c, 1)
+        assert loaded == [True] * 5 and {ch.source for ch in plan.chunks} == {"a"}
+        loaded, plan = load_and_check(c, 2)
+        assert {ch.source for ch in plan.chunks} == {"m"} and not any(loaded)
+        assert (c.metrics.registry.get_sample_value("lmcache_p2p_peer_errors_total", {"peer": "m"}) or 0) >= 1
+        assert stack.health.failures(c.index.nodes()["m"].peer()) >= 1  # backed off
+    finally:
+        c.stop()
+        a.stop()
+        m.stop()

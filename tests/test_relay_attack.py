@@ -8,8 +8,9 @@ xxh3 checksum and epoch 2**64 - 1. Two ways to be planned:
 
 - ``evil``: a record ``nodes/evil`` with the relay's address and GPU-tier entries for the owner's
   chunks (they win the plan, for half the chunks: the planner spreads a prompt over its owners).
-  Stopped by the handshake: the owner proves the secret as ``a``, not as ``evil`` (with TLS already
-  by the channel binding: the relay's certificate is not the owner's).
+  Stopped by the handshake: the owner proves the secret as ``a``, not as ``evil`` (with per-node
+  TLS certificates already by the relay's certificate, which names no node; with names not required
+  the channel binding would: the relay's certificate is not the owner's, ``test_transfer_tls.py``).
 - ``overwrite``: the owner's own record rewritten with the relay's address. The owner's proof is
   right, so only the payload MAC (on by default without TLS) or TLS stops this one.
 
@@ -201,14 +202,16 @@ def test_an_etcd_writer_without_the_secret_gets_no_forged_chunk_loaded(
     if mode == "evil":
         # the planned owner "evil" failed its handshake; its chunks came from "a", the real owner
         assert genuine == 4 and stats["handshakes"] == 0 and stats["forged"] == 0 and peer_errors >= 1
-        why = "over this TLS channel" if tls else "answered as node 'a', not the node 'evil'"
+        # with TLS the relay's certificate (the CA's, naming no node) is refused before the proofs:
+        # the victim's own certificate names it, so it requires owners' to (transfer.tls_require_node_name)
+        why = "the owner's certificate names no node" if tls else "answered as node 'a', not the node 'evil'"
         assert why in caplog.text
         assert wait_until(lambda: announced_by(etcd, cluster_name, "c") == 4, 10)  # the genuine copies
         return
     assert genuine == 0
-    if tls:  # the relay's certificate is not the owner's: the owner's proof does not verify
+    if tls:  # the relay's certificate names no node: refused before the proofs (which it could not pass either)
         assert stats["handshakes"] == 0 and stats["forged"] == 0 and peer_errors >= 1
-        assert "over this TLS channel" in caplog.text
+        assert "the owner's certificate names no node" in caplog.text
     else:  # the handshake passed (it was the real "a"); every forged chunk failed the session MAC
         assert stats["handshakes"] >= 1 and stats["forged"] >= 1 and mac_drops(agent) == stats["forged"]
     assert not any(agent.tiers.cpu.contains(ch.key) for ch in agent.lookup(synthetic_tokens(SEED, TOKENS)).chunks)
