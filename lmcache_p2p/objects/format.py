@@ -59,17 +59,21 @@ def max_object_size(slot_bytes: int) -> int:
 
 
 def pack_object(header: ChunkHeader, payload: bytes | memoryview, node: NodeId, name: str,
-                key: bytes | None) -> bytes:
+                key: bytes | None) -> bytes | bytearray:
     """The object for chunk ``header`` stored under ``name``: sealed under ``key`` (see :func:`object_key`),
     or only checksummed when ``key`` is None (no cluster secret)."""
     node_bytes = node.encode()
     if len(node_bytes) > MAX_UPLOADER_BYTES:
         raise MalformedChunk(f"uploader id of {len(node_bytes)} bytes")
-    body = b"".join((header.pack(), payload, node_bytes, bytes([len(node_bytes)])))
+    parts = (header.pack(), payload, node_bytes, bytes([len(node_bytes)]))
     if key is None:
-        return _PREAMBLE.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, PLAIN, bytes(NONCE_BYTES)) + body
+        return b"".join((_PREAMBLE.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, PLAIN, bytes(NONCE_BYTES)), *parts))
     preamble = _PREAMBLE.pack(OBJECT_MAGIC, OBJECT_FORMAT_VERSION, SEALED, os.urandom(NONCE_BYTES))
-    return preamble + AESGCM(key).encrypt(preamble[-NONCE_BYTES:], body, preamble + name.encode())
+    body = b"".join(parts)
+    out = bytearray(PREAMBLE_SIZE + len(body) + TAG_BYTES)  # one buffer: ciphertext and tag land after the preamble
+    out[:PREAMBLE_SIZE] = preamble
+    AESGCM(key).encrypt_into(preamble[-NONCE_BYTES:], body, preamble + name.encode(), memoryview(out)[PREAMBLE_SIZE:])
+    return out
 
 
 def unpack_object(data: bytes, name: str, key: ChunkKey, fp: FingerprintDigest, aead_key: bytes | None

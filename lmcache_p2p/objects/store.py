@@ -111,7 +111,7 @@ class ObjectStore:
                 raise ObjectSizeRefused(f"{what} {name}: an empty object", 0) from exc
             raise ObjectStoreError(f"{what} {name}: {type(exc).__name__}: {_short(exc)}") from exc
 
-    async def put(self, name: str, data: bytes | memoryview, deadline: float) -> None:
+    async def put(self, name: str, data: bytes | bytearray | memoryview, deadline: float) -> None:
         import obstore
 
         await self._bounded("PUT", name, deadline, obstore.put_async(self._store, name, data))
