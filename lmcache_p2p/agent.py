@@ -218,7 +218,9 @@ class CacheAgent:
         return ObjectTier(self.config, ObjectStore(self.config.objects), fp=self.fp, node_id=self.node_id,
                           metrics=self.metrics, keep=self.wants_upload, covers=self._covers_object,
                           ttl_s=lambda: self.config.tiers.chunk_ttl_s, secret=secret, spill_dir=spill_dir,
-                          rejects=self.rejects)
+                          rejects=self.rejects,
+                          # the invalidation is built after the tier (it takes the tiers, which take the tier's offer)
+                          covers_tenant=lambda header, tenant: self.invalidation.covers_tenant(header, tenant))
 
     def _start_objects(self, objects: ObjectTier, client: Any) -> None:
         """Loads at once; uploads of what this node evicts from here on; records and cleanup in etcd."""

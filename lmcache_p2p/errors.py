@@ -120,3 +120,12 @@ class ObjectStoreError(LMCacheP2PError):
 
 class ObjectMissing(ObjectStoreError):
     """The object store does not hold the object asked for."""
+
+
+class ObjectSizeRefused(LMCacheP2PError):
+    """A GET found an object whose ``size`` the reader does not take (larger than its bound, or empty): the
+    object is there and the store answered, so it is the object's fault, not the store's."""
+
+    def __init__(self, message: str, size: int) -> None:
+        super().__init__(message)
+        self.size = size

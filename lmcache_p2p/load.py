@@ -9,7 +9,7 @@
 the object tier, estimates, metrics) and given them, never the agent: the worker connector
 (``integrations/vllm/worker.py``) scatters its pins into the engine's blocks, :meth:`CacheAgent.load`
 copies them out; both go through :meth:`Loader.load_pinned`. The object store is one more owner to the
-planner and the puller (``@objects``, behind its own transport, ``objects/tier.py``): planned like a slow
+planner and the puller (``@objects``, behind its own transport, ``objects/transport.py``): planned like a slow
 peer (its measured latency and bandwidth in the same estimates), retried and backed off by the same rules,
 and read for a chunk a peer failed to send while time is left.
 

@@ -30,16 +30,7 @@ from typing import Any
 
 from ..aio import remaining
 from ..config import ObjectsConfig
-from ..errors import LMCacheP2PError, ObjectMissing, ObjectStoreError
-
-
-class ObjectSizeRefused(LMCacheP2PError):
-    """A GET found an object whose ``size`` the reader does not take (larger than its bound, or empty): the
-    object is there and the store answered, so it is the object's fault, not the store's."""
-
-    def __init__(self, message: str, size: int) -> None:
-        super().__init__(message)
-        self.size = size
+from ..errors import ObjectMissing, ObjectSizeRefused, ObjectStoreError
 
 
 def credentials(env: dict[str, str] | None = None) -> dict[str, str]:

@@ -30,6 +30,7 @@ from ..errors import (
     LMCacheP2PError,
     MalformedRecord,
     ObjectMissing,
+    ObjectSizeRefused,
     ObjectStoreError,
     PeerTimeout,
     TransferError,
@@ -41,7 +42,6 @@ from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import MissReason, PullResult, Want, wants_of
 from ..transfer.client import guarded_pull
 from .format import max_object_size, unpack_object
-from .store import ObjectSizeRefused
 
 if TYPE_CHECKING:
     from .tier import ObjectTier
