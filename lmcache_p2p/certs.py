@@ -14,8 +14,10 @@ The transfer TLS (``transfer.tls_*``) checks the CA and binds its handshake to t
 certificate, not to host names. Give every node a certificate of its own that names it: a
 requester then refuses an owner whose certificate names another node (a name covers the node's
 tensor-parallel ranks ``ID-r<k>`` too), and no two nodes share a channel binding. A certificate
-that names no node is still accepted, by any node (one shared by all: then only the HMAC proofs
-tell nodes apart). etcd clients check each endpoint's host name against the SANs of that member's
+that names no node is refused as an owner by a node whose own certificate names one
+(``transfer.tls_require_node_name``, on by default then); only nodes that all share one unnamed
+certificate accept it (then only the HMAC proofs tell nodes apart). Issue transfer certificates
+from a CA of their own, apart from etcd's (``k8s/generate-certs.sh``: ``pki/etcd``, ``pki/transfer``). etcd clients check each endpoint's host name against the SANs of that member's
 certificate.
 """
 
