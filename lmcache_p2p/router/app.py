@@ -263,7 +263,7 @@ class Router:
     async def handle_routed(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
         body = await self._read_body(request)
-        if isinstance(body, web.Response):
+        if not isinstance(body, bytes):
             return body
         try:
             payload = await asyncio.to_thread(json.loads, body) if len(body) > PARSE_INLINE_BYTES else json.loads(body)
@@ -301,20 +301,26 @@ class Router:
             pool = "mixed"
         return await self._serve(request, request.path, body, payload, tokens, pool, headers, started)
 
-    async def _read_body(self, request: web.Request) -> bytes | web.Response:
-        """The request's body within ``max_body_bytes`` and ``read_timeout_s``, else the error to answer
-        (the connection closed after it: the rest of the body is never read)."""
+    async def _read_body(self, request: web.Request) -> bytes | web.StreamResponse:
+        """The request's body within ``max_body_bytes`` and ``read_timeout_s``, else the error answered. Past
+        the time, the connection is closed once the 408 is written (no lingering over a trickling body);
+        past the size, the rest of the body is drained and dropped (aiohttp's lingering, at most 10 s) so
+        that the client reads the 413 rather than a reset."""
         try:
             async with asyncio.timeout(self.config.read_timeout_s):
                 return await request.read()
         except web.HTTPRequestEntityTooLarge:
-            reason, response = "too_large", _error(413, f"request body over {self.config.max_body_bytes} bytes",
-                                                   "invalid_request_error")
+            self.metrics.refused.labels("too_large").inc()
+            return _error(413, f"request body over {self.config.max_body_bytes} bytes", "invalid_request_error")
         except TimeoutError:
-            reason, response = "read_timeout", _error(408, f"request body not received within "
-                                                           f"{self.config.read_timeout_s:g} s", "invalid_request_error")
-        self.metrics.refused.labels(reason).inc()
+            self.metrics.refused.labels("read_timeout").inc()
+        response = _error(408, f"request body not received within {self.config.read_timeout_s:g} s",
+                          "invalid_request_error")
         response.force_close()
+        await response.prepare(request)
+        await response.write_eof()
+        if request.transport is not None:
+            request.transport.close()
         return response
 
     async def _serve(self, request: web.Request, path: str, body: bytes, payload: dict[str, Any],
