@@ -17,7 +17,8 @@ tensor-parallel ranks ``ID-r<k>`` too), and no two nodes share a channel binding
 that names no node is refused as an owner by a node whose own certificate names one
 (``transfer.tls_require_node_name``, on by default then); only nodes that all share one unnamed
 certificate accept it (then only the HMAC proofs tell nodes apart). Issue transfer certificates
-from a CA of their own, apart from etcd's (``k8s/generate-certs.sh``: ``pki/etcd``, ``pki/transfer``). etcd clients check each endpoint's host name against the SANs of that member's
+from a CA of their own, apart from etcd's (``k8s/generate-certs.sh``: ``pki/etcd``,
+``pki/transfer``). etcd clients check each endpoint's host name against the SANs of that member's
 certificate.
 """
 

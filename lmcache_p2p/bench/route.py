@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -33,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import free_port
+from ..router.proof import router_key
 from ..testing.tiny_model import create_tiny_model
 from .common import emit, run_in_workdir
 from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
-from .vllm import MODEL_SIZES, bench_prompts
+from .vllm import MODEL_SIZES, SECRET, bench_prompts
 from .workloads import Workload
 
 MODES = ("round_robin", "score", "score_load", "disaggregated")
@@ -56,7 +58,9 @@ def router_process(fleet: Fleet, mode: str, args: argparse.Namespace, work: Path
     else:
         cmd += ["--etcd", fleet.etcd_endpoints, "--cluster", "bench-serve", "--policy", mode]
     with open(work / f"router-{mode}.log", "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        # the router key of the fleet's cluster secret: announced engines are used only with proofs under it
+        env = {**os.environ, "LMCACHE_P2P_ROUTER_KEY": router_key(SECRET.encode()).hex()}
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + 60
