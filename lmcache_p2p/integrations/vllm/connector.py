@@ -80,6 +80,14 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """The external hit split by where it was held: this node's CPU pool (``host``) or disk (``disk``), or
+        peers and the object store (``p2p``): vLLM's ``prompt_tokens_by_source``."""
+        if self._scheduler is None or num_external_tokens <= 0:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {CacheHitSource(source): n for source, n in
+                self._scheduler.hit_sources(request, num_external_tokens).items()}
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

@@ -15,6 +15,7 @@ import torch
 
 from ...agent import CacheAgent
 from ...blocks import ChunkTransfer, blocks_from
+from ...ids import OBJECTS
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey
 from ...plan import LOCAL
@@ -37,6 +38,13 @@ def wait_for_index(agent: CacheAgent, t: ChunkTransfer | BlendTransfer, keys: li
     if not agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
         log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                  t.index_revision)
+
+
+def _source_of(agent: CacheAgent, key: ChunkKey, source: str) -> str:
+    """Where a planned chunk comes from, for the log: ``local cpu``, ``local disk``, ``peer <node>``, ``objects``."""
+    if source == LOCAL:
+        return f"local {agent.tiers.where(key) or 'cpu'}"
+    return "objects" if source == OBJECTS else f"peer {source}"
 
 
 class ExactLoads:
@@ -62,6 +70,7 @@ class ExactLoads:
             wait_for_index(agent, t, keys, deadline)
         plan = agent.plan(keys, spans, pos)
         agent.count_lookup(plan, 0)
+        sources = [_source_of(agent, c.key, c.source) for c in plan.chunks]  # before the load moves them
         t1 = time.perf_counter()
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
         t2 = time.perf_counter()
@@ -99,6 +108,15 @@ class ExactLoads:
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+        loaded = len(t.block_ids) if not failed else next(
+            (i for i, blocks in enumerate(t.block_ids) if failed.intersection(blocks)), len(t.block_ids))
+        if loaded and sources:  # one line per request a hit served: that the mesh works shows in the engine's own log
+            by: dict[str, int] = {}
+            for i in range(min(loaded, len(sources))):
+                by[sources[i]] = by.get(sources[i], 0) + t.num_tokens[i]
+            log.info("request %s: %d tokens from cache (%s) in %.1f ms%s", t.req_id, sum(by.values()),
+                     ", ".join(f"{name} {n}" for name, n in by.items()), 1e3 * (time.perf_counter() - t0),
+                     f"; {len(failed)} blocks recomputed" if failed else "")
         return failed
 
     def _scatter(self, staging: torch.Tensor, blocks: list[int], skip: int) -> None:

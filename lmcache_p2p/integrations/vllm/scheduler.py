@@ -58,6 +58,7 @@ import xxhash
 from ...aio import LoopThread
 from ...blocks import ChunkTransfer, chunk_transfer
 from ...config import AgentConfig
+from ...ids import TIER_DISK
 from ...index.reader import IndexReader
 from ...index.schema import NodeRecord
 from ...keys import (
@@ -130,6 +131,7 @@ class _Request:
     blended: bool = False  # its KV is blended, until it finishes: never saved
     salted: bool = False  # its vLLM block hashes were made its own
     active: _Active | None = None  # being computed: what is saved of it
+    sources: dict[str, int] = dataclasses.field(default_factory=dict)  # the hit's tokens by where they are held
 
 
 class P2PScheduler:
@@ -297,6 +299,7 @@ class P2PScheduler:
         needed = keys[num_computed_tokens // self._chunk: -(-exact // self._chunk)]
         if exact <= num_computed_tokens:
             needed = []
+        record.sources = self._sources(keys, num_computed_tokens, exact, n, blend)
         if blend is not None:
             record.blend = blend
             self._salt(request, record, blend.exact_end)  # before vLLM allocates (a sync hit is cached there)
@@ -312,6 +315,50 @@ class P2PScheduler:
             return 0, False
         record.load_async = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
+
+    def _where(self, key: ChunkKey) -> str:
+        """Where a chunk of a hit is held, as vLLM's ``CacheHitSource`` names it: ``host`` or ``disk`` (this
+        engine's own agents: its node id, or its ranks' ``<id>-r<k>``), else ``p2p`` (peers, the object store)."""
+        node = self._config.node_id
+        tiers = [t for n, t in self._index.mirror.owners(key).items() if n == node or n.startswith(node + "-r")]
+        if tiers:
+            return "disk" if min(tiers) >= TIER_DISK else "host"
+        return "host" if key in self._saved else "p2p"
+
+    def _sources(self, keys: list[ChunkKey], start: int, exact: int, n: int, blend: BlendPlan | None
+                 ) -> dict[str, int]:
+        """The ``n`` hit tokens from ``start`` by where they are held: the exact part chunk by chunk (up to
+        ``exact``), a blend's segment tokens by where most of its held segment chunks are."""
+        out: dict[str, int] = {}
+        for i in range(start // self._chunk, -(-exact // self._chunk)):
+            if i < len(keys):
+                tokens = min((i + 1) * self._chunk, exact) - max(i * self._chunk, start)
+                if tokens > 0:
+                    where = self._where(keys[i])
+                    out[where] = out.get(where, 0) + tokens
+        rest = n - sum(out.values())
+        if rest > 0:
+            held = [self._where(ChunkKey(k)) for seg in (blend.segments if blend else []) if not seg.fresh
+                    for k in seg.keys]
+            where = max(set(held), key=held.count) if held else "p2p"
+            out[where] = out.get(where, 0) + rest
+        return out
+
+    def hit_sources(self, request: Any, num_external_tokens: int) -> dict[str, int]:
+        """The external hit of ``request`` by where it was held when offered (``host``, ``disk``, ``p2p``),
+        summing to ``num_external_tokens``."""
+        record = self._requests.get(request.request_id)
+        sources = dict(record.sources) if record is not None else {}
+        total = sum(sources.values())
+        if not sources or num_external_tokens <= 0:
+            return {"p2p": num_external_tokens} if num_external_tokens > 0 else {}
+        if total != num_external_tokens:  # vLLM granted another count than was offered: the largest absorbs it
+            largest = max(sources, key=lambda s: sources[s])
+            sources[largest] += num_external_tokens - total
+            sources = {s: v for s, v in sources.items() if v > 0}
+            if sum(sources.values()) != num_external_tokens:
+                return {"p2p": num_external_tokens}
+        return sources
 
     def _declared(self, request: Any, record: _Request, prompt: list[int],
                   identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[SegmentChunks] | None:
