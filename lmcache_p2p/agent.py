@@ -31,6 +31,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -46,7 +47,7 @@ from . import __version__, cputime
 from .aio import LoopThread, remaining
 from .canary import Copy
 from .chunk import ChunkHeader, make_header
-from .config import AgentConfig, cluster_secret
+from .config import AdvertisedHosts, AgentConfig, advertised_hosts, cluster_secret, is_wildcard
 from .coordinator import apply as cluster_config_apply
 from .coordinator.apply import set_log_level
 from .coordinator.cluster_config import ClusterConfig
@@ -276,10 +277,12 @@ class CacheAgent:
     def node_record(self) -> NodeRecord:
         stack = self._stack
         metrics_url = None
-        if self._metrics_server is not None:
-            metrics_url = f"http://{self._advertise_host()}:{self._metrics_server.port}/metrics"
+        if self._metrics_server is not None:  # the host its server binds (or ours, when it binds every one)
+            host = self._hosts.metrics
+            metrics_url = f"http://{f'[{host}]' if ':' in host else host}:{self._metrics_server.port}/metrics"
         transfer = stack.node_record() if stack is not None else {}
-        address = f"{transfer.get('host')}:{transfer.get('port')}"
+        host = str(transfer.get("host"))
+        address = f"{self._advertise_host() if is_wildcard(host) else host}:{transfer.get('port')}"
         proof = None  # routers use the engine this record announces only with its proof
         secret = self._secret if self._secret is not None else cluster_secret(self.config)
         if self.config.engine_url and secret:
@@ -363,8 +366,20 @@ class CacheAgent:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
 
+    @functools.cached_property
+    def _hosts(self) -> AdvertisedHosts:
+        """Where peers reach this node and its /metrics (``config.advertised_hosts``), resolved once, at
+        start: a wildcard listen host without an advertise host is detected or refused (ConfigError)."""
+        hosts = advertised_hosts(self.config)
+        if hosts.detected:
+            log.info("transfer.listen_host is %s: advertising %s, this host's outward address (set "
+                     "transfer.advertise_host to choose another)", self.config.transfer.listen_host, hosts.transfer)
+        for warning in hosts.warnings:
+            log.warning("%s", warning)
+        return hosts
+
     def _advertise_host(self) -> str:
-        return self.config.transfer.advertise_host or self.config.transfer.listen_host
+        return self._hosts.transfer
 
     @property
     def metrics_port(self) -> int | None:

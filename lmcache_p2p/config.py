@@ -23,6 +23,7 @@ field are ignored (Kubernetes injects ``<SERVICE>_PORT``-style variables). Every
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import os
 import re
@@ -31,13 +32,14 @@ import tomllib
 import types
 import typing
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
 ENV_PREFIX = "LMCACHE_P2P_"
+CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the config file every process and tool reads when given none
 EVICTION_POLICIES = ("lru", "lfu", "s3fifo")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 TRANSPORTS = ("tcp", "nixl")
@@ -46,13 +48,18 @@ _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40,  # Kubernetes' binary suffixes
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(value: int | str, field: str) -> int:
-    """Bytes from ``1048576``, ``"512MiB"``, ``"20GB"`` (decimal) or ``"4G"`` (binary)."""
+    """Bytes from ``1048576``, ``"512MiB"``, ``"32Gi"`` (Kubernetes' binary units), ``"20GB"`` (decimal).
+
+    ``KB``/``MB``/``GB``/``TB`` are powers of 1000; ``KiB``/``Ki``, ``MiB``/``Mi``, ``GiB``/``Gi``,
+    ``TiB``/``Ti`` and the bare ``K``/``M``/``G``/``T`` are powers of 1024 (``4G`` is 4 GiB, not 4 GB).
+    Units are case-insensitive."""
     if isinstance(value, bool):
         raise ConfigError(field, f"expected a size, got {value!r}")
     if isinstance(value, int):
@@ -61,7 +68,8 @@ def parse_size(value: int | str, field: str) -> int:
         return value
     m = _SIZE_RE.match(str(value))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(field, f"not a size: {value!r} (examples: 1048576, 512MiB, 20GB)")
+        raise ConfigError(field, f"not a size: {value!r} (examples: 1048576, 512MiB, 32Gi, 20GB; "
+                                 "GB is 10^9 bytes, G, Gi and GiB are 2^30)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -375,6 +383,10 @@ class AgentConfig:
     cluster: str = "default"
     chunk_size: int = 256
     metrics_port: int | None = None
+    # Where /metrics and /v1/score bind. Loopback by default: nothing unauthenticated is exposed unless
+    # asked. The node record advertises this host when it is a specific address, the transfer advertise
+    # host when it is a wildcard (advertised_hosts); loopback beside a non-loopback transfer address is
+    # warned about at start: `status`, routers and peers on other machines can't reach it.
     metrics_host: str = "127.0.0.1"
     layout: LayoutConfig = LayoutConfig()
     tiers: TierConfig = TierConfig()
@@ -433,8 +445,11 @@ def load_config(
     env: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> AgentConfig:
-    """Build an :class:`AgentConfig` from file, environment and overrides (dotted keys)."""
+    """Build an :class:`AgentConfig` from file, environment and overrides (dotted keys). With no
+    ``path``, the file named by ``LMCACHE_P2P_CONFIG`` (if set) in ``env``."""
     merged: dict[str, Any] = {}
+    if path is None:
+        path = (os.environ if env is None else env).get(CONFIG_ENV) or None
     if path is not None:
         _merge(merged, _read_file(Path(path)))
     _merge(merged, _from_env(os.environ if env is None else env))
@@ -482,7 +497,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     sections = _sections()
     for name, value in env.items():
-        if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "SECRET":
+        if not name.startswith(ENV_PREFIX) or name in (ENV_PREFIX + "SECRET", CONFIG_ENV):
             continue
         rest = name[len(ENV_PREFIX):].lower()
         section, _, field = rest.partition("_")
@@ -578,3 +593,123 @@ def cluster_secret(config: AgentConfig, env: Mapping[str, str] | None = None) ->
     if value:
         check_secret(value, ENV_PREFIX + "SECRET")
     return value.encode() if value else None
+
+
+SECRET_HOWTO = (f"set {ENV_PREFIX}SECRET in the environment of every node (the same value everywhere, e.g. "
+                f"`export {ENV_PREFIX}SECRET=$(openssl rand -hex 32)`) or transfer.secret in the config file")
+
+
+def require_secret(config: AgentConfig, env: Mapping[str, str] | None = None) -> bytes:
+    """The cluster secret, or a :class:`ConfigError` saying how to set it."""
+    secret = cluster_secret(config, env)
+    if not secret:
+        raise ConfigError("transfer.secret", f"no cluster secret: {SECRET_HOWTO}")
+    return secret
+
+
+# -- where peers reach this node ------------------------------------------------------------------
+
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "", "*", "[::]"})
+_PROBE_ADDRESS = ("8.8.8.8", 80)  # never sent to: a UDP connect only picks the outward route
+
+
+def is_wildcard(host: str) -> bool:
+    return host.strip() in WILDCARD_HOSTS
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip().lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def detect_host() -> str | None:
+    """This host's outward address, as vLLM finds it: the source address of the route to a public
+    address (a UDP ``connect`` sends nothing), else the host name's address unless it is loopback."""
+    for family, target in ((socket.AF_INET, _PROBE_ADDRESS), (socket.AF_INET6, ("2001:4860:4860::8888", 80))):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(target)
+                host = str(s.getsockname()[0])
+        except OSError:
+            continue
+        if not is_wildcard(host) and not is_loopback(host):
+            return host
+    try:
+        host = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+    return None if is_loopback(host) or is_wildcard(host) else host
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AdvertisedHosts:
+    """What a node's record says about where it is: ``transfer`` (peers dial it) and ``metrics`` (the
+    host of ``metrics_url``); ``detected``: the transfer host was detected, not configured; ``warnings``:
+    what to log at start."""
+
+    transfer: str
+    metrics: str
+    detected: bool = False
+    warnings: tuple[str, ...] = ()
+
+
+def advertised_hosts(config: AgentConfig, detect: Callable[[], str | None] = detect_host) -> AdvertisedHosts:
+    """Resolve the hosts a node advertises; :class:`ConfigError` when a wildcard listen host has no
+    advertise host and none can be detected (peers would dial 0.0.0.0, themselves)."""
+    tc = config.transfer
+    transfer, detected = tc.advertise_host or tc.listen_host, False
+    if tc.advertise_host is not None and is_wildcard(tc.advertise_host):
+        raise ConfigError("transfer.advertise_host", f"{tc.advertise_host!r} is a wildcard, not an address "
+                          "peers can dial: set this node's own IP or DNS name")
+    if tc.advertise_host is None and is_wildcard(tc.listen_host):
+        found = detect()
+        if not found:
+            raise ConfigError("transfer.advertise_host", f"transfer.listen_host is {tc.listen_host!r} (every "
+                              "interface) and no outward address of this host could be detected: set "
+                              "transfer.advertise_host (or LMCACHE_P2P_TRANSFER_ADVERTISE_HOST) to the IP "
+                              "or name peers reach this node at")
+        transfer, detected = found, True
+    metrics = transfer if is_wildcard(config.metrics_host) else config.metrics_host
+    warnings = []
+    if config.metrics_port is not None and is_loopback(metrics) and not is_loopback(transfer):
+        warnings.append(f"metrics_host is {config.metrics_host} (loopback) while peers reach this node at "
+                        f"{transfer}: lmcache-p2p status, routers and peers on other machines can't reach its "
+                        f"/metrics or /v1/score (they call it unresponsive); set metrics_host to 0.0.0.0 or "
+                        f"{transfer}")
+    return AdvertisedHosts(transfer, metrics, detected, tuple(warnings))
+
+
+# -- vLLM's kv_connector_extra_config ---------------------------------------------------------------
+
+EXTRA_CONFIG_KEYS = ("config", "overrides", "keep_fail_policy")  # besides dotted config fields
+
+
+def extra_config_overrides(extra: Mapping[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """``(config file, dotted overrides)`` from vLLM's ``kv_connector_extra_config``: ``"overrides"``
+    and flat dotted keys beside it (``{"transfer.listen_host": "0.0.0.0"}``), the flat ones last. A key
+    that is neither one of :data:`EXTRA_CONFIG_KEYS` nor a config field is a :class:`ConfigError`."""
+    nested = extra.get("overrides") or {}
+    if not isinstance(nested, Mapping):
+        raise ConfigError("kv_connector_extra_config.overrides", "must be a mapping of dotted config keys")
+    overrides = dict(nested)
+    for key, value in extra.items():
+        if key in EXTRA_CONFIG_KEYS:
+            continue
+        if not _known_dotted(key):
+            raise ConfigError(f"kv_connector_extra_config.{key}",
+                              f"unknown key: neither one of {EXTRA_CONFIG_KEYS} nor a config field "
+                              "(dotted, e.g. transfer.listen_host)")
+        overrides[key] = value
+    path = extra.get("config")
+    return (str(path) if path else None), overrides
+
+
+def _known_dotted(key: str) -> bool:
+    head, _, tail = key.partition(".")
+    if head in _sections():
+        return bool(tail) and tail in _field_names(head)
+    return not tail and head in {f.name for f in dataclasses.fields(AgentConfig)} and head != "set_by_node"

@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import sys
 
+from .. import __version__
+
 # command words -> "module:function"; the function takes the remaining argv and returns an exit code.
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "tiers"): ("lmcache_p2p.bench.tiers:main", "CPU and disk tiers vs memcpy and raw file I/O"),
@@ -45,13 +47,28 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("identity",): ("lmcache_p2p.cli.identity:main", "a model's identity (layout.model_id) from its files"),
     ("certs",): ("lmcache_p2p.cli.certs:main", "a cluster CA and TLS certificates (transfer, etcd)"),
     ("etcd",): ("lmcache_p2p.cli.etcd:main", "run a private etcd (the embedded default)"),
+    ("doctor",): ("lmcache_p2p.cli.doctor:main", "check a node's config and environment: etcd, secret, hosts, peers"),
 }
+
+# how the usage groups the commands (a command in no group is listed under "run")
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("operate", ("config", "invalidate", "verify", "certs", "identity")),
+    ("inspect", ("status", "doctor", "lookup", "score", "events")),
+    ("run", ("agent", "router", "etcd", "demo")),
+    ("benchmark", ("bench",)),
+)
+HELP_WORDS = (["-h"], ["--help"], ["help"])
 
 
 def _usage() -> str:
-    lines = ["usage: lmcache-p2p <command> [args]", "", "commands:"]
-    for words, (_, help_) in COMMANDS.items():
-        lines.append(f"  {' '.join(words):<18} {help_}")
+    lines = ["usage: lmcache-p2p <command> [args]   (lmcache-p2p <command> --help: its options)",
+             "       lmcache-p2p --version"]
+    grouped = {word for _, words in GROUPS for word in words}
+    for group, words in GROUPS:
+        lines += ["", f"{group}:"]
+        for cmd, (_, help_) in COMMANDS.items():
+            if cmd[0] in words or (group == "run" and cmd[0] not in grouped):
+                lines.append(f"  {' '.join(cmd):<18} {help_}")
     return "\n".join(lines)
 
 
@@ -62,8 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         if target is not None:
             module, func = target[0].split(":")
             return int(getattr(importlib.import_module(module), func)(args[n:]) or 0)
+    if args[:1] in (["--version"], ["-V"]):
+        print(f"lmcache-p2p {__version__}")
+        return 0
+    if args[:1] in HELP_WORDS:
+        print(_usage())
+        return 0
     print(_usage(), file=sys.stderr)
-    return 0 if args[:1] in (["-h"], ["--help"]) else 2
+    return 2
 
 
 if __name__ == "__main__":

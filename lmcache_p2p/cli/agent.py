@@ -14,7 +14,7 @@ import logging
 import sys
 
 from ..agent import CacheAgent
-from ..config import cluster_secret, load_config
+from ..config import cluster_secret, load_config, require_secret
 from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
 from ..keys import Fingerprint
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p agent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="agent config file (.yaml, .toml, .json)")
+    parser.add_argument("--config", help="agent config file (.yaml, .toml, .json; default: $LMCACHE_P2P_CONFIG)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set transfer.port=7470 (repeatable)")
     parser.add_argument("--log-level", default="INFO")
@@ -35,6 +35,7 @@ def main(argv: list[str]) -> int:
     try:
         overrides = dict(item.split("=", 1) for item in args.set)
         config, _ = read_at_start(load_config(args.config, overrides=overrides))  # + the cluster config in etcd
+        require_secret(config)
     except (ValueError, OSError) as exc:
         print(f"lmcache-p2p agent: invalid configuration: {exc}", file=sys.stderr)
         return 2

@@ -6,9 +6,10 @@ with the same config an agent uses and the same errors.
     with etcd_endpoints(config, prog, private_ok=True) as c:  # the embedded default when none is set
 
 Endpoints, TLS (``etcd.ca_cert`` / ``cert_cert`` / ``cert_key``), user and password come from the
-config file (``--config``), the environment (``LMCACHE_P2P_ETCD_*``) and the flags, in that order of
-precedence with the flags last, exactly as for an agent (``config.load_config``). A tool exists to
-read etcd, so it waits the full ``etcd.timeout_s`` for it rather than an agent's short start-up wait.
+config file (``--config``, else ``LMCACHE_P2P_CONFIG``), the environment (``LMCACHE_P2P_ETCD_*``) and
+the flags, in that order of precedence with the flags last, exactly as for an agent
+(``config.load_config``). A tool exists to read etcd, so it waits the full ``etcd.timeout_s`` for it
+rather than an agent's short start-up wait.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from ..config import AgentConfig, load_config
 def add_etcd_arguments(parser: argparse.ArgumentParser, *, default_help: str = "config/env") -> None:
     parser.add_argument("--etcd", help=f"comma-separated etcd endpoints (default: {default_help})")
     parser.add_argument("--cluster", help="cluster name (default: config/env)")
-    parser.add_argument("--config", help="agent config file to take etcd settings (TLS, auth) and chunk size from")
+    parser.add_argument("--config", help="agent config file to take etcd settings (TLS, auth) and chunk size from "
+                        "(default: $LMCACHE_P2P_CONFIG)")
 
 
 def tool_config(args: argparse.Namespace, prog: str, *, require_endpoints: bool = True) -> AgentConfig:

@@ -10,7 +10,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from ...config import AgentConfig, LayoutConfig, load_config
+from ...config import AgentConfig, LayoutConfig, extra_config_overrides, load_config
 from ...coordinator.apply import read_at_start
 from ...keys import Fingerprint
 from ..engine_identity import engine_model_id
@@ -21,14 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def connector_config(vllm_config: Any, kv_cache_config: Any = None) -> AgentConfig:
-    """The agent config: the file named by ``kv_connector_extra_config["config"]`` (optional),
-    ``LMCACHE_P2P_*`` environment variables, then ``extra_config["overrides"]`` (dotted keys),
-    with the layout taken from the engine. ``layout.model_id`` set there pins the model's identity
-    by name instead of by content (copies of one model whose files differ)."""
-    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
-    overrides = dict(extra.get("overrides") or {})
+    """The agent config: the file named by ``kv_connector_extra_config["config"]`` (optional; else
+    ``LMCACHE_P2P_CONFIG``), ``LMCACHE_P2P_*`` environment variables, then ``extra_config["overrides"]``
+    and flat dotted keys beside it (``config.extra_config_overrides``), with the layout taken from the
+    engine. ``layout.model_id`` set there pins the model's identity by name instead of by content
+    (copies of one model whose files differ)."""
+    path, overrides = extra_config_overrides(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     layout = engine_layout(vllm_config, overrides.get("layout.tenant_salt", ""), kv_cache_config)
-    own = load_config(extra.get("config"), overrides=overrides)  # the node's file, environment, overrides
+    own = load_config(path, overrides=overrides)  # the node's file, environment, overrides
     pinned = own.layout.model_id if "layout.model_id" in own.set_by_node else None
     if pinned:  # the operator names the model: engines share by that name, whatever their files say
         log.warning("lmcache-p2p: model identity pinned by name %r (the engine's files say %s): every engine "
@@ -39,7 +39,7 @@ def connector_config(vllm_config: Any, kv_cache_config: Any = None) -> AgentConf
     for name in LayoutConfig.__dataclass_fields__:
         overrides[f"layout.{name}"] = getattr(layout, name)
     # Both connector sides read the same stored cluster config (e.g. chunk_size) at start.
-    config, _ = read_at_start(load_config(extra.get("config"), overrides=overrides))
+    config, _ = read_at_start(load_config(path, overrides=overrides))
     return config
 
 
