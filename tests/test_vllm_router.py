@@ -216,6 +216,16 @@ def external_tokens(engine: VllmServer) -> float:
     return total
 
 
+def cached_by_source(engine: VllmServer) -> dict[str, float]:
+    """vLLM's ``prompt_tokens_cached_by_source`` by source (what the connector's hit sources filed)."""
+    out: dict[str, float] = {}
+    for line in engine.metrics().splitlines():
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def test_disaggregated_decode_loads_every_chunk_from_the_mesh_and_answers_as_one_engine(fleet, router):
     records = node_records(fleet.cfgs["ra"])
     score = str(records["ra"].metrics_url).replace("/metrics", "/v1/score")
@@ -230,6 +240,10 @@ def test_disaggregated_decode_loads_every_chunk_from_the_mesh_and_answers_as_one
         status, headers, answer = post(disagg.url + "/v1/completions", body)
         assert status == 200 and headers[ENGINE_HEADER] == "rb"
         assert external_tokens(b) - before >= 4 * 256  # every whole chunk from the mesh, none recomputed
+        # seen working without reading metrics: the decode engine's own log names the hit and where it came
+        # from (INFO, under vllm serve), and vLLM files it under p2p in prompt_tokens_cached_by_source
+        assert "tokens from cache (peer ra" in (fleet.work / "rb.log").read_text()
+        assert cached_by_source(b).get("p2p", 0) >= 4 * 256
         status, _, single = post(a.url + "/v1/completions", body)  # the prefill engine answering alone
         assert status == 200 and text_of(answer, False, False) == text_of(single, False, False)
     finally:
