@@ -20,33 +20,46 @@ for arg in "$@"; do
   esac
 done
 
-# The whole suite in two lanes at once (README: tests): the tests that start vLLM engines (or many
-# processes in network namespaces) one after another, in the order below, the most timing-sensitive
-# last, when the other lane is long done; beside them every other test, in parallel (pytest-xdist,
-# one module per worker). pytest exits 5 when it collects no tests, so an empty lane fails here too.
+# The whole suite in two lanes at once (README: tests).
+# - The engine lane: the tests that start vLLM engines (or many processes in network namespaces), one
+#   after another, in the order below; the most timing-sensitive (netns, chaos, faults, bench serve) last.
+# - The parallel lane: every test that starts no engine, in parallel (pytest-xdist, one module per
+#   worker); then, once those are done, the engine tests that only check answers and counts (no timing:
+#   AFTER_PARALLEL), one after another, beside the engine lane's rest.
+# pytest exits 5 when it collects no tests, so an empty lane fails here too.
 ENGINE_LANE=(
-  tests/test_demo.py tests/test_vllm_identity.py tests/test_vllm_tp.py tests/test_vllm_chat.py
-  tests/test_vllm_canary.py tests/test_vllm_canary_decode.py tests/test_vllm_blend.py
-  tests/test_vllm_blend_prefix_cache.py tests/test_vllm_instruct_blend.py tests/test_vllm_rag.py
-  tests/test_vllm_router.py tests/test_vllm_preempt.py tests/test_vllm_mesh.py tests/test_netns.py
-  tests/test_chaos.py tests/test_vllm_faults.py tests/test_bench_serve.py
+  tests/test_vllm_tp.py tests/test_vllm_chat.py tests/test_vllm_canary.py tests/test_vllm_canary_decode.py
+  tests/test_vllm_blend.py tests/test_vllm_rag.py tests/test_vllm_router.py tests/test_vllm_preempt.py
+  tests/test_vllm_mesh.py tests/test_netns.py tests/test_chaos.py tests/test_vllm_faults.py tests/test_bench_serve.py
 )
-missing=$(comm -23 <(ls tests/test_vllm_*.py | sort) <(printf '%s\n' "${ENGINE_LANE[@]}" | sort))
+AFTER_PARALLEL=(
+  tests/test_demo.py tests/test_vllm_identity.py tests/test_vllm_instruct_blend.py
+  tests/test_vllm_blend_prefix_cache.py
+)
+missing=$(comm -23 <(ls tests/test_vllm_*.py | sort) <(printf '%s\n' "${ENGINE_LANE[@]}" "${AFTER_PARALLEL[@]}" | sort))
 [ -z "$missing" ] || { echo "[test] engine tests not in a lane: $missing" >&2; exit 2; }
 ignores=()
-for f in "${ENGINE_LANE[@]}"; do ignores+=(--ignore="$f"); done
+for f in "${ENGINE_LANE[@]}" "${AFTER_PARALLEL[@]}"; do ignores+=(--ignore="$f"); done
 parallel_log=$(mktemp -t lmcache-p2p-parallel-lane.XXXXXX)
 workers=${LMCACHE_P2P_TEST_WORKERS:-2}
 start=$(date +%s)
-.venv/bin/python -m pytest -n "$workers" --dist loadfile "${ignores[@]}" "$@" >"$parallel_log" 2>&1 &
+(
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile "${ignores[@]}" "$@"
+  rc=$?
+  echo "[test] ---- engine tests after the parallel ones ($(( $(date +%s) - start )) s in) ----"
+  .venv/bin/python -m pytest "$@" "${AFTER_PARALLEL[@]}"
+  rc2=$?
+  [ "$rc" = 0 ] && [ "$rc2" = 0 ]
+) >"$parallel_log" 2>&1 &
 parallel=$!
 set +e
 .venv/bin/python -m pytest "$@" "${ENGINE_LANE[@]}"
 engine_rc=$?
+echo "[test] engine lane done, $(( $(date +%s) - start )) s in"
 wait "$parallel"
 parallel_rc=$?
 set -e
-echo "[test] ---- the parallel lane (every test that starts no engine, $workers workers) ----"
+echo "[test] ---- the parallel lane (every test that starts no engine, $workers workers; then ${#AFTER_PARALLEL[@]} engine modules) ----"
 cat "$parallel_log"
 rm -f "$parallel_log"
 echo "[test] engine lane exit $engine_rc, parallel lane exit $parallel_rc, $(( $(date +%s) - start )) s in all"
