@@ -213,7 +213,7 @@ async def handshake(config: AgentConfig, secret: bytes, record: NodeRecord, time
         async with asyncio.timeout(timeout_s):
             await pool.get(peer, fp, timeout_s)
     except (LMCacheP2PError, TimeoutError, OSError) as exc:
-        return Check(name, FAIL, f"{peer.host}:{peer.port}: {exc or type(exc).__name__}",
+        return Check(name, FAIL, f"{type(exc).__name__}: {exc or f'{peer.host}:{peer.port}'}",
                      "same LMCACHE_P2P_SECRET on every node? is its address reachable from here (firewall, "
                      "advertise_host)?")
     finally:
@@ -246,7 +246,7 @@ def check_fingerprints(records: Mapping[str, NodeRecord]) -> Check:
         return Check("fingerprints", WARN, f"model {model} is served under {len(fps)} layout fingerprints "
                      f"({', '.join(sorted(fps))}): their chunks never match",
                      "lmcache-p2p status shows which field differs (dtype, block size, KV layout, tenant salt)")
-    return Check("fingerprints", OK, f"{len(by_model)} models, one layout fingerprint each")
+    return Check("fingerprints", OK, f"one layout fingerprint per model ({len(by_model)} models)")
 
 
 # -- this host ------------------------------------------------------------------------------------------
