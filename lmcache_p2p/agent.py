@@ -45,7 +45,6 @@ from prometheus_client import CollectorRegistry
 
 from . import __version__, cputime
 from .aio import LoopThread, remaining
-from .canary import Copy
 from .chunk import ChunkHeader, make_header
 from .config import AdvertisedHosts, AgentConfig, advertised_hosts, cluster_secret, is_wildcard
 from .coordinator import apply as cluster_config_apply
@@ -55,12 +54,12 @@ from .coordinator.store import ConfigWatcher
 from .errors import LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
-from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeDigest, NodeId, node_digest
+from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeId, node_digest
 from .index.protocol import BlockIndex
 from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
 from .invalidation import MeshInvalidation
-from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, piece_key, tokens_to_array
+from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .load import Loader
 from .metrics import AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, make_plan
@@ -571,64 +570,10 @@ class CacheAgent:
         return (self.puller is not None and self.puller.usable(record) and record is not None
                 and not (quarantine is not None and quarantine.blocked(record.node_id)))
 
-    # -- canary (see canary.py; called from the worker's canary thread) ---------------------------------
+    # -- canary (canary.py; the mesh side of its checks is MeshCopies, over this agent's parts) -------
     @property
     def index_schema(self) -> Schema:
         return Schema(self.config.cluster)
-
-    def owners_of(self, key: ChunkKey) -> list[NodeId]:
-        """Peers the index lists for ``key`` that this node could pull from (quarantined ones left out)."""
-        if self.index is None:
-            return []
-        nodes = self.index.nodes()
-        return [n for n in self.index.owners(self.fp, [key])[0] if n != self.node_id and self.usable(nodes.get(n))]
-
-    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None:
-        """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key (never
-        announced) and verified like every pull, then copied out of registered memory and verified
-        again there; None if it could not be had by ``deadline``."""
-        if self.puller is None or self.loop is None or not chunk.pieces:
-            return None
-        scratch = piece_key(chunk.key, chunk.pieces[0].heads)
-        try:
-            missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline), remaining(deadline) + 1.0)
-            if missed:
-                return None
-            held = self._staged_copy(scratch)
-            return None if held is None else Copy(held[1], held[0].origin)
-        except LMCacheP2PError as exc:
-            log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
-            return None
-        finally:
-            self.tiers.cpu.remove(scratch)
-
-    def _staged_copy(self, key: ChunkKey) -> tuple[ChunkHeader, bytes] | None:
-        pin = self.tiers.cpu.pin(key, self.config.tiers.pin_timeout_s)
-        if pin is None:
-            return None
-        try:
-            staged = self.tiers.cpu.stage(pin)
-            return (pin.header, staged.numpy().tobytes()) if staged is not None else None
-        finally:
-            self.tiers.cpu.unpin(pin)
-
-    def replace_if_differs(self, key: ChunkKey, num_tokens: int, reference: bytes,
-                           differs: Callable[[bytes, bytes], bool]) -> None:
-        """This node's copy of ``key``, if it differs from what its engine just computed
-        (``reference``), is dropped and the computed one stored in its place."""
-        held = self._staged_copy(key)
-        if held is None or not differs(reference, held[1]):
-            return
-        log.error("canary: this node's copy of chunk %s is not the KV its engine computes: replaced", key.hex()[:16])
-        self.tiers.remove(key)
-        self.store_chunks([key], [num_tokens], [memoryview(reference)])
-
-    def node_named(self, origin: NodeDigest) -> NodeId | None:
-        """The node of the mesh (this one included) that ``origin`` (a chunk header's) names."""
-        if origin == self.origin:
-            return self.node_id
-        nodes = self.index.nodes() if self.index is not None else {}
-        return next((n for n in nodes if node_digest(n) == origin), None)
 
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         """Write ``record`` to etcd: every planner stops using the owner (this one at once)."""

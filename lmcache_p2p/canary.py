@@ -32,14 +32,25 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from .ids import NodeDigest, NodeId
+from .aio import remaining
+from .chunk import ChunkHeader
+from .errors import LMCacheP2PError
+from .ids import NodeDigest, NodeId, node_digest
 from .index.quarantine import QuarantineRecord
-from .keys import ChunkKey, HeadRange
+from .keys import ChunkKey, HeadRange, piece_key
 from .plan import Piece, PlannedChunk
+
+if TYPE_CHECKING:
+    from .aio import LoopThread
+    from .index.protocol import BlockIndex
+    from .index.schema import NodeRecord
+    from .keys import FingerprintDigest
+    from .tiers import TieredStore
+    from .transfer.pull import Puller
 
 log = logging.getLogger(__name__)
 
@@ -191,3 +202,84 @@ class _Found:
     owner: NodeId
     distance: float | None  # None: no copy
     computed_by: NodeId | None = None  # the node its origin names, if any
+
+
+class MeshCopies:
+    """The mesh side of a canary check (:class:`CanaryNode`), over a started agent's parts: the index
+    (owners, node records), the puller (a copy pulled aside under a scratch key, verified like every
+    pull), the CPU pool (copied out of registered memory and verified again), the quarantine (written
+    through the agent, so its own planner stops at once)."""
+
+    def __init__(self, *, node_id: NodeId, origin: NodeDigest, heads: HeadRange, fp: FingerprintDigest,
+                 tiers: TieredStore, puller: Puller, loop: LoopThread, pin_timeout_s: float,
+                 index: Callable[[], BlockIndex | None], usable: Callable[[NodeRecord | None], bool],
+                 store: Callable[[list[ChunkKey], list[int], list[memoryview]], object],
+                 quarantine: Callable[[QuarantineRecord], None]) -> None:
+        self.node_id = node_id
+        self.origin = origin
+        self.heads = heads
+        self.fp = fp
+        self.tiers = tiers
+        self.puller = puller
+        self.loop = loop
+        self.pin_timeout_s = pin_timeout_s
+        self._index = index  # the agent's index (None while etcd is not yet open)
+        self._usable = usable
+        self._store = store
+        self.quarantine_owner = quarantine
+
+    def owners_of(self, key: ChunkKey) -> list[NodeId]:
+        """Peers the index lists for ``key`` that this node could pull from (quarantined ones left out)."""
+        index = self._index()
+        if index is None:
+            return []
+        nodes = index.nodes()
+        return [n for n in index.owners(self.fp, [key])[0] if n != self.node_id and self._usable(nodes.get(n))]
+
+    def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None:
+        """``owner``'s copy of ``chunk`` (a one-piece plan), pulled aside under a scratch key (never
+        announced) and verified like every pull, then copied out of registered memory and verified
+        again there; None if it could not be had by ``deadline``."""
+        if not chunk.pieces:
+            return None
+        scratch = piece_key(chunk.key, chunk.pieces[0].heads)
+        try:
+            missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline), remaining(deadline) + 1.0)
+            if missed:
+                return None
+            held = self._staged_copy(scratch)
+            return None if held is None else Copy(held[1], held[0].origin)
+        except LMCacheP2PError as exc:
+            log.warning("canary: pulling %s from %s failed: %s", chunk.key.hex()[:16], owner, exc)
+            return None
+        finally:
+            self.tiers.cpu.remove(scratch)
+
+    def _staged_copy(self, key: ChunkKey) -> tuple[ChunkHeader, bytes] | None:
+        pin = self.tiers.cpu.pin(key, self.pin_timeout_s)
+        if pin is None:
+            return None
+        try:
+            staged = self.tiers.cpu.stage(pin)
+            return (pin.header, staged.numpy().tobytes()) if staged is not None else None
+        finally:
+            self.tiers.cpu.unpin(pin)
+
+    def replace_if_differs(self, key: ChunkKey, num_tokens: int, reference: bytes,
+                           differs: Callable[[bytes, bytes], bool]) -> None:
+        """This node's copy of ``key``, if it differs from what its engine just computed
+        (``reference``), is dropped and the computed one stored in its place."""
+        held = self._staged_copy(key)
+        if held is None or not differs(reference, held[1]):
+            return
+        log.error("canary: this node's copy of chunk %s is not the KV its engine computes: replaced", key.hex()[:16])
+        self.tiers.remove(key)
+        self._store([key], [num_tokens], [memoryview(reference)])
+
+    def node_named(self, origin: NodeDigest) -> NodeId | None:
+        """The node of the mesh (this one included) that ``origin`` (a chunk header's) names."""
+        if origin == self.origin:
+            return self.node_id
+        index = self._index()
+        nodes = index.nodes() if index is not None else {}
+        return next((n for n in nodes if node_digest(n) == origin), None)

@@ -38,7 +38,7 @@ from ... import cputime
 from ...agent import CacheAgent
 from ...aio import unpin_thread
 from ...blocks import ChunkTransfer, blocks_from
-from ...canary import Canary
+from ...canary import Canary, MeshCopies
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
 from ...kernels.layout import physical_view
@@ -172,7 +172,12 @@ class P2PWorker:
         self.segments = SegmentLoads(agent, self.exact, self.saves, blender, self._block_size)
         if kv is not None:
             canary, metrics = self._config.canary, agent.metrics
-            self.canary = CanaryChecks(Canary(agent, self._config.layout.kv_dtype, tolerance=canary.tolerance,
+            assert agent.puller is not None and agent.loop is not None  # started
+            mesh = MeshCopies(node_id=agent.node_id, origin=agent.origin, heads=agent.heads, fp=agent.fp,
+                              tiers=agent.tiers, puller=agent.puller, loop=agent.loop,
+                              pin_timeout_s=self._config.tiers.pin_timeout_s, index=lambda: agent.index,
+                              usable=agent.usable, store=agent.store_chunks, quarantine=agent.quarantine_owner)
+            self.canary = CanaryChecks(Canary(mesh, self._config.layout.kv_dtype, tolerance=canary.tolerance,
                                               max_owners=canary.max_owners, timeout_s=canary.timeout_s,
                                               count=lambda outcome: metrics.canary_checks.labels(outcome).inc()),
                                        kv, self._config.chunk_size)
