@@ -4,14 +4,21 @@ Precedence, lowest to highest::
 
     defaults  <  config file (YAML or TOML)  <  environment (LMCACHE_P2P_*)  <  explicit overrides
 
-A file holds sections matching the dataclasses below::
+The file is ``path``, else the one ``LMCACHE_P2P_CONFIG`` names. It holds sections matching the
+dataclasses below::
 
     node_id: node-a
     cluster: prod
     chunk_size: 256
-    tiers:    {cpu_capacity: 20GB, disk_path: /var/cache/lmcache-p2p, disk_capacity: 200GiB, eviction: lru}
+    metrics_port: 9470
+    metrics_host: 0.0.0.0      # default 127.0.0.1: /metrics only on this machine (advertised_hosts)
+    tiers:    {cpu_capacity: 20Gi, disk_path: /var/cache/lmcache-p2p, disk_capacity: 200GiB, eviction: lru}
     etcd:     {endpoints: ["http://10.0.0.1:2379"], lease_ttl_s: 10}
-    transfer: {transports: [nixl, tcp], listen_host: 0.0.0.0, port: 7470}   # secret: LMCACHE_P2P_SECRET
+    transfer: {transports: [nixl, tcp], listen_host: 0.0.0.0, advertise_host: 10.0.0.5, port: 7470}
+    # the secret: LMCACHE_P2P_SECRET in the environment
+
+A wildcard ``transfer.listen_host`` without ``advertise_host`` advertises the address of the interface
+that routes outward (:func:`detect_host`), or refuses to start when there is none.
 
 Environment variables name a top-level field or ``SECTION_FIELD`` in upper case, e.g.
 ``LMCACHE_P2P_CHUNK_SIZE=512``, ``LMCACHE_P2P_TIERS_CPU_CAPACITY=4GiB``,

@@ -215,3 +215,24 @@ def test_no_check_hangs_on_a_silent_etcd(tmp_path):
         checks = asyncio.run(asyncio.wait_for(doctor.run_checks(config, doctor.Options(timeout_s=1.0),
                                                                 doctor.Host()), 30))
     assert {c.check: c.status for c in checks}["etcd"] == "fail"
+
+
+# -- the command itself ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("words", [["--help"], ["-h"], ["help"]])
+def test_help_exits_0_with_the_commands_grouped(words, capsys):
+    from lmcache_p2p.cli import main
+
+    assert main(words) == 0
+    out = capsys.readouterr().out
+    for group in ("operate:", "inspect:", "run:", "benchmark:"):
+        assert group in out
+    assert "doctor" in out and "bench params" in out
+
+
+def test_version_and_an_unknown_command(capsys):
+    from lmcache_p2p import __version__
+    from lmcache_p2p.cli import main
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"lmcache-p2p {__version__}"
+    assert main(["no-such-command"]) == 2 and "usage:" in capsys.readouterr().err
