@@ -36,6 +36,8 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
     assert got["refused"] == {"lmcache_p2p_index_revision": 1, "lmcache_p2p_canary": 2}, got
     # canaries: 5 a minute is a burst of one: the first ask is honoured, the next two are served as any request
     assert got["canary"] == [True, False, False], got
+    # vLLM's reset_cache: told to the workers once, in the next step's metadata
+    assert got["reset"] == [True, False, True, False], got
 
 
 def main() -> None:
@@ -80,6 +82,12 @@ def main() -> None:
             scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
             num_scheduled_tokens={}))
         out["refused"] = meta.refused
+        out["reset"] = [sched.reset_cache(), meta.reset_cache]
+        empty = types.SimpleNamespace(
+            total_num_scheduled_tokens=0, scheduled_new_reqs=[],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={})
+        out["reset"] += [sched.build_connector_meta(empty).reset_cache, sched.build_connector_meta(empty).reset_cache]
     finally:
         sched.shutdown()
     print(json.dumps(out))

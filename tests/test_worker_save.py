@@ -125,6 +125,11 @@ def failed_sync_load() -> None:
         assert sorted(pool.keys()) == [ChunkKey(keys[0])]  # chunks 1 and 2 were computed over unloaded blocks
         step(LMCacheP2PMetadata(saves=[ChunkTransfer("r1", keys, [chunk] * 3, blocks)]))  # recomputed: saved
         assert sorted(pool.keys()) == sorted(ChunkKey(k) for k in keys)
+        # vLLM reset its caches (new weights): every chunk goes, unannounced
+        step(LMCacheP2PMetadata(reset_cache=True))
+        index = worker.agent.index
+        assert index is not None and len(pool) == 0
+        assert not any(index.owners(worker.agent.fp, [ChunkKey(k) for k in keys]))  # no entry left for any
     finally:
         worker.shutdown()
     print("ok")

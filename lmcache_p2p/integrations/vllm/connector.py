@@ -88,6 +88,10 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
         return {CacheHitSource(source): n for source, n in
                 self._scheduler.hit_sources(request, num_external_tokens).items()}
 
+    def reset_cache(self) -> bool | None:
+        """vLLM reset its caches (``reset_prefix_cache``): this node's chunks are dropped at the next step."""
+        return self._scheduler.reset_cache() if self._scheduler is not None else None
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if self._scheduler is not None:
             self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)

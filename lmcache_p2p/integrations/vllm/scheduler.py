@@ -160,6 +160,7 @@ class P2PScheduler:
         self._asked_burst = max(1.0, config.canary.requested_per_minute / 6.0) if self._asked_per_s > 0 else 0.0
         self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
+        self._reset = False  # vLLM reset its caches: the workers drop their chunks at the next step
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
@@ -531,6 +532,7 @@ class P2PScheduler:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
         meta.uncacheable, self._uncacheable = self._uncacheable, {}
         meta.refused, self._refused = self._refused, {}
+        meta.reset_cache, self._reset = self._reset, False
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
@@ -637,6 +639,15 @@ class P2PScheduler:
         save.generated, save.finished = True, True
         self._remember_saved(keys[state.full_chunks_saved:])
         return save
+
+    def reset_cache(self) -> bool:
+        """vLLM resets its caches (``reset_prefix_cache``, e.g. after a weight update): this engine's workers
+        drop every chunk their agents hold (unannounced from the index) at the next step, and nothing this
+        side remembers as saved counts as held any more."""
+        self._reset = True
+        self._saved.clear()
+        log.info("lmcache-p2p: cache reset requested: this node's chunks are dropped at the next step")
+        return True
 
     def shutdown(self) -> None:
         self._index.close()

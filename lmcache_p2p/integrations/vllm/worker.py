@@ -216,6 +216,15 @@ class P2PWorker:
                 self.agent.metrics.uncacheable_requests.labels(reason).inc(n)
             for param, n in meta.refused.items():
                 self.agent.metrics.request_params_refused.labels(param).inc(n)
+            if meta.reset_cache:
+                self._drop_all()
+
+    def _drop_all(self) -> None:
+        """vLLM reset its caches: drop every chunk this rank's agent holds, in every tier (each is unannounced)."""
+        agent = self.agent
+        assert agent is not None
+        dropped = sum(1 for key in list(agent.tiers.inventory()) if agent.tiers.remove(key))
+        log.info("lmcache-p2p: cache reset: %d chunks of agent %s dropped", dropped, agent.node_id)
 
     def step_finished(self) -> None:
         self._unloaded.clear()
