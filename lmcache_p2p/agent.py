@@ -61,7 +61,7 @@ from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .load import Loader
-from .metrics import AgentMetrics, MetricsServer
+from .metrics import PER_PEER_SERIES, AgentMetrics, MetricsServer
 from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, make_plan
 from .router.proof import engine_proof, router_key
 from .score import http_app
@@ -140,6 +140,7 @@ class CacheAgent:
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
         self.loader: Loader | None = None  # the load path (load.py), once the parts it uses are up
+        self._expected_shown: set[str] = set()  # peers with a pull_expected_seconds series now
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -615,8 +616,14 @@ class CacheAgent:
         """What the fetch-or-recompute planner believes now (refreshed on each scrape)."""
         m = self.metrics
         m.peers_backed_off.set(self._stack.health.backed_off() if self._stack is not None else 0)
-        for peer in self.peer_estimates.snapshot():
-            m.pull_expected.labels(peer).set(self.peer_estimates.expected_s(peer, self.chunk_bytes))
+        expected = {p: self.peer_estimates.expected_s(p, self.chunk_bytes) for p in self.peer_estimates.snapshot()}
+        shown = set(sorted(expected, key=lambda p: expected[p], reverse=True)[:PER_PEER_SERIES])
+        for peer in self._expected_shown - shown:  # bounded: the slowest peers only
+            with contextlib.suppress(KeyError):
+                m.pull_expected.remove(peer)
+        for peer in shown:
+            m.pull_expected.labels(peer).set(expected[peer])
+        self._expected_shown = shown
         m.recompute_chunk.set(self.prefill.recompute_s(self.config.chunk_size) or 0.0)
 
     def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:

@@ -28,6 +28,12 @@ _RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.8, 1.0, 1.25, 2.0, 4.0, 10.0)
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
+# Per-peer series (peer_errors_total, pull_expected_seconds) an agent exposes at most: in a fleet of 1,000
+# nodes, one series per peer per node would be 10^6; past this, errors count under peer="other" and only
+# the slowest peers' estimates are shown.
+PER_PEER_SERIES = 32
+OTHER_PEERS = "other"
+
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
@@ -139,7 +145,8 @@ class AgentMetrics:
         self.peers_backed_off = Gauge("peers_backed_off", "Peers not asked for chunks until their backoff has passed",
                                       namespace=ns, registry=registry)
         self.pull_expected = Gauge("pull_expected_seconds", "Expected time to pull one chunk, per peer measured "
-                                   "(the planner pulls while this beats recompute_chunk_seconds)", ["peer"],
+                                   "(the planner pulls while this beats recompute_chunk_seconds; the "
+                                   f"{PER_PEER_SERIES} slowest peers only)", ["peer"],
                                    namespace=ns, registry=registry)
         self.recompute_chunk = Gauge("recompute_chunk_seconds", "This engine's time to compute one chunk "
                                      "(from its measured prefill rate; 0 until measured)", namespace=ns,

@@ -42,7 +42,7 @@ from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
 from ..ids import NO_ORIGIN, NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest, piece_key
-from ..metrics import AgentMetrics
+from ..metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from ..peers import PeerRecord, compatible
 from ..plan import Piece, PlannedChunk
 from ..tiers.cpu_pool import CpuPool, Pin
@@ -429,6 +429,11 @@ class Puller:
                 self.metrics.peer_errors.remove(node)
 
     def _peer_error(self, node: NodeId) -> None:
+        """Count a failed request to ``node``: under its own series while fewer than ``PER_PEER_SERIES`` peers
+        have one, else under ``peer="other"`` (bounded series in a large fleet)."""
+        if node not in self._error_peers and len(self._error_peers) >= PER_PEER_SERIES:
+            self.metrics.peer_errors.labels(OTHER_PEERS).inc()
+            return
         self._error_peers.add(node)
         self.metrics.peer_errors.labels(node).inc()
 
