@@ -3,14 +3,18 @@
 #
 #   pki/etcd/       the etcd CA (ca.crt) and
 #     etcd-server   etcd's client and peer certificate: the Service names, every member's peer name
-#     etcd-client   the agents' client certificate (etcd runs --client-cert-auth)
+#   and one client certificate per etcd user (etcd runs --client-cert-auth; with auth on, which
+#   etcd-auth.sh turns on, the certificate's CN, here its file name, is the etcd user):
+#     lmcache-p2p-agent    the agents' (read-write on the cluster's keys; Secret lmcache-p2p-etcd-client)
+#     lmcache-p2p-router   the router's (read-only; Secret lmcache-p2p-etcd-router)
+#     root                 etcd's root user, for etcd-auth-job.yaml only (Secret lmcache-p2p-etcd-root)
 #   pki/transfer/   the transfer CA (ca.crt: transfer.tls_ca_cert) and one transfer TLS certificate
 #     <pod>         per agent pod (transfer.tls_*), naming that pod: lmcache-vllm-0 ..
 #                   lmcache-vllm-(VLLM_REPLICAS-1) and lmcache-cache-agent-0 ..
 #                   lmcache-cache-agent-(CACHE_AGENTS-1); a peer refuses it as any other node
 #
 # Two CAs, so that neither kind of certificate passes as the other: the transfer port trusts only
-# the transfer CA (an etcd certificate, whose key every agent and the router hold and which names
+# the transfer CA (an etcd client certificate, whose key every agent or router holds and which names
 # no node, cannot answer as a node), and etcd trusts only its own (a pod's transfer key opens no etcd).
 #
 # The names carry the namespace: NAMESPACE=other k8s/generate-certs.sh for another one. Needs
@@ -34,5 +38,5 @@ for ((i = 0; i < vllm; i++)); do transfer+=("lmcache-vllm-$i=node:lmcache-vllm-$
 for ((i = 0; i < cache; i++)); do transfer+=("lmcache-cache-agent-$i=node:lmcache-cache-agent-$i"); done
 "${PYTHON:-python3}" -m lmcache_p2p certs pki/etcd \
   "etcd-server=DNS:lmcache-etcd,DNS:lmcache-etcd.$ns,DNS:lmcache-etcd.$ns.svc,DNS:*.lmcache-etcd-peer.$ns.svc,DNS:localhost,IP:127.0.0.1" \
-  etcd-client
+  lmcache-p2p-agent lmcache-p2p-router root
 "${PYTHON:-python3}" -m lmcache_p2p certs pki/transfer "${transfer[@]}"

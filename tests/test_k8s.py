@@ -47,6 +47,9 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
 AGENT_LABEL = "lmcache-p2p/agent"
 CONFIG_MAP, CONFIG_KEY, CONFIG_PATH = "lmcache-p2p-config", "agent.yaml", "/etc/lmcache-p2p/agent.yaml"
 Doc = dict[str, Any]
+# etcd users (client certificate CNs) k8s/etcd-auth.sh creates: the agents' (read-write), the router's (read-only)
+ETCD_USERS = {"agent": "lmcache-p2p-agent", "router": "lmcache-p2p-router"}
+AUTH_JOB, ROOT_SECRET, ROUTER_SECRET = "lmcache-etcd-auth", "lmcache-p2p-etcd-root", "lmcache-p2p-etcd-router"
 
 
 # --------------------------------------------------------------------------- loading
@@ -211,6 +214,9 @@ def test_kustomize_build_renders_valid_resources(tmp_path):
         if d["kind"] not in CRD_KINDS:
             kubernetes_validate.validate(d, KUBE_VERSIONS[-1], strict=True)
     assert tls_problems(rendered, config_of(rendered, tmp_path), k8s / "pki") == []
+    assert etcd_auth_problems(rendered, config_of(rendered, tmp_path), tmp_path) == []
+    script = one(rendered, "ConfigMap", "lmcache-etcd-auth-script")["data"]["etcd-auth.sh"]
+    assert script == (K8S / "etcd-auth.sh").read_text()
     dash = one(rendered, "ConfigMap", "lmcache-p2p-grafana-dashboard")
     assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dash["data"]["grafana-dashboard.json"]) == load_dashboard()
@@ -723,7 +729,14 @@ def pki_problems(pki: Path, etcd_sts: Doc, cfg: AgentConfig) -> list[str]:
     pods = {k[:-4]: f for k, f in transfer.items() if k.endswith(".crt") and k != "ca.crt"}
     if not pods:
         problems.append("no per-pod transfer certificates in the secretGenerator lmcache-p2p-transfer-tls")
-    etcd_certs = [etcd["server.crt"], client["etcd-client.crt"]]
+    router, root = generated_pki(pki, "lmcache-p2p-etcd-router"), generated_pki(pki, "lmcache-p2p-etcd-root")
+    etcd_certs = [etcd["server.crt"], client["etcd-client.crt"], router["etcd-router.crt"], root["root.crt"]]
+    for cert, cn in ((client["etcd-client.crt"], ETCD_USERS["agent"]),
+                     (router["etcd-router.crt"], ETCD_USERS["router"]), (root["root.crt"], "root")):
+        subject = subprocess.run(["openssl", "x509", "-noout", "-subject", "-nameopt", "RFC2253", "-in",
+                                  str(cert)], capture_output=True, text=True).stdout
+        if re.findall(r"CN=([^,\s]+)", subject) != [cn]:
+            problems.append(f"{cert.name}: CN is not {cn} (etcd's user for it): {subject.strip()!r}")
     for ca, own, other in ((etcd["ca.crt"], etcd_certs, list(pods.values())),
                            (transfer["ca.crt"], list(pods.values()), etcd_certs)):
         for cert in own:
@@ -733,8 +746,9 @@ def pki_problems(pki: Path, etcd_sts: Doc, cfg: AgentConfig) -> list[str]:
         for cert in other:
             if chains(cert, ca)[0]:
                 problems.append(f"{cert.name} chains to {ca.parent.name}/{ca.name} too: one CA for etcd and transfer")
-    if client["ca.crt"] != etcd["ca.crt"]:
-        problems.append("the etcd client Secret's ca.crt is not etcd's CA")
+    for secret in (client, router, root):
+        if secret["ca.crt"] != etcd["ca.crt"]:
+            problems.append("an etcd client Secret's ca.crt is not etcd's CA")
     for pod, cert in pods.items():
         out = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
                              capture_output=True, text=True).stdout
@@ -761,14 +775,95 @@ def test_generated_certificates_keep_etcd_and_transfer_apart(tmp_path):
     sts, cfg = one(DOCS, "StatefulSet", "lmcache-etcd"), config_of(DOCS, tmp_path)
     assert pki_problems(k8s / "pki", sts, cfg) == []
     shutil.copy(k8s / "pki/etcd/ca.crt", k8s / "pki/transfer/ca.crt")  # as if issued from the etcd CA
-    shutil.copy(k8s / "pki/etcd/etcd-client.crt", k8s / "pki/transfer/lmcache-vllm-0.crt")
+    shutil.copy(k8s / "pki/etcd/lmcache-p2p-agent.crt", k8s / "pki/transfer/lmcache-vllm-0.crt")
+    shutil.copy(k8s / "pki/etcd/lmcache-p2p-agent.crt", k8s / "pki/etcd/lmcache-p2p-router.crt")
     problems = pki_problems(k8s / "pki", sts, cfg)
-    assert "etcd-client.crt chains to transfer/ca.crt too: one CA for etcd and transfer" in problems
+    assert "lmcache-p2p-agent.crt chains to transfer/ca.crt too: one CA for etcd and transfer" in problems
+    assert any(p.startswith("lmcache-p2p-router.crt: CN is not lmcache-p2p-router") for p in problems)
     assert any(p.startswith("lmcache-vllm-0.crt does not name the pod lmcache-vllm-0") for p in problems)
 
 
 def test_etcd_and_agents_use_tls_with_mounted_certificates(tmp_path):
     assert tls_problems(DOCS, config_of(DOCS, tmp_path)) == []
+
+
+def pod_secrets(workload: Doc, container: Doc) -> set[str]:
+    """The Secrets mounted in ``container`` (volumes) or read into its environment."""
+    volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"].get("volumes", [])}
+    mounted = {volumes.get(m["name"], {}).get("secret", {}).get("secretName")
+               for m in container.get("volumeMounts", [])}
+    env = {e.get("valueFrom", {}).get("secretKeyRef", {}).get("name") for e in container.get("env", [])}
+    return (mounted | env) - {None}
+
+
+def etcd_auth_problems(docs: list[Doc], cfg: AgentConfig, tmp_path: Path) -> list[str]:
+    """etcd auth (etcd-auth-job.yaml): the Job runs the etcd-auth.sh of its ConfigMap for the agents'
+    cluster and etcd endpoint with the root certificate, a Secret no other pod mounts; the script makes
+    the users the certificates name, read-write for the agents and read-only for the router; the router
+    mounts its own read-only certificate (and its config uses it), never the agents' Secret."""
+    problems = []
+    job = one(docs, "Job", AUTH_JOB)
+    spec = job["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    volumes = {v["name"]: v for v in spec.get("volumes", [])}
+    script = next((m["mountPath"] + "/etcd-auth.sh" for m in c["volumeMounts"]
+                   if volumes[m["name"]].get("configMap", {}).get("name") == "lmcache-etcd-auth-script"), None)
+    if script is None or c["command"] != ["bash", script]:
+        problems.append(f"Job {AUTH_JOB} does not run etcd-auth.sh from its ConfigMap: {c['command']}")
+    if env.get("CLUSTER") != cfg.cluster:
+        problems.append(f"Job {AUTH_JOB} sets up cluster {env.get('CLUSTER')!r}, the agents' is {cfg.cluster!r}")
+    if env.get("ETCDCTL_ENDPOINTS") not in cfg.etcd.endpoints:
+        problems.append(f"Job {AUTH_JOB} reaches etcd at {env.get('ETCDCTL_ENDPOINTS')}, not {cfg.etcd.endpoints}")
+    have = secret_keys(docs)
+    for name in ("ETCDCTL_CACERT", "ETCDCTL_CERT", "ETCDCTL_KEY"):
+        where = secret_file(job, c, env.get(name) or "")
+        if where is None or where[0] != ROOT_SECRET or where[1] not in have.get(ROOT_SECRET, set()):
+            problems.append(f"Job {AUTH_JOB}: {name}={env.get(name)!r} is not a key of the mounted {ROOT_SECRET}")
+    text = (K8S / "etcd-auth.sh").read_text()
+    for user, role in ((ETCD_USERS["agent"], "lmcache-p2p-rw"), (ETCD_USERS["router"], "lmcache-p2p-ro")):
+        if f"{user}:{role}" not in text:
+            problems.append(f"etcd-auth.sh does not give {user} the role {role}")
+    if "lmcache-p2p-rw readwrite" not in text or "lmcache-p2p-ro read " not in text:
+        problems.append("etcd-auth.sh: lmcache-p2p-rw must read and write, lmcache-p2p-ro only read")
+    for w, wc in containers(docs):
+        if ROOT_SECRET in pod_secrets(w, wc):
+            problems.append(f"{w['metadata']['name']} mounts {ROOT_SECRET}: only the auth Job may")
+    router = one(docs, "Deployment", "lmcache-router")
+    (rc,) = router["spec"]["template"]["spec"]["containers"]
+    if pod_secrets(router, rc) & {"lmcache-p2p-etcd-client", ROOT_SECRET}:
+        problems.append(f"the router mounts {sorted(pod_secrets(router, rc))}: a read-write etcd key")
+    rcfg = config_of(docs, tmp_path, env={e["name"]: e["value"] for e in rc.get("env", []) if "value" in e})
+    for field, path in (("etcd.ca_cert", rcfg.etcd.ca_cert), ("etcd.cert_cert", rcfg.etcd.cert_cert),
+                        ("etcd.cert_key", rcfg.etcd.cert_key)):
+        where = secret_file(router, rc, path or "")
+        if where is None or where[0] != ROUTER_SECRET or where[1] not in have.get(ROUTER_SECRET, set()):
+            problems.append(f"the router's {field}={path!r} is not a key of the mounted {ROUTER_SECRET}")
+    for w, ac in agent_containers(docs):
+        if pod_secrets(w, ac) & {ROUTER_SECRET, ROOT_SECRET}:
+            problems.append(f"{w['metadata']['name']} mounts {sorted(pod_secrets(w, ac))}")
+    return problems
+
+
+def test_etcd_auth_job_and_the_router_read_only_certificate(tmp_path):
+    assert etcd_auth_problems(DOCS, config_of(DOCS, tmp_path), tmp_path) == []
+
+
+def readable_secret_problems(docs: list[Doc]) -> list[str]:
+    """A pod that runs as a non-root user reads its Secret files (mode 0440, owned by root) only through fsGroup."""
+    problems = []
+    for w in [*workloads(docs), *of_kind(docs, "Job")]:
+        spec = w["spec"]["template"]["spec"]
+        sc = spec.get("securityContext", {})
+        modes = [v["secret"].get("defaultMode", 0o644) for v in spec.get("volumes", []) if "secret" in v]
+        if sc.get("runAsUser", 0) != 0 and any(m & 0o004 == 0 for m in modes) and "fsGroup" not in sc:
+            problems.append(f"{w['metadata']['name']} runs as user {sc['runAsUser']} without fsGroup: its Secrets "
+                            "are unreadable")
+    return problems
+
+
+def test_non_root_pods_can_read_their_secrets():
+    assert readable_secret_problems(DOCS) == []
 
 
 # --------------------------------------------------------------------------- Grafana dashboard
@@ -908,6 +1003,26 @@ def test_checks_catch_mismatches(tmp_path):
     assert vllm and len(rank_problems(broken(drop_rank_port), cfg)) == 2  # the port, and its scrape
     bad = broken(lambda b: one(b, "ServiceMonitor", "lmcache-agent-ranks")["spec"]["endpoints"].clear())
     assert rank_problems(bad, cfg) == ["lmcache-vllm: rank 1's metrics are scraped by no ServiceMonitor"]
+    router_volumes = ["spec", "template", "spec", "volumes"]
+
+    def router_mounts_agent_key(b: list[Doc]) -> None:
+        vols = one(b, "Deployment", "lmcache-router")
+        for k in router_volumes:
+            vols = vols[k]
+        next(v for v in vols if v["name"] == "etcd-tls")["secret"]["secretName"] = "lmcache-p2p-etcd-client"
+
+    assert len(etcd_auth_problems(broken(router_mounts_agent_key), cfg, tmp_path)) == 4  # the mount, 3 files
+    bad = broken(lambda b: agent_containers(b)[0][0]["spec"]["template"]["spec"]["volumes"].append(
+        {"name": "root", "secret": {"secretName": ROOT_SECRET}}) or agent_containers(b)[0][1]["volumeMounts"].append(
+        {"name": "root", "mountPath": "/root-tls"}))
+    assert len(etcd_auth_problems(bad, cfg, tmp_path)) == 2  # mounts root's key; and a Secret not its own
+    bad = broken(lambda b: one(b, "Job", AUTH_JOB)["spec"]["template"]["spec"]["containers"][0]["env"][0].update(
+        value="staging"))
+    assert etcd_auth_problems(bad, cfg, tmp_path) == ["Job lmcache-etcd-auth sets up cluster 'staging', the agents' "
+                                                      "is 'prod'"]
+    bad = broken(lambda b: one(b, "Deployment", "lmcache-router")["spec"]["template"]["spec"][
+        "securityContext"].pop("fsGroup"))
+    assert len(readable_secret_problems(bad)) == 1
     dash = load_dashboard()
     dash["panels"][1]["targets"][0]["expr"] = "sum by (tier_name) (rate(lmcache_p2p_hits_total[5m]))"
     assert len(dashboard_problems(dash)) == 2
