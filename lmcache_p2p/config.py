@@ -93,9 +93,14 @@ class TierConfig:
     eviction: str = "lru"
     pin_timeout_s: float = 30.0
     chunk_ttl_s: float | None = None
+    # Admission: a partial chunk (a prompt's or a finished request's tail) shorter than this is not saved;
+    # it would take a whole slot and an etcd entry for tokens cheaper to recompute than to look up. 0 (off)
+    # until its effect on hit rates is measured (a conversation's next turn then recomputes such a tail).
+    min_save_tokens: int = 0
 
     def __post_init__(self) -> None:
         _check(self.cpu_capacity >= 0, "tiers.cpu_capacity", "must be >= 0")
+        _check(self.min_save_tokens >= 0, "tiers.min_save_tokens", "must be >= 0")
         _check(self.disk_capacity >= 0, "tiers.disk_capacity", "must be >= 0")
         _check(self.eviction in EVICTION_POLICIES, "tiers.eviction", f"must be one of {EVICTION_POLICIES}")
         _check(self.pin_timeout_s > 0, "tiers.pin_timeout_s", "must be > 0")

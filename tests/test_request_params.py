@@ -38,19 +38,21 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
     assert got["canary"] == [True, False, False], got
     # vLLM's reset_cache: told to the workers once, in the next step's metadata
     assert got["reset"] == [True, False, True, False], got
+    assert got["admitted"] == [[256], [256, 40]], got
 
 
 def main() -> None:
     import time
     import types
 
-    from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig
+    from lmcache_p2p.blocks import ChunkTransfer
+    from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig, TierConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
-                         canary=CanaryConfig(requested_per_minute=5))
+                         canary=CanaryConfig(requested_per_minute=5), tiers=TierConfig(min_save_tokens=32))
     fp = Fingerprint.of(config.layout)
     out: dict[str, Any] = {}
     sched = P2PScheduler(config, fp, 16, blend_refusal=None)
@@ -87,6 +89,10 @@ def main() -> None:
             total_num_scheduled_tokens=0, scheduled_new_reqs=[],
             scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
             num_scheduled_tokens={})
+        # admission (tiers.min_save_tokens): a partial chunk shorter than it is not saved, a longer one is
+        short = ChunkTransfer("s", [b"a" * 16, b"b" * 16], [256, 20], [[0] * 16, [1, 2]])
+        longer = ChunkTransfer("l", [b"a" * 16, b"c" * 16], [256, 40], [[0] * 16, [3, 4, 5]])
+        out["admitted"] = [sched._admitted(short).num_tokens, sched._admitted(longer).num_tokens]
         out["reset"] += [sched.build_connector_meta(empty).reset_cache, sched.build_connector_meta(empty).reset_cache]
     finally:
         sched.shutdown()

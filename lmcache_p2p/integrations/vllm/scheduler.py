@@ -564,14 +564,16 @@ class P2PScheduler:
             if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
-                save = self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0, len(state.prompt))
+                save = self._admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
+                                                     len(state.prompt)))
                 save.canary = record.canary
-                meta.saves.append(save)
+                if save.keys:
+                    meta.saves.append(save)
                 if state.segments:  # only the first: computed right after the base (the others are
                     # computed after documents this client chose; a blend computes them fresh)
                     meta.segment_saves.append(SegmentSave(req_id, state.segments[:1], list(state.block_ids)))
                     self._remember_saved([ChunkKey(k) for k in state.segments[0].keys])
-                self._remember_saved(state.keys)
+                self._remember_saved([ChunkKey(k) for k in save.keys])
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
             # only chunks whose every token is known (a later step saves the rest).
@@ -594,6 +596,14 @@ class P2PScheduler:
         return ChunkTransfer(state.request.request_id, [bytes(k) for k in keys[first:full]],
                              [self._chunk] * (full - first),
                              [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)], generated=True)
+
+    def _admitted(self, save: ChunkTransfer) -> ChunkTransfer:
+        """``save`` without a partial chunk shorter than ``tiers.min_save_tokens`` (only its last can be partial)."""
+        n = save.num_tokens[-1] if save.num_tokens else self._chunk
+        if n >= self._chunk or n >= self._config.tiers.min_save_tokens:
+            return save
+        return dataclasses.replace(save, keys=save.keys[:-1], num_tokens=save.num_tokens[:-1],
+                                   block_ids=save.block_ids[:-1])
 
     def _remember_saved(self, keys: list[ChunkKey]) -> None:
         saved = self._saved
@@ -636,8 +646,11 @@ class P2PScheduler:
             log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
                         request.request_id, len(blocks), done)
             return None
+        save = self._admitted(save)
+        if not save.keys:
+            return None  # nothing worth saving: vLLM frees its blocks at once
         save.generated, save.finished = True, True
-        self._remember_saved(keys[state.full_chunks_saved:])
+        self._remember_saved([ChunkKey(k) for k in save.keys])
         return save
 
     def reset_cache(self) -> bool:
