@@ -155,13 +155,17 @@ class CacheAgent:
                                 on_served=self.handoff.on_served, on_recent=self.dropped_ago)
             self._stack = self._transfers_factory(self.config, self.tiers.cpu, [self.fp], self._secret, hooks)
             self.loop.run(self._stack.start(), self.config.transfer.timeout_s)
-            objects = self.objects
+            objects, sources = self.objects, None
+            if objects is not None:  # the object store: one more owner, behind a transport of its own
+                from .objects.transport import ObjectTransport
+
+                sources = {OBJECTS: (ObjectTransport(objects), objects.address)}
             self.puller = Puller(self.node_id, self.fp, self.tiers.cpu, self._stack.transports,
                                  list(self._stack.transports), self._stack.health, self._nodes, self.metrics,
                                  self.peer_estimates, self.loop, tls=self.config.transfer.tls,
                                  pin_timeout_s=self.config.tiers.pin_timeout_s,
                                  on_loaded=lambda key: self._on_tier_change(key, "cpu"),
-                                 sources={OBJECTS: (objects.transport, objects.transport.address)} if objects else None)
+                                 sources=sources)
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
                                                      self.config.metrics_port,

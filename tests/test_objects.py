@@ -324,7 +324,7 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
                 assert waited < 1.0 + 1.5, waited  # its deadline, plus the loop's own slack
                 assert ops(r, "get", "error") >= 1
                 assert r.objects is not None  # one backoff step for the whole load, by the peers' rule
-                assert r.objects.health.failures(r.objects.transport.address) == 1
+                assert r.objects.health.failures(r.objects.address) == 1
                 # Backed off: the planner leaves the store out, nothing waits.
                 assert not r.lookup(synthetic_tokens(5, TOKENS)).chunks
                 # Saves never wait on the store: evictions only queue their uploads.
@@ -487,7 +487,7 @@ def test_an_object_larger_than_any_chunk_is_refused_without_reading_it(etcd, clu
         assert ops(r, "get", "oversize") == 1
         # Four objects read, each at most the bound; none of the oversized one's bytes.
         assert r.objects.store.bytes_read - read_before <= 4 * bound
-        assert r.objects.health.failures(r.objects.transport.address) == 0  # the object's fault, not the store's
+        assert r.objects.health.failures(r.objects.address) == 0  # the object's fault, not the store's
         assert wait_until(lambda: r.index is not None and OBJECTS not in r.index.owners(r.fp, [keys[2]])[0], 10)
         with pytest.raises(ObjectMissing):
             raw_get(s, name)

@@ -41,6 +41,7 @@ import logging
 import os
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -50,7 +51,7 @@ from ..backoff import Backoff
 from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
-from ..ids import OBJECTS, TIER_OBJECT, NodeId
+from ..ids import OBJECTS, TIER_OBJECT, NodeId, PeerAddress
 from ..index.client import EtcdClient, op_delete, op_put
 from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta, tenant_digest
 from ..keys import ChunkKey, FingerprintDigest
@@ -58,7 +59,6 @@ from ..metrics import AgentMetrics
 from ..transfer.health import PeerHealth
 from .format import object_key, pack_object
 from .store import ObjectStore
-from .transport import ObjectTransport
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,8 @@ class _Upload:
 
 
 class ObjectTier:
-    """Uploads (behind eviction), their etcd records and the cleanup; reads are :attr:`transport`'s.
+    """Uploads (behind eviction), their etcd records and the cleanup; reads are an ``ObjectTransport``'s
+    over this tier (``objects/transport.py``), which its owner builds.
 
     Given what it uses, never the agent: ``keep(header)`` whether a chunk leaving this node is worth an
     upload; ``covers(header, holder)`` whether an invalidation (or a quarantine of its computing node)
@@ -133,7 +134,8 @@ class ObjectTier:
         # The store's backoff is the peers' rule (``PeerHealth``): one for every source a load reads from.
         backoff_s = max(config.transfer.backoff_s, 0.1)
         self.health = PeerHealth(backoff_s, max(backoff_s, MAX_BACKOFF_S))
-        self.transport = ObjectTransport(self)
+        url = urllib.parse.urlsplit(store.url)  # the store as a peer: its backoff and estimates' key
+        self.address = PeerAddress(url.hostname or "", url.port or (443 if url.scheme == "https" else 80), OBJECTS)
         if spill_dir is not None:  # bytes kept by a previous run for uploads it never made: not ours to trust
             with contextlib.suppress(OSError):
                 for stale in spill_dir.glob("*.chunk"):
@@ -379,7 +381,7 @@ class ObjectTier:
     # -- reads (the transport's) -------------------------------------------------------------------------
     def usable(self) -> bool:
         """Not backed off after errors (an unreachable store costs one deadline, then is left alone)."""
-        return self.health.available(self.transport.address)
+        return self.health.available(self.address)
 
     def covers(self, header: ChunkHeader, holder: NodeId) -> bool:
         """Whether an invalidation or quarantine stands against an object ``holder`` uploaded."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import urllib.parse
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
@@ -35,7 +34,7 @@ from ..errors import (
     PeerTimeout,
     TransferError,
 )
-from ..ids import OBJECTS, NodeId, PeerAddress
+from ..ids import NodeId, PeerAddress
 from ..index.schema import decode_object_meta
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
@@ -69,8 +68,7 @@ class ObjectTransport:
 
     def __init__(self, tier: ObjectTier) -> None:
         self.tier = tier
-        url = urllib.parse.urlsplit(tier.store.url)
-        self.address = PeerAddress(url.hostname or "", url.port or (443 if url.scheme == "https" else 80), OBJECTS)
+        self.address = tier.address
 
     async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
                    dst: CpuPool, deadline: float) -> PullResult:
