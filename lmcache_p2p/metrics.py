@@ -39,6 +39,7 @@ class AgentMetrics:
         self.registry = registry
         self._refreshers: list[Callable[[], None]] = []
         self._served_seen = 0  # the server's running count at the last scrape
+        self._evictions_seen: dict[str, int] = {}
         # Registered first, so a scrape refreshes the state-mirroring gauges before reading them.
         registry.register(_Refresher(self.refresh))
         ns = "lmcache_p2p"
@@ -121,7 +122,7 @@ class AgentMetrics:
                                          namespace=ns, registry=registry)
         self.peer_errors = Counter("peer_errors", "Failed requests to peers", ["peer"], namespace=ns,
                                    registry=registry)
-        self.evictions = Gauge("evictions", "Evictions so far, by tier", ["tier"], namespace=ns, registry=registry)
+        self.evictions = Counter("evictions", "Chunks evicted, by tier", ["tier"], namespace=ns, registry=registry)
         self.tier_used = Gauge("tier_used_bytes", "Bytes held per tier", ["tier"], namespace=ns, registry=registry)
         self.tier_capacity = Gauge("tier_capacity_bytes", "Capacity per tier", ["tier"], namespace=ns,
                                    registry=registry)
@@ -183,7 +184,9 @@ class AgentMetrics:
             self.tier_used.labels(tier.name).set(tier.used_bytes)
             self.tier_capacity.labels(tier.name).set(tier.capacity_bytes)
             self.chunks_held.labels(tier.name).set(len(tier))
-            self.evictions.labels(tier.name).set(tier.stats.evictions)
+            seen = self._evictions_seen.get(tier.name, 0)  # the tier's running count at the last scrape
+            self.evictions.labels(tier.name).inc(max(tier.stats.evictions - seen, 0))
+            self._evictions_seen[tier.name] = tier.stats.evictions
         self.pins.set(tiers.cpu.pinned_count())
         if served_total is not None:
             self.served_chunks.inc(max(served_total - self._served_seen, 0))

@@ -922,7 +922,7 @@ def dashboard_problems(dashboard: Doc) -> list[str]:
 REQUIRED_METRICS = {
     "lmcache_p2p_hit_tokens_total", "lmcache_p2p_miss_tokens_total", "lmcache_p2p_pull_bytes_total",
     "lmcache_p2p_pull_seconds_bucket", "lmcache_p2p_tier_used_bytes", "lmcache_p2p_tier_capacity_bytes",
-    "lmcache_p2p_evictions", "lmcache_p2p_index_chunks", "lmcache_p2p_index_nodes",
+    "lmcache_p2p_evictions_total", "lmcache_p2p_index_chunks", "lmcache_p2p_index_nodes",
     "lmcache_p2p_publish_lag_seconds", "lmcache_p2p_lease_up", "lmcache_p2p_peer_errors_total",
     "lmcache_p2p_checksum_failures_total", "lmcache_p2p_handoff_chunks_total", "lmcache_p2p_handoff_bytes_total",
 }

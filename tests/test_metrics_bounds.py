@@ -11,7 +11,7 @@ from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.config import load_config
 from lmcache_p2p.estimates import PeerEstimates
 from lmcache_p2p.ids import NodeId
-from lmcache_p2p.keys import Fingerprint, FingerprintDigest
+from lmcache_p2p.keys import ChunkKey, Fingerprint, FingerprintDigest
 from lmcache_p2p.metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer.health import PeerHealth
@@ -50,5 +50,23 @@ def test_only_the_slowest_peers_pull_estimates_are_exposed() -> None:
         agent._planner_gauges()
         assert "n0" in series(registry, "lmcache_p2p_pull_expected_seconds")
         assert len(series(registry, "lmcache_p2p_pull_expected_seconds")) == PER_PEER_SERIES
+    finally:
+        agent.stop()
+
+
+def test_evictions_are_a_counter_that_only_grows() -> None:
+    config = load_config(env={}, overrides={"node_id": "me", "tiers.cpu_capacity": 2 * 4096})
+    registry = CollectorRegistry()
+    agent = CacheAgent(config, Fingerprint.of(config.layout), 4096, metrics=AgentMetrics(registry), secret=b"s" * 32)
+    try:
+        def evictions() -> float:
+            return registry.get_sample_value("lmcache_p2p_evictions_total", {"tier": "cpu"}) or 0.0
+
+        for i in range(5):  # two slots: three evictions
+            agent.tiers.put(ChunkKey(bytes([i]) * 16), agent.fp, memoryview(bytes(4096)), 256, heads=agent.heads)
+        assert evictions() == 3
+        assert evictions() == 3  # a second scrape counts nothing twice
+        agent.tiers.put(ChunkKey(b"\x09" * 16), agent.fp, memoryview(bytes(4096)), 256, heads=agent.heads)
+        assert evictions() == 4
     finally:
         agent.stop()
