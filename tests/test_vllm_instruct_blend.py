@@ -38,8 +38,10 @@ def test_a_blend_at_fraction_one_answers_as_a_full_prefill_on_the_real_model(etc
     tokenizer = Tokenizer.from_file(str(model / "tokenizer.json"))
     task = RagTask(lambda text: tokenizer.encode(text, add_special_tokens=False).ids, docs=5, doc_words=150)
     pairs = task.pairs(3, 3)
+    # timeout_s: a fraction-1 blend on the real model runs seconds of model work on this 2-core host beside the
+    # engine lane; under the default 5 s deadline the engine would refuse it as too slow (segment_loads.py)
     cfg = write_agent_config(tmp_path / "i.yaml", node="engine-i", cluster=cluster_name, endpoints=etcd.endpoints,
-                             recompute_when_faster=False)
+                             recompute_when_faster=False, timeout_s=60)
     engine = EngineProcess(model, cfg, name="engine-i", log_path=tmp_path / "i.log", dtype="float32")
     try:
         engine.wait_ready()
