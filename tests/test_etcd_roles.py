@@ -157,7 +157,7 @@ def test_the_agent_certificate_writes_nothing_outside_the_cluster_prefix(etcd: E
 def test_the_router_certificate_reads_node_records_and_writes_nothing(etcd: EtcdCluster, k8s: Path,
                                                                        agent: AgentProcess):
     schema = Schema(agents_cluster())
-    # The router's own read path (lmcache-p2p router: IndexReader with etcd.index=lookup, nodes only).
+    # Read as the router itself reads: an IndexReader following node records only, in lookup mode.
     config = dataclasses.replace(AgentConfig(cluster=agents_cluster()),
                                  etcd=dataclasses.replace(router_config(etcd, k8s), index="lookup"))
     with LoopThread("router-test") as loop:

@@ -75,6 +75,7 @@ class ExactLoads:
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
         t2 = time.perf_counter()
         failed: set[int] = set()
+        loaded = len(t.block_ids)  # chunks in place: all, or those before the first that failed
         try:
             for i, blocks in enumerate(t.block_ids):
                 pin = pins[i] if i < len(pins) else None
@@ -83,7 +84,7 @@ class ExactLoads:
                               i, pin.header.length, len(blocks), kv.payload_nbytes(len(blocks)))
                     pin = None
                 if pin is None:
-                    failed = blocks_from(t, i)
+                    failed, loaded = blocks_from(t, i), i
                     if i >= len(plan.chunks):  # offered by the scheduler side, but no owner this worker may ask
                         agent.metrics.load_failures.labels("no_usable_owner").inc(len(keys) - i)
                     why = ("no usable owner (backed off, awaited for an overdue answer, or gone)"
@@ -96,7 +97,7 @@ class ExactLoads:
                 staged = agent.tiers.cpu.stage(pin)
                 if staged is None:
                     agent.metrics.checksum_failures.inc()
-                    failed = blocks_from(t, i)
+                    failed, loaded = blocks_from(t, i), i
                     log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
                                 t.req_id, i, len(failed))
                     break
@@ -108,8 +109,6 @@ class ExactLoads:
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
-        loaded = len(t.block_ids) if not failed else next(
-            (i for i, blocks in enumerate(t.block_ids) if failed.intersection(blocks)), len(t.block_ids))
         if loaded and sources:  # one line per request a hit served: that the mesh works shows in the engine's own log
             by: dict[str, int] = {}
             for i in range(min(loaded, len(sources))):

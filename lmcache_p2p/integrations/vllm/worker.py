@@ -318,11 +318,9 @@ class P2PWorker:
         saves = self.saves
         for segments in meta.segment_saves:
             try:
-                if saves is None:
-                    pass
-                elif segments.req_id in self._unloaded:
+                if segments.req_id in self._unloaded:
                     log.info("request %s: its load failed this step; its segments are not saved", segments.req_id)
-                else:
+                elif saves is not None:
                     saves.save_segments(segments)
             except Exception:  # a cache problem must never become a serving problem
                 log.exception("request %s: saving its segments failed", segments.req_id)
