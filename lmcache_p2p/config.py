@@ -97,10 +97,15 @@ class TierConfig:
     # it would take a whole slot and an etcd entry for tokens cheaper to recompute than to look up. 0 (off)
     # until its effect on hit rates is measured (a conversation's next turn then recomputes such a tail).
     min_save_tokens: int = 0
+    # Admission: a chunk is saved only once its key was in this many requests' prompts on this node (counted
+    # for the newest keys only: a bounded LRU); 1 saves on first sight. Above 1, generated chunks are saved
+    # only when their key already was (a one-off request's KV never takes a slot).
+    save_after_sightings: int = 1
 
     def __post_init__(self) -> None:
         _check(self.cpu_capacity >= 0, "tiers.cpu_capacity", "must be >= 0")
         _check(self.min_save_tokens >= 0, "tiers.min_save_tokens", "must be >= 0")
+        _check(self.save_after_sightings >= 1, "tiers.save_after_sightings", "must be >= 1")
         _check(self.disk_capacity >= 0, "tiers.disk_capacity", "must be >= 0")
         _check(self.eviction in EVICTION_POLICIES, "tiers.eviction", f"must be one of {EVICTION_POLICIES}")
         _check(self.pin_timeout_s > 0, "tiers.pin_timeout_s", "must be > 0")

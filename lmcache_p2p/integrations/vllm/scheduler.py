@@ -36,6 +36,11 @@ request is not scheduled yet (vLLM asks again next step), for at most ``FRESHNES
 is planned with what the mirror holds (``integrations/freshness.py``). Without it, a request arriving right
 after the chunks reached etcd may find the mirror an event behind and be computed.
 
+Admission: a partial chunk shorter than ``tiers.min_save_tokens`` is not saved, and with
+``tiers.save_after_sightings`` N > 1 a chunk is saved only once its key was in N requests' prompts on
+this node (counts for the newest ``SIGHTINGS_MAX`` keys): a one-off prompt never takes a slot or an
+etcd entry; the Nth request with it computes it once more and saves it.
+
 While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
 this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
 (a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
@@ -92,6 +97,7 @@ log = logging.getLogger(__name__)
 CANARY_PARAM = "lmcache_p2p_canary"
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
+SIGHTINGS_MAX = 65536  # chunk keys whose prompt sightings are counted (tiers.save_after_sightings > 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -150,6 +156,8 @@ class P2PScheduler:
         self._requests: dict[str, _Request] = {}  # every request vLLM asked about and has not finished
         self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
         self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
+        self._save_after = config.tiers.save_after_sightings
+        self._sightings: OrderedDict[ChunkKey, int] = OrderedDict()  # prompts each key was in; newest last
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
         self._adapters: dict[tuple[int, str, str], str | None] = {}  # first identity seen per adapter
@@ -565,7 +573,7 @@ class P2PScheduler:
                 continue
             if not state.prompt_saved:
                 save = self._admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
-                                                     len(state.prompt)))
+                                                     len(state.prompt)), self._sighted(state.keys))
                 save.canary = record.canary
                 if save.keys:
                     meta.saves.append(save)
@@ -579,7 +587,9 @@ class P2PScheduler:
             # only chunks whose every token is known (a later step saves the rest).
             full = min(done, len(state.request.all_token_ids)) // self._chunk
             if full > state.full_chunks_saved:
-                meta.saves.append(self._generated(state, full))
+                generated = self._generated(state, full)
+                if generated.keys:
+                    meta.saves.append(generated)
         return meta
 
     def _active(self, req_id: str) -> _Active | None:
@@ -592,18 +602,49 @@ class P2PScheduler:
         keys = self._keys(list(state.request.all_token_ids[: full * self._chunk]), state.root, state.mm_items)
         per = self._chunk // self._block
         state.full_chunks_saved = full
-        self._remember_saved(keys[first:full])
-        return ChunkTransfer(state.request.request_id, [bytes(k) for k in keys[first:full]],
-                             [self._chunk] * (full - first),
-                             [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)], generated=True)
+        save = self._admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in keys[first:full]],
+                                            [self._chunk] * (full - first),
+                                            [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)],
+                                            generated=True), self._seen(keys[first:full]))
+        self._remember_saved([ChunkKey(k) for k in save.keys])
+        return save
 
-    def _admitted(self, save: ChunkTransfer) -> ChunkTransfer:
-        """``save`` without a partial chunk shorter than ``tiers.min_save_tokens`` (only its last can be partial)."""
-        n = save.num_tokens[-1] if save.num_tokens else self._chunk
-        if n >= self._chunk or n >= self._config.tiers.min_save_tokens:
+    def _admitted(self, save: ChunkTransfer, seen: int | None = None) -> ChunkTransfer:
+        """``save`` cut to its first ``seen`` chunks (those sighted often enough, ``tiers.save_after_sightings``;
+        None: all) and without a partial chunk shorter than ``tiers.min_save_tokens`` (only its last can be
+        partial)."""
+        keep = len(save.keys) if seen is None else min(seen, len(save.keys))
+        n = save.num_tokens[keep - 1] if keep else self._chunk
+        if n < self._chunk and n < self._config.tiers.min_save_tokens:
+            keep -= 1
+        if keep == len(save.keys):
             return save
-        return dataclasses.replace(save, keys=save.keys[:-1], num_tokens=save.num_tokens[:-1],
-                                   block_ids=save.block_ids[:-1])
+        return dataclasses.replace(save, keys=save.keys[:keep], num_tokens=save.num_tokens[:keep],
+                                   block_ids=save.block_ids[:keep])
+
+    def _sighted(self, keys: list[ChunkKey]) -> int | None:
+        """Count one more prompt sighting of ``keys``; how many of them, from the first, were now seen in at
+        least ``tiers.save_after_sightings`` prompts (None: every key is admitted, nothing counted)."""
+        if self._save_after <= 1:
+            return None
+        sightings = self._sightings
+        for key in keys:
+            sightings[key] = sightings.get(key, 0) + 1
+            sightings.move_to_end(key)
+        while len(sightings) > SIGHTINGS_MAX:
+            sightings.popitem(last=False)
+        return self._seen(keys)
+
+    def _seen(self, keys: list[ChunkKey]) -> int | None:
+        """How many of ``keys``, from the first, were seen in ``tiers.save_after_sightings`` prompts (None: all
+        are admitted). A key's chunk is useless without its predecessors' (keys chain), so the run stops at
+        the first short of it."""
+        if self._save_after <= 1:
+            return None
+        for i, key in enumerate(keys):
+            if self._sightings.get(key, 0) < self._save_after:
+                return i
+        return len(keys)
 
     def _remember_saved(self, keys: list[ChunkKey]) -> None:
         saved = self._saved
@@ -646,7 +687,7 @@ class P2PScheduler:
             log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
                         request.request_id, len(blocks), done)
             return None
-        save = self._admitted(save)
+        save = self._admitted(save, self._seen([ChunkKey(k) for k in save.keys]))
         if not save.keys:
             return None  # nothing worth saving: vLLM frees its blocks at once
         save.generated, save.finished = True, True

