@@ -16,16 +16,20 @@ chunk's header), wherever it is held, and everything X holds; the entries counte
 are X's own (copies elsewhere go as their holders apply it). The objects in the object store that
 match are counted from their etcd metas (each carries its fingerprint, uploader, origin and tenant: a
 fingerprint no running node serves too); the object tier's next cleanup, on any node that runs it,
-deletes them. Exit code 0 when issued (and, with ``--wait``, done), 1 when ``--wait`` timed out, 2 on
-bad arguments or when etcd cannot be reached.
+deletes them. ``--json``: one JSON object on stdout once done (``id``, ``kind``, ``value``, ``cluster``,
+``revision``, ``matched_entries``, ``matched_objects``, and with ``--wait`` ``wait``: ``done``, ``removed``,
+``remaining``, ``seconds``); errors stay on stderr. Exit code 0 when issued (and, with ``--wait``, done),
+1 when ``--wait`` timed out, 2 on bad arguments or when etcd cannot be reached.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 import time
+from typing import Any
 
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
@@ -82,22 +86,36 @@ async def _matching_objects(client: EtcdClient, schema: Schema, kind: str, value
     return out
 
 
-async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None, ttl_s: int | None) -> int:
+async def _run(config: AgentConfig, kind: str, value: str, wait_s: float | None, ttl_s: int | None,
+               as_json: bool) -> int:
+    """Issue the invalidation (and wait); its result as text lines as they happen, or (``as_json``) one
+    JSON object at the end. The exit code."""
     schema = Schema(config.cluster)
     async with EtcdClient(config.etcd) as client:
         before = await _matching(client, schema, kind, value)
         objects = await _matching_objects(client, schema, kind, value)
         inv, revision = await issue(client, schema, kind, value, ttl_s=ttl_s)
-        print(f"issued invalidate/{inv.id}: {inv.kind}={inv.value} in cluster {config.cluster!r} "
-              f"(revision {revision}); {len(before)} block entries match, and {len(objects)} objects in the object "
-              f"store", flush=True)
-        if wait_s is None:
-            return 0
-        return await _wait(client, schema, inv, {kv.key for kv in before}, revision, wait_s)
+        result: dict[str, Any] = {"id": inv.id, "kind": inv.kind, "value": inv.value, "cluster": config.cluster,
+                                  "revision": revision, "matched_entries": len(before),
+                                  "matched_objects": len(objects)}
+        if not as_json:
+            print(f"issued invalidate/{inv.id}: {inv.kind}={inv.value} in cluster {config.cluster!r} "
+                  f"(revision {revision}); {len(before)} block entries match, and {len(objects)} objects in the "
+                  f"object store", flush=True)
+        code = 0
+        if wait_s is not None:
+            result["wait"] = await _wait(client, schema, inv, {kv.key for kv in before}, revision, wait_s)
+            code = 0 if result["wait"]["done"] else 1
+            if not as_json:
+                print(_wait_text(result["wait"], wait_s), flush=True)
+        if as_json:
+            print(json.dumps(result), flush=True)
+        return code
 
 
 async def _wait(client: EtcdClient, schema: Schema, inv: Invalidation, keys: set[bytes], revision: int,
-                wait_s: float) -> int:
+                wait_s: float) -> dict[str, Any]:
+    """Until the entries ``keys`` are gone (or ``wait_s``): ``done``, ``removed``, ``remaining``, ``seconds``."""
     t0 = time.monotonic()
     left = keys
     while True:
@@ -106,13 +124,15 @@ async def _wait(client: EtcdClient, schema: Schema, inv: Invalidation, keys: set
         if not left or time.monotonic() - t0 >= wait_s:
             break
         await asyncio.sleep(POLL_S)
-    removed = len(keys) - len(left)
-    if left:
-        print(f"timeout after {wait_s:.0f}s: removed {removed} block entries, {len(left)} remain "
-              f"(their nodes may be down or hung)", flush=True)
-        return 1
-    print(f"done in {time.monotonic() - t0:.1f}s: removed {removed} block entries", flush=True)
-    return 0
+    return {"done": not left, "removed": len(keys) - len(left), "remaining": len(left),
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _wait_text(wait: dict[str, Any], wait_s: float) -> str:
+    if wait["done"]:
+        return f"done in {wait['seconds']:.1f}s: removed {wait['removed']} block entries"
+    return (f"timeout after {wait_s:.0f}s: removed {wait['removed']} block entries, {wait['remaining']} remain "
+            f"(their nodes may be down or hung)")
 
 
 def main(argv: list[str]) -> int:
@@ -129,6 +149,7 @@ def main(argv: list[str]) -> int:
                              "a node restarted from disk after it lapsed would serve what it covered)")
     parser.add_argument("--wait", type=float, nargs="?", const=60.0, metavar="SECONDS",
                         help="wait (default 60 s) until the matching block entries are gone")
+    parser.add_argument("--json", action="store_true", help="the result as one JSON object on stdout")
     args = parser.parse_args(argv)
     tenant = tenant_digest(args.tenant) if args.tenant is not None else args.tenant_digest
     kind, value = next((k, v) for k, v in (("fingerprint", args.fingerprint), ("tenant", tenant),
@@ -140,7 +161,7 @@ def main(argv: list[str]) -> int:
         return 2
     config = tool_config(args, "lmcache-p2p invalidate")
     try:
-        return asyncio.run(_run(config, kind, value, args.wait, args.ttl))
+        return asyncio.run(_run(config, kind, value, args.wait, args.ttl, args.json))
     except LMCacheP2PError as exc:
         print(f"lmcache-p2p invalidate: cannot reach etcd: {exc}", file=sys.stderr)
         return 2
