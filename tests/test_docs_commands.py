@@ -264,6 +264,8 @@ python -m lmcache_p2p status --bogus
 cat <<EOF > x
 lmcache-p2p not-a-command-in-a-heredoc
 EOF
+vllm serve m --kv-transfer-config '{"kv_connector": "X",
+    "kv_role": "kv_both"}' > vllm.log 2>&1 & lmcache-p2p etcd --members 3
 ```
 
 ```console
@@ -278,6 +280,10 @@ lmcache-p2p status [--etcd URLS]
 ```yaml
 command: ["lmcache-p2p", "agent"]
 ```
+
+```sh
+lmcache-p2p status --etcd 'http://a:2379
+```
 """
 
 
@@ -291,13 +297,16 @@ def test_extracts_commands_as_a_shell_would(tmp_path: Path) -> None:
         (10, ("router", "--policy", VALUE)),
         (11, ("bench", "kernels", "--json")),
         (12, ("status", "--bogus")),
-        (19, ("--version",)),
+        (16, ("etcd", "--members", "3")),  # after a quote open across lines
+        (21, ("--version",)),
+        (34, ()),  # its quote never closes
     ]
     errors = {c.line: refusal(c) for c in found}
-    assert errors[5] is None and errors[6] is None and errors[8] is None and errors[19] is None
+    assert all(errors[line] is None for line in (5, 6, 8, 16, 21))
     assert errors[9] is None and errors[10] is None  # a placeholder's value is not held against the line
     assert errors[11] == "lmcache-p2p bench kernels: error: unrecognized arguments: --json"
     assert "unrecognized arguments: --bogus" in (errors[12] or "")
+    assert errors[34] == "not a shell line: No closing quotation"
 
 
 def test_a_refused_command_is_named_with_its_place(tmp_path: Path) -> None:
