@@ -1,12 +1,14 @@
 """The manifests in k8s/ checked offline: Kubernetes schemas, and agreement with the code.
 
 Every resource is validated (strict: unknown fields fail) against the Kubernetes JSON schemas shipped
-with ``kubernetes-validate``, for the oldest and the newest Kubernetes we support. ServiceMonitor is a
-CRD those schemas don't know, so it is checked structurally. Then the cross-references: the
+with ``kubernetes-validate``, for the oldest and the newest Kubernetes we support. ServiceMonitor and
+PrometheusRule are CRDs those schemas don't know: they are checked structurally (PrometheusRule in
+``test_k8s_ops.py``, with promtool). Then the cross-references: the
 ConfigMap's agent.yaml loads with :func:`load_config`; container ports, Services and ServiceMonitors
 agree with it and with each other; every ``LMCACHE_P2P_*`` variable sets a real config field; the
 vLLM kv-transfer-config names the connector; etcd's endpoints and --initial-cluster agree with the
-Services; the Grafana dashboard only queries metrics that :class:`AgentMetrics` defines.
+Services; the Grafana dashboard only queries metrics that an agent or the router exposes, or vLLM's
+allowed in ``test_k8s_ops.py``.
 
 Each ``*_problems`` helper returns what is wrong; the tests assert it returns nothing, and the
 mutation tests at the end assert it notices a deliberately broken copy.
@@ -32,17 +34,15 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics import MetricWrapperBase
+from test_k8s_ops import VLLM_METRICS, exposed_series
 
 from lmcache_p2p.cli import COMMANDS
 from lmcache_p2p.config import ENV_PREFIX, AgentConfig, cluster_secret, load_config
 from lmcache_p2p.identity import model_identity
-from lmcache_p2p.metrics import AgentMetrics
 
 K8S = Path(__file__).resolve().parents[1] / "k8s"
 KUBE_VERSIONS = ("1.29", kubernetes_validate.utils.latest_version())
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "PrometheusRule"}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet"}
 AGENT_LABEL = "lmcache-p2p/agent"
 CONFIG_MAP, CONFIG_KEY, CONFIG_PATH = "lmcache-p2p-config", "agent.yaml", "/etc/lmcache-p2p/agent.yaml"
@@ -869,18 +869,11 @@ def test_non_root_pods_can_read_their_secrets():
 # --------------------------------------------------------------------------- Grafana dashboard
 
 def metric_series() -> dict[str, set[str]]:
-    """Every series name AgentMetrics exposes -> its label names (prometheus_client adds the suffixes)."""
-    metrics = AgentMetrics(CollectorRegistry())
-    suffixes = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created"),
-                "gauge": ("",), "info": ("_info",)}
-    out: dict[str, set[str]] = {}
-    for collector in vars(metrics).values():
-        if isinstance(collector, MetricWrapperBase):
-            for fam in collector.describe():
-                out.update({fam.name + s: set(collector._labelnames) for s in suffixes[fam.type]})
-    out.update({name + "_total": set(labels) for name, labels in metrics.live_counters().items()})
-    registered = {fam.name for fam in metrics.registry.collect()}
-    assert registered and all(any(s.startswith(n) for s in out) for n in registered)
+    """Every series name an agent and the router expose (built in-process), and the vLLM metrics the
+    dashboard may use (``test_k8s_ops.VLLM_METRICS``, checked against vLLM's source there) -> label names."""
+    out = {name: set(labels) for name, labels in exposed_series().items()}
+    out.update({name: set(labels) for name, labels in VLLM_METRICS.items()})
+    assert "lmcache_p2p_hit_tokens_total" in out and "lmcache_p2p_router_requests_total" in out
     return out
 
 
@@ -902,7 +895,7 @@ def dashboard_problems(dashboard: Doc) -> list[str]:
     for p in panels(dashboard):
         for t in p.get("targets", []):
             expr = t["expr"]
-            used = set(re.findall(r"\blmcache_p2p_\w+", expr))
+            used = set(re.findall(r"\b(?:lmcache_p2p_\w+|vllm:\w+)", expr))
             problems += [f"{p['title']}: unknown metric {m}" for m in used - set(series)]
             allowed = TARGET_LABELS.union(*(series.get(m, set()) for m in used))
             if any(m.endswith("_bucket") for m in used):
