@@ -34,7 +34,7 @@ ENGINE_LANE=(
 )
 AFTER_PARALLEL=(
   tests/test_demo.py tests/test_vllm_identity.py tests/test_vllm_instruct_blend.py
-  tests/test_vllm_blend_prefix_cache.py
+  tests/test_vllm_blend_prefix_cache.py tests/test_vllm_two_nodes_guide.py
 )
 missing=$(comm -23 <(ls tests/test_vllm_*.py | sort) <(printf '%s\n' "${ENGINE_LANE[@]}" "${AFTER_PARALLEL[@]}" | sort))
 [ -z "$missing" ] || { echo "[test] engine tests not in a lane: $missing" >&2; exit 2; }
