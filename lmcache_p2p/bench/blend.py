@@ -39,7 +39,8 @@ from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
-from .common import emit, run_in_workdir
+from . import plot
+from .common import emit, progress, run_in_workdir
 from .rag_task import RagTask
 from .vllm import agent_config
 
@@ -84,18 +85,22 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
                 cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport, cpu_capacity="2GiB")
                 engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype,
                                              prefix_caching=args.prefix_caching))
+            progress("blend", "starting engines A and B (the mesh)")
             a, b = (e.wait_ready() for e in engines)
             for engine in (a, b):
                 ask(engine, warm, None)
+            progress("blend", f"engine A: {len(on_a)} prompts, documents declared")
             for prompt, spans in on_a:
                 ask(a, prompt, {"lmcache_p2p_segments": spans, "lmcache_p2p_blend": True})
-            for prompt, spans in on_b:  # prefix-only last: it saves this order's prefix chain
+            for i, (prompt, spans) in enumerate(on_b):  # prefix-only last: it saves this order's prefix chain
+                progress("blend", f"engine B: prompt {i + 1}/{len(on_b)} in {len(modes)} modes")
                 for mode, params in blends.items():
                     results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans, **params}))
                 results["prefix-only"].append(ask(b, prompt, None))
         finally:
             for engine in engines:
                 engine.stop()
+    progress("blend", f"a plain engine: full prefill of {len(on_b)} prompts (the reference)")
     cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
     try:
         cold.wait_ready()
@@ -233,7 +238,10 @@ def main(argv: list[str]) -> int:
                         "SmolLM2-135M-Instruct built from PyPI once per machine)")
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--json", action="store_true")
+    plot.add_argument(parser)
     args = parser.parse_args(argv)
+    if args.plot:
+        plot.require()
     facts = args.task == "facts"
     args.prompts = args.prompts or (24 if facts else 4)
     args.docs = args.docs or (8 if facts else 6)
@@ -244,4 +252,6 @@ def main(argv: list[str]) -> int:
         parser.error("--fractions must be in [0, 1]")
     result = run_in_workdir(run_facts if args.task == "facts" else run, args, "lmcache-p2p-bench-blend-")
     emit(result, args.json, "bench blend (RAG documents in another order: engine B reuses what engine A computed)")
+    plot.write("blend", result, args.plot, [(plot.blend_quality, "quality", f"quality by recompute fraction "
+                                             f"({args.task})")])
     return 0

@@ -56,6 +56,7 @@ from ..testing.engine_client import EngineProcess
 from ..testing.netlab import NetLab, available
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
+from .common import progress
 
 CLUSTER = "chaos"
 ETCD_HOSTS = (0, 1, 2)
@@ -161,6 +162,7 @@ class Chaos:
         lab, i = self.lab, node.index
         self.faults[kind] += 1
         self.log.append(f"{time.strftime('%H:%M:%S')} {kind} {node.name} {length:.1f}s")
+        progress("chaos", f"fault: {kind} on {node.name} for {length:.1f}s")
         if kind == "cut":
             lab.cut(i)
             self._hold(length)
@@ -317,10 +319,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = Path(args.model) if args.model else create_tiny_model(work / "tiny-llama")
     args.model = model
     docs = documents(args.docs, args.doc_tokens)
+    progress("chaos", f"reference outputs: {len(docs)} documents on a plain engine")
     reference, cold = references(model, docs, args.max_tokens, work)
     chaos = Chaos(args, work)
     try:
+        progress("chaos", f"starting etcd and {args.nodes} nodes in network namespaces")
         chaos.start()
+        progress("chaos", f"load and faults for {args.duration:g}s")
         summary = chaos.run(docs, reference)
     finally:
         chaos.close()

@@ -34,7 +34,7 @@ from typing import Any
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from .common import emit, run_in_workdir
+from .common import emit, progress, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts
 
 
@@ -61,6 +61,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cfg_b = agent_config(work / "b.yaml", "chat-b", etcd.endpoints, args.transport)
         engines: list[EngineProcess] = []
         try:
+            progress("chat", "starting engines A and B (the mesh)")
             for name, cfg in (("chat-a", cfg_a), ("chat-b", cfg_b)):
                 engine = EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype)
                 engines.append(engine)
@@ -71,6 +72,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 if turn:
                     time.sleep(args.think_s)
                     prompts.append(prompts[-1] + answers[-1] + messages[turn - 1])
+                progress("chat", f"turn {turn + 1}/{args.turns} on {engines[turn % 2].name}")
                 got = engines[turn % 2].serve(prompts[turn], max_tokens=args.answer)
                 answers.append(got["tokens"])
                 history = len(prompts[turn - 1]) + len(answers[turn - 1]) - 1 if turn else 0
@@ -80,6 +82,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         finally:
             for engine in engines:
                 engine.stop()
+    progress("chat", "plain vLLM: the same prompts (the reference)")
     cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
     matches = []
     try:

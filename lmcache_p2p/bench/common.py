@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -50,3 +51,8 @@ def emit(result: dict[str, object], as_json: bool, title: str) -> None:
     width = max(len(k) for k in result)
     for key, value in result.items():
         print(f"  {key:<{width}}  {value}")
+
+
+def progress(bench: str, message: str) -> None:
+    """One line of progress on stderr (``[bench <name>] ...``): stdout stays the results."""
+    print(f"[bench {bench}] {message}", file=sys.stderr, flush=True)

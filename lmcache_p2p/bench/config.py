@@ -30,7 +30,7 @@ from ..coordinator.store import ConfigStore
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdServer
 from ..keys import Fingerprint
-from .common import emit, ratio
+from .common import emit, progress, ratio
 
 
 def _agent(endpoints: tuple[str, ...], i: int) -> CacheAgent:
@@ -89,9 +89,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         loop.run(client.connect(), 10.0)
         agents: list[CacheAgent] = []
         try:
+            progress("config", f"starting {args.agents} agents")
             agents = [_agent(etcd.endpoints, i) for i in range(args.agents)]
             measure_apply(loop, client, agents, 3)  # warm-up: connections, first decode
+            progress("config", f"{args.rounds} config changes until every agent applied each")
             apply_ms = measure_apply(loop, client, agents, args.rounds)
+            progress("config", f"baseline: {args.rounds} puts through a bare watch")
             watch_ms = measure_watch(loop, client, args.rounds)
             revisions = {a.config_revision for a in agents}
         finally:

@@ -47,6 +47,7 @@ from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdServer
 from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
+from .common import progress
 
 GOALS = {"publish_chunks_per_s": (">=", 20_000.0), "lookup_us_per_chunk": ("<=", 5.0),
          "etcd_bytes_per_chunk": ("<=", 200.0)}
@@ -79,6 +80,7 @@ def run(chunks: int, unsafe_no_fsync: bool, fault_chunks: int = 10_000) -> dict[
         before = _db_in_use(loop, eps)
         etcd_proc = psutil.Process(server.pid)
         rss_before = etcd_proc.memory_info().rss
+        progress("index", f"publishing {chunks} chunks")
         t0 = time.perf_counter()
         writer.add_many(fp, keys, TIER_CPU)
         writer.flush(timeout=300.0)
@@ -88,6 +90,7 @@ def run(chunks: int, unsafe_no_fsync: bool, fault_chunks: int = 10_000) -> dict[
         out["etcd_bytes_per_chunk"] = (_db_in_use(loop, eps) - before) / chunks
         out["etcd_rss_bytes_per_chunk"] = (etcd_proc.memory_info().rss - rss_before) / chunks
 
+        progress("index", "a reader's mirror follows them; lookups")
         t0 = time.perf_counter()
         mirror = reader.follow(fp)
         out["mirror_sync_s"] = time.perf_counter() - t0
@@ -97,12 +100,14 @@ def run(chunks: int, unsafe_no_fsync: bool, fault_chunks: int = 10_000) -> dict[
         out["mirror_bytes_method"] = "sys.getsizeof(dict + keys + interned owner sets)"
         out.update(_lookups(reader, fp, keys))
 
+        progress("index", "the writer's lease revoked: until the mirror is empty")
         t0 = time.perf_counter()
         writer.close()
         if not mirror.wait_for(lambda m: len(m) == 0, timeout=60.0):
             raise RuntimeError("mirror did not empty after the lease was revoked")
         out["lease_revoke_to_mirror_empty_s"] = time.perf_counter() - t0
         reader.close()
+        progress("index", f"faults: {fault_chunks} chunks through a lost lease")
         out.update(_faults(loop, server, fault_chunks))
     per = out["etcd_bytes_per_chunk"]
     out["scale_chunks_per_cluster_at_8GiB_quota"] = int(QUOTA_BYTES / per) if per > 0 else None

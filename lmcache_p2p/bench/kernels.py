@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import cpu_ext, paged
-from .common import best_of
+from .common import best_of, progress
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -58,6 +58,7 @@ def bench_preset(name: str, preset: Preset, blocks: Sequence[int], backends: Seq
     gen = torch.Generator().manual_seed(0)
     rows = []
     for n in blocks:
+        progress("kernels", f"{name}: {n} blocks per call")
         ids = torch.randperm(preset.cache_blocks, generator=gen)[:n].to(torch.int64)
         nbytes = paged.payload_nbytes(layers, n)
         buf, src = torch.empty(nbytes, dtype=torch.uint8), torch.ones(nbytes, dtype=torch.uint8)

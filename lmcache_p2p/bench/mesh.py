@@ -42,7 +42,8 @@ from ..index.etcd_server import EtcdServer
 from ..keys import Fingerprint
 from ..metrics import AgentMetrics
 from ..testing.synthetic import synthetic_payload, synthetic_tokens
-from .common import emit, gbps
+from . import plot
+from .common import emit, gbps, progress
 
 SECRET = "bench-mesh-secret-7f3a9c1e5b2d80461c9e4a7b"
 
@@ -72,7 +73,9 @@ def working_set(docs: int, requests: int, rate: float, transport: str, etcd: Etc
     out: dict[str, object] = {"working_set_docs": docs, "working_set_chunks": 4 * docs,
                               "working_set_requests": requests, "working_set_rate": rate}
     order = np.random.default_rng(7).integers(0, docs, requests + docs).tolist()
-    for mode, (n, share, handoff) in WORKING_SET_MODES.items():
+    for m, (mode, (n, share, handoff)) in enumerate(WORKING_SET_MODES.items()):
+        progress("mesh", f"working set {mode} ({m + 1}/{len(WORKING_SET_MODES)}): {n} agents, {requests + docs} "
+                         f"requests at {rate:g}/s")
         agents: list[CacheAgent] = []
         try:
             for i in range(n):
@@ -135,6 +138,7 @@ def run(tokens: int, rounds: int, transport: str, work: Path, ws_docs: int = 24,
 
 
 def _prompt(tokens: int, rounds: int, transport: str, work: Path, etcd: EtcdServer) -> dict[str, object]:
+    progress("mesh", f"{tokens}-token prompt: starting the owner agent, then {rounds} rounds")
     owner_cfg = _config(work / "owner.yaml", "owner", etcd.endpoints, transport, "512MiB")
     env = {**os.environ, "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
     owner = subprocess.Popen([sys.executable, "-m", "lmcache_p2p.testing.preloaded_agent", "--config", str(owner_cfg),
@@ -209,9 +213,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--working-set-requests", type=int, default=240)
     parser.add_argument("--working-set-rate", type=float, default=40.0, help="requests per second")
     parser.add_argument("--json", action="store_true")
+    plot.add_argument(parser)
     args = parser.parse_args(argv)
+    if args.plot:
+        plot.require()
     with tempfile.TemporaryDirectory(prefix="lmcache-p2p-bench-mesh-") as tmp:
         result = run(args.tokens, args.rounds, args.transport, Path(tmp), args.working_set_docs,
                      args.working_set_requests, args.working_set_rate)
     emit(result, args.json, "bench mesh (median per round; 128-chunk prompt by default)")
+    if args.working_set_docs:
+        plot.write("mesh", result, args.plot, [(plot.hit_rate_vs_ideal, "hit-rate", "working set's hit rate")])
     return 0

@@ -51,7 +51,7 @@ from ..objects.seaweed import SeaweedServer
 from ..objects.store import ObjectStore
 from ..plan import PlannedChunk
 from ..testing.synthetic import synthetic_payload
-from .common import emit, ratio, run_in_workdir
+from .common import emit, progress, ratio, run_in_workdir
 from .vllm import bench_prompts, median_ms
 
 SECRET = "bench-objects-secret-7f3a9c1e5b2d80461c9e4a7b"
@@ -241,8 +241,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             os.environ.update(server.env)  # the agents (here and in the engines) read the usual variables
             url, bucket = server.url, server.bucket
         out: dict[str, Any] = {"server": "SeaweedFS (weed mini, loopback)" if not args.url else url}
+        progress("objects", "store phase: raw puts and gets against the tier's")
         out.update(_store_phase(args, work, etcd, url, bucket))
         if not args.no_vllm:
+            progress("objects", "vLLM phase: engines loading from the object store")
             out.update(_vllm_phase(args, work, etcd, url, bucket, server))
         return out
 

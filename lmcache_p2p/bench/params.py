@@ -30,7 +30,7 @@ import yaml
 
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.vllm_server import VllmServer, http_get
-from .common import emit, ratio, run_in_workdir
+from .common import emit, progress, ratio, run_in_workdir
 from .vllm import bench_prompts
 
 SECRET = "bench-params-" + "0123456789abcdef" * 3
@@ -126,6 +126,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         server = VllmServer(model, name="params", log_path=work / "params.log", kv_transfer_config=kv,
                             dtype=args.dtype)
         try:
+            progress("params", "starting the engine")
             server.wait_ready()
             name = str(json.loads(http_get(server.url + "/v1/models"))["data"][0]["id"])
             server.complete(bench_prompts(1, 256, seed=1)[0], max_tokens=2)  # warm-up
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                    "canary_per_minute": args.canary_per_minute}
             runs: dict[str, list[dict[str, float]]] = {"plain": [], "hostile": []}
             for r in range(args.rounds):  # alternating, so drift on a shared host hits both alike
+                progress("params", f"round {r + 1}/{args.rounds}: plain, then hostile requests")
                 runs["plain"].append(_phase(server.url, name, args, None, seed=100 * r))
                 runs["hostile"].append(_phase(server.url, name, args, HOSTILE, seed=100 * r + 50))
             for mode, phases in runs.items():

@@ -36,7 +36,8 @@ from typing import Any
 from ..index.etcd_server import free_port
 from ..router.proof import router_key
 from ..testing.tiny_model import create_tiny_model
-from .common import emit, run_in_workdir
+from . import plot
+from .common import emit, progress, run_in_workdir
 from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
 from .vllm import MODEL_SIZES, SECRET, bench_prompts
 from .workloads import Workload
@@ -143,14 +144,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                         "num_prefixes": args.num_prefixes, "output_len": args.output_len},
                            "rates": rates, "prefill_engines": args.prefill_engines,
                            "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "modes": {}}
-    fleet = start_fleet("mesh", args, model, work)
+    fleet = start_fleet("mesh", args, model, work, bench="route")
     with fleet.stack:
         if "disaggregated" in modes:
+            progress("route", "disaggregated: measuring the announce gap")
             out["announce_gap"] = announce_gap(fleet, args)
         for m, mode in enumerate(modes):
             rows = []
             with router_process(fleet, mode, args, work) as url:
                 for k, rate in enumerate(rates):
+                    progress("route", f"{mode} ({m + 1}/{len(modes)}): rate {rate:g} ({k + 1}/{len(rates)})")
                     run_id = 100 * (m + 1) + k  # prompts of its own per mode and rate
                     before, sent_before = fleet.counters(), _router_counts(url)
                     res = run_client(fleet, workload, rate, run_id, args, model, work, urls=[url],
@@ -222,13 +225,18 @@ def main(argv: list[str]) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
     p.add_argument("--json", action="store_true")
+    plot.add_argument(p)
     args = p.parse_args(argv)
     if args.engines < 2:
         p.error("--engines must be >= 2")
+    if args.plot:
+        plot.require()
     args.prefill_engines = args.prefill_engines or (args.engines + 1) // 2
     if not 0 < args.prefill_engines < args.engines:
         p.error("--prefill-engines must leave at least one engine for each pool")
     result = run_in_workdir(run, args, "lmcache-p2p-bench-route-")
+    plot.write("route", result, args.plot, [(plot.ttft_by_rate, "ttft-by-rate", "TTFT by request rate and mode"),
+                                            (plot.hit_rate_vs_ideal, "hit-rate", "hit rate against the ideal")])
     if args.json:
         emit(result, True, "")
     else:

@@ -57,7 +57,7 @@ from ..index.etcd_server import EtcdCluster
 from ..index.mirror import Mirror
 from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
-from .common import emit, run_in_workdir
+from .common import emit, progress, run_in_workdir
 
 CLUSTER = "bench-scale"
 PROBE_EVERY_S = 0.5
@@ -360,6 +360,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
              workers: _Workers, procs: list[Any], nodes: int, etcd_pids: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     every = range(len(procs))
+    progress("scale", f"join: {nodes} agents announce {args.chunks} chunks each")
     t0 = time.monotonic()
     ready = [workers.expect(i, "ready", 1800)[1] for i in every]
     out["join_s"] = round(time.monotonic() - t0, 2)
@@ -370,9 +371,11 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
     observer = open_index(observer_loop, eps, "scale-observer", args.ttl)
     observed = observer.follow(fp)
     size0, _, _ = _status(loop, eps)
+    progress("scale", f"churn for {args.seconds:g}s")
     plain = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, 0, observed)
     extra = None
     if args.extra_watchers:
+        progress("scale", f"churn for {args.seconds:g}s with {args.extra_watchers} more watch streams")
         watchers = _Watchers(loop, eps, Schema(CLUSTER).blocks_of(fp), args.extra_watchers)
         try:
             extra = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, int(plain["probes"]), observed,
@@ -382,6 +385,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
     looked = None
     if args.lookups_per_s:
         first = int(plain["probes"] + (extra["probes"] if extra else 0))
+        progress("scale", f"churn for {args.seconds:g}s with {args.lookups_per_s:g} lookups/s")
         lookups = _Lookups(loop, eps, Schema(CLUSTER), fp, args.lookups_per_s, lambda: first)
         try:
             looked = _churn_phase(args, loop, eps, probe, fp, workers, etcd_pids, first, observed)
@@ -416,6 +420,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
         counts += workers.expect(i, "mirrors", 120)[1]
     held = sum(n for n, _ in counts)
     out["mirror_bytes_per_chunk"] = round(sum(b for _, b in counts) / held, 1) if held else None
+    progress("scale", "announced: entries against what each agent holds; a new node syncs")
     out.update(_announced(loop, eps, fp, workers))
     total = out["entries_in_etcd"]
     t0 = time.monotonic()
@@ -424,6 +429,7 @@ def _measure(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...], f
     synced = mirror.wait_for(lambda m: len(m) >= total, 120)
     out["new_node_sync_s"] = round(time.monotonic() - t0, 3) if synced else None
     out["new_node_mirror_chunks"] = len(mirror)
+    progress("scale", "death: a worker process killed; then compaction")
     t0 = time.monotonic()
     procs[0].kill()  # its agents' leases run out: their chunks must leave every mirror
     left = len(mirror) - args.agents * args.chunks

@@ -17,6 +17,10 @@ lmcache: its server process; the connector threads inside its engines are not se
 highest rate of the sweep at which >= 99 % of requests met the SLO. ``outputs_match_vllm``: the mesh's
 greedy outputs equal vLLM alone's, request by request (the same prompts at the same rate).
 
+``--workload mix`` (short and long prompts, ``--mix`` short:long) runs the mesh once per admission
+setting (``--admit-min-tokens``, ``--admit-sightings``: ``bench/admission.py``), each with its hit rate
+and pool pollution, and their ratios to the ungated mesh.
+
 ``--join`` (2 engines): a node joining a fleet whose cache already holds the prompts. Engine 0 serves
 each run's prompts, then engine 1 serves the same prompts; the row is engine 1's, with what it got
 from the cache layer (``connector_tokens``) against what engine 0 left there (each prefix's first
@@ -32,6 +36,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,13 +48,15 @@ from ..config import parse_size
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.tiny_model import create_tiny_model
 from ..testing.vllm_server import VllmServer, http_get, session_cpu_seconds
-from .common import run_in_workdir
+from . import admission, plot
+from .common import progress, run_in_workdir
 from .lmcache_ref import LMCacheServer, lmcache_available, lmcache_env, mp_connector_config, venv_python
 from .vllm import MODEL_SIZES, SECRET, bench_prompts
-from .workloads import Workload
+from .workloads import KINDS, Workload
 
 SYSTEMS = ("mesh", "vllm", "lmcache")
 AGENT_COUNTERS = ("lmcache_p2p_load_failures", "lmcache_p2p_fetch_decisions", "lmcache_p2p_loaded_chunks")
+SETTLE_S = 10.0  # at most this long for the agents to publish what a run saved
 SLO_SHARE = 0.99
 CLIENT_TIMEOUT_S = 3600.0
 REPO = Path(__file__).resolve().parents[2]
@@ -85,7 +92,12 @@ class Fleet:
                         out[key] = out.get(key, 0.0) + s.value
         for url in (self.agent_metrics[i] for i in chosen if i < len(self.agent_metrics)):
             for fam in text_string_to_metric_families(http_get(url)):
-                if fam.name == "lmcache_p2p_cpu_seconds":
+                if fam.name == "lmcache_p2p_index_chunks":  # the mirror of the whole index: the same everywhere
+                    out["index_chunks"] = max(out.get("index_chunks", 0.0), *(s.value for s in fam.samples))
+                elif fam.name == "lmcache_p2p_stored_chunks":
+                    out["stored_chunks"] = out.get("stored_chunks", 0.0) + sum(
+                        s.value for s in fam.samples if s.name.endswith("_total"))
+                elif fam.name == "lmcache_p2p_cpu_seconds":
                     out["cache_cpu_s"] += sum(s.value for s in fam.samples if s.name.endswith("_total"))
                 elif fam.name == "lmcache_p2p_estimate_ratio":  # what happened over what the planner expected
                     for s in fam.samples:
@@ -104,14 +116,34 @@ class Fleet:
             out["cache_cpu_s"] += session_cpu_seconds(self.cache_sid)
         return out
 
+    def settle(self) -> None:
+        """Wait (at most ``SETTLE_S``) until every agent has published what it saved and the index mirror's
+        chunk count stopped moving (mesh; nothing to wait for otherwise)."""
+        deadline, last = time.monotonic() + SETTLE_S, -1.0
+        while self.agent_metrics and time.monotonic() < deadline:
+            pending, chunks = 0.0, 0.0
+            for url in self.agent_metrics:
+                for fam in text_string_to_metric_families(http_get(url)):
+                    if fam.name == "lmcache_p2p_publish_pending":
+                        pending += sum(s.value for s in fam.samples)
+                    elif fam.name == "lmcache_p2p_index_chunks":
+                        chunks = max([chunks, *(s.value for s in fam.samples)])
+            if pending == 0 and chunks == last:
+                return
+            last = chunks
+            time.sleep(0.5)
 
-def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) -> Fleet:
+
+def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path,
+                tiers: dict[str, int] | None = None, bench: str = "serve") -> Fleet:
+    """``system``'s engines, started and warmed; ``tiers``: more ``tiers.*`` settings of a mesh's agents
+    (a mesh variant is named ``mesh+...``)."""
     fleet = Fleet(system)
     try:
         kv: list[dict[str, Any] | None] = [None] * args.engines
         ports = [free_port() for _ in range(args.engines)]
         python, env = sys.executable, None
-        if system == "mesh":
+        if system.startswith(admission.MESH):
             etcd = fleet.stack.enter_context(EtcdServer(base_dir=str(work)))
             fleet.etcd_endpoints = ",".join(etcd.endpoints)
             for i in range(args.engines):
@@ -121,7 +153,7 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
                 cfg.write_text(yaml.safe_dump({
                     "node_id": f"serve-{i}", "cluster": "bench-serve", "metrics_port": port,
                     "engine_url": f"http://127.0.0.1:{ports[i]}",
-                    "tiers": {"cpu_capacity": args.capacity},
+                    "tiers": {"cpu_capacity": args.capacity, **(tiers or {})},
                     "etcd": {"endpoints": list(etcd.endpoints), "index": args.index},
                     "transfer": {"transports": ["tcp"], "secret": SECRET, "load_threads": args.load_threads}}))
                 kv[i] = {"kv_connector": "LMCacheP2PConnector", "kv_role": "kv_both",
@@ -139,6 +171,7 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path) 
                                   kv_transfer_config=kv[i], python=python, env=env, dtype=args.dtype, port=ports[i])
             fleet.servers.append(server_i)
             fleet.stack.callback(server_i.stop)
+        progress(bench, f"{system}: starting {args.engines} engines")
         for server_i in fleet.servers:
             server_i.wait_ready()
         warm = bench_prompts(args.engines, 512, seed=9100)
@@ -226,11 +259,23 @@ def goodput(rows: list[dict[str, Any]]) -> float | None:
     return max(good) if good else None
 
 
+def _systems(args: argparse.Namespace) -> list[tuple[str, dict[str, int] | None]]:
+    """(system, mesh tiers settings) in the order run: under ``--workload mix`` the mesh once per admission
+    setting."""
+    out: list[tuple[str, dict[str, int] | None]] = []
+    for system in args.systems.split(","):
+        if system == admission.MESH and args.workload == "mix":
+            out += admission.variants(args.admit_min_tokens, args.admit_sightings)
+        else:
+            out.append((system, None))
+    return out
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     workload = Workload(args.workload, args.num_prompts, args.output_len, prefix_len=args.prefix_len,
                         suffix_len=args.suffix_len, num_prefixes=args.num_prefixes, input_len=args.input_len,
                         trace=Path(args.trace) if args.trace else None, trace_start=args.trace_start,
-                        max_chunks=args.max_chunks)
+                        max_chunks=args.max_chunks, mix=args.mix, short_len=args.short_len)
     model = Path(args.model) if args.model else create_tiny_model(work / "model", **MODEL_SIZES[args.model_size])
     capacity_chunks = args.engines * parse_size(args.capacity, "--capacity") // _chunk_bytes(model, args.dtype)
     rates = sorted(float(r) for r in args.rates.split(","))
@@ -241,14 +286,17 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "index": args.index, "join": args.join,
                            "ideal_hit_rate": workload.ideal_hit_rate(capacity_chunks), "systems": {}}
     texts: dict[str, list[list[str]]] = {}
-    for system in args.systems.split(","):
+    for system, tiers in _systems(args):
         if system == "lmcache" and not lmcache_available(REPO):
             out["systems"][system] = "not installed (run scripts/install_lmcache.sh)"
             continue
-        fleet = start_fleet(system, args, model, work)
+        if tiers:
+            out.setdefault("admission", {})[system] = tiers
+        fleet = start_fleet(system, args, model, work, tiers)
         rows, texts[system] = [], []
         with fleet.stack:
             for k, rate in enumerate(rates):
+                progress("serve", f"{system}: rate {rate:g} ({k + 1}/{len(rates)})")
                 if args.join:
                     row, first, joined = join_run(fleet, workload, rate, k, args, model, work)
                     row["outputs_match_first"] = first == joined
@@ -257,9 +305,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     continue
                 before = fleet.counters()
                 res = run_client(fleet, workload, rate, k, args, model, work)
-                rows.append(row_of(rate, res, before, fleet.counters(), args.slo_ttft_ms))
+                fleet.settle()
+                after = fleet.counters()
+                rows.append(row_of(rate, res, before, after, args.slo_ttft_ms))
+                if tiers is not None:
+                    rows[-1].update(admission.pool_row(workload, before, after))
                 texts[system].append(list(res["generated_texts"]))
         out["systems"][system] = {"goodput_rps": goodput(rows), "rows": rows}
+    if "admission" in out:
+        out["admission_vs_ungated"] = admission.ratios(out["systems"])
     if "mesh" in texts and "vllm" in texts:
         out["outputs_match_vllm"] = [a == b for a, b in zip(texts["mesh"], texts["vllm"], strict=True)]
         mesh, alone = out["systems"]["mesh"], out["systems"]["vllm"]
@@ -293,6 +347,9 @@ def _describe(w: Workload) -> dict[str, Any]:
         d.update(prefix_len=w.prefix_len, suffix_len=w.suffix_len, num_prefixes=w.num_prefixes)
     elif w.kind == "random":
         d.update(input_len=w.input_len)
+    elif w.kind == "mix":
+        d.update(mix=f"{w.mix[0]}:{w.mix[1]}", short_len=w.short_len, prefix_len=w.prefix_len,
+                 suffix_len=w.suffix_len, num_prefixes=w.num_prefixes, shared_chunks=w.shared_chunks)
     else:
         d.update(trace=str(w.trace), trace_start=w.trace_start, max_chunks=w.max_chunks,
                  rate_means="speed-up of the trace's clock")
@@ -308,17 +365,29 @@ def print_table(result: dict[str, Any]) -> None:
     if result.get("join"):
         cols = ["rate", "ttft_mean_ms", "ttft_p99_ms", "req_s", "connector_tokens", "peer_held_tokens", "join_share",
                 "outputs_match_first", "failed"]
+    elif "admission" in result:
+        cols = ["rate", "ttft_p50_ms", "ttft_p99_ms", "hit_rate", "pool_chunks", "unhittable_chunks", "pollution",
+                "failed"]
     print("  " + " ".join(f"{c:>12}" for c in ["system", *cols]))
     for system, res in result["systems"].items():
         if isinstance(res, str):
             print(f"  {system:>12} {res}")
             continue
         for r in res["rows"]:
-            print("  " + " ".join(f"{v!s:>12}" for v in [system, *(r[c] for c in cols)]))
+            print("  " + " ".join(f"{v!s:>12}" for v in [system, *(r.get(c, "-") for c in cols)]))
         print(f"  {system:>12} goodput (>= 99 % within SLO): {res['goodput_rps']} req/s")
     for key in ("outputs_match_vllm", "ttft_p50_vs_vllm"):
         if key in result:
             print(f"  {key}: {result[key]}")
+    for system, ratios in result.get("admission_vs_ungated", {}).items():
+        print(f"  {system} over mesh (by rate): " + "; ".join(f"{k} {v}" for k, v in ratios.items()))
+
+
+def _mix(text: str) -> tuple[int, int]:
+    short, sep, long = text.partition(":")
+    if not sep or not short.isdigit() or not long.isdigit():
+        raise argparse.ArgumentTypeError(f"--mix: SHORT:LONG counts, e.g. 3:1 (got {text!r})")
+    return int(short), int(long)
 
 
 def main(argv: list[str]) -> int:
@@ -326,7 +395,7 @@ def main(argv: list[str]) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: mesh, vllm, lmcache")
-    p.add_argument("--workload", default="prefix", choices=["prefix", "trace", "random"])
+    p.add_argument("--workload", default="prefix", choices=list(KINDS))
     p.add_argument("--rates", default="0.5,1,2", help="requests/s (trace: speed-ups of its clock), comma-separated; "
                    "inf: every request at once (bounded by --max-concurrency)")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
@@ -339,6 +408,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--trace", help="a Mooncake-format JSONL trace (e.g. ../shared/traces/mooncake-fast25/...)")
     p.add_argument("--trace-start", type=int, default=0, help="first row of the trace replayed")
     p.add_argument("--max-chunks", type=int, default=24, help="trace: at most this many 256-token chunks a prompt")
+    p.add_argument("--mix", type=_mix, default=(1, 1), metavar="SHORT:LONG",
+                   help="mix: short prompts to long ones, e.g. 3:1")
+    p.add_argument("--short-len", type=int, default=24, help="mix: tokens of a short prompt (under a chunk)")
+    p.add_argument("--admit-min-tokens", type=int, default=128, help="mix: tiers.min_save_tokens of a gated mesh")
+    p.add_argument("--admit-sightings", type=int, default=2, help="mix: tiers.save_after_sightings of a gated mesh")
     p.add_argument("--max-concurrency", type=int, default=0, help="client-side cap (0: open loop)")
     p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
     p.add_argument("--load-threads", type=int, default=1, help="mesh: transfer.load_threads of every agent")
@@ -350,10 +424,15 @@ def main(argv: list[str]) -> int:
     p.add_argument("--join", action="store_true", help="engine 0 serves each run's prompts, then engine 1 serves "
                    "them again; engine 1's row (a node joining a fleet whose cache already holds the prompts)")
     p.add_argument("--json", action="store_true")
+    plot.add_argument(p)
     args = p.parse_args(argv)
     if args.join and args.engines != 2:
         p.error("--join needs --engines 2")
+    if args.plot:
+        plot.require()
     result = run_in_workdir(run, args, "lmcache-p2p-bench-serve-")
+    plot.write("serve", result, args.plot, [(plot.ttft_by_rate, "ttft-by-rate", "TTFT by request rate"),
+                                            (plot.hit_rate_vs_ideal, "hit-rate", "hit rate against the ideal")])
     if args.json:
         print(json.dumps(result))
     else:

@@ -17,7 +17,7 @@ import torch
 from ..chunk import make_header
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers import CpuPool, DiskTier
-from .common import best_of, emit, gbps, ratio
+from .common import best_of, emit, gbps, progress, ratio
 
 
 def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) -> dict[str, object]:
@@ -49,12 +49,14 @@ def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) ->
         for s, d in zip(src_views, dst_views, strict=True):
             np.copyto(np.frombuffer(d, np.uint8), np.frombuffer(s, np.uint8))
 
+    progress("tiers", f"CPU pool: {num_chunks} chunks, {rounds} rounds")
     t_store = best_of(cpu_store, rounds)
     t_load = best_of(cpu_load, rounds)
     t_memcpy = min(best_of(torch_copy, rounds), best_of(numpy_copy, rounds))
     if not torch.equal(src, dst):
         raise RuntimeError("bench: CPU load returned different bytes")
 
+    progress("tiers", "disk tier against raw file I/O")
     with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
         disk = DiskTier(os.path.join(tmp, "tier"), total * 2)
         raw_dir = os.path.join(tmp, "raw")

@@ -21,7 +21,7 @@ from typing import Any
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from .common import emit, run_in_workdir
+from .common import emit, progress, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts, median_ms
 
 
@@ -34,6 +34,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "dtype": args.dtype, "transport": args.transport, "engine_mode": "eager"}
     cold: dict[int, list[dict[str, Any]]] = {}
     for i, tp in enumerate((1, 2)):
+        progress("tp", f"cold: vLLM alone at TP={tp}")
         with EngineProcess(model, None, name=f"cold-tp{tp}", log_path=work / f"cold{tp}.log", dtype=args.dtype,
                            tensor_parallel_size=tp) as engine:
             engine.wait_ready().ttft([warm[i]])
@@ -45,6 +46,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         b = EngineProcess(model, agent_config(work / "b.yaml", "bench-b", etcd.endpoints, args.transport),
                           name="bench-b", log_path=work / "b.log", dtype=args.dtype, tensor_parallel_size=2)
         try:
+            progress("tp", "the mesh: engine A (TP=1) and engine B (TP=2) reuse each other's chunks")
             a.wait_ready().ttft([warm[2]])
             b.wait_ready().ttft([warm[3]])
             a.ttft(docs_a)  # A computes and stores its documents

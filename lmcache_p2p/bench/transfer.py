@@ -47,6 +47,7 @@ from ..transfer.client import TcpTransport
 from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available
 from ..transfer.tls import client_context
+from .common import progress
 
 SECRET = "bench-secret-7f3a9c1e5b2d80461c9e4a7b"
 FP = FingerprintDigest(b"bench-fingerprnt")
@@ -211,8 +212,10 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     workloads = []
     for spec in args.workload:
         n, _, size = spec.partition("x")
+        progress("transfer", f"workload {spec}: {args.repeat} repeats per transport")
         workloads.append(await _workload(int(n), parse_size(size, "workload"), args.repeat, use_nixl))
     summary: dict[str, Any] = dict(workloads[0])
+    progress("transfer", f"latency: {args.latency_samples} samples")
     summary.update(await _latency(args.latency_samples, use_nixl))
     summary["workloads"] = workloads
     summary["nixl"] = use_nixl

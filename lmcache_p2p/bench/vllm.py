@@ -40,7 +40,7 @@ from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
-from .common import emit, run_in_workdir
+from .common import emit, progress, run_in_workdir
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
 # tiny: 4 layers, hidden 256 (prefill ~0.2 s here); mid: 8 layers, hidden 1024, 105 M parameters.
@@ -87,12 +87,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         try:
             # Each engine is measured while no other engine has run anything: two vLLM-CPU workers
             # share core 0 here, and one that has just computed keeps spinning its OpenMP threads.
+            progress("vllm", "cold: vLLM without a connector")
             cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
             engines.append(cold)
             cold.wait_ready()
             cold.ttft([warm[0]])
             out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
             cold.stop()
+            progress("vllm", "miss: engine A with the connector, nothing cached")
             a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
             engines.append(a)
             a.wait_ready()
@@ -100,6 +102,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             miss = a.ttft(prompts)
             out["ttft_miss_ms"] = median_ms(miss)
             a.ttft(hung_docs)  # A holds these too
+            progress("vllm", "peer hit: engine B pulls what A computed")
             b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
             engines.append(b)
             b.wait_ready()
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["ttft_peer_hit_ms"] = median_ms(hit)
             out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
             out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+            progress("vllm", "decode stalls on B: a miss, a peer hit, a hung owner")
             out.update(_stalls(a, b, fresh[0], hung_docs, stream))
         finally:
             for engine in engines:
@@ -119,6 +123,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["hung_owner_vs_miss"] = round(out["hung_owner_ttft_ms"] / out["ttft_miss_concurrent_ms"], 3)
     out["miss_overhead_pct"] = round(100 * (out["ttft_miss_ms"] / out["ttft_cold_ms"] - 1), 2)
     if not args.no_lmcache:
+        progress("vllm", "LMCache baseline (when installed)")
         ref = _lmcache(model, prompts, args.dtype, work)
         tokens = ref.pop("lmcache_tokens", None)
         if tokens is not None:
