@@ -103,6 +103,7 @@ def hit_rate_vs_ideal(result: dict[str, Any], path: Path, title: str) -> Path:
         ax.bar(range(len(modes)), [float(result[f"mesh_hit_rate_{m}"]) for m in modes],
                color=["C7" if m == "single" else "C0" for m in modes])
         ax.set_xticks(range(len(modes)), [("one agent, all pools (ideal)" if m == "single" else m) for m in modes])
+        ax.set_ylabel("hit rate (chunks served from the mesh)")
     else:
         at = _rate_axis(result, ax)
         for i, (name, rows) in enumerate(_groups(result).items()):
@@ -110,8 +111,8 @@ def hit_rate_vs_ideal(result: dict[str, Any], path: Path, title: str) -> Path:
                     label=name)
         ax.axhline(float(result["ideal_hit_rate"]), color="k", linestyle=":", label="ideal (one cache, same capacity)")
         ax.legend(fontsize=8)
+        ax.set_ylabel("hit rate (prompt tokens not computed)")
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("hit rate (prompt tokens not computed)")
     ax.set_title(title)
     ax.grid(alpha=0.3, axis="y")
     return _save(fig, path)
