@@ -76,7 +76,8 @@ def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, c
     assert got["first_sight"] == {"short": [], "long_enough": [40], "long": [256, 256, 88]}, got
     # ... and a finished request's tail (what it generated) is saved
     assert got["first_sight_tail"] is True, got
-    # tiers.save_after_sightings 3: the first two sightings save nothing, the third (and later) the prompt
+    # tiers.save_after_sightings 3: the first two requests save nothing (the first counted once though vLLM
+    # preempted it twice), the third (and later) the prompt
     assert got["sightings"] == [[], [], [256, 256, 88], [256, 256, 88]], got
     # a short prompt is kept out however often it is seen
     assert got["short_sightings"] == [[], [], [], []], got
@@ -103,22 +104,25 @@ def main() -> None:
 
     counter = iter(range(10**6))
 
-    def run(sched: P2PScheduler, prompt: list[int], generated: int = 1) -> tuple[list[int], bool]:
-        """One request through the scheduler as vLLM drives it: the chunk sizes its prompt save carries and
-        whether its finished tail is saved (``generated`` tokens after the prompt, the last never computed)."""
+    def run(sched: P2PScheduler, prompt: list[int], generated: int = 1, preempted: int = 0) -> tuple[list[int], bool]:
+        """One request through the scheduler as vLLM drives it: the chunk sizes its prompt saves carry and
+        whether its finished tail is saved (``generated`` tokens after the prompt, the last never computed);
+        ``preempted``: times it is preempted after its prompt was computed, and computed again."""
         req_id = f"r{next(counter)}"
         request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=None,
                                         lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
                                         block_hashes=[], all_token_ids=list(prompt), num_computed_tokens=0)
         sched.get_num_new_matched_tokens(request, 0)  # a hit (of chunks saved before) is not taken: computed
         blocks = list(range(-(-(len(prompt) + generated) // block)))
-        sched.update_state_after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
-        meta = sched.build_connector_meta(types.SimpleNamespace(
-            total_num_scheduled_tokens=len(prompt),
-            scheduled_new_reqs=[types.SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=0)],
-            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={req_id: len(prompt)}))
-        saves = [n for save in meta.saves if save.req_id == req_id for n in save.num_tokens]
+        saves: list[int] = []
+        for _ in range(1 + preempted):
+            sched.update_state_after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+            meta = sched.build_connector_meta(types.SimpleNamespace(
+                total_num_scheduled_tokens=len(prompt),
+                scheduled_new_reqs=[types.SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=0)],
+                scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
+                num_scheduled_tokens={req_id: len(prompt)}))
+            saves += [n for save in meta.saves if save.req_id == req_id for n in save.num_tokens]
         # decoded without another save (under a chunk), then finished
         request.all_token_ids = list(prompt) + list(range(5, 5 + generated))
         request.num_computed_tokens = len(prompt) + generated - 1
@@ -132,7 +136,8 @@ def main() -> None:
                               "long_enough": run(once, list(range(200, 240)))[0],
                               "long": run(once, long_prompt)[0]}
         out["first_sight_tail"] = run(once, [(11 * i) % 4000 + 3 for i in range(300)], generated=40)[1]
-        out["sightings"] = [run(thrice, long_prompt)[0] for _ in range(4)]
+        # the first request is preempted twice (its prompt computed three times): one sighting still
+        out["sightings"] = [run(thrice, long_prompt, preempted=2 if i == 0 else 0)[0] for i in range(4)]
         out["short_sightings"] = [run(thrice, list(range(100, 120)))[0] for _ in range(4)]
         out["shared_prefix"] = run(thrice, long_prompt[:256] + [9] * 300)[0]
         out["sightings_tail"] = run(thrice, [(13 * i) % 4000 + 3 for i in range(300)], generated=40)[1]

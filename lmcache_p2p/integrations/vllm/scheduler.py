@@ -138,6 +138,7 @@ class _Request:
     salted: bool = False  # its vLLM block hashes were made its own
     active: _Active | None = None  # being computed: what is saved of it
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # the hit's tokens by where they are held
+    sighted: bool = False  # its prompt's keys were counted (tiers.save_after_sightings): once, even if preempted
 
 
 class P2PScheduler:
@@ -572,8 +573,10 @@ class P2PScheduler:
             if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
+                seen = self._seen(state.keys) if record.sighted else self._sighted(state.keys)
+                record.sighted = True
                 save = self._admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
-                                                     len(state.prompt)), self._sighted(state.keys))
+                                                     len(state.prompt)), seen)
                 save.canary = record.canary
                 if save.keys:
                     meta.saves.append(save)
