@@ -44,7 +44,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from . import __version__, cputime
-from .aio import LoopThread, remaining
+from .aio import LoopThread
 from .chunk import ChunkHeader, make_header
 from .config import AdvertisedHosts, AgentConfig, advertised_hosts, cluster_secret, is_wildcard
 from .coordinator import apply as cluster_config_apply
@@ -59,12 +59,12 @@ from .index.protocol import BlockIndex
 from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
 from .invalidation import MeshInvalidation
-from .keys import ChunkKey, Fingerprint, HeadRange, chunk_keys, chunk_spans, tokens_to_array
-from .load import Loader
+from .keys import ChunkKey, Fingerprint, HeadRange
+from .load import Loader, keys_of, local_plan
 from .metrics import PER_PEER_SERIES, AgentMetrics, MetricsServer
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, make_plan
+from .plan import FetchBudget, HitPlan, PlannedChunk
 from .router.proof import engine_proof, router_key
-from .score import http_app
+from .score import Scorer, http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
 from .transfer.stack import ServerHooks, Transfers, TransfersFactory, TransferStack
@@ -131,7 +131,9 @@ class CacheAgent:
         self._prune: concurrent.futures.Future[None] | None = None
         self._handoff_task: concurrent.futures.Future[None] | None = None
         self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
-        self.handoff = Handoff(self)
+        self.handoff = Handoff(settings=lambda: self.config, fp=self.fp, num_kv_heads=fingerprint.num_kv_heads,
+                               node_id=self.node_id, heads=self.heads, chunk_bytes=chunk_bytes, tiers=self.tiers,
+                               metrics=self.metrics)
         self._dropped: OrderedDict[ChunkKey, float] = OrderedDict()  # recently evicted or removed, newest last
         self._dropped_lock = threading.Lock()
         self._config_watch: ConfigWatcher | None = None
@@ -140,6 +142,7 @@ class CacheAgent:
         self._pending_restart: list[str] = []  # fields of it that wait for a restart (logged when this changes)
         self.config_deviations: dict[str, str] = {}  # field -> "restart" | "node": where the node differs from it
         self.loader: Loader | None = None  # the load path (load.py), once the parts it uses are up
+        self.scorer: Scorer | None = None  # what /v1/score reads (score.py), once the index is up
         self._expected_shown: set[str] = set()  # peers with a pull_expected_seconds series now
         self._started = False
 
@@ -167,9 +170,9 @@ class CacheAgent:
                                  on_loaded=lambda key: self._on_tier_change(key, "cpu"),
                                  sources=sources)
             if self.config.metrics_port is not None:
-                self._metrics_server = MetricsServer(self.metrics.registry, self.config.metrics_host,
-                                                     self.config.metrics_port,
-                                                     wrap=lambda metrics_app: http_app(metrics_app, self))
+                self._metrics_server = MetricsServer(
+                    self.metrics.registry, self.config.metrics_host, self.config.metrics_port,
+                    wrap=lambda metrics_app: http_app(metrics_app, lambda: self.scorer))
             record = self.node_record()
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)
@@ -189,15 +192,24 @@ class CacheAgent:
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
             if self.objects is not None:
                 self._start_objects(self.objects, client)
-            self.loader = Loader(tiers=self.tiers, heads=self.heads, chunk_bytes=self.chunk_bytes,
-                                 transfer=self.config.transfer, tiers_config=self.config.tiers,
+            self.loader = Loader(tiers=self.tiers, fp=self.fp, num_kv_heads=self.fingerprint.num_kv_heads,
+                                 heads=self.heads, node_id=self.node_id, chunk_size=self.config.chunk_size,
+                                 chunk_bytes=self.chunk_bytes, transfer=self.config.transfer,
+                                 tiers_config=self.config.tiers, index=self.index, puller=self.puller,
+                                 quarantine=self.quarantine, objects=self.objects,
                                  peer_estimates=self.peer_estimates, prefill=self.prefill, metrics=self.metrics,
-                                 puller=self.puller, on_hit=self.handoff.on_hit)
+                                 on_hit=self.handoff.on_hit)
             recovered = self._drop_quarantined(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
                 self.index.add_many(self.fp, mine, TIER_CODES["disk"])
             self._prune = self.loop.submit(self._prune_peers_forever())
+            self.scorer = Scorer(settings=lambda: self.config, fingerprint=self.fingerprint, node_id=self.node_id,
+                                 chunk_bytes=self.chunk_bytes, index=self.index, peer_estimates=self.peer_estimates,
+                                 prefill=self.prefill, holds=self.holds, usable=self.loader.usable,
+                                 record=self.node_record)
+            self.handoff.start(index=self.index, puller=self.puller, transfers=self._stack, usable=self.loader.usable,
+                               record=self.node_record)
             self._handoff_task = self.loop.submit(self.handoff.run_forever())
             self.metrics.info.info({"node_id": self.node_id, "version": __version__,
                                     "wire_version": str(WIRE_VERSION), "fingerprint": self.fingerprint.short})
@@ -392,7 +404,7 @@ class CacheAgent:
     def stop(self, flush_to_disk: bool = True) -> None:
         """Stop cleanly: finish pending stores, write CPU chunks back to disk, revoke the lease."""
         t0 = time.monotonic()
-        self.loader = None  # loads from here on are misses
+        self.loader = self.scorer = None  # loads from here on are misses
         for future in (self._prune, self._handoff_task):
             if future is not None:
                 future.cancel()
@@ -494,86 +506,35 @@ class CacheAgent:
         """Another node holds ``key`` too: the pool evicts such copies first (``handoff.evict_copies_first``)."""
         return self.handoff.others_hold(key)
 
-    # -- lookup --------------------------------------------------------------------------------------
+    # -- lookup and load (load.py's: one path for the engine and for this API) -------------------------
     def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
-        arr = tokens_to_array(token_ids)
-        return chunk_keys(self.fp, arr, self.config.chunk_size), chunk_spans(len(arr), self.config.chunk_size)
+        return keys_of(self.fp, token_ids, self.config.chunk_size)
 
     def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
+        """The plan of a prompt, counted (see :meth:`Loader.lookup`)."""
+        loader = self.loader
+        if loader is not None:
+            return loader.lookup(token_ids)
         keys, spans = self.keys_for(token_ids)
-        plan = self.plan(keys, spans, sum(e - s for s, e in spans))
-        self.count_lookup(plan, plan.num_tokens - plan.hit_tokens)
-        return plan
+        return self.plan(keys, spans, sum(e - s for s, e in spans))
 
     def count_lookup(self, plan: HitPlan, miss_tokens: int) -> None:
-        """Hit tokens by source and tier, and miss tokens, for one prompt."""
-        hits: dict[tuple[str, str], int] = {}
-        for c in plan.chunks:
-            if c.source == LOCAL:
-                label = ("local", self.tiers.where(c.key) or "cpu")
-            else:
-                label = ("objects", "object") if c.source == OBJECTS else ("peer", "peer")
-            hits[label] = hits.get(label, 0) + c.end - c.start
-        self.metrics.lookups.inc()
-        for (source, tier), n in hits.items():
-            self.metrics.hit_tokens.labels(source, tier).inc(n)
-        self.metrics.miss_tokens.inc(miss_tokens)
+        if self.loader is not None:
+            self.loader.count_lookup(plan, miss_tokens)
 
     def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
-        index = self.index
-        nodes = index.nodes() if index is not None else {}
-
-        def owners(ks: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
-            if index is None:
-                return [{} for _ in ks]
-            return [{n: t for n, t in found.items() if n != self.node_id} for found in index.owners(self.fp, ks)]
-
-        fp_hex, all_heads = self.fp.hex(), self.fingerprint.num_kv_heads
-
-        def heads_of(node: NodeId) -> HeadRange:
-            record = nodes.get(node)
-            return record.heads_of(fp_hex, all_heads) if record is not None else (0, all_heads)
-
-        verdicts: dict[NodeId, bool] = {}
-
-        def usable(node: NodeId) -> bool:
-            verdict = verdicts.get(node)
-            if verdict is None:
-                if node == OBJECTS:  # the object store: no node record, its own backoff
-                    verdict = verdicts[node] = self.objects is not None and self.objects.usable()
-                else:
-                    verdict = verdicts[node] = self.usable(nodes.get(node))
-            return verdict
-
-        inflight = self.puller.inflight() if self.puller is not None else {}
-        return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
-                         num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
+        loader = self.loader
+        if loader is None:  # not started, or stopping: what the tiers hold
+            return local_plan(self.tiers, self.heads, keys, spans, num_tokens)
+        return loader.plan(keys, spans, num_tokens)
 
     def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, deadline: float) -> bool:
-        """Wait (until ``deadline``, on ``time.monotonic()``) until this node's mirror has seen what a
-        scheduler side saw at ``revision`` (it offered a hit from there), or holds an owner with a node
-        record for every key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
-        mirror = getattr(self.index, "mirror", None)
-        if mirror is None or revision <= 0:
-            return True
-        m = mirror(self.fp)
-        if not m.connected:  # etcd unreachable: neither mirror moves; plan with what is here
-            return False
-        m.prefetch(keys, revision)  # etcd.index lookup: read them as of that revision or later
-
-        def caught_up(m: Any) -> bool:
-            if m.revision >= revision:
-                return True
-            nodes = m.nodes()
-            return all(any(n in nodes or n == OBJECTS for n in m.owners(k)) for k in keys)
-
-        return bool(m.wait_for(caught_up, remaining(deadline)))
+        loader = self.loader
+        return loader is not None and loader.wait_for_index(keys, revision, deadline)
 
     def usable(self, record: NodeRecord | None) -> bool:
-        """A peer we can pull from now (see :meth:`Puller.usable`) and not quarantined."""
-        quarantine = self.quarantine
-        return (self.puller is not None and self.puller.usable(record) and record is not None
-                and not (quarantine is not None and quarantine.blocked(record.node_id)))
+        loader = self.loader
+        return loader is not None and loader.usable(record)
 
     # -- canary (canary.py; the mesh side of its checks is MeshCopies, over this agent's parts) -------
     @property
@@ -591,26 +552,14 @@ class CacheAgent:
         except LMCacheP2PError as exc:
             log.error("canary: writing the quarantine of %s failed: %s", record.node, exc)
 
-    # -- load (the path itself is load.py's: one for the engine and for this API) ----------------------
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
-        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (verified). The
-        path the engine takes (:func:`lmcache_p2p.load.load_pinned`), then a verified copy out."""
-        if len(dsts) != len(plan.chunks):
-            raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
-        pins = self.load_pinned(plan, self.deadline(timeout))
-        loaded = []
-        for pin, dst in zip(pins, dsts, strict=True):
-            if pin is None:
-                loaded.append(False)
-                continue
-            try:
-                ok = self.tiers.cpu.copy_verified(pin, dst)  # changed in memory since it was pinned: dropped
-            finally:
-                self.tiers.cpu.unpin(pin)
-            if not ok:
-                self.metrics.checksum_failures.inc()
-            loaded.append(ok)
-        return loaded
+        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (see :meth:`Loader.load`)."""
+        loader = self.loader
+        if loader is None:  # not started, or stopping: nothing to load from
+            if len(dsts) != len(plan.chunks):
+                raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
+            return [False] * len(plan.chunks)
+        return loader.load(plan, dsts, self.deadline(timeout))
 
     def deadline(self, timeout: float | None = None) -> float:
         """An absolute load deadline ``timeout`` (default ``transfer.timeout_s``) from now."""

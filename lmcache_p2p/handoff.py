@@ -26,13 +26,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 from .config import AgentConfig, HandoffConfig
 from .ids import NodeId
 from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
-from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange
+from .keys import ChunkKey, FingerprintDigest, HeadRange
 from .metrics import AgentMetrics
 from .plan import PlannedChunk
 from .tiers import TieredStore
@@ -48,49 +49,62 @@ REOFFER_S = 10.0  # a chunk offered (taken or not) is not offered again for this
 ARRIVE_S = 10.0  # an accepted chunk's pull gets this long
 
 
-class Node(Protocol):
-    """What hand-offs use of their agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+class _Mesh(NamedTuple):
+    """What hand-offs use of the mesh once it is up (:meth:`Handoff.start`)."""
 
-    config: AgentConfig
-    fp: FingerprintDigest
-    fingerprint: Fingerprint
-    node_id: NodeId
-    heads: HeadRange
-    chunk_bytes: int
-    tiers: TieredStore
-    metrics: AgentMetrics
-    index: BlockIndex | None
     puller: Puller | None
-
-    @property
-    def transfer_stack(self) -> Transfers | None: ...
-
-    def holds(self, key: ChunkKey) -> bool: ...
-
-    def usable(self, record: NodeRecord | None) -> bool: ...
-
-    def node_record(self) -> NodeRecord: ...
-
-    def background(self, task: asyncio.Task[object]) -> None: ...
+    transfers: Transfers
+    usable: Callable[[NodeRecord | None], bool]
+    record: Callable[[], NodeRecord]
 
 
 class Handoff:
-    def __init__(self, agent: Node) -> None:
-        self.agent = agent
+    """One agent's hand-offs, given its parts (never the agent).
+
+    ``settings``: the agent's config, read at every use (the cluster config changes ``handoff.*``
+    live). Until :meth:`start` gives it the mesh (index, puller, transfers), it only counts hits: it
+    holds no offer and takes none."""
+
+    def __init__(self, *, settings: Callable[[], AgentConfig], fp: FingerprintDigest, num_kv_heads: int,
+                 node_id: NodeId, heads: HeadRange, chunk_bytes: int, tiers: TieredStore,
+                 metrics: AgentMetrics) -> None:
+        self._settings = settings
+        self.fp = fp
+        self.num_kv_heads = num_kv_heads
+        self.node_id = node_id
+        self.heads = heads
+        self.chunk_bytes = chunk_bytes
+        self.tiers = tiers
+        self.metrics = metrics
+        self.index: BlockIndex | None = None
+        self._mesh: _Mesh | None = None
         self.hits: dict[ChunkKey, int] = {}  # local loads and pulls served, per chunk held
         self.served: dict[ChunkKey, int] = {}  # pulls served while no other node held the chunk
         self._offered: dict[ChunkKey, float] = {}  # key -> when it was last offered
-        self._tokens = float(agent.config.handoff.budget_bytes_per_s)
+        self._tokens = float(settings().handoff.budget_bytes_per_s)
         self._refilled = time.monotonic()
         self._arriving = 0  # chunks accepted from peers, pull not finished
         self._published_free: dict[str, int] | None = None
         self._published_at = 0.0
+        self._tasks: set[asyncio.Task[None]] = set()  # receivers' pulls, kept referenced
         self.steps = 0  # sender steps run (observable: "N steps ran and offered nothing")
+
+    def start(self, *, index: BlockIndex, puller: Puller | None, transfers: Transfers,
+              usable: Callable[[NodeRecord | None], bool], record: Callable[[], NodeRecord]) -> None:
+        """The mesh is up: offers go out (:meth:`run_forever`) and come in (:meth:`accept`).
+        ``usable``: whether a peer can be pulled from now; ``record``: this node's record (republished
+        with its free space)."""
+        self.index = index
+        self._mesh = _Mesh(puller, transfers, usable, record)
 
     @property
     def config(self) -> HandoffConfig:
         """Read at every use: the cluster config may change it while running."""
-        return self.agent.config.handoff
+        return self._settings().handoff
+
+    def holds(self, key: ChunkKey) -> bool:
+        """This node holds the chunk, in some tier, with the heads its engine needs."""
+        return self.tiers.holds(key, self.heads)
 
     # -- bookkeeping (any thread; plain dict updates) ---------------------------------------------------
     def on_hit(self, key: ChunkKey) -> None:
@@ -109,20 +123,20 @@ class Handoff:
         hits = self.hits.pop(key, None)
         self.served.pop(key, None)
         if hits is not None and hits >= self.config.min_hits and not self.others_hold(key):
-            self.agent.metrics.handoff_chunks.labels("dropped").inc()
+            self.metrics.handoff_chunks.labels("dropped").inc()
 
     def others_hold(self, key: ChunkKey) -> bool:
         """Another node announces ``key`` (a dict probe of the mirror, no etcd read in lookup mode: safe
         under tier locks)."""
-        index = self.agent.index
+        index = self.index
         if index is None:
             return False
-        owners = index.owners(self.agent.fp, [key], ask=False)[0]
-        return any(n != self.agent.node_id for n in owners)
+        owners = index.owners(self.fp, [key], ask=False)[0]
+        return any(n != self.node_id for n in owners)
 
     # -- free space in the node record --------------------------------------------------------------------
     def free(self) -> dict[str, int]:
-        tiers = self.agent.tiers
+        tiers = self.tiers
         free = {"cpu": tiers.cpu.free_slots * tiers.cpu.slot_bytes}
         if tiers.disk is not None:
             free["disk"] = max(0, tiers.disk.capacity_bytes - tiers.disk.used_bytes)
@@ -130,14 +144,15 @@ class Handoff:
 
     def refresh_capacity(self, now: float) -> None:
         """Republish the record when free space moved by a chunk or more, at most every interval."""
-        if now - self._published_at < self.config.capacity_interval_s or self.agent.index is None:
+        mesh, index = self._mesh, self.index
+        if now - self._published_at < self.config.capacity_interval_s or mesh is None or index is None:
             return
         free = self.free()
         last = self._published_free
-        if last is not None and all(abs(free.get(t, 0) - last.get(t, 0)) < self.agent.chunk_bytes for t in free):
+        if last is not None and all(abs(free.get(t, 0) - last.get(t, 0)) < self.chunk_bytes for t in free):
             return
         self._published_free, self._published_at = free, now
-        self.agent.index.set_record(self.agent.node_record())
+        index.set_record(mesh.record())
 
     # -- sender -------------------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -167,7 +182,7 @@ class Handoff:
 
     def _nearly_dropped(self) -> list[ChunkKey]:
         """The coldest sole copies of the last tier, when that tier is nearly full."""
-        tiers = self.agent.tiers
+        tiers = self.tiers
         if tiers.disk is not None:
             disk = tiers.disk
             if disk.capacity_bytes - disk.used_bytes >= self.config.free_below * disk.capacity_bytes:
@@ -179,7 +194,7 @@ class Handoff:
                 return []
             cold = cpu.coldest(CANDIDATES)
         return [k for k in cold if k not in self._offered and self.hits.get(k, 0) >= self.config.min_hits
-                and self.agent.holds(k) and not self.others_hold(k)]
+                and self.holds(k) and not self.others_hold(k)]
 
     def _replicas(self) -> list[ChunkKey]:
         """Chunks pulled from us ``replicate_after`` times that no other node holds now. One that another
@@ -189,17 +204,16 @@ class Handoff:
         if not self.config.replicate_after:
             return []
         hot = [k for k, n in self.served.items() if n >= self.config.replicate_after and k not in self._offered
-               and self.agent.holds(k) and not self.others_hold(k)]
+               and self.holds(k) and not self.others_hold(k)]
         for key in hot:
             del self.served[key]
         return hot
 
     async def _offer(self, keys: list[ChunkKey], hot: set[ChunkKey], now: float) -> None:
-        agent = self.agent
-        stack = agent.transfer_stack
-        size = agent.chunk_bytes
+        mesh = self._mesh
+        size = self.chunk_bytes
         targets = self._targets()
-        if stack is None or not targets:
+        if mesh is None or not targets:
             return
         while keys and targets and self._tokens >= size:
             record, room = targets[0]
@@ -214,69 +228,74 @@ class Handoff:
                 continue
             for key in batch:
                 self._offered[key] = now
-            agent.metrics.handoff_chunks.labels("offered").inc(len(batch))
-            accepted = await stack.offer(peer, agent.fp, agent.node_id, batch, agent.config.transfer.timeout_s)
+            self.metrics.handoff_chunks.labels("offered").inc(len(batch))
+            accepted = await mesh.transfers.offer(peer, self.fp, self.node_id, batch,
+                                                  self._settings().transfer.timeout_s)
             taken = sum(accepted)
             self._tokens -= taken * size
-            agent.metrics.handoff_chunks.labels("accepted").inc(taken)
-            agent.metrics.handoff_chunks.labels("replicas").inc(sum(1 for k, a in zip(batch, accepted, strict=True)
-                                                                  if a and k in hot))
-            agent.metrics.handoff_bytes.labels("out").inc(taken * size)
+            self.metrics.handoff_chunks.labels("accepted").inc(taken)
+            self.metrics.handoff_chunks.labels("replicas").inc(sum(1 for k, a in zip(batch, accepted, strict=True)
+                                                                 if a and k in hot))
+            self.metrics.handoff_bytes.labels("out").inc(taken * size)
             log.debug("offered %d chunks to %s: %d taken", len(batch), record.node_id, taken)
             targets.pop(0)  # the next batch goes to the next peer: one slow peer does not get them all
 
     def _targets(self) -> list[tuple[NodeRecord, int]]:
         """Peers that can take our chunks, with room for how many: cache-only agents first, then the most
         free; only peers that hold our heads, speak our wire and TLS setting, and are not backed off."""
-        agent = self.agent
-        index = agent.index
-        if index is None:
+        index, mesh = self.index, self._mesh
+        if index is None or mesh is None:
             return []
-        fp_hex, total = agent.fp.hex(), agent.fingerprint.num_kv_heads
+        fp_hex, total = self.fp.hex(), self.num_kv_heads
         out: list[tuple[bool, int, NodeRecord]] = []
         for node, record in index.nodes().items():
-            if node == agent.node_id or fp_hex not in record.fingerprints or not agent.usable(record):
+            if node == self.node_id or fp_hex not in record.fingerprints or not mesh.usable(record):
                 continue
-            if record.heads_of(fp_hex, total) != agent.heads:
+            if record.heads_of(fp_hex, total) != self.heads:
                 continue
             free = sum(record.free.values())
-            if free >= agent.chunk_bytes:
+            if free >= self.chunk_bytes:
                 out.append((record.role != "cache", -free, record))
         out.sort(key=lambda t: (t[0], t[1]))
-        return [(r, -f // agent.chunk_bytes) for _, f, r in out]
+        return [(r, -f // self.chunk_bytes) for _, f, r in out]
 
     # -- receiver ----------------------------------------------------------------------------------------
     def accept(self, node: str, keys: list[ChunkKey]) -> list[bool]:
         """On the loop (the transfer server): which offered chunks we take; their pulls start now."""
-        agent = self.agent
-        if agent.index is None or NodeId(node) == agent.node_id:
+        if self.index is None or self._mesh is None or NodeId(node) == self.node_id:
             return [False] * len(keys)
         free = self.free()
-        room = sum(free.values()) // agent.chunk_bytes - self._arriving
+        room = sum(free.values()) // self.chunk_bytes - self._arriving
         accepted: list[bool] = []
         for key in keys:
-            take = room > 0 and not agent.holds(key)
+            take = room > 0 and not self.holds(key)
             room -= take
             accepted.append(take)
         taken = [k for k, a in zip(keys, accepted, strict=True) if a]
         if taken:
             self._arriving += len(taken)
             task = asyncio.get_running_loop().create_task(self._receive(NodeId(node), taken))
-            agent.background(task)
+            self._tasks.add(task)
+            task.add_done_callback(self._received)
         return accepted
 
+    def _received(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("receiving handed-off chunks failed: %r", task.exception())
+
     async def _receive(self, node: NodeId, keys: list[ChunkKey]) -> None:
-        agent = self.agent
+        puller = self._mesh.puller if self._mesh is not None else None
         try:
-            if agent.puller is None:
+            if puller is None:
                 return
-            chunks = [PlannedChunk(i, k, 0, 0, node, heads=agent.heads) for i, k in enumerate(keys)]
-            missed = await agent.puller.pull_from(node, chunks, time.monotonic() + ARRIVE_S)
+            chunks = [PlannedChunk(i, k, 0, 0, node, heads=self.heads) for i, k in enumerate(keys)]
+            missed = await puller.pull_from(node, chunks, time.monotonic() + ARRIVE_S)
             got = len(keys) - len(missed)
-            agent.metrics.handoff_chunks.labels("received").inc(got)
-            agent.metrics.handoff_bytes.labels("in").inc(got * agent.chunk_bytes)
+            self.metrics.handoff_chunks.labels("received").inc(got)
+            self.metrics.handoff_bytes.labels("in").inc(got * self.chunk_bytes)
             for key in keys:
-                if agent.holds(key):
+                if self.holds(key):
                     self.hits.setdefault(key, self.config.min_hits)  # it was hit where it came from
         finally:
             self._arriving -= len(keys)

@@ -1,12 +1,13 @@
-"""Loading a hit plan: the one path from a plan to verified chunks, for the engine and the agent's API.
+"""Loading a hit plan: the one path from a prompt to verified chunks, for the engine and the agent's API.
 
+    keys ──plan────▶ the longest run of leading chunks held here or by a usable owner in the index mirror
     plan ──budget──▶ the leading chunks whose pulls beat recomputing (remote loads only)
          ──pull────▶ peers' chunks into the CPU pool, verified on arrival, until the deadline
          ──pin─────▶ one pinned, re-verified CPU slot per chunk (None: not to be had; the caller
                      recomputes it and everything after it)
 
-:class:`Loader` owns the whole path, built by the agent once its parts are up (tiers, transports,
-the object tier, estimates, metrics) and given them, never the agent: the worker connector
+:class:`Loader` owns the whole path, built by the agent once its parts are up (tiers, index, transports,
+the object tier, the quarantine, estimates, metrics) and given them, never the agent: the worker connector
 (``integrations/vllm/worker.py``) scatters its pins into the engine's blocks, :meth:`CacheAgent.load`
 copies them out; both go through :meth:`Loader.load_pinned`. The object store is one more owner to the
 planner and the puller (``@objects``, behind its own transport, ``objects/transport.py``): planned like a slow
@@ -24,43 +25,155 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .aio import remaining
 from .chunk import verify
 from .config import TierConfig, TransferConfig
 from .errors import ChunkError
 from .estimates import PeerEstimates, PrefillRate
-from .ids import OBJECTS
-from .keys import ChunkKey, HeadRange
+from .ids import OBJECTS, NodeId
+from .index.protocol import BlockIndex
+from .index.quarantine import Quarantine
+from .index.schema import NodeRecord
+from .keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
 from .tiers import Pin, TieredStore
 from .transfer.pull import Puller
 
+if TYPE_CHECKING:
+    from .objects.tier import ObjectTier
+
 log = logging.getLogger(__name__)
+
+
+def keys_of(fp: FingerprintDigest, token_ids: Sequence[int] | np.ndarray,
+            chunk_size: int) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
+    """A prompt's chunk keys and their token spans."""
+    arr = tokens_to_array(token_ids)
+    return chunk_keys(fp, arr, chunk_size), chunk_spans(len(arr), chunk_size)
+
+
+def local_plan(tiers: TieredStore, heads: HeadRange, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]],
+               num_tokens: int) -> HitPlan:
+    """The plan of a node that has no mesh (not started, or stopping): what its own tiers hold."""
+    return make_plan(keys, spans, local=lambda k: tiers.holds(k, heads), owners=lambda ks: [{} for _ in ks],
+                     usable=lambda _n: False, inflight={}, num_tokens=num_tokens, need=heads)
 
 
 class Loader:
     """Plan -> budget -> pull (peers, the object store) -> pin -> re-verify, for one agent's tiers.
 
-    ``admit``: the tiers' own admission gate (standing invalidations, quarantined origins), asked
-    again of every chunk before it is handed over; ``on_hit``: told each chunk handed over (the
-    hand-off's hit counts). ``puller`` is None where the agent has no transports: remote chunks are
-    then misses."""
+    ``on_hit``: told each chunk handed over (the hand-off's hit counts). ``puller`` is None where the
+    agent has no transports: remote chunks are then misses. ``index`` is the mesh index (its mirror
+    is read by dict probes); ``quarantine`` the owners the canary found wrong (never planned);
+    ``objects`` the object tier, planned as the owner ``@objects`` while its own backoff allows."""
 
-    def __init__(self, *, tiers: TieredStore, heads: HeadRange, chunk_bytes: int, transfer: TransferConfig,
-                 tiers_config: TierConfig, peer_estimates: PeerEstimates, prefill: PrefillRate,
-                 metrics: AgentMetrics, puller: Puller | None, on_hit: Callable[[ChunkKey], None]) -> None:
+    def __init__(self, *, tiers: TieredStore, fp: FingerprintDigest, num_kv_heads: int, heads: HeadRange,
+                 node_id: NodeId, chunk_size: int, chunk_bytes: int, transfer: TransferConfig,
+                 tiers_config: TierConfig, index: BlockIndex | None, puller: Puller | None,
+                 quarantine: Quarantine | None, objects: ObjectTier | None, peer_estimates: PeerEstimates,
+                 prefill: PrefillRate, metrics: AgentMetrics, on_hit: Callable[[ChunkKey], None]) -> None:
         self.tiers = tiers
+        self.fp = fp
+        self.num_kv_heads = num_kv_heads
         self.heads = heads
+        self.node_id = node_id
+        self.chunk_size = chunk_size
         self.chunk_bytes = chunk_bytes
         self.transfer = transfer
         self.pin_timeout_s = tiers_config.pin_timeout_s
+        self.index = index
+        self.puller = puller
+        self.quarantine = quarantine
+        self.objects = objects
         self.peer_estimates = peer_estimates
         self.prefill = prefill
         self.metrics = metrics
-        self.puller = puller
         self._on_hit = on_hit
+
+    # -- plan -----------------------------------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
+        """The plan of a prompt, counted (hit tokens by source and tier, miss tokens)."""
+        keys, spans = keys_of(self.fp, token_ids, self.chunk_size)
+        plan = self.plan(keys, spans, sum(e - s for s, e in spans))
+        self.count_lookup(plan, plan.num_tokens - plan.hit_tokens)
+        return plan
+
+    def count_lookup(self, plan: HitPlan, miss_tokens: int) -> None:
+        """Hit tokens by source and tier, and miss tokens, for one prompt."""
+        hits: dict[tuple[str, str], int] = {}
+        for c in plan.chunks:
+            if c.source == LOCAL:
+                label = ("local", self.tiers.where(c.key) or "cpu")
+            else:
+                label = ("objects", "object") if c.source == OBJECTS else ("peer", "peer")
+            hits[label] = hits.get(label, 0) + c.end - c.start
+        self.metrics.lookups.inc()
+        for (source, tier), n in hits.items():
+            self.metrics.hit_tokens.labels(source, tier).inc(n)
+        self.metrics.miss_tokens.inc(miss_tokens)
+
+    def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
+        """The longest run of leading chunks this node holds or a usable owner announces (dict probes
+        of the mirror only; in ``etcd.index: lookup`` mode the index reads what it must)."""
+        index = self.index
+        nodes = index.nodes() if index is not None else {}
+
+        def owners(ks: Sequence[ChunkKey]) -> list[dict[NodeId, int]]:
+            if index is None:
+                return [{} for _ in ks]
+            return [{n: t for n, t in found.items() if n != self.node_id} for found in index.owners(self.fp, ks)]
+
+        fp_hex, all_heads = self.fp.hex(), self.num_kv_heads
+
+        def heads_of(node: NodeId) -> HeadRange:
+            record = nodes.get(node)
+            return record.heads_of(fp_hex, all_heads) if record is not None else (0, all_heads)
+
+        verdicts: dict[NodeId, bool] = {}
+
+        def usable(node: NodeId) -> bool:
+            verdict = verdicts.get(node)
+            if verdict is None:
+                if node == OBJECTS:  # the object store: no node record, its own backoff
+                    verdict = verdicts[node] = self.objects is not None and self.objects.usable()
+                else:
+                    verdict = verdicts[node] = self.usable(nodes.get(node))
+            return verdict
+
+        inflight = self.puller.inflight() if self.puller is not None else {}
+        return make_plan(keys, spans, local=self.holds, owners=owners, usable=usable, inflight=inflight,
+                         num_tokens=num_tokens, need=self.heads, heads_of=heads_of)
+
+    def usable(self, record: NodeRecord | None) -> bool:
+        """A peer we can pull from now (see :meth:`Puller.usable`) and not quarantined."""
+        quarantine = self.quarantine
+        return (self.puller is not None and self.puller.usable(record) and record is not None
+                and not (quarantine is not None and quarantine.blocked(record.node_id)))
+
+    def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, deadline: float) -> bool:
+        """Wait (until ``deadline``, on ``time.monotonic()``) until this node's mirror has seen what a
+        scheduler side saw at ``revision`` (it offered a hit from there), or holds an owner with a node
+        record for every key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
+        mirror = getattr(self.index, "mirror", None)
+        if mirror is None or revision <= 0:
+            return True
+        m = mirror(self.fp)
+        if not m.connected:  # etcd unreachable: neither mirror moves; plan with what is here
+            return False
+        m.prefetch(keys, revision)  # etcd.index lookup: read them as of that revision or later
+
+        def caught_up(m: Any) -> bool:
+            if m.revision >= revision:
+                return True
+            nodes = m.nodes()
+            return all(any(n in nodes or n == OBJECTS for n in m.owners(k)) for k in keys)
+
+        return bool(m.wait_for(caught_up, remaining(deadline)))
 
     # -- budget ---------------------------------------------------------------------------------------
     def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:
@@ -139,6 +252,26 @@ class Loader:
         pins = [None if chunk.key in late else self.pin_chunk(chunk, remote=remote and remaining(load_deadline) > 0)
                 for chunk in kept.chunks]
         return pins + [None] * (len(plan.chunks) - len(kept.chunks))
+
+    def load(self, plan: HitPlan, dsts: Sequence[memoryview], deadline: float) -> list[bool]:
+        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; which were loaded (verified): the engine's
+        path (:meth:`load_pinned`), then a verified copy out of each pinned slot."""
+        if len(dsts) != len(plan.chunks):
+            raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
+        cpu = self.tiers.cpu
+        loaded = []
+        for pin, dst in zip(self.load_pinned(plan, deadline), dsts, strict=True):
+            if pin is None:
+                loaded.append(False)
+                continue
+            try:
+                ok = cpu.copy_verified(pin, dst)  # changed in memory since it was pinned: dropped
+            finally:
+                cpu.unpin(pin)
+            if not ok:
+                self.metrics.checksum_failures.inc()
+            loaded.append(ok)
+        return loaded
 
     def holds(self, key: ChunkKey) -> bool:
         """This node holds the chunk, in some tier, with the heads its engine needs."""

@@ -46,9 +46,8 @@ import functools
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import xxhash
 
 from .config import AgentConfig, BlendConfig
@@ -56,7 +55,7 @@ from .estimates import PeerEstimates, PrefillRate
 from .ids import TIER_NAMES, NodeId
 from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
-from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, tokens_to_array
+from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
 from .segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, plan_blend, read_segments
 from .segments import segment_chunks as segment_chunks_of
@@ -65,25 +64,28 @@ MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
 
 
-class Node(Protocol):
-    """What scoring reads of its agent (:class:`~lmcache_p2p.agent.CacheAgent`)."""
+@dataclasses.dataclass(frozen=True)
+class Scorer:
+    """What scoring reads, given by its agent once the index is up (never the agent itself).
 
-    config: AgentConfig
-    fp: FingerprintDigest
+    ``settings``: the agent's config, read at each request (``blend.*`` change live); ``holds``: this
+    node holds a chunk with its engine's heads; ``usable``: a peer this node can pull from now;
+    ``record``: this node's record (scored even before the mirror holds it)."""
+
+    settings: Callable[[], AgentConfig]
     fingerprint: Fingerprint
     node_id: NodeId
     chunk_bytes: int
     index: BlockIndex | None
     peer_estimates: PeerEstimates
     prefill: PrefillRate
+    holds: Callable[[ChunkKey], bool]
+    usable: Callable[[NodeRecord | None], bool]
+    record: Callable[[], NodeRecord]
 
-    def keys_for(self, token_ids: list[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]: ...
-
-    def holds(self, key: ChunkKey) -> bool: ...
-
-    def usable(self, record: NodeRecord | None) -> bool: ...
-
-    def node_record(self) -> NodeRecord: ...
+    @property
+    def fp(self) -> FingerprintDigest:
+        return self.fingerprint.digest
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,7 +104,7 @@ class ScoreError(ValueError):
 Owners = dict[NodeId, int]  # holder -> tier byte
 
 
-def parse_request(body: bytes, agent: Node) -> ScoreRequest:
+def parse_request(body: bytes, model_id: str) -> ScoreRequest:
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -115,9 +117,8 @@ def parse_request(body: bytes, agent: Node) -> ScoreRequest:
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
         raise ScoreError(400, "'tokens' must hold integers in [0, 2^31)")
     model = data.get("model")
-    if model is not None and model != agent.fingerprint.model_id:
-        raise ScoreError(404, f"model {str(model)[:200]!r} is not served here (this agent serves "
-                              f"{agent.fingerprint.model_id!r})")
+    if model is not None and model != model_id:
+        raise ScoreError(404, f"model {str(model)[:200]!r} is not served here (this agent serves {model_id!r})")
     blend = data.get("blend")
     if blend is not None and not isinstance(blend, bool):
         raise ScoreError(400, "'blend' must be true or false")
@@ -129,29 +130,31 @@ def parse_request(body: bytes, agent: Node) -> ScoreRequest:
     return ScoreRequest(tokens, segments, blend)
 
 
-def score(agent: Node, tokens: list[int], segments: list[tuple[int, int]] | None = None,
+def score(scorer: Scorer, tokens: list[int], segments: list[tuple[int, int]] | None = None,
           blend: bool | None = None) -> dict[str, Any]:
     """The score of every engine of this fingerprint for ``tokens`` with its declared ``segments``, blended
     when ``blend`` (None: ``blend.by_default``); see the module docstring."""
+    config = scorer.settings()
     arr = tokens_to_array(tokens)
-    keys, spans = agent.keys_for(arr)
-    blends = agent.config.blend.by_default if blend is None else blend
-    declared = segment_chunks_of(agent.fp, tokens, segments, agent.config.chunk_size) if segments and blends else []
+    keys, spans = chunk_keys(scorer.fp, arr, config.chunk_size), chunk_spans(len(arr), config.chunk_size)
+    blends = config.blend.by_default if blend is None else blend
+    declared = segment_chunks_of(scorer.fp, tokens, segments, config.chunk_size) if segments and blends else []
     every = keys + [ChunkKey(k) for seg in declared for k in seg.keys]
-    index = agent.index
+    index = scorer.index
     nodes = index.nodes() if index is not None else {}
-    found = index.owners(agent.fp, every) if index is not None else [{} for _ in every]
-    fp_hex, total = agent.fp.hex(), agent.fingerprint.num_kv_heads
-    if agent.node_id not in nodes:  # our own record may not be in the mirror yet (etcd down)
-        nodes = {**nodes, agent.node_id: agent.node_record()}
-        found = [{**o, agent.node_id: 0} if agent.holds(k) else o for o, k in zip(found, every, strict=True)]
+    found = index.owners(scorer.fp, every) if index is not None else [{} for _ in every]
+    fp_hex, total = scorer.fp.hex(), scorer.fingerprint.num_kv_heads
+    me = scorer.node_id
+    if me not in nodes:  # our own record may not be in the mirror yet (etcd down)
+        nodes = {**nodes, me: scorer.record()}
+        found = [{**o, me: 0} if scorer.holds(k) else o for o, k in zip(found, every, strict=True)]
     by_key = dict(zip(every, found, strict=True))
     usable: dict[NodeId, bool] = {}
 
     def can_pull(node: NodeId) -> bool:
         if node not in usable:
             record = nodes.get(node)
-            usable[node] = record is not None and (node == agent.node_id or agent.usable(record))
+            usable[node] = record is not None and (node == me or scorer.usable(record))
         return usable[node]
 
     def heads_of(node: NodeId) -> HeadRange:  # asked only of nodes can_pull passed: they have a record
@@ -167,15 +170,15 @@ def score(agent: Node, tokens: list[int], segments: list[tuple[int, int]] | None
             continue
         plan = plan_at(node, keys, spans)
         blended, loads = (_blend_of(declared, plan.hit_tokens, len(arr), functools.partial(plan_at, node),
-                                    agent.config.blend) if declared else (None, []))
-        rows.append(_score_plan(agent, node, record.role, plan, blended, loads, by_key, len(arr)))
+                                    config.blend) if declared else (None, []))
+        rows.append(_score_plan(scorer, node, record.role, plan, blended, loads, by_key, len(arr)))
     # Ties (a prompt nobody holds) go by rendezvous hashing on the prompt's first chunk: one document
     # keeps going to one node while different documents spread over all of them.
     first = bytes(keys[0]) if keys else b""
     rows.sort(key=lambda r: (r["estimated_ttft_ms"], -r["matched_tokens"] - r["segment_tokens"],
                              xxhash.xxh3_64_intdigest(first + r["node"].encode())))
-    return {"fingerprint": fp_hex, "model": agent.fingerprint.model_id, "tokens": len(arr),
-            "chunk_size": agent.config.chunk_size, "segments": len(declared), "nodes": rows,
+    return {"fingerprint": fp_hex, "model": scorer.fingerprint.model_id, "tokens": len(arr),
+            "chunk_size": config.chunk_size, "segments": len(declared), "nodes": rows,
             "best": rows[0]["node"] if rows else None}
 
 
@@ -210,7 +213,7 @@ def _plan_of(node: NodeId, keys: list[ChunkKey], spans: list[tuple[int, int]], o
                      inflight={}, num_tokens=num_tokens, need=need, heads_of=heads_of)
 
 
-def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, blend: BlendPlan | None,
+def _score_plan(scorer: Scorer, node: NodeId, role: str, plan: HitPlan, blend: BlendPlan | None,
                 loads: list[PlannedChunk], owners: dict[ChunkKey, Owners], num_tokens: int) -> dict[str, Any]:
     local: dict[str, int] = {}
     sources: dict[str, int] = {}  # tokens per peer (each piece of a chunk carries all of its tokens)
@@ -221,21 +224,21 @@ def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, blend: Blen
         if chunk.source == LOCAL:
             tier = TIER_NAMES.get(owners[chunk.key][node], "cpu")
             local[tier] = local.get(tier, 0) + tokens
-            local_bytes += agent.chunk_bytes
+            local_bytes += scorer.chunk_bytes
             continue
         peer_tokens += tokens
         width = chunk.heads[1] - chunk.heads[0]
         for part in chunk.parts():  # a piece is its share of the chunk's bytes
-            share = agent.chunk_bytes * (part.heads[1] - part.heads[0]) // width
+            share = scorer.chunk_bytes * (part.heads[1] - part.heads[0]) // width
             sources[part.source] = sources.get(part.source, 0) + tokens
             pulled[part.source] = pulled.get(part.source, 0) + share
     matched = plan.hit_tokens
     segment = sum(seg.end - seg.start - seg.skip for seg in blend.segments if not seg.fresh) if blend else 0
     recomputed = blend.cost_tokens if blend is not None else 0
     computed = num_tokens - (blend.end if blend is not None else matched) + recomputed
-    pull_s = max((agent.peer_estimates.expected_s(p, n) for p, n in pulled.items()), default=0.0)
+    pull_s = max((scorer.peer_estimates.expected_s(p, n) for p, n in pulled.items()), default=0.0)
     load_s = pull_s + local_bytes / (LOCAL_READ_GBPS * 1e9)
-    compute_s = agent.prefill.recompute_s(computed) if computed > 0 else 0.0
+    compute_s = scorer.prefill.recompute_s(computed) if computed > 0 else 0.0
     return {
         "node": node, "role": role, "matched_tokens": matched, "segment_tokens": segment,
         "recompute_tokens": recomputed, "computed_tokens": computed, "local_tokens": local,
@@ -246,8 +249,10 @@ def _score_plan(agent: Node, node: NodeId, role: str, plan: HitPlan, blend: Blen
     }
 
 
-def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: Node) -> Callable[..., Iterable[bytes]]:
-    """The agent's HTTP: ``/v1/score`` here, everything else to the Prometheus app."""
+def http_app(metrics_app: Callable[..., Iterable[bytes]],
+             scorer: Callable[[], Scorer | None]) -> Callable[..., Iterable[bytes]]:
+    """The agent's HTTP: ``/v1/score`` here (``scorer()``: None until the agent is started: 503),
+    everything else to the Prometheus app."""
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/v1/score":
@@ -264,15 +269,18 @@ def http_app(metrics_app: Callable[..., Iterable[bytes]], agent: Node) -> Callab
             if length > MAX_BODY_BYTES:
                 raise ScoreError(413, f"body of {length} bytes exceeds {MAX_BODY_BYTES}")
             body = environ["wsgi.input"].read(length)
-            asked = parse_request(body, agent)
-            status, payload = 200, score(agent, asked.tokens, asked.segments, asked.blend)
+            now = scorer()
+            if now is None:
+                raise ScoreError(503, "the agent is starting: nothing to score yet")
+            asked = parse_request(body, now.fingerprint.model_id)
+            status, payload = 200, score(now, asked.tokens, asked.segments, asked.blend)
         except ScoreError as exc:
             status, payload = exc.status, {"error": str(exc)}
         except Exception as exc:  # a scoring bug must not take the metrics server down
             status, payload = 500, {"error": f"{type(exc).__name__}: {exc}"}
         data = json.dumps(payload).encode()
         reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                  413: "Payload Too Large", 500: "Internal Server Error"}[status]
+                  413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
         start_response(f"{status} {reason}", [("Content-Type", "application/json"),
                                               ("Content-Length", str(len(data)))])
         return [data]

@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.config import TierConfig, TransferConfig
 from lmcache_p2p.estimates import PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
-from lmcache_p2p.keys import ChunkKey
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.load import Loader
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL, HitPlan, PlannedChunk
@@ -24,14 +25,20 @@ SLOT = 64 << 10
 HEADS = (0, 2)
 
 
+def _loader(tiers: TieredStore, *, prefill: PrefillRate | None = None,
+            on_hit: Callable[[ChunkKey], None] = lambda _key: None) -> Loader:
+    """A loader over ``tiers`` alone: no index, no transports (remote chunks are misses)."""
+    return Loader(tiers=tiers, fp=FingerprintDigest(FP), num_kv_heads=HEADS[1], heads=HEADS, node_id=NodeId("n"),
+                  chunk_size=256, chunk_bytes=SLOT, transfer=TransferConfig(), tiers_config=TierConfig(), index=None,
+                  puller=None, quarantine=None, objects=None, peer_estimates=PeerEstimates(),
+                  prefill=prefill or PrefillRate(), metrics=AgentMetrics(CollectorRegistry()), on_hit=on_hit)
+
+
 def _parts(refused: set[bytes], *, prefill_tokens_per_s: float | None = None) -> tuple[Loader, TieredStore, list]:
     tiers = TieredStore.from_config(TierConfig(cpu_capacity=16 * SLOT), SLOT,
                                     admit=lambda header: header.key not in refused)
     hits: list[ChunkKey] = []
-    loader = Loader(tiers=tiers, heads=HEADS, chunk_bytes=SLOT, transfer=TransferConfig(),
-                    tiers_config=TierConfig(), peer_estimates=PeerEstimates(),
-                    prefill=PrefillRate(prefill_tokens_per_s), metrics=AgentMetrics(CollectorRegistry()),
-                    puller=None, on_hit=hits.append)
+    loader = _loader(tiers, prefill=PrefillRate(prefill_tokens_per_s), on_hit=hits.append)
     return loader, tiers, hits
 
 
@@ -85,9 +92,7 @@ def test_pulls_slower_than_recomputing_or_past_the_deadline_are_declined_and_cou
 
 def test_without_remote_nothing_is_pulled_or_read_from_disk(tmp_path) -> None:
     tiers = TieredStore.from_config(TierConfig(cpu_capacity=2 * SLOT, disk_path=str(tmp_path)), SLOT)
-    loader = Loader(tiers=tiers, heads=HEADS, chunk_bytes=SLOT, transfer=TransferConfig(), tiers_config=TierConfig(),
-                    peer_estimates=PeerEstimates(), prefill=PrefillRate(), metrics=AgentMetrics(CollectorRegistry()),
-                    puller=None, on_hit=lambda key: None)
+    loader = _loader(tiers)
     chunks = [_chunk(i) for i in range(4)]
     for c in chunks:  # two CPU slots: the first two are written back to disk
         tiers.put(c.key, FP, memoryview(os.urandom(SLOT)), 256, heads=HEADS)

@@ -9,15 +9,14 @@ import dataclasses
 import json
 from collections.abc import Sequence
 
-import numpy as np
 import pytest
 
 from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.estimates import PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord, Served
-from lmcache_p2p.keys import ChunkKey, Fingerprint, chunk_keys, chunk_spans, tokens_to_array
-from lmcache_p2p.score import ScoreError, ScoreRequest, parse_request, score
+from lmcache_p2p.keys import ChunkKey, Fingerprint, chunk_keys, tokens_to_array
+from lmcache_p2p.score import ScoreError, Scorer, ScoreRequest, parse_request, score
 from lmcache_p2p.segments import segment_chunks
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 
@@ -28,31 +27,13 @@ HEADS = FINGERPRINT.num_kv_heads
 TOKENS = list(range(4 * CONFIG.chunk_size))
 
 
-@dataclasses.dataclass
-class _Agent:
-    """What scoring reads of its agent, over an in-memory index."""
-
-    index: MemoryIndex
-    config: AgentConfig = CONFIG
-    fp = FP
-    fingerprint = FINGERPRINT
-    node_id: NodeId = NodeId("e")
-    chunk_bytes: int = 1 << 20
-    peer_estimates: PeerEstimates = dataclasses.field(default_factory=PeerEstimates)
-    prefill: PrefillRate = dataclasses.field(default_factory=PrefillRate)
-
-    def keys_for(self, token_ids: Sequence[int] | np.ndarray) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
-        arr = tokens_to_array(token_ids)
-        return chunk_keys(FP, arr, CONFIG.chunk_size), chunk_spans(len(arr), CONFIG.chunk_size)
-
-    def holds(self, key: ChunkKey) -> bool:
-        return False
-
-    def usable(self, record: NodeRecord | None) -> bool:
-        return record is not None
-
-    def node_record(self) -> NodeRecord:
-        return self.index.nodes()[self.node_id]
+def _scorer(index: MemoryIndex, config: AgentConfig = CONFIG, prefill: PrefillRate | None = None) -> Scorer:
+    """What an agent gives scoring, over an in-memory index: it holds nothing itself (its chunks are
+    announced in the index) and can pull from every node with a record."""
+    return Scorer(settings=lambda: config, fingerprint=FINGERPRINT, node_id=NodeId("e"), chunk_bytes=1 << 20,
+                  index=index, peer_estimates=PeerEstimates(), prefill=prefill or PrefillRate(),
+                  holds=lambda _key: False, usable=lambda record: record is not None,
+                  record=lambda: index.nodes()[NodeId("e")])
 
 
 def _node(mesh: MemoryMesh, node: str, heads: tuple[int, int], keys: Sequence[ChunkKey]) -> MemoryIndex:
@@ -65,7 +46,7 @@ def _node(mesh: MemoryMesh, node: str, heads: tuple[int, int], keys: Sequence[Ch
 def test_score_plans_pieces_from_the_ranks_of_a_tp_engine_as_the_planner_does() -> None:
     mesh = MemoryMesh()
     keys = chunk_keys(FP, tokens_to_array(TOKENS), CONFIG.chunk_size)
-    agent = _Agent(_node(mesh, "e", (0, HEADS), keys[:1]))
+    agent = _scorer(_node(mesh, "e", (0, HEADS), keys[:1]))
     _node(mesh, "t-r0", (0, HEADS // 2), keys)
     _node(mesh, "t-r1", (HEADS // 2, HEADS), keys)
     _node(mesh, "p", (0, HEADS), keys[:2])
@@ -94,7 +75,7 @@ def test_score_counts_the_documents_each_node_holds_or_can_pull_as_its_blend_wou
     prompt, spans = _rag_prompt()
     docs = [[ChunkKey(k) for k in seg.keys] for seg in segment_chunks(FP, prompt, spans, CONFIG.chunk_size)]
     mesh = MemoryMesh()
-    agent = _Agent(_node(mesh, "e", (0, HEADS), []), prefill=PrefillRate(1000.0))
+    agent = _scorer(_node(mesh, "e", (0, HEADS), []), prefill=PrefillRate(1000.0))
     _node(mesh, "p", (0, HEADS), docs[0] + docs[1])
     _node(mesh, "q", (0, HEADS), docs[2])
     asked = {r["node"]: r for r in score(agent, prompt, spans)["nodes"]}  # not asked to blend (by_default)
@@ -120,29 +101,30 @@ def test_a_document_held_nowhere_is_computed_fresh_in_the_blend_after_the_base()
     docs = [[ChunkKey(k) for k in seg.keys] for seg in segment_chunks(FP, prompt, spans, CONFIG.chunk_size)]
     base = chunk_keys(FP, tokens_to_array(prompt), CONFIG.chunk_size)[:1]  # the base, as an exact prefix
     # without the base held: the blend computes it first (a prefix), then document 1 fresh
-    row = score(_Agent(_node(MemoryMesh(), "e", (0, HEADS), docs[0] + docs[2])), prompt, spans, True)["nodes"][0]
+    row = score(_scorer(_node(MemoryMesh(), "e", (0, HEADS), docs[0] + docs[2])), prompt, spans, True)["nodes"][0]
     assert row["matched_tokens"] == 0 and row["segment_tokens"] == 600
     assert row["recompute_tokens"] == 256 + 3 * 45 + 300 and row["local_tokens"] == {"cpu": 600}
     # with it: document 1 is computed fresh within the blend, documents 0 and 2 placed
-    row = score(_Agent(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2])), prompt, spans, True)["nodes"][0]
+    held = _scorer(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2]))
+    row = score(held, prompt, spans, True)["nodes"][0]
     assert row["matched_tokens"] == 256 and row["segment_tokens"] == 600
     assert row["recompute_tokens"] == 3 * 45 + 300 and row["local_tokens"] == {"cpu": 256 + 600}
     # a blend over blend.max_recompute_tokens is refused there: the exact prefix only
     small = dataclasses.replace(CONFIG, blend=dataclasses.replace(CONFIG.blend, max_recompute_tokens=100))
-    row = score(_Agent(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2]), config=small), prompt,
+    row = score(_scorer(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2]), config=small), prompt,
                 spans, True)["nodes"][0]
     assert row["segment_tokens"] == 0 and row["computed_tokens"] == len(prompt) - 256
 
 
 def test_score_requests_with_bad_segments_get_a_400_naming_them() -> None:
-    agent = _Agent(_node(MemoryMesh(), "e", (0, HEADS), []))
-    assert parse_request(json.dumps({"tokens": [1] * 10}).encode(), agent) == ScoreRequest([1] * 10)
-    asked = parse_request(json.dumps({"tokens": [1] * 10, "segments": [[2, 5]], "blend": True}).encode(), agent)
+    model = FINGERPRINT.model_id
+    assert parse_request(json.dumps({"tokens": [1] * 10}).encode(), model) == ScoreRequest([1] * 10)
+    asked = parse_request(json.dumps({"tokens": [1] * 10, "segments": [[2, 5]], "blend": True}).encode(), model)
     assert asked == ScoreRequest([1] * 10, [(2, 5)], True)
     for bad, field in (([[5, 2]], "'segments'"), ([[0, 11]], "'segments'"), ([[0, 5], [4, 8]], "'segments'"),
                        ("x", "'segments'"), ([[1, "2"]], "'segments'"), ([], "'segments'")):
         with pytest.raises(ScoreError, match=field) as exc:
-            parse_request(json.dumps({"tokens": [1] * 10, "segments": bad}).encode(), agent)
+            parse_request(json.dumps({"tokens": [1] * 10, "segments": bad}).encode(), model)
         assert exc.value.status == 400
     with pytest.raises(ScoreError, match="'blend'"):
-        parse_request(json.dumps({"tokens": [1] * 10, "blend": "yes"}).encode(), agent)
+        parse_request(json.dumps({"tokens": [1] * 10, "blend": "yes"}).encode(), model)
