@@ -198,7 +198,8 @@ class CacheAgent:
                                  tiers_config=self.config.tiers, index=self.index, puller=self.puller,
                                  quarantine=self.quarantine, objects=self.objects,
                                  peer_estimates=self.peer_estimates, prefill=self.prefill, metrics=self.metrics,
-                                 on_hit=self.handoff.on_hit)
+                                 on_hit=self.handoff.on_hit, model_id=self.fingerprint.model_id,
+                                 dropped=lambda key: self.dropped_ago([key])[0] is not None)
             recovered = self._drop_quarantined(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
@@ -518,9 +519,10 @@ class CacheAgent:
         keys, spans = self.keys_for(token_ids)
         return self.plan(keys, spans, sum(e - s for s, e in spans))
 
-    def count_lookup(self, plan: HitPlan, miss_tokens: int) -> None:
+    def count_hits(self, chunks: Sequence[PlannedChunk]) -> None:
+        """Tokens the engine got from the cache (see :meth:`Loader.count_hits`)."""
         if self.loader is not None:
-            self.loader.count_lookup(plan, miss_tokens)
+            self.loader.count_hits(chunks)
 
     def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
         loader = self.loader

@@ -40,7 +40,7 @@ from .index.quarantine import Quarantine
 from .index.schema import NodeRecord
 from .keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .metrics import AgentMetrics
-from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan
+from .plan import LOCAL, FetchBudget, HitPlan, PlannedChunk, fetch_budget, make_plan, miss_reason
 from .tiers import Pin, TieredStore
 from .transfer.pull import Puller
 
@@ -67,16 +67,19 @@ def local_plan(tiers: TieredStore, heads: HeadRange, keys: Sequence[ChunkKey], s
 class Loader:
     """Plan -> budget -> pull (peers, the object store) -> pin -> re-verify, for one agent's tiers.
 
-    ``on_hit``: told each chunk handed over (the hand-off's hit counts). ``puller`` is None where the
-    agent has no transports: remote chunks are then misses. ``index`` is the mesh index (its mirror
-    is read by dict probes); ``quarantine`` the owners the canary found wrong (never planned);
-    ``objects`` the object tier, planned as the owner ``@objects`` while its own backoff allows."""
+    ``on_hit``: told each chunk handed over (the hand-off's hit counts); ``dropped``: whether this node
+    held a chunk lately (a miss of it is an eviction); ``model_id``: the model this node serves.
+    ``puller`` is None where the agent has no transports: remote chunks are then misses. ``index`` is
+    the mesh index (its mirror is read by dict probes); ``quarantine`` the owners the canary found
+    wrong (never planned); ``objects`` the object tier, planned as the owner ``@objects`` while its
+    own backoff allows."""
 
     def __init__(self, *, tiers: TieredStore, fp: FingerprintDigest, num_kv_heads: int, heads: HeadRange,
                  node_id: NodeId, chunk_size: int, chunk_bytes: int, transfer: TransferConfig,
                  tiers_config: TierConfig, index: BlockIndex | None, puller: Puller | None,
                  quarantine: Quarantine | None, objects: ObjectTier | None, peer_estimates: PeerEstimates,
-                 prefill: PrefillRate, metrics: AgentMetrics, on_hit: Callable[[ChunkKey], None]) -> None:
+                 prefill: PrefillRate, metrics: AgentMetrics, on_hit: Callable[[ChunkKey], None],
+                 model_id: str = "", dropped: Callable[[ChunkKey], bool] = lambda _key: False) -> None:
         self.tiers = tiers
         self.fp = fp
         self.num_kv_heads = num_kv_heads
@@ -94,28 +97,40 @@ class Loader:
         self.prefill = prefill
         self.metrics = metrics
         self._on_hit = on_hit
+        self.model_id = model_id
+        self._dropped = dropped
 
     # -- plan -----------------------------------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
-        """The plan of a prompt, counted (hit tokens by source and tier, miss tokens)."""
+        """The plan of a prompt, counted: its planned tokens as hits by source and tier, the rest as
+        misses under the reason of the first chunk not planned (``miss_tokens_total``)."""
         keys, spans = keys_of(self.fp, token_ids, self.chunk_size)
         plan = self.plan(keys, spans, sum(e - s for s, e in spans))
-        self.count_lookup(plan, plan.num_tokens - plan.hit_tokens)
+        self.metrics.lookups.inc()
+        self.count_hits(plan.chunks)
+        if len(plan.chunks) < len(keys):
+            self.metrics.count_misses(self.miss_reason(keys[len(plan.chunks)]), plan.num_tokens - plan.hit_tokens)
         return plan
 
-    def count_lookup(self, plan: HitPlan, miss_tokens: int) -> None:
-        """Hit tokens by source and tier, and miss tokens, for one prompt."""
+    def count_hits(self, chunks: Sequence[PlannedChunk]) -> None:
+        """Tokens the engine got from the cache, by source and tier (``hit_tokens_total``)."""
         hits: dict[tuple[str, str], int] = {}
-        for c in plan.chunks:
+        for c in chunks:
             if c.source == LOCAL:
                 label = ("local", self.tiers.where(c.key) or "cpu")
             else:
                 label = ("objects", "object") if c.source == OBJECTS else ("peer", "peer")
             hits[label] = hits.get(label, 0) + c.end - c.start
-        self.metrics.lookups.inc()
         for (source, tier), n in hits.items():
-            self.metrics.hit_tokens.labels(source, tier).inc(n)
-        self.metrics.miss_tokens.inc(miss_tokens)
+            self.metrics.count_hits(source, tier, n)
+
+    def miss_reason(self, key: ChunkKey) -> str:
+        """Why ``key`` was not planned (:func:`~lmcache_p2p.plan.miss_reason`; dict probes only)."""
+        index, quarantine = self.index, self.quarantine
+        owners = index.owners(self.fp, [key], ask=False)[0] if index is not None else {}
+        return miss_reason(owners, index.nodes() if index is not None else {}, me=self.node_id, fp_hex=self.fp.hex(),
+                           model_id=self.model_id, blocked=quarantine.blocked if quarantine is not None
+                           else lambda _n: False, remembered=self._dropped(key))
 
     def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
         """The longest run of leading chunks this node holds or a usable owner announces (dict probes
@@ -204,6 +219,8 @@ class Loader:
             metrics.fetch_decisions.labels("recompute_faster").inc(declined - budget.late)
             metrics.load_failures.labels("recompute_faster").inc(declined - budget.late)
         if declined:
+            metrics.count_misses("declined", sum(c.end - c.start for c in plan.chunks[len(budget.plan.chunks):]))
+        if declined:
             why = ""
             if budget.declined_at is not None:
                 pull_s, recompute_s = budget.declined_at
@@ -238,6 +255,7 @@ class Loader:
                 # would only hold it while an answer nobody waits for arrives. The engine recomputes.
                 late = {c.key for c in pulls}
                 self.metrics.load_failures.labels("deadline").inc(len(late))
+                self.metrics.count_misses("declined", sum(c.end - c.start for c in pulls))
                 log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
             elif pulls:
                 started = time.monotonic()
@@ -306,6 +324,7 @@ class Loader:
             self.metrics.loaded_chunks.labels(source).inc()
         else:
             self.metrics.load_failures.labels("missing").inc()
+            self.metrics.count_misses("load_failed", chunk.end - chunk.start)
         return pin
 
     def _intact(self, pin: Pin) -> bool:

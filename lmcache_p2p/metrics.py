@@ -6,6 +6,7 @@ Library code never touches prometheus_client's global registry: the agent receiv
 
 from __future__ import annotations
 
+import collections
 import http.client
 import socket
 import threading
@@ -33,6 +34,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 # the slowest peers' estimates are shown.
 PER_PEER_SERIES = 32
 OTHER_PEERS = "other"
+RECENT_S = 300  # the window of hit_ratio_recent (and of status's HIT%)
 
 class AgentMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
@@ -46,8 +48,21 @@ class AgentMetrics:
         self.lookups = Counter("lookups", "Prompt lookups served by the agent", namespace=ns, registry=registry)
         self.hit_tokens = Counter("hit_tokens", "Prompt tokens found cached, by source and tier",
                                   ["source", "tier"], namespace=ns, registry=registry)
-        self.miss_tokens = Counter("miss_tokens", "Prompt tokens not cached anywhere", namespace=ns,
-                                   registry=registry)
+        self.miss_tokens = Counter(
+            "miss_tokens", "Prompt tokens the engine computed that the cache did not give it, by the reason of the "
+            "first chunk missed (no_owner: nobody announces it; evicted: this engine saved it and no node holds it "
+            "now; other_identity: nodes serve the model under another fingerprint, none under ours; quarantined: only "
+            "quarantined owners; owner_unusable: owners this node can't pull from (another wire or TLS, no record, "
+            "backed off after errors); declined: the fetch-or-recompute budget chose recomputing; load_failed: "
+            "planned, but the pull or its verification failed)", ["reason"], namespace=ns, registry=registry)
+        self.load_seconds = Histogram(
+            "load_seconds", "Whole loads, from the start of a request's load until its chunks are in the engine's "
+            "blocks (or given up), by outcome (full, partial, none)", ["outcome"], namespace=ns, registry=registry,
+            buckets=_LATENCY_BUCKETS)
+        self.hit_ratio_recent = Gauge(
+            "hit_ratio_recent", f"Tokens from cache over tokens looked up, over the last {RECENT_S // 60} minutes "
+            "(-1: nothing looked up then)", namespace=ns, registry=registry)
+        self._recent = RecentRatio(RECENT_S)
         self.loaded_chunks = Counter("loaded_chunks", "Chunks loaded for the engine, by source",
                                      ["source"], namespace=ns, registry=registry)
         self.load_failures = Counter("load_failures", "Chunks planned as hits that could not be loaded",
@@ -173,6 +188,22 @@ class AgentMetrics:
     def refresh(self) -> None:
         for fn in self._refreshers:
             fn()
+        ratio = self._recent.ratio()
+        self.hit_ratio_recent.set(-1.0 if ratio is None else ratio)
+
+    # -- hits and misses: the counters and the recent window, together ----------------------------------
+    def count_hits(self, source: str, tier: str, tokens: int) -> None:
+        """``tokens`` prompt tokens the engine got from the cache (``source``: local, peer, objects)."""
+        if tokens > 0:
+            self.hit_tokens.labels(source, tier).inc(tokens)
+            self._recent.add(tokens, 0)
+
+    def count_misses(self, reason: str, tokens: int) -> None:
+        """``tokens`` prompt tokens the engine computed because the cache did not give them (``reason``:
+        see ``miss_tokens``' help)."""
+        if tokens > 0:
+            self.miss_tokens.labels(reason).inc(tokens)
+            self._recent.add(0, tokens)
 
     def mirror(self, tiers: TieredStore, index: BlockIndex | None, served_total: int | None) -> None:
         """Set the gauges that mirror an agent's state: its tiers, its index (mirror size, publisher,
@@ -208,6 +239,40 @@ class AgentMetrics:
                 gauge.set(value)
             elif name == "lease_losses":
                 self.set_lease_losses(int(value))
+
+
+class RecentRatio:
+    """Hits over hits and misses within the last ``window_s`` seconds, in buckets of a tenth of it
+    (any thread)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._bucket_s = window_s / 10
+        self._buckets: collections.deque[list[float]] = collections.deque()  # [start, hits, misses], oldest first
+        self._lock = threading.Lock()
+
+    def add(self, hits: int, misses: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if not self._buckets or now - self._buckets[-1][0] >= self._bucket_s:
+                self._buckets.append([now, 0.0, 0.0])
+            bucket = self._buckets[-1]
+            bucket[1] += hits
+            bucket[2] += misses
+            self._expire(now)
+
+    def ratio(self, now: float | None = None) -> float | None:
+        """None: nothing was looked up in the window."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._expire(now)
+            hits = sum(b[1] for b in self._buckets)
+            total = hits + sum(b[2] for b in self._buckets)
+        return hits / total if total else None
+
+    def _expire(self, now: float) -> None:
+        while self._buckets and now - self._buckets[0][0] > self.window_s:
+            self._buckets.popleft()
 
 
 class _Refresher:

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .ids import TIER_OBJECT, NodeId
 from .keys import ChunkKey, HeadRange
+
+if TYPE_CHECKING:
+    from .index.schema import NodeRecord
 
 SLOW_TIER = TIER_OBJECT  # owners in this tier or slower are chosen only when no faster one holds the chunk
 LOCAL = NodeId("")
@@ -74,6 +78,24 @@ class HitPlan:
         for c in self.chunks:
             out.setdefault(c.source, []).append(c)
         return out
+
+
+def miss_reason(owners: Mapping[NodeId, int], nodes: Mapping[NodeId, NodeRecord], *, me: NodeId, fp_hex: str,
+                model_id: str, blocked: Callable[[NodeId], bool], remembered: bool) -> str:
+    """Why a chunk that is not planned is missed (``miss_tokens_total``'s reasons; dict probes only):
+    ``owners`` announce it (``me`` not among them), ``nodes`` are the records in the mirror, ``blocked``
+    says whether the canary quarantined a node, ``remembered``: this engine saved the chunk before.
+    ``lookup --explain`` says more of one prompt (an invalidation, an owner that does not answer)."""
+    others = [n for n in owners if n != me]
+    if others:
+        return "quarantined" if all(blocked(n) for n in others) else "owner_unusable"
+    if remembered:
+        return "evicted"
+    peers = [r for n, r in nodes.items() if n != me]
+    if peers and not any(fp_hex in r.fingerprints for r in peers) and any(
+            s.model == model_id for r in peers for s in r.served.values()):
+        return "other_identity"
+    return "no_owner"
 
 
 def make_plan(

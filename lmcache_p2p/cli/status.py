@@ -36,7 +36,7 @@ from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient, translate
 from ..index.quarantine import read_all as read_quarantine
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record, decode_object_meta
-from ..metrics import SCRAPE_TIMEOUT_S, scrape
+from ..metrics import RECENT_S, SCRAPE_TIMEOUT_S, scrape
 from .common import add_etcd_arguments, tool_config
 
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
@@ -55,7 +55,9 @@ class NodeStatus:
     responsive: bool | None = None
     tier_used_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     tier_capacity_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
-    hit_rate: float | None = None
+    hit_rate: float | None = None  # over the last metrics.RECENT_S seconds
+    hit_rate_lifetime: float | None = None  # since the node started
+    misses: dict[str, float] = dataclasses.field(default_factory=dict)  # miss tokens by reason, since start
     degraded: bool | None = None  # outside the mesh by its own account (no live lease / mirror not synced)
     index_rejected: float = 0.0  # malformed etcd records it skipped
     engine: str = ""  # the engine a TP rank's agent belongs to (node id less "-r<rank>"); itself otherwise
@@ -85,8 +87,12 @@ def _apply_metrics(node: NodeStatus, url: str | None) -> None:
             if name.startswith(prefix):
                 target[name.split('"')[1]] = value
     hits = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_hit_tokens_total"))
-    misses = m.get("lmcache_p2p_miss_tokens_total", 0.0)
-    node.hit_rate = hits / (hits + misses) if hits + misses else None
+    misses = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_miss_tokens_total"))
+    node.hit_rate_lifetime = hits / (hits + misses) if hits + misses else None
+    recent = m.get("lmcache_p2p_hit_ratio_recent")  # the last RECENT_S (-1: nothing looked up then)
+    node.hit_rate = recent if recent is not None and recent >= 0 else None
+    node.misses = {k.split('"')[1]: v for k, v in m.items()
+                   if k.startswith("lmcache_p2p_miss_tokens_total{") and v > 0}
     if "lmcache_p2p_degraded" in m:
         node.degraded = m["lmcache_p2p_degraded"] > 0
     node.index_rejected = sum(v for k, v in m.items() if k.startswith("lmcache_p2p_index_rejected_total"))
@@ -260,6 +266,12 @@ def render(report: dict[str, Any]) -> str:
     lines = [f"cluster {report['cluster']}  revision {report['revision']}  nodes {len(report['nodes'])}  "
              f"etcd {sum(report['etcd_members'].values())}/{len(report['etcd_members'])} up"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines.append(f"HIT%: tokens from cache over tokens looked up, last {RECENT_S // 60} minutes (- : none looked up)")
+    missed = [f"{n['node_id']} " + ", ".join(f"{why} {v:.0f}" for why, v in sorted(n["misses"].items(),
+                                                                                   key=lambda x: -x[1]))
+              for n in report["nodes"] if n.get("misses")]
+    if missed:
+        lines.append("miss tokens since start, by reason: " + "; ".join(missed))
     objects = report.get("objects")
     if objects and (objects["objects"] or objects["malformed"]):
         lines.append(f"object store: {objects['objects']} objects, {_gib(objects['bytes'])} GiB"

@@ -69,7 +69,6 @@ class ExactLoads:
         if remote:
             wait_for_index(agent, t, keys, deadline)
         plan = agent.plan(keys, spans, pos)
-        agent.count_lookup(plan, 0)
         sources = [_source_of(agent, c.key, c.source) for c in plan.chunks]  # before the load moves them
         t1 = time.perf_counter()
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
@@ -82,11 +81,13 @@ class ExactLoads:
                 if pin is not None and pin.header.length != kv.payload_nbytes(len(blocks)):
                     log.error("request %s: chunk %d is %d bytes, its %d blocks need %d: layout mismatch", t.req_id,
                               i, pin.header.length, len(blocks), kv.payload_nbytes(len(blocks)))
+                    agent.metrics.count_misses("load_failed", t.num_tokens[i])
                     pin = None
                 if pin is None:
                     failed, loaded = blocks_from(t, i), i
                     if i >= len(plan.chunks):  # offered by the scheduler side, but no owner this worker may ask
                         agent.metrics.load_failures.labels("no_usable_owner").inc(len(keys) - i)
+                        agent.metrics.count_misses("owner_unusable", sum(t.num_tokens[i:]))
                     why = ("no usable owner (backed off, awaited for an overdue answer, or gone)"
                            if i >= len(plan.chunks) else "its pull missed or was declined")
                     log.info("request %s: chunk %d of %d not loaded: %s; %d blocks recomputed", t.req_id, i,
@@ -97,6 +98,7 @@ class ExactLoads:
                 staged = agent.tiers.cpu.stage(pin)
                 if staged is None:
                     agent.metrics.checksum_failures.inc()
+                    agent.metrics.count_misses("load_failed", t.num_tokens[i])
                     failed, loaded = blocks_from(t, i), i
                     log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
                                 t.req_id, i, len(failed))
@@ -109,6 +111,9 @@ class ExactLoads:
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+        agent.count_hits(plan.chunks[:loaded])  # chunks after a failed one are recomputed with it
+        outcome = "full" if loaded == len(keys) else "partial" if loaded else "none"
+        agent.metrics.load_seconds.labels(outcome).observe(time.perf_counter() - t0)
         if loaded and sources:  # one line per request a hit served: that the mesh works shows in the engine's own log
             by: dict[str, int] = {}
             for i in range(min(loaded, len(sources))):

@@ -35,9 +35,6 @@ class Saves:
         this step (nothing from the first chunk touching them on is saved)."""
         agent, kv = self.agent, self.kv
         assert kv is not None
-        if not t.generated:
-            computed = [n for k, n in zip(t.keys, t.num_tokens, strict=True) if not agent.holds(ChunkKey(k))]
-            agent.metrics.miss_tokens.inc(sum(computed))  # prompt tokens the engine computed: nothing held them
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
             if unloaded.intersection(blocks):
                 log.info("request %s: its load failed this step; its chunks from there on are not saved", t.req_id)

@@ -63,7 +63,7 @@ import xxhash
 from ...aio import LoopThread
 from ...blocks import ChunkTransfer, chunk_transfer
 from ...config import AgentConfig
-from ...ids import TIER_DISK
+from ...ids import TIER_DISK, NodeId
 from ...index.reader import IndexReader
 from ...index.schema import NodeRecord
 from ...keys import (
@@ -76,6 +76,7 @@ from ...keys import (
     request_root,
 )
 from ...peers import compatible
+from ...plan import miss_reason
 from ...segments import (
     BlendPlan,
     BlendTransfer,
@@ -139,6 +140,7 @@ class _Request:
     active: _Active | None = None  # being computed: what is saved of it
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # the hit's tokens by where they are held
     sighted: bool = False  # its prompt's keys were counted (tiers.save_after_sightings): once, even if preempted
+    missed: bool = False  # the tokens the cache could not give it were counted (miss_tokens_total): once
 
 
 class P2PScheduler:
@@ -169,6 +171,8 @@ class P2PScheduler:
         self._asked_burst = max(1.0, config.canary.requested_per_minute / 6.0) if self._asked_per_s > 0 else 0.0
         self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
+        self._missed: dict[str, int] = {}  # prompt tokens the cache could not give since the last step, by reason
+        self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
         self._reset = False  # vLLM reset its caches: the workers drop their chunks at the next step
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
@@ -299,6 +303,9 @@ class P2PScheduler:
         exact = min(held * self._chunk + (tail[0] if tail else 0), len(prompt) - 1)
         blend = self._blend(request, record, prompt, identity, max(exact, num_computed_tokens))
         hit = blend.end if blend is not None else exact
+        if held < len(keys) and not record.missed:
+            record.missed = True
+            self._count_miss(keys[held], len(prompt) - 1 - max(hit, num_computed_tokens))
         record.local_hit = num_computed_tokens
         n = max(hit - num_computed_tokens, 0)
         if record.canary or self._canary(request, record, n, num_computed_tokens) or n == 0:
@@ -325,6 +332,18 @@ class P2PScheduler:
             return 0, False
         record.load_async = load_async  # what vLLM was told decides how the worker loads
         return n, load_async
+
+    def _count_miss(self, key: ChunkKey, tokens: int) -> None:
+        """``tokens`` of a prompt the cache can't give, from the chunk ``key`` on: counted by why that chunk
+        is missed (``plan.miss_reason``), for the worker's ``miss_tokens_total`` (this side has no registry).
+        The prompt's last token is left out: vLLM computes it whatever the cache holds."""
+        if tokens <= 0:
+            return
+        mirror = self._index.mirror
+        reason = miss_reason(mirror.owners(key), mirror.nodes(), me=self._node_id, fp_hex=self._fp.hex(),
+                             model_id=self._model_id, blocked=self._index.quarantine.blocked,
+                             remembered=key in self._saved)
+        self._missed[reason] = self._missed.get(reason, 0) + tokens
 
     def _where(self, key: ChunkKey) -> str:
         """Where a chunk of a hit is held, as vLLM's ``CacheHitSource`` names it: ``host`` or ``disk`` (this
@@ -541,6 +560,7 @@ class P2PScheduler:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
         meta.uncacheable, self._uncacheable = self._uncacheable, {}
         meta.refused, self._refused = self._refused, {}
+        meta.missed, self._missed = self._missed, {}
         meta.reset_cache, self._reset = self._reset, False
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.

@@ -216,6 +216,8 @@ class P2PWorker:
                 self.agent.metrics.uncacheable_requests.labels(reason).inc(n)
             for param, n in meta.refused.items():
                 self.agent.metrics.request_params_refused.labels(param).inc(n)
+            for reason, n in meta.missed.items():
+                self.agent.metrics.count_misses(reason, n)
             if meta.reset_cache:
                 self._drop_all()
 
