@@ -42,8 +42,6 @@ from .errors import ConfigError
 
 REGENERATE = ".venv/bin/python -m lmcache_p2p.docsgen docs/reference"
 HELP_COLUMNS = 100  # argparse wraps help to the terminal's width: fixed here, so the page is the same anywhere
-# Subcommands a command's own main dispatches before its parser, so not in cli.COMMANDS.
-UNLISTED_COMMANDS: tuple[tuple[str, ...], ...] = (("router", "key"),)
 
 
 def _header(title: str, source: str) -> str:
@@ -339,8 +337,7 @@ def _columns(n: int) -> Iterator[None]:
 def _grouped() -> list[tuple[str, list[tuple[str, ...]]]]:
     """The commands in the groups of ``lmcache-p2p --help`` (a command in no group is under "run")."""
     grouped = {word for _, words in cli.GROUPS for word in words}
-    commands = [c for command in cli.COMMANDS for c in (command, *(u for u in UNLISTED_COMMANDS if u[:-1] == command))]
-    return [(group, [c for c in commands if c[0] in words or (group == "run" and c[0] not in grouped)])
+    return [(group, [c for c in cli.COMMANDS if c[0] in words or (group == "run" and c[0] not in grouped)])
             for group, words in cli.GROUPS]
 
 

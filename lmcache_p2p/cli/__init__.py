@@ -42,6 +42,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("score",): ("lmcache_p2p.cli.score:main", "where a prompt's cache is, per node, from an agent's /v1/score"),
     ("events",): ("lmcache_p2p.cli.events:main", "the mesh index as vLLM KV events (ZMQ PUB) for KV-aware routers"),
     ("router",): ("lmcache_p2p.cli.router:main", "an OpenAI-compatible front routing by cache and load"),
+    ("router", "key"): ("lmcache_p2p.cli.router:key_main", "the router key (hex) of the cluster secret, for routers"),
     ("demo",): ("lmcache_p2p.cli.demo:main", "two vLLM nodes share KV cache through the mesh (private etcd)"),
     ("bench", "kernels"): ("lmcache_p2p.bench.kernels:main", "paged-KV gather/scatter vs memcpy"),
     ("identity",): ("lmcache_p2p.cli.identity:main", "a model's identity (layout.model_id) from its files"),
