@@ -20,7 +20,7 @@ for arg in "$@"; do
   esac
 done
 
-# The whole suite in two lanes at once (README: tests).
+# The whole suite in two lanes at once (docs/testing.md).
 # - The engine lane: the tests that start vLLM engines (or many processes in network namespaces), one
 #   after another, in the order below; the most timing-sensitive (netns, chaos, faults, bench serve) last.
 # - The parallel lane: every test that starts no engine, in parallel (pytest-xdist, one module per

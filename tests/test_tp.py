@@ -3,7 +3,7 @@
 Real etcd, real sockets; owners are rank processes (``tp_rank_proc.py``) holding their heads of a
 deterministic paged KV cache; loaders are in-process agents, one per rank, that scatter what they
 load into zeroed caches of their own shape. Every loaded block must equal, head by head, what the
-owning engine computed. (vLLM on CPU in this repository runs TP 1 only: see the README.)
+owning engine computed. (Real vLLM on CPU with a TP=2 engine beside a TP=1 one: tests/test_vllm_tp.py.)
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ segments (``kv_transfer_params``). A third engine without any connector gives th
   the recompute over the cache in vLLM's own forward) reproduce a prefill.
 * B (another engine) in a third order, with the default fraction: it pulls A's segments, claims the
   prompt up to the question, and its greedy output agrees with the reference on at least
-  ``AGREEMENT_FLOOR`` of the tokens (measured: see README); with fraction 1, equal.
+  ``AGREEMENT_FLOOR`` of the tokens (measured: docs/benchmarks/blend.md); with fraction 1, equal.
 * A request that declares no segments is reused as before: only its exact prefix (the base).
 * A client that puts text of its own before a new document gets nothing saved under that document's
   key: its prefix chain and its first segment only.
@@ -52,7 +52,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # t
 DTYPE = "float32"
 ANSWER = 16
 BLEND_KV = Path(__file__).with_name("blend_kv_proc.py")
-AGREEMENT_FLOOR = 0.5  # of greedy tokens equal to the reference at the default fraction (see the README)
+AGREEMENT_FLOOR = 0.5  # of greedy tokens equal to the reference at the default fraction (docs/benchmarks/blend.md)
 
 
 def rag_prompt(base: list[int], docs: list[list[int]], order: tuple[int, ...], question: list[int]

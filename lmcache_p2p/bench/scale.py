@@ -26,7 +26,7 @@ would measure this machine's memory, not the design: the others are sampled). Th
 
 The result extrapolates each per-node or per-chunk cost to ``--target-nodes`` x ``--target-chunks`` and says
 which limit is reached first, for the design as built (every node mirrors every chunk event) and for the
-lookup alternative (README, "The control plane at scale").
+lookup alternative (docs/benchmarks/scale.md; ``etcd.index: lookup`` in docs/operations/etcd.md).
 """
 
 from __future__ import annotations

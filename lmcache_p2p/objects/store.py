@@ -1,7 +1,7 @@
 """The S3 client of the object tier: `obstore <https://developmental-seed.github.io/obstore>`_ (Rust's
 ``object_store`` behind asyncio) behind four calls, each bounded by an absolute deadline.
 
-Chosen by measurement (``bench objects`` and the comparison quoted in the README): against the same
+Chosen by measurement (``bench objects``; the comparison is in docs/guides/object-tier.md): against the same
 SeaweedFS on this machine, 2 MiB objects, 8 in flight, obstore moved the bytes with about half the
 client CPU of aiobotocore (1.2-2.5 vs 3.6-5.1 ms per MB) at a higher rate, and its requests run on
 its own threads, not on the agent's event loop that also serves pulls.
