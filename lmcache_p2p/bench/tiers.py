@@ -80,7 +80,7 @@ def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) ->
                     raise RuntimeError("bench: disk tier lost a chunk")
 
         def raw_read() -> None:
-            head = bytearray(64)
+            head = bytearray(len(headers[0].pack()))  # the header as raw_write wrote it
             for i, v in enumerate(dst_views):
                 with open(os.path.join(raw_dir, f"{i}.bin"), "rb", buffering=0) as f:
                     f.readinto(head)
