@@ -8,6 +8,7 @@
   allowlist of vLLM's, etcd's and Prometheus' own names, each checked where it comes from (vLLM's
   source, a real etcd's ``/metrics``). Labels in matchers and groupings are labels of those metrics or
   of the scrape targets; a label value matched with ``=`` is one the code writes.
+- Every alert's ``runbook_url`` is docs/operations/troubleshooting.md at a heading named for the alert.
 - k8s/README.md names only resources that exist with that kind, the kustomization lists files that
   exist, and the TP claim in the manifests is what ``Fingerprint.of`` does.
 - The Dockerfiles copy no secret, install extras that exist and run real CLI commands.
@@ -47,6 +48,7 @@ from lmcache_p2p.router.app import Metrics as RouterMetrics
 ROOT = Path(__file__).resolve().parents[1]
 K8S, DOCKER = ROOT / "k8s", ROOT / "docker"
 Doc = dict[str, Any]
+RUNBOOK = "docs/operations/troubleshooting.md"  # every alert's runbook_url: this page at the alert's heading
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (apt-get install prometheus)")
 
@@ -194,8 +196,8 @@ def rule_problems(doc: Doc) -> list[str]:
         for key in ("summary", "description", "hint"):
             if not str(notes.get(key, "")).strip():
                 problems.append(f"{name}: no {key}")
-        if notes.get("runbook_url") != "docs/operations/troubleshooting.md":
-            problems.append(f"{name}: runbook_url is not docs/operations/troubleshooting.md")
+        if notes.get("runbook_url") != f"{RUNBOOK}#{name.lower()}":
+            problems.append(f"{name}: runbook_url is not {RUNBOOK}#{name.lower()}")
     return problems
 
 
@@ -207,6 +209,20 @@ def test_alert_rules_are_a_well_formed_prometheus_rule():
     del first["annotations"]["summary"]
     first["labels"]["severity"] = "page"
     assert len(rule_problems(bad)) == 2
+
+
+def heading_anchors(markdown: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, spaces to hyphens, punctuation dropped."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#{1,6} (.+)$", markdown, flags=re.M)}
+
+
+def test_every_alert_has_its_heading_in_the_runbook():
+    anchors = heading_anchors((ROOT / RUNBOOK).read_text())
+    assert "the-hit-rate-is-low-a-decision-tree" in anchors  # the slug rule, on a heading with punctuation
+    missing = [r["alert"] for r in rules(load_rule()) if "alert" in r and r["alert"].lower() not in anchors]
+    assert missing == [], f"alerts without a heading in {RUNBOOK}: {missing}"
+    assert heading_anchors("## Alerts\n### LMCacheP2PLeaseDown\n") == {"alerts", "lmcachep2pleasedown"}
 
 
 def test_the_alerts_cover_what_operators_page_on():
