@@ -88,6 +88,10 @@ class AgentMetrics:
             "fresh; recomputed: run through the model over the blended cache; fresh: of segments held nowhere, "
             "computed after the base alone and saved)", ["kind"], namespace=ns, registry=registry)
         self.stored_chunks = Counter("stored_chunks", "Chunks stored by the engine", namespace=ns, registry=registry)
+        self.admission_skipped = Counter(
+            "admission_skipped_chunks", "Chunks of computed prompts left out of saves, by reason (short: a last "
+            "partial chunk under tiers.min_save_tokens; sightings: seen in fewer than tiers.save_after_sightings "
+            "prompts here)", ["reason"], namespace=ns, registry=registry)
         self.handoff_chunks = Counter(
             "handoff_chunks", "Hand-offs and replicas: chunks offered to peers, accepted by them, replicas among those "
             "accepted, received from peers, and dropped (hit, held by no other node, evicted)", ["event"],

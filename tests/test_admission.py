@@ -85,6 +85,12 @@ def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, c
     assert got["shared_prefix"] == [256], got
     # a one-off request's generated tail is not saved (its key was never in a prompt)
     assert got["sightings_tail"] is False, got
+    # what admission left out reaches the worker's admission_skipped_chunks_total (in the next step's metadata:
+    # the last request's is not sent here): the 20-token prompt once; with 3 sightings, the long prompt's 3 chunks
+    # each time they were computed (the first request three times, the second once), the short prompt twice for
+    # sightings and twice for its length, the shared prompt's last 2 chunks
+    assert got["skipped_once"] == {"short": 1}, got
+    assert got["skipped_thrice"] == {"sightings": 3 * 4 + 2 + 2, "short": 2}, got
 
 
 def main() -> None:
@@ -123,6 +129,9 @@ def main() -> None:
                 scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
                 num_scheduled_tokens={req_id: len(prompt)}))
             saves += [n for save in meta.saves if save.req_id == req_id for n in save.num_tokens]
+            counts = skipped.setdefault(sched is thrice, {})
+            for reason, n in meta.skipped.items():
+                counts[reason] = counts.get(reason, 0) + n
         # decoded without another save (under a chunk), then finished
         request.all_token_ids = list(prompt) + list(range(5, 5 + generated))
         request.num_computed_tokens = len(prompt) + generated - 1
@@ -131,6 +140,7 @@ def main() -> None:
     out: dict[str, Any] = {}
     long_prompt = [(7 * i) % 4000 + 3 for i in range(600)]
     once, thrice = scheduler(1), scheduler(3)
+    skipped: dict[bool, dict[str, int]] = {}  # chunks the metadata says admission left out, by reason
     try:
         out["first_sight"] = {"short": run(once, list(range(100, 120)))[0],
                               "long_enough": run(once, list(range(200, 240)))[0],
@@ -144,6 +154,7 @@ def main() -> None:
     finally:
         once.shutdown()
         thrice.shutdown()
+    out["skipped_once"], out["skipped_thrice"] = skipped.get(False, {}), skipped.get(True, {})
     print(json.dumps(out))
 
 

@@ -23,6 +23,7 @@ class LMCacheP2PMetadata(KVConnectorMetadata):
     num_scheduled_tokens: int = 0  # this step's tokens: the worker times prefill steps by it
     uncacheable: dict[str, int] = dataclasses.field(default_factory=dict)  # new requests not cached, by reason
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # request parameters not honoured, by name
+    skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks admission kept out of saves
     missed: dict[str, int] = dataclasses.field(default_factory=dict)  # prompt tokens not from cache, by reason
     reset_cache: bool = False  # vLLM reset its caches (e.g. new weights): each worker drops its node's chunks
 

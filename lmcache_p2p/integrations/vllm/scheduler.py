@@ -172,6 +172,7 @@ class P2PScheduler:
         self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
         self._missed: dict[str, int] = {}  # prompt tokens the cache could not give since the last step, by reason
+        self._skipped: dict[str, int] = {}  # chunks admission kept out of saves since the last step, by reason
         self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
         self._reset = False  # vLLM reset its caches: the workers drop their chunks at the next step
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
@@ -561,6 +562,7 @@ class P2PScheduler:
         meta.uncacheable, self._uncacheable = self._uncacheable, {}
         meta.refused, self._refused = self._refused, {}
         meta.missed, self._missed = self._missed, {}
+        meta.skipped, self._skipped = self._skipped, {}
         meta.reset_cache, self._reset = self._reset, False
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
@@ -637,13 +639,20 @@ class P2PScheduler:
         None: all) and without a partial chunk shorter than ``tiers.min_save_tokens`` (only its last can be
         partial)."""
         keep = len(save.keys) if seen is None else min(seen, len(save.keys))
+        self._count_skipped("sightings", len(save.keys) - keep)
         n = save.num_tokens[keep - 1] if keep else self._chunk
         if n < self._chunk and n < self._config.tiers.min_save_tokens:
             keep -= 1
+            self._count_skipped("short", 1)
         if keep == len(save.keys):
             return save
         return dataclasses.replace(save, keys=save.keys[:keep], num_tokens=save.num_tokens[:keep],
                                    block_ids=save.block_ids[:keep])
+
+    def _count_skipped(self, reason: str, chunks: int) -> None:
+        """Chunks a save leaves out (``admission_skipped_chunks_total``, counted by the worker)."""
+        if chunks > 0:
+            self._skipped[reason] = self._skipped.get(reason, 0) + chunks
 
     def _sighted(self, keys: list[ChunkKey]) -> int | None:
         """Count one more prompt sighting of ``keys``; how many of them, from the first, were now seen in at

@@ -218,6 +218,8 @@ class P2PWorker:
                 self.agent.metrics.request_params_refused.labels(param).inc(n)
             for reason, n in meta.missed.items():
                 self.agent.metrics.count_misses(reason, n)
+            for reason, n in meta.skipped.items():
+                self.agent.metrics.admission_skipped.labels(reason).inc(n)
             if meta.reset_cache:
                 self._drop_all()
 
