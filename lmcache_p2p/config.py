@@ -87,11 +87,21 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TierConfig:
+    # Bytes of the CPU pool, allocated and touched at start and cut into whole chunk slots (a size: 20Gi,
+    # 20GiB and 20G are 20 * 2^30 bytes, 20GB is 20 * 10^9). Tensor-parallel ranks get an equal share each.
     cpu_capacity: int = 1 << 30
+    # Directory of the disk tier (created if missing; one file per chunk, rescanned and kept across restarts;
+    # TP rank k uses ``<path>/r<k>``). None: no disk tier, a chunk evicted from the CPU pool leaves this node.
     disk_path: str | None = None
-    disk_capacity: int = 10 << 30
+    disk_capacity: int = 10 << 30  # bytes the disk tier may fill under disk_path (a size, as cpu_capacity)
+    # Which chunk each tier (CPU and disk) evicts first when full: "lru" (least recently used), "lfu" (least
+    # frequently used) or "s3fifo" (S3-FIFO); the cluster config can change it while running.
     eviction: str = "lru"
+    # Seconds a reader's pin (a peer's pull being served, a load into the engine, a canary check) keeps a
+    # CPU slot from being evicted or reused; an expired pin is ignored, so a crashed reader frees its slot.
     pin_timeout_s: float = 30.0
+    # Seconds a chunk lives, counted from the oldest copy this node has seen of it (swept every
+    # min(ttl/4, 5 s); the object tier deletes older objects too). None: chunks never expire by age.
     chunk_ttl_s: float | None = None
     # Admission: a partial chunk (a prompt's or a finished request's tail) shorter than this is not saved;
     # it would take a whole slot and an etcd entry for tokens cheaper to recompute than to look up. 0 (off)
@@ -119,7 +129,7 @@ class ObjectsConfig:
     """The object tier (``lmcache_p2p/objects/``): an S3-compatible store under disk, shared by the cluster.
 
     ``url`` is the store's endpoint (``http://10.0.0.9:8333``, ``https://s3.eu-west-1.amazonaws.com``);
-    None turns the tier off. Chunks are objects ``<prefix>/<fingerprint>/<key>`` in ``bucket``.
+    None turns the tier off. Chunks are objects ``<prefix>/<cluster>/<fingerprint>/<key>`` in ``bucket``.
     A chunk leaving this node's last tier is uploaded when no other node (nor the store) holds it and it
     was hit at least ``min_hits`` times (0: every sole copy); at most ``budget_bytes_per_s`` and
     ``max_inflight`` uploads at once; the bytes wait in memory (at most ``spill_bytes``, else the chunk is
@@ -131,8 +141,8 @@ class ObjectsConfig:
 
     url: str | None = None
     bucket: str = "lmcache-p2p"
-    prefix: str = "chunks"
-    region: str = "us-east-1"
+    prefix: str = "chunks"  # what object names start with: ``<prefix>/<cluster>/<fingerprint>/<key>`` (hex)
+    region: str = "us-east-1"  # the S3 region requests are signed for (on AWS, the bucket's region)
     min_hits: int = 1
     budget_bytes_per_s: int = 64 << 20
     max_inflight: int = 4
@@ -218,7 +228,7 @@ class BlendConfig:
     """Reuse of a request's declared segments (RAG documents) at any position
     (``segments.py``): ``enabled`` lets requests that declare segments blend when they ask
     (``lmcache_p2p_blend``, or a fraction or selection of their own), or all of them (``by_default``):
-    on the graded task of ``bench blend`` no setting keeps a full prefill's answers (README);
+    on the graded task of ``bench blend`` no setting keeps a full prefill's answers (docs/benchmarks/blend.md);
     ``recompute_fraction`` of each placed segment's tokens is recomputed through the model against the
     blended context (0: plain concatenation; 1: every token, a full prefill's KV), chosen by
     ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
@@ -240,14 +250,18 @@ class BlendConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class EtcdConfig:
+    # The etcd members, host:port or http(s):// URLs (comma-separated in the environment); an https:// one
+    # turns TLS on. Empty: an agent refuses to start; tools take --etcd instead.
     endpoints: tuple[str, ...] = ()
+    # Seconds of this node's etcd lease: its node record and chunk entries vanish this long after it stops
+    # refreshing the lease (it died or is cut off); per-peer state is also pruned this often.
     lease_ttl_s: int = 10
-    ca_cert: str | None = None
-    cert_cert: str | None = None
-    cert_key: str | None = None
-    user: str | None = None
-    password: str | None = None
-    timeout_s: float = 5.0
+    ca_cert: str | None = None  # PEM file of the CA etcd's server certificates are checked against; set: TLS
+    cert_cert: str | None = None  # PEM client certificate for etcd's mutual TLS (with cert_key); None: no client cert
+    cert_key: str | None = None  # PEM private key of cert_cert
+    user: str | None = None  # etcd user (with password; None: no etcd authentication)
+    password: str | None = None  # of user
+    timeout_s: float = 5.0  # seconds each etcd request may take (a page of a range read: four times this)
     start_wait_s: float = 2.0  # how long start-up waits for etcd before going on degraded
     allow_plaintext_password: bool = False  # a password over plain HTTP is refused unless this is set
     # "watch": every node mirrors every chunk entry of its model (reads are dict probes); "lookup": only
@@ -277,13 +291,29 @@ class EtcdConfig:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TransferConfig:
+    # How this node pulls, most preferred first: "tcp" (the authenticated connection itself) and/or "nixl"
+    # (one-sided reads, set up over that connection). A peer is pulled from only if it speaks one of them.
     transports: tuple[str, ...] = ("tcp",)
+    # Address the transfer server binds. The default, loopback, reaches only this machine; a wildcard
+    # (0.0.0.0, ::) needs advertise_host, else this host's outward address is detected (or start refused).
     listen_host: str = "127.0.0.1"
+    # Address peers dial, published in this node's record. None: listen_host, or the detected outward
+    # address when that is a wildcard. A wildcard here is refused.
     advertise_host: str | None = None
+    # TCP port of the transfer server. 0: a free one, published in the node record; a fixed one is offset
+    # by the rank under tensor parallelism (rank k listens on port + k).
     port: int = 0
+    # The cluster secret, the same on every node, at least 32 bytes: it authenticates peers, keys the payload
+    # MAC and seals objects. None: LMCACHE_P2P_SECRET from the environment; without either an agent won't start.
     secret: str | None = None
+    # Seconds: a whole load's deadline (its pulls from peers and the object store); at most as long for a
+    # peer to connect and handshake, and for each frame on a connection to cross.
     timeout_s: float = 5.0
+    # Largest frame header (a msgpack map; chunk payloads come after it and do not count) a connection
+    # accepts: a larger one closes it. Also bounds the keys per request (a size, as tiers.cpu_capacity).
     max_frame_bytes: int = 1 << 20
+    # Seconds a failed peer is skipped after its first failure, doubled on each further one up to
+    # max(backoff_s, 30 s), jittered; the object store too (at least 0.1 s). 0: retried at once.
     backoff_s: float = 2.0
     # Asynchronous loads run at once in a worker (each mostly waits on its pulls; scatters touch each
     # request's own blocks): with more than one, a slow owner no longer holds every load queued behind it.
@@ -298,11 +328,11 @@ class TransferConfig:
     recompute_when_faster: bool = True
     # A per-session keyed MAC over every chunk, TCP and NIXL (see transfer/wire.py). None (unset): on
     # unless TLS is on. Without TLS it is what stops an etcd writer who points a node's record at a
-    # relay from injecting chunks; it costs throughput (README: trust boundary, measured).
+    # relay from injecting chunks; it costs throughput (measured in docs/operations/security.md).
     payload_mac: bool | None = None
     tls_ca_cert: str | None = None  # all three: mutual TLS under the cluster CA (see transfer/tls.py)
-    tls_cert: str | None = None
-    tls_key: str | None = None
+    tls_cert: str | None = None  # PEM certificate of this node under tls_ca_cert (``lmcache-p2p certs``)
+    tls_key: str | None = None  # PEM private key of tls_cert
     # Refuse an owner whose certificate names no node (transfer/tls.py). None (unset): on when this
     # node's own certificate names a node (per-node certificates); off with one certificate shared by all.
     tls_require_node_name: bool | None = None
@@ -355,13 +385,22 @@ class LayoutConfig:
     Defaults describe the tiny test model on vLLM CPU: (blocks, kv_heads, 128, 2*head_size) bf16.
     """
 
+    # The model's identity in the layout fingerprint: nodes share chunks only under the same one
+    # (``lmcache-p2p identity MODEL`` prints a model's). Inside vLLM it comes from the model's files; set
+    # here, it pins the identity by name.
     model_id: str = "lmcache-p2p/tiny-llama"
-    kv_dtype: str = "bfloat16"
-    num_layers: int = 4
-    num_kv_heads: int = 2
-    head_size: int = 64
-    block_size: int = 128
+    kv_dtype: str = "bfloat16"  # element type of the KV cache (its bytes per element size the chunks)
+    num_layers: int = 4  # layers of the model: a chunk holds every layer's KV for its tokens
+    num_kv_heads: int = 2  # KV heads of the model, every tensor-parallel rank's together
+    head_size: int = 64  # elements per head per token, of K and of V each
+    block_size: int = 128  # tokens per engine KV block; chunk_size must be a multiple of it
+    # Order of a block's bytes: ``vllm-cpu`` (vLLM on CPU's), ``vllm-cpu+<digest>`` (another order the
+    # engine's probe measured) or ``vllm-<device>:<backend>:<order>`` on GPUs. Head-major ones (the CPU
+    # layouts, GPU orders LBHNC and BLHNC) share chunks across tensor-parallel sizes.
     kv_layout: str = "vllm-cpu"
+    # A tenant's salt in the layout fingerprint: engines with different salts never share chunks; objects are
+    # sealed under a key of it, ``invalidate --tenant SALT`` drops its chunks. "": no tenant. Inside vLLM only
+    # kv_connector_extra_config sets it (layout.tenant_salt there or under overrides), not a file or the env.
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
@@ -396,9 +435,18 @@ def valid_engine_url(url: str) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AgentConfig:
+    # This node's name in the cluster (its etcd record is ``nodes/<node_id>``). Default: host name and
+    # process id, a new one at each restart. Under tensor parallelism each rank's agent is ``<node_id>-r<rank>``.
     node_id: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # The mesh this node joins: its etcd keys live under ``/lmcache-p2p/v1/<cluster>/`` and only nodes of the
+    # same cluster see each other (object names carry it too).
     cluster: str = "default"
+    # Tokens per chunk, the unit keyed, stored and pulled: nodes share chunks only with the same size (keys
+    # differ otherwise). A multiple of layout.block_size (inside vLLM, the engine's block size).
     chunk_size: int = 256
+    # Port of this node's HTTP server (/metrics and /v1/score) on metrics_host. None: no server and no
+    # metrics URL in the node record (status and the router get nothing from this node); 0: a free port.
+    # A fixed one is offset by the rank under tensor parallelism.
     metrics_port: int | None = None
     # Where /metrics and /v1/score bind. Loopback by default: nothing unauthenticated is exposed unless
     # asked. The node record advertises this host when it is a specific address, the transfer advertise
@@ -415,8 +463,10 @@ class AgentConfig:
     blend: BlendConfig = BlendConfig()
     log_level: str | None = None  # of the ``lmcache_p2p`` loggers (None: as the process set it up)
     # The OpenAI-compatible URL of the engine this agent runs in (e.g. ``http://10.0.0.5:8000``),
-    # published in the node record for ``lmcache-p2p router``; and which of the router's pools it is in.
+    # published in the node record for ``lmcache-p2p router``.
     engine_url: str | None = None
+    # Which of the router's pools this engine is in: "mixed" (whole requests), or "prefill" / "decode" for a
+    # router run with --disaggregated.
     engine_pool: str = "mixed"
     # Filled by load_config: the dotted fields this node's file, environment or overrides set. The
     # cluster config in etcd never changes them (coordinator/apply.py).
