@@ -39,6 +39,7 @@ from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
+from ..usage import HelpFormatter
 from . import plot
 from .common import emit, progress, run_in_workdir
 from .rag_task import RagTask
@@ -211,7 +212,7 @@ def report(args: argparse.Namespace, prompts: list[tuple[list[int], list[list[in
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench blend", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--task", default="continuation", choices=["continuation", "facts"],
                         help="continuation: held-out text scored (perplexity, agreement) on the trained tiny model; "
                         "facts: the graded RAG task (answers right) on a real instruct model")

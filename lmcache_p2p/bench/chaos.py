@@ -56,6 +56,7 @@ from ..testing.engine_client import EngineProcess
 from ..testing.netlab import NetLab, available
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from .common import progress
 
 CLUSTER = "chaos"
@@ -345,7 +346,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="lmcache-p2p bench chaos", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                formatter_class=HelpFormatter,
                                 epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")

@@ -34,6 +34,7 @@ from typing import Any
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from .common import emit, progress, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench chat", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--first", type=int, default=1184, help="tokens of the first prompt")
     parser.add_argument("--answer", type=int, default=96, help="tokens generated per turn")

@@ -30,6 +30,7 @@ from ..coordinator.store import ConfigStore
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdServer
 from ..keys import Fingerprint
+from ..usage import HelpFormatter
 from .common import emit, progress, ratio
 
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench config", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--json", action="store_true")

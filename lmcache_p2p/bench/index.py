@@ -47,6 +47,7 @@ from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdServer
 from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
+from ..usage import HelpFormatter
 from .common import progress
 
 GOALS = {"publish_chunks_per_s": (">=", 20_000.0), "lookup_us_per_chunk": ("<=", 5.0),
@@ -211,7 +212,8 @@ def _met(value: float, op: str, goal: float) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench index", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench index", description=__doc__.split("\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.add_argument("--chunks", type=int, default=100_000)
     parser.add_argument("--fault-chunks", type=int, default=10_000, help="chunks of the node under etcd faults")

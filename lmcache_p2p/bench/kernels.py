@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from ..kernels import cpu_ext, paged
+from ..usage import HelpFormatter
 from .common import best_of, progress
 
 
@@ -79,7 +80,8 @@ def bench_preset(name: str, preset: Preset, blocks: Sequence[int], backends: Seq
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench kernels", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench kernels", description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--preset", nargs="+", choices=sorted(PRESETS), default=sorted(PRESETS))
     parser.add_argument("--blocks", nargs="+", type=int, default=[2, 16], help="blocks per call")
     parser.add_argument("--backends", nargs="+", choices=["cpp", "torch"], default=["cpp", "torch"])

@@ -42,6 +42,7 @@ from ..index.etcd_server import EtcdServer
 from ..keys import Fingerprint
 from ..metrics import AgentMetrics
 from ..testing.synthetic import synthetic_payload, synthetic_tokens
+from ..usage import HelpFormatter
 from . import plot
 from .common import emit, gbps, progress
 
@@ -205,7 +206,7 @@ def _measure(agent: CacheAgent, tokens: list[int], rounds: int, chunks: int, tra
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench mesh", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--tokens", type=int, default=128 * 256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])

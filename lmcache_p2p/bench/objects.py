@@ -51,6 +51,7 @@ from ..objects.seaweed import SeaweedServer
 from ..objects.store import ObjectStore
 from ..plan import PlannedChunk
 from ..testing.synthetic import synthetic_payload
+from ..usage import HelpFormatter
 from .common import emit, progress, ratio, run_in_workdir
 from .vllm import bench_prompts, median_ms
 
@@ -251,7 +252,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench objects", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--chunks", type=int, default=64, help="chunks moved in the store phase")
     parser.add_argument("--inflight", type=int, default=8, help="requests in flight, raw and ours")
     parser.add_argument("--rounds", type=int, default=3, help="store-phase rounds (raw and ours alternate)")

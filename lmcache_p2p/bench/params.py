@@ -30,6 +30,7 @@ import yaml
 
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.vllm_server import VllmServer, http_get
+from ..usage import HelpFormatter
 from .common import emit, progress, ratio, run_in_workdir
 from .vllm import bench_prompts
 
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench params", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--model", help="a model directory (default: the tiny test model, created)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=2)

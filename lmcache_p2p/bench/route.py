@@ -36,6 +36,7 @@ from typing import Any
 from ..index.etcd_server import free_port
 from ..router.proof import router_key
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from . import plot
 from .common import emit, progress, run_in_workdir
 from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
@@ -205,7 +206,7 @@ def print_table(result: dict[str, Any]) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmcache-p2p bench route", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--prefill-engines", type=int, default=0, help="disaggregated: engines in the prefill pool "
                    "(default: half, rounded up)")

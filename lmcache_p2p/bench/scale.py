@@ -57,6 +57,7 @@ from ..index.etcd_server import EtcdCluster
 from ..index.mirror import Mirror
 from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
+from ..usage import HelpFormatter
 from .common import emit, progress, run_in_workdir
 
 CLUSTER = "bench-scale"
@@ -592,7 +593,7 @@ def extrapolate(m: dict[str, Any], nodes: int, chunks: int, member_cores: float 
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmcache-p2p bench scale", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--agents", type=int, default=50, help="simulated agents per process")
     p.add_argument("--mirrors", type=int, default=2, help="agents per process that also follow the mirror")

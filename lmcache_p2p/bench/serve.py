@@ -48,6 +48,7 @@ from ..config import parse_size
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.tiny_model import create_tiny_model
 from ..testing.vllm_server import VllmServer, http_get, session_cpu_seconds
+from ..usage import HelpFormatter
 from . import admission, plot
 from .common import progress, run_in_workdir
 from .lmcache_ref import LMCacheServer, lmcache_available, lmcache_env, mp_connector_config, venv_python
@@ -392,7 +393,7 @@ def _mix(text: str) -> tuple[int, int]:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="lmcache-p2p bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=HelpFormatter)
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: mesh, vllm, lmcache")
     p.add_argument("--workload", default="prefix", choices=list(KINDS))

@@ -17,6 +17,7 @@ import torch
 from ..chunk import make_header
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers import CpuPool, DiskTier
+from ..usage import HelpFormatter
 from .common import best_of, emit, gbps, progress, ratio
 
 
@@ -110,7 +111,7 @@ def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) ->
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench tiers", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lmcache-p2p bench tiers", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
     parser.add_argument("--rounds", type=int, default=5)

@@ -21,6 +21,7 @@ from typing import Any
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from .common import emit, progress, run_in_workdir
 from .vllm import MODEL_SIZES, agent_config, bench_prompts, median_ms
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench tp", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])

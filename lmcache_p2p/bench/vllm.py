@@ -40,6 +40,7 @@ from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from .common import emit, progress, run_in_workdir
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
@@ -170,7 +171,7 @@ def _lmcache(model: Path, prompts: list[list[int]], dtype: str, work: Path) -> d
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p bench vllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

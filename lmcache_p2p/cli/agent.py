@@ -18,6 +18,7 @@ from ..config import cluster_secret, load_config, require_secret
 from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
 from ..keys import Fingerprint
+from ..usage import HelpFormatter
 from .common import stop_on_signals
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p agent", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--config", help="agent config file (.yaml, .toml, .json; default: $LMCACHE_P2P_CONFIG)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set transfer.port=7470 (repeatable)")

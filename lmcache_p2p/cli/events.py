@@ -16,12 +16,13 @@ from ..errors import LMCacheP2PError
 from ..events import EventPublisher
 from ..index.reader import IndexReader
 from ..keys import FingerprintDigest
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, stop_on_signals, tool_config
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p events", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--bind", default="tcp://*:5557", help="ZMQ PUB endpoint")
     add_etcd_arguments(parser)
     parser.add_argument("--fingerprint", help="hex fingerprint to follow (default: the one fingerprint served)")

@@ -10,12 +10,13 @@ import sys
 
 from .. import identity
 from ..identity import model_identity
+from ..usage import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> int:
     doc = identity.__doc__ or ""
     p = argparse.ArgumentParser(prog="lmcache-p2p identity", description=doc.splitlines()[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                formatter_class=HelpFormatter,
                                 epilog="\n".join(doc.splitlines()[2:]))
     p.add_argument("model", help="a local model directory, or a hub name")
     p.add_argument("--revision", help="the hub revision the engines serve")

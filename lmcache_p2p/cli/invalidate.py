@@ -37,6 +37,7 @@ from ..ids import OBJECTS, node_digest
 from ..index.client import EtcdClient, KeyValue
 from ..index.schema import ObjectMeta, Schema, decode_node_record, decode_object_meta, tenant_digest
 from ..invalidation import Invalidation, issue
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 
 POLL_S = 0.2
@@ -137,7 +138,7 @@ def _wait_text(wait: dict[str, Any], wait_s: float) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p invalidate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_etcd_arguments(parser)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")

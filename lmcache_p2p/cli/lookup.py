@@ -29,12 +29,13 @@ from ..index.client import EtcdClient
 from ..index.reader import IndexReader
 from ..index.schema import Schema, decode_invalidation
 from ..keys import FingerprintDigest, chunk_keys, chunk_spans
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, read_tokens, tool_config
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p lookup", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="file of token ids")
     src.add_argument("--text", help="file of text, tokenized with --model's tokenizer")

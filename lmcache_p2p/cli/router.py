@@ -31,6 +31,7 @@ from typing import Any
 
 from ..config import cluster_secret, parse_size
 from ..router.proof import parse_router_key, plain_url, router_key
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 
 PROG = "lmcache-p2p router"
@@ -51,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     from ..router.engines import FORWARD_AUTHORIZATION
     from ..router.policy import POLICIES
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
     add_etcd_arguments(p, default_help="none: static engines only")
     p.add_argument("--engine", action="append", default=[], metavar="[NODE=]URL", help="a mixed-pool engine")
     p.add_argument("--prefill-engine", action="append", default=[], metavar="[NODE=]URL")
@@ -156,7 +157,7 @@ def key_main(argv: list[str]) -> int:
     """``lmcache-p2p router key``: the router key of the cluster secret a node's config holds, as hex."""
     p = argparse.ArgumentParser(prog=f"{PROG} key", description="Print the router key (hex) derived from the "
                                 "cluster secret (transfer.secret in --config, or LMCACHE_P2P_SECRET): give it to "
-                                "routers (--router-key-file), never the secret itself.")
+                                "routers (--router-key-file), never the secret itself.", formatter_class=HelpFormatter)
     p.add_argument("--config", help="a node's agent config file")
     args = p.parse_args(argv)
     args.etcd = args.cluster = None

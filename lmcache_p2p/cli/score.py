@@ -10,12 +10,13 @@ import sys
 import urllib.error
 import urllib.request
 
+from ..usage import HelpFormatter
 from .common import read_tokens
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p score", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--url", required=True, help="an agent's HTTP endpoint, e.g. http://10.0.0.5:9470")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", help="file of token ids (JSON list or whitespace-separated)")

@@ -37,6 +37,7 @@ from ..index.client import EtcdClient, translate
 from ..index.quarantine import read_all as read_quarantine
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record, decode_object_meta
 from ..metrics import RECENT_S, SCRAPE_TIMEOUT_S, scrape
+from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 
 _RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
@@ -283,7 +284,7 @@ def render(report: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lmcache-p2p status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_etcd_arguments(parser)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS")
