@@ -62,6 +62,7 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
            tensor_parallel_size: int = 1, max_lora_rank: int = 0) -> Any:
     from vllm import LLM
 
+    note_engine_start("connector" if agent_config is not None or kv_transfer_json is not None else "reference")
     kv_transfer = kv_transfer_json
     if agent_config is not None:
         kv_transfer = {"kv_connector": "LMCacheP2PConnector",
@@ -74,6 +75,15 @@ def _build(model: str, agent_config: str | None, kv_bytes: int, dtype: str,
                disable_log_stats=False, seed=0, tensor_parallel_size=tensor_parallel_size,
                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
                **_lora_args(max_lora_rank))
+
+
+def note_engine_start(kind: str) -> None:
+    """Count an engine start where ``$SUITE_ENGINE_STARTS`` names a file (how many engines a suite run
+    starts: one line each, appended)."""
+    path = os.environ.get("SUITE_ENGINE_STARTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{kind} {os.getpid()}\n")
 
 
 def _lora_args(max_lora_rank: int) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import free_port
-from .engine_proc import engine_env
+from .engine_proc import engine_env, note_engine_start
 
 START_TIMEOUT_S = 600.0
 
@@ -64,6 +64,7 @@ class VllmServer:
         if kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         cmd += list(extra_args)
+        note_engine_start("server" if kv_transfer_config is not None else "server-reference")
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
         base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
