@@ -35,8 +35,10 @@ def entries(etcd, cluster: str) -> int:
 
 
 def test_invalidate_json_reports_what_it_issued_and_what_its_wait_removed(etcd, cluster_name, tmp_path: Path):
+    # a lease that outlives the test: a stopped agent's entries must stay for its wait to time out (with the
+    # default 3 s a loaded machine let b's lease run out first, and the wait saw its entries go)
     agents = {node: AgentProcess(agent_yaml(tmp_path / f"{node}.yaml", node=node, cluster=cluster_name,
-                                            endpoints=etcd.endpoints),
+                                            endpoints=etcd.endpoints, ttl=120),
                                  seeds=(seed,), tokens=TOKENS, log=tmp_path / f"{node}.log")
               for node, seed in (("a", 1), ("b", 2))}
     try:

@@ -90,6 +90,8 @@ def test_fingerprint_invalidation_removes_entries_and_bytes_everywhere(etcd, clu
         a, b = (p.wait_ready() for p in agents)
         assert wait_until(lambda: len(block_entries(etcd, cluster_name)) == 15, 10)
         for agent, node, n in ((a, "a", 5), (b, "b", 10)):
+            # a chunk on its way from the CPU pool to disk is in neither count for a moment: settled first
+            assert wait_until(lambda agent=agent, n=n: held(agent)["chunks"] == n, 10), held(agent)
             before = held(agent)
             assert before["chunks"] == n and before["disk"] > 0 and before["used"] > 0
             assert len(files(tmp_path, node)) > 0
