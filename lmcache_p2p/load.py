@@ -247,10 +247,10 @@ class Loader:
         """
         kept, late, load_deadline = plan, set(), deadline
         if remote:
-            budget, deadline = self.budgeted(plan, deadline, label)
+            budget, _ = self.budgeted(plan, deadline, label)
             kept = budget.plan
             pulls = [c for c in kept.chunks if c.source != LOCAL and not self.holds(c.key)]
-            if pulls and remaining(deadline) <= 0:
+            if pulls and remaining(load_deadline) <= 0:
                 # Queued past its deadline (behind other loads, or its mirror's wait): asking a peer now
                 # would only hold it while an answer nobody waits for arrives. The engine recomputes.
                 late = {c.key for c in pulls}
@@ -259,6 +259,9 @@ class Loader:
                 log.info("%sdeadline passed before %d pulls started; recomputed", label, len(late))
             elif pulls:
                 started = time.monotonic()
+                # The pulls' allowance counts from when they start (a starved thread between the budget and
+                # here once spent a 45 ms allowance before asking anyone: the hit became a recompute).
+                deadline = min(load_deadline, started + budget.deadline_s)
                 # An answer still arriving at the deadline is worth waiting for while it keeps coming, as
                 # long as the engine could not have computed the tokens sooner (nor past the load's deadline).
                 patience = load_deadline if budget.recompute_s is None else min(load_deadline,
