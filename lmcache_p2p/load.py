@@ -16,8 +16,8 @@ and read for a chunk a peer failed to send while time is left.
 
 One deadline: absolute, on ``time.monotonic()`` (one clock for every process of a host, so the
 scheduler side sets it when it offers the hit and its workers keep it). The budget may only bring
-it closer (a pull expected to take 5 ms gets ~15 ms, not the request's whole allowance); it then
-goes unchanged to :meth:`Puller.pull` and the transports. Nothing converts it back and forth.
+it closer (a pull expected to take 5 ms gets ~15 ms from when the pulls start, not the request's
+whole allowance); it then goes unchanged to :meth:`Puller.pull` and the transports. Nothing converts it back and forth.
 """
 
 from __future__ import annotations
