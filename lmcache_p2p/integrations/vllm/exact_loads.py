@@ -111,6 +111,7 @@ class ExactLoads:
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+        agent.metrics.lookups.inc()
         agent.count_hits(plan.chunks[:loaded])  # chunks after a failed one are recomputed with it
         outcome = "full" if loaded == len(keys) else "partial" if loaded else "none"
         agent.metrics.load_seconds.labels(outcome).observe(time.perf_counter() - t0)
