@@ -201,10 +201,10 @@ class Loader:
                             max_s=self.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
                             first_contact_s=self.transfer.first_contact_s)
 
-    def budgeted(self, plan: HitPlan, deadline: float, label: str = "") -> tuple[FetchBudget, float]:
+    def budgeted(self, plan: HitPlan, deadline: float, label: str = "") -> FetchBudget:
         """The budget: ``plan`` cut to the pulls expected to beat recomputing and to finish before
-        ``deadline`` (the load may have queued behind others), and ``deadline`` brought as close as the
-        kept pulls' own allowance. Each decision is counted (``fetch_decisions_total``: pull,
+        ``deadline`` (the load may have queued behind others), with the kept pulls' own allowance
+        (``deadline_s``, from when they start). Each decision is counted (``fetch_decisions_total``: pull,
         recompute_faster, deadline; the declined ones in ``load_failures_total`` too)."""
         budget = self.budget(plan, left_s=remaining(deadline))
         declined = len(plan.chunks) - len(budget.plan.chunks)
@@ -228,12 +228,11 @@ class Loader:
                        f"recompute {1e3 * recompute_s:.1f} ms")
             log.info("%spulling %d of %d chunks, recomputing the rest (%d not expected in the %.1f ms left%s)",
                      label, len(budget.plan.chunks), len(plan.chunks), budget.late, 1e3 * remaining(deadline), why)
-        kept = min(deadline, time.monotonic() + budget.deadline_s)
-        log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, deadline in %.1f ms", label,
+        log.debug("%sbudget: %d chunks, expected %.1f ms, recompute %s, allowance %.1f ms of %.1f ms left", label,
                   len(budget.plan.chunks), 1e3 * budget.expected_s,
                   "unknown" if budget.recompute_s is None else f"{1e3 * budget.recompute_s:.1f} ms",
-                  1e3 * (kept - time.monotonic()))
-        return budget, kept
+                  1e3 * budget.deadline_s, 1e3 * remaining(deadline))
+        return budget
 
     # -- the path ---------------------------------------------------------------------------------------
     def load_pinned(self, plan: HitPlan, deadline: float, *, remote: bool = True, label: str = "") -> list[Pin | None]:
@@ -247,7 +246,7 @@ class Loader:
         """
         kept, late, load_deadline = plan, set(), deadline
         if remote:
-            budget, _ = self.budgeted(plan, deadline, label)
+            budget = self.budgeted(plan, deadline, label)
             kept = budget.plan
             pulls = [c for c in kept.chunks if c.source != LOCAL and not self.holds(c.key)]
             if pulls and remaining(load_deadline) <= 0:
