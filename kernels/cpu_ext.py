@@ -89,7 +89,11 @@ def load() -> _Module | None:
     """Build (once per source version) and import the extension; ``None`` if that fails."""
     from torch.utils import cpp_extension
 
-    name = "lmcache_p2p_paged_" + hashlib.sha256((_SOURCE + repr(_FLAGS)).encode()).hexdigest()[:12]
+    # Named after everything its build command holds (the source, the flags, and torch's headers, whose
+    # path is the virtualenv's): two virtualenvs on one machine keep a build each instead of rebuilding
+    # over each other's (each rebuild took a minute of an engine's start, under a lock other starts wait on).
+    headers = ";".join(cpp_extension.include_paths())
+    name = "lmcache_p2p_paged_" + hashlib.sha256((_SOURCE + repr(_FLAGS) + headers).encode()).hexdigest()[:12]
     try:
         module: _Module = cpp_extension.load_inline(
             name=name, cpp_sources=[_SOURCE], extra_cflags=list(_FLAGS), extra_ldflags=["-fopenmp"], verbose=False

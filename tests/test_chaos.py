@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.skipif(netlab.available() is not None, reason=f"netns:
 def test_chaos_run_keeps_every_answer_right_and_every_request_served(tmp_path):
     r = subprocess.run([sys.executable, "-m", "lmcache_p2p", "bench", "chaos", "--json", "--duration", "80",
                         "--fault-every", "5", "--fault-len", "3", "6", "--lease-ttl", "4", "--doc-tokens", "1024",
-                        "--seed", "1",
+                        "--seed", "1", "--cached-reference",
                         "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=1100)
     assert r.stdout.strip(), r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])

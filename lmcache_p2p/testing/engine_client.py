@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,61 @@ from pathlib import Path
 from typing import Any
 
 from .engine_proc import MARKER, engine_env
+
+_AGENT_STOPPED = re.compile(rb"lmcache_p2p\.agent .*: agent \S+ stopped in ")
+
+
+def stop_group(proc: subprocess.Popen[Any], log_path: Path | None, agents: int, timeout: float) -> None:
+    """Stop an engine started in its own process group (``start_new_session``): SIGTERM to the group (vLLM's
+    handlers shut its workers down, and each worker's agent stops: lease revoked, disk tier closed), then
+    SIGKILL to what is left once each of its ``agents`` logged its stop in ``log_path``, the group is gone,
+    or ``timeout`` passed. vLLM's own teardown after that (5-7 s on these hosts: its engine core waits out
+    a grace period and is killed anyway) is not waited for."""
+    if proc.poll() is None:
+        since = _size(log_path)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            if agents and log_path is not None and _stops_logged(log_path, since) >= agents:
+                break
+            if not agents and proc.poll() is not None:  # no agent: nothing of the rest is worth waiting for
+                break
+            time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # vLLM's engine core and workers: leave none behind
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def _size(path: Path | None) -> int:
+    if path is not None:
+        with contextlib.suppress(OSError):
+            return path.stat().st_size
+    return 0
+
+
+def _stops_logged(path: Path, since: int) -> int:
+    try:
+        with path.open("rb") as f:
+            f.seek(since)
+            return len(_AGENT_STOPPED.findall(f.read()))
+    except OSError:
+        return 0
+
+
+def _group_alive(pgid: int) -> bool:
+    """A process of group ``pgid`` (the engine and what it started) is still running (not a zombie)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class EngineProcess:
@@ -45,7 +101,9 @@ class EngineProcess:
         if kv_cache_bytes is not None:  # vLLM's KV cache (default 1 GiB): small, and requests get preempted
             cmd += ["--kv-cache-bytes", str(kv_cache_bytes)]
         self.name = name
+        self._log_path = Path(log_path) if log_path else None
         self._log = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in stop()
+        self._agents = tensor_parallel_size if agent_config is not None else 0  # lmcache-p2p agents: one per worker
         self._proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=self._log or subprocess.DEVNULL, text=True,
                                       env={**os.environ, **engine_env(tensor_parallel_size), **(env or {})},
@@ -140,19 +198,9 @@ class EngineProcess:
     def pid(self) -> int:
         return self._proc.pid
 
-    def stop(self, timeout: float = 60.0) -> None:
-        if self._proc.poll() is None:
-            try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self._proc.stdin.flush()
-                self._proc.wait(timeout)
-            except (OSError, subprocess.TimeoutExpired):
-                self._proc.kill()
-                self._proc.wait(10)
-        # vLLM's EngineCore and worker processes are in the engine's session: leave none behind.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine and every process it started (:func:`stop_group`: its agents stop cleanly)."""
+        stop_group(self._proc, self._log_path, self._agents, timeout)
         self._reader.join(5)
         for pipe in (self._proc.stdin, self._proc.stdout):
             if pipe is not None and not pipe.closed:

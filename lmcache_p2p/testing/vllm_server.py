@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import free_port
+from .engine_client import stop_group
 from .engine_proc import engine_env, note_engine_start
 
 START_TIMEOUT_S = 600.0
@@ -66,6 +66,8 @@ class VllmServer:
         cmd += list(extra_args)
         note_engine_start("server" if kv_transfer_config is not None else "server-reference")
         self._log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        connector = (kv_transfer_config or {}).get("kv_connector")
+        self._agents = 1 if connector == "LMCacheP2PConnector" else 0  # its lmcache-p2p agent (one worker)
         base = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}  # it would override the size
         self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                       env={**base, **engine_env(), **(env or {})}, start_new_session=True)
@@ -110,13 +112,6 @@ class VllmServer:
         return session_cpu_seconds(self._proc.pid)
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self._proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._proc.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._proc.wait(timeout)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self._proc.wait(10)
+        """See :func:`~lmcache_p2p.testing.engine_client.stop_group`."""
+        stop_group(self._proc, Path(self._log.name), self._agents, timeout)
         self._log.close()
