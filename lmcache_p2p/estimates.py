@@ -16,6 +16,11 @@ asked, so without fading one slow pull (a load spike on either host) would keep 
 plan for good; once its estimate has faded below the recompute time it is asked again and measured
 anew. A peer measured faster than the priors keeps its estimate (fading it towards slower priors
 could push it past a fast engine's recompute time, after which it would never be measured again).
+Each peer also keeps how far its pulls land from what was expected of them (``deviation_s``: an
+exponentially weighted mean of |measured - expected|, as TCP keeps its round-trip variation): a
+pull's deadline allows ``DEVIATION_FACTOR`` of it beyond the expectation, so a peer whose answers
+come late by a scheduling delay now and then (a busy host) gets the margin it needs, up to the
+recompute time, while a steady one keeps a tight deadline. It fades towards zero like a slow estimate.
 Thread-safe: pulls are measured on the agent's loop, prefill steps on the engine's thread, plans
 are made on the load worker.
 """
@@ -28,6 +33,7 @@ import time
 from collections.abc import Callable
 
 ALPHA = 0.3  # weight of the newest observation
+BETA = 0.25  # weight of the newest observation's error in the deviation (TCP's RTTVAR gain)
 PRIOR_LATENCY_S = 0.005
 PRIOR_SECONDS_PER_BYTE = 1 / 500e6  # loopback TCP measured 3 GB/s here; a peer unknown yet gets less credit
 SMALL_PULL_BYTES = 256 << 10  # pulls below this mostly measure latency
@@ -42,6 +48,7 @@ class _Peer:
     small: int = 0
     large: int = 0
     measured_at: float = 0.0  # clock time of the newest observation
+    deviation_s: float = 0.0  # mean |measured - expected| of its pulls (EWMA)
 
 
 class PeerEstimates:
@@ -56,6 +63,10 @@ class PeerEstimates:
             return
         with self._lock:
             p = self._peers.setdefault(peer, _Peer())
+            if p.small + p.large:  # how far it landed from what was expected of it (nothing was, before)
+                latency, per_byte = self._faded(p)
+                error = abs(seconds - max(latency, nbytes * per_byte))
+                p.deviation_s = (1 - BETA) * self._faded_deviation(p) + BETA * error
             p.latency_s, p.seconds_per_byte = self._faded(p)  # the new sample blends with what is believed now
             p.measured_at = self._clock()
             if nbytes < SMALL_PULL_BYTES:
@@ -75,6 +86,15 @@ class PeerEstimates:
         with self._lock:
             latency, per_byte = self._faded(self._peers.get(peer) or _Peer())
             return max(latency, nbytes * per_byte)
+
+    def deviation_s(self, peer: str) -> float:
+        """How far ``peer``'s pulls typically land from their expected time (0 until two are measured)."""
+        with self._lock:
+            p = self._peers.get(peer)
+            return 0.0 if p is None else self._faded_deviation(p)
+
+    def _faded_deviation(self, p: _Peer) -> float:
+        return p.deviation_s * 0.5 ** (max(self._clock() - p.measured_at, 0.0) / FADE_HALF_LIFE_S)
 
     def _faded(self, p: _Peer) -> tuple[float, float]:
         """``p``'s latency and seconds per byte; each, when worse than its prior, faded towards it since

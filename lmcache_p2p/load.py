@@ -198,7 +198,8 @@ class Loader:
                             expected_s=self.peer_estimates.expected_s,
                             recompute_s=self.prefill.recompute_s if self.transfer.recompute_when_faster
                             else lambda _tokens: None,
-                            max_s=self.transfer.timeout_s, known=self.peer_estimates.known, left_s=left_s,
+                            max_s=self.transfer.timeout_s, known=self.peer_estimates.known,
+                            deviation_s=self.peer_estimates.deviation_s, left_s=left_s,
                             first_contact_s=self.transfer.first_contact_s)
 
     def budgeted(self, plan: HitPlan, deadline: float, label: str = "") -> FetchBudget:

@@ -162,6 +162,7 @@ def _cover(need: HeadRange, held: Mapping[NodeId, tuple[HeadRange, int]],
 
 DEADLINE_FACTOR = 3.0  # a pull may take this many times its expected time before it is abandoned
 DEADLINE_SLACK_S = 0.005  # ... and at least this much more than expected (scheduling noise)
+DEVIATION_FACTOR = 4.0  # ... and this many of the peer's deviations (estimates.py) more than expected
 FIRST_CONTACT_S = 1.0  # a pull from a peer never measured gets at least this (it connects and handshakes too)
 
 
@@ -186,6 +187,7 @@ def fetch_budget(
     recompute_s: Callable[[int], float | None],
     max_s: float,
     known: Callable[[NodeId], bool] = lambda _peer: True,
+    deviation_s: Callable[[NodeId], float] = lambda _peer: 0.0,
     left_s: float | None = None,
     first_contact_s: float = FIRST_CONTACT_S,
 ) -> FetchBudget:
@@ -205,6 +207,11 @@ def fetch_budget(
     handshake, and a guess is no basis for a tight deadline) gets the recompute time but at least
     ``first_contact_s`` (``transfer.first_contact_s``): a hung peer costs at most that once, then it
     is backed off and measured peers get deadlines from their estimates.
+
+    A measured peer's pulls get ``DEADLINE_FACTOR`` times their expected time, at least
+    ``DEADLINE_SLACK_S`` and ``DEVIATION_FACTOR`` of the peer's deviation (``deviation_s``: how far its
+    pulls land from their expectation) beyond it, and never more than the recompute time (nor
+    ``max_s``): past that, waiting costs more than recomputing would have.
 
     ``left_s``: the time left before the load's own deadline (it may have queued behind other loads).
     A pull not expected to finish in it is not started (the engine would recompute the chunks anyway,
@@ -248,7 +255,8 @@ def fetch_budget(
     if kept_recompute is not None and not all(known(source) for source in sources):
         return FetchBudget(kept, min(max_s, max(kept_recompute, first_contact_s)), kept_expected, kept_recompute,
                            late, declined_at)
-    deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + DEADLINE_SLACK_S))
+    spread = DEVIATION_FACTOR * max(deviation_s(source) for source in sources) if sources else 0.0
+    deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + max(DEADLINE_SLACK_S, spread)))
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
     return FetchBudget(kept, deadline, kept_expected, kept_recompute, late, declined_at)

@@ -130,6 +130,31 @@ def test_a_peer_measured_slow_is_asked_again_once_its_estimate_fades() -> None:
     assert est.expected_s("z", 64 * MiB) == pytest.approx(0.008)
 
 
+def test_a_peer_whose_answers_land_late_now_and_then_gets_a_wider_deadline_up_to_recompute() -> None:
+    """A steady peer keeps a tight deadline; one whose pulls land tens of ms off now and then (a busy host:
+    seen, 5 chunks expected at ~6 ms arrived after 79 ms) gets 4 deviations of margin, never past recompute."""
+    now = [0.0]
+    steady, noisy = PeerEstimates(clock=lambda: now[0]), PeerEstimates(clock=lambda: now[0])
+    for i in range(20):
+        steady.observe("a", 5 * MiB, 0.006)
+        noisy.observe("a", 5 * MiB, 0.080 if i % 4 == 3 else 0.006)
+    assert steady.deviation_s("a") == pytest.approx(0.0, abs=1e-9)
+    assert noisy.deviation_s("a") > 0.01
+
+    def deadline(est: PeerEstimates, tokens_per_s: float) -> float:
+        return fetch_budget(plan_of("a"), chunk_bytes=lambda c: MiB, expected_s=est.expected_s,
+                            recompute_s=lambda t: t / tokens_per_s, max_s=5.0, known=est.known,
+                            deviation_s=est.deviation_s).deadline_s
+
+    expected = noisy.expected_s("a", MiB)
+    assert deadline(steady, 1000.0) == pytest.approx(3 * steady.expected_s("a", MiB))
+    assert deadline(noisy, 1000.0) == pytest.approx(expected + 4 * noisy.deviation_s("a"))
+    assert deadline(noisy, 1000.0) > 3 * expected
+    assert deadline(noisy, 10_000.0) == pytest.approx(max(0.0256, expected))  # capped at the recompute time
+    now[0] += 10 * FADE_HALF_LIFE_S  # nothing measured for a while: the deviation fades
+    assert noisy.deviation_s("a") < 0.001 * 4
+
+
 def test_prefill_rate_ignores_decode_steps() -> None:
     rate = PrefillRate()
     assert rate.recompute_s(1000) is None
