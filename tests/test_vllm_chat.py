@@ -1,7 +1,8 @@
 """Multi-turn chat across two engines, and vLLM's own prefix cache in front of the mesh.
 
 Real vLLM on CPU (eager mode, fp32), real agents, real etcd. Engine A runs with vLLM's prefix cache
-off, engine B with it on; a third engine without any connector gives the reference outputs.
+off, engine B with it on; the reference outputs are a plain engine's (no connector), from this machine's
+reference cache (``lmcache_p2p.testing.references``).
 
 * A three-turn conversation alternates between A and B: each turn's prompt is the history, the
   previous answer and a new message. From the second turn on, the mesh supplies the whole history
@@ -27,6 +28,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_helpers import prompts, wait_announced, write_agent_config  # noqa: E402
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start on a loaded host
@@ -56,17 +58,19 @@ def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd
     doc = prompts(1, 1500, seed=44)[0]
     shares_640 = doc[:640] + prompts(1, 300, seed=45)[0]  # vLLM's prefix cache will hold 5 blocks of doc
 
-    cold = EngineProcess(tiny_model, None, name="cold", log_path=tmp_path / "cold.log", dtype=DTYPE)
+    # What a plain engine answers each turn (each turn's prompt holds the answers before it), from this
+    # machine's reference cache: a warm machine starts no engine for them.
+    def reference(*prompts_: list[int]) -> list[list[int]]:
+        return reference_tokens(tiny_model, list(prompts_), max_tokens=ANSWER, log_path=tmp_path / "cold.log",
+                                dtype=DTYPE)
+
+    ref1 = reference(first)[0]
+    second = first + ref1 + msg2
+    ref2 = reference(second)[0]
+    third = second + ref2 + msg3
+    ref3, ref_doc = reference(third, doc)
     a = b = None
     try:
-        cold.wait_ready()
-        ref1 = cold.generate([first], max_tokens=ANSWER)[0]["tokens"]
-        second = first + ref1 + msg2
-        ref2 = cold.generate([second], max_tokens=ANSWER)[0]["tokens"]
-        third = second + ref2 + msg3
-        ref3, ref_doc = (r["tokens"] for r in cold.generate([third, doc], max_tokens=ANSWER))
-        cold.stop()
-
         a = EngineProcess(tiny_model, cfg_a, name="chat-a", log_path=tmp_path / "a.log", dtype=DTYPE).wait_ready()
         b = EngineProcess(tiny_model, cfg_b, name="chat-b", log_path=tmp_path / "b.log", dtype=DTYPE,
                           prefix_caching=True).wait_ready()
@@ -87,6 +91,6 @@ def test_chat_turns_alternate_engines_and_prefix_cache_in_front(tiny_model, etcd
         on_b = b.generate([doc], max_tokens=ANSWER)[0]
         assert on_b["tokens"] == ref_doc and on_b["num_cached_tokens"] == 1499
     finally:
-        for engine in (cold, a, b):
+        for engine in (a, b):
             if engine is not None:
                 engine.stop()
