@@ -53,9 +53,11 @@ def test_remove_and_coalescing(open_index: IndexFactory, fp: FingerprintDigest, 
     a = open_index("a", (fp,))
     keys = make_keys(1000)
     a.add_many(fp, keys, TIER_CPU)
-    a.remove_many(fp, keys[:10])  # before any flush: these never reach etcd
+    a.remove_many(fp, keys[:10])  # usually before any flush: then these never reach etcd
     a.flush(10.0)
-    assert a.publisher.txns_total <= 8  # 990 puts in <= 8 txns of <= 128 ops, not one per chunk
+    # 990 puts in 8 txns of <= 128 ops, not one per chunk; on a busy host the 3 ms coalescing window can
+    # close between the two calls (seen in a suite run): 1,000 puts in 8 txns, then the 10 deletes in one.
+    assert a.publisher.txns_total <= 9
     assert a.publisher.pending == 0 and a.publisher.lag_s == 0.0
     a.remove_many(fp, keys[10:20])
     a.add(fp, keys[20], TIER_DISK)
