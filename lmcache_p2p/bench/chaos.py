@@ -167,6 +167,7 @@ class Chaos:
                 # not served through
                 self.log.append(f"{time.strftime('%H:%M:%S')} kill_restart skipped: the load ends before a restart")
                 if not order:
+                    t_next = time.monotonic() + self.args.fault_every
                     continue
                 kind = order.pop()
             target = self.rng.choice([n for n in self.nodes if not n.restarting] or self.nodes)
