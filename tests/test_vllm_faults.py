@@ -27,7 +27,7 @@ if importlib.util.find_spec("vllm") is None:
 from agent_helpers import wait_until  # noqa: E402
 from vllm_helpers import node_records, prompts, scrape, write_agent_config  # noqa: E402
 
-from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.engine_client import EngineProcess, group_states  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
@@ -43,16 +43,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def group_stopped(pgid: int) -> bool:
     """Every process of process group ``pgid`` is stopped (state T in /proc/PID/stat): a process in the
     middle of a system call stops only once it returns."""
-    states = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # gone
-        if int(fields[2]) == pgid:
-            states.append(fields[0])
+    states = group_states(pgid)
     return bool(states) and all(s in ("T", "t") for s in states)
 
 

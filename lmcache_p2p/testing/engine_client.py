@@ -60,8 +60,9 @@ def _stops_logged(path: Path, since: int) -> int:
         return 0
 
 
-def _group_alive(pgid: int) -> bool:
-    """A process of group ``pgid`` (the engine and what it started) is still running (not a zombie)."""
+def group_states(pgid: int) -> list[str]:
+    """The state (``/proc/PID/stat``: R, S, T, Z, ...) of each process of group ``pgid``."""
+    states = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -69,9 +70,14 @@ def _group_alive(pgid: int) -> bool:
             fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue  # gone
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if int(fields[2]) == pgid:
+            states.append(fields[0])
+    return states
+
+
+def _group_alive(pgid: int) -> bool:
+    """A process of group ``pgid`` (the engine and what it started) is still running (not a zombie)."""
+    return any(state != "Z" for state in group_states(pgid))
 
 
 class EngineProcess:
