@@ -81,8 +81,9 @@ class AgentMetrics:
         self.blend_requests = Counter(
             "blend_requests", "Requests whose declared segments were reused at another position (blended, not "
             "exact), by outcome (loaded; partial: up to a segment chunk that could not be had, the engine computes the "
-            "rest; failed: no segment token reused, the engine computes them all)", ["outcome"], namespace=ns,
-            registry=registry)
+            "rest; failed: no segment token reused, the engine computes them all; refused: asked of an engine set to "
+            "blend that can't, e.g. an attention ISA whose K/V order it can't place: served prefix-only)", ["outcome"],
+            namespace=ns, registry=registry)
         self.blend_tokens = Counter(
             "blend_tokens", "Tokens of blended requests, by kind (segment: placed from segment chunks, loaded or "
             "fresh; recomputed: run through the model over the blended cache; fresh: of segments held nowhere, "

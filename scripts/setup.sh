@@ -22,6 +22,20 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PIP=("$VENV/bin/pip" install -q "${FIND_LINKS[@]}")
 
+# Tools the tests run (each checked at every setup, installed from Debian's packages where missing):
+# promtool (prometheus) checks and unit-tests the alert rules (tests/test_k8s_ops.py); kubectl
+# (kubernetes-client) renders k8s/ with kustomize (tests/test_k8s.py).
+for tool in promtool:prometheus kubectl:kubernetes-client; do
+  command -v "${tool%%:*}" >/dev/null && continue
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    say "installing ${tool%%:*} (Debian's ${tool##*:} package)"
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${tool##*:}"; } \
+      >/dev/null || say "${tool%%:*} could not be installed: the tests that run it will fail or skip"
+  else
+    say "${tool%%:*} not found: install Debian's ${tool##*:} package (tests run it)"
+  fi
+done
+
 stamp="$VENV/.lmcache-p2p-setup"
 want="$(sha256sum pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)-vllm$WITH_VLLM"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

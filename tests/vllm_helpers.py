@@ -89,6 +89,22 @@ def wait_registered(cfg_path: Path, node: str, at_least: int, timeout: float = 2
     return count
 
 
+def wait_settled(cfg_path: Path, node: str, at_least: int, quiet: float = 2.0, timeout: float = 30.0) -> int:
+    """Wait until ``node`` has at least ``at_least`` block entries and the count has not changed for
+    ``quiet`` seconds (saves and pulls of earlier requests registered); return it. A test that counts
+    what one request adds reads its baseline here: a late registration of an earlier request's chunk
+    would otherwise be counted as the new request's."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    count, since = wait_registered(cfg_path, node, at_least, timeout), time.monotonic()
+    while time.monotonic() - since < quiet and time.monotonic() < deadline:
+        time.sleep(0.2)
+        if (now := registered_chunks(cfg_path, node)) != count:
+            count, since = now, time.monotonic()
+    return count
+
+
 def lora(name: str, lora_id: int, path: Path) -> dict:
     """A request's LoRA adapter, as ``EngineProcess.generate(lora=...)`` takes it."""
     return {"name": name, "id": lora_id, "path": str(path)}

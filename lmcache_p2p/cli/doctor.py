@@ -15,8 +15,11 @@ Exit 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on a usa
     vllm             installed, and a version of the support matrix (read from its metadata, not imported)
     block-size       chunk_size a multiple of vLLM's block size (--block-size)
     tensor-parallel  TP > 1 (--tensor-parallel-size) wants VLLM_USE_SPINLOOP_EXT=1
+    blending         with --dtype: the attention ISA vLLM-CPU picks on this host for that dtype and block
+                     size, and whether blending can read its K/V order (else segments are prefix-only)
 
-Every check is bounded by ``--timeout``; none may hang.
+Every network check is bounded by ``--timeout``; the blending check (it imports vLLM) by a minute.
+None may hang.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Options:
     timeout_s: float = 5.0
     block_size: int = 16
     tensor_parallel_size: int = 1
+    dtype: str | None = None  # vLLM's --dtype: the blending row is checked only when given
 
 
 # -- etcd and what it holds ---------------------------------------------------------------------------
@@ -364,6 +368,32 @@ def check_tensor_parallel(options: Options, host: Host) -> Check:
     return Check("tensor-parallel", OK, f"TP {options.tensor_parallel_size}")
 
 
+BLEND_CHECK_S = 60.0  # importing vLLM and writing a few blocks through its op: seconds, not a minute
+
+
+def check_blending(options: Options) -> Check:
+    """Whether blending can read the K/V order of the ISA vLLM-CPU picks here (``key_layout.py``), run in a
+    process of its own (vLLM's import is slow and noisy)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "lmcache_p2p.integrations.vllm.key_layout", str(options.dtype),
+           str(options.block_size)]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=BLEND_CHECK_S)
+        rows = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        rows = None
+    if not rows:
+        return Check("blending", WARN, f"the K/V order probe did not run ({options.dtype}, block {options.block_size})",
+                     "check that vllm-cpu imports here; segments are reused as prefixes only where it can't run")
+    found = ", ".join(f"head {x['head_size']}: {x['isa']} -> {x['order'] or 'refused'}" for x in rows)
+    if any(x["order"] is None for x in rows):
+        return Check("blending", WARN, f"{options.dtype}, block {options.block_size}: {found}",
+                     "declared segments are reused as prefixes only on that ISA (docs/support-matrix.md)")
+    return Check("blending", OK, f"{options.dtype}, block {options.block_size}: {found}")
+
+
 # -- all of it --------------------------------------------------------------------------------------------
 
 async def run_checks(config: AgentConfig, options: Options, host: Host) -> list[Check]:
@@ -384,8 +414,11 @@ async def run_checks(config: AgentConfig, options: Options, host: Host) -> list[
         checks.append(check_fingerprints(records))
     else:
         checks.append(Check("peers", WARN, "not checked: etcd unreachable"))
-    return checks + [check_nixl(config, host), check_disk(config), check_memory(config, host), check_vllm(),
-                     check_block_size(config, options), check_tensor_parallel(options, host)]
+    checks += [check_nixl(config, host), check_disk(config), check_memory(config, host), check_vllm(),
+               check_block_size(config, options), check_tensor_parallel(options, host)]
+    if options.dtype is not None:
+        checks.append(await asyncio.to_thread(check_blending, options))
+    return checks
 
 
 def render(checks: list[Check]) -> str:
@@ -406,12 +439,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each network check (default 5)")
     parser.add_argument("--block-size", type=int, default=16, help="vLLM's --block-size (default 16)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's --tensor-parallel-size")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"],
+                        help="vLLM's --dtype: also check that blending can read this host's K/V order (needs vLLM)")
     parser.add_argument("--cgroup-root", type=Path, default=Path("/sys/fs/cgroup"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.timeout <= 0 or args.block_size <= 0 or args.tensor_parallel_size <= 0:
         parser.error("--timeout, --block-size and --tensor-parallel-size must be > 0")
     config = tool_config(args, parser.prog, require_endpoints=False)  # exits 2 naming a bad field
-    options = Options(args.timeout, args.block_size, args.tensor_parallel_size)
+    options = Options(args.timeout, args.block_size, args.tensor_parallel_size, args.dtype)
     checks = asyncio.run(run_checks(config, options, Host(cgroup_root=args.cgroup_root)))
     failed = any(c.status == FAIL for c in checks)
     if args.json:

@@ -35,9 +35,8 @@ from typing import Any
 import torch
 
 from ...kernels.rope import RopeSpec, rerotate_, rope_spec
-from ...keys import KNOWN_CPU_LAYOUT
-from .key_layout import key_views, self_test
-from .probe import engine_cpu_layout
+from .key_layout import TokenOrder, find_token_order, self_test
+from .probe import engine_isa
 
 log = logging.getLogger(__name__)
 VLLM_SERIES = "0.32."  # the model runner and attention internals this module was written against
@@ -59,11 +58,11 @@ def blend_refusal(vllm_config: Any) -> str | None:
         return "tensor or pipeline parallel: every rank would have to recompute in lockstep (not built)"
     if str(vllm_config.cache_config.cache_dtype) != "auto":
         return f"kv cache dtype {vllm_config.cache_config.cache_dtype}: keys can't be turned exactly"
-    if str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")) == "cpu":
-        layout = engine_cpu_layout(vllm_config)
-        if layout != KNOWN_CPU_LAYOUT:  # e.g. AMX: keys and values are read in the order the probe proved
-            return f"KV layout {layout}: the engine's cache-write op does not write the order blending reads"
     model = vllm_config.model_config
+    if str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")) == "cpu":
+        isa = engine_isa(vllm_config)
+        if find_token_order(model.dtype, vllm_config.cache_config.block_size, model.get_head_size(), isa) is None:
+            return f"vLLM's {isa} attention keeps K/V in an order this version can't place (key_layout.py)"
     if model.get_sliding_window() is not None:
         return "sliding-window attention"
     if getattr(model, "is_multimodal_model", False):
@@ -126,10 +125,10 @@ class Blender:
             raise ValueError("the attention layers carry no ISA: not vLLM-CPU's attention")
         self._isa = isa
         self.spec = self._rope(runner)
-        layout = self_test(self.spec, self.dtype, block_size, self._isa)
-        if layout is None:
-            raise ValueError("keys moved in vLLM's cache do not equal keys computed there")
-        self._layout = layout
+        order = self_test(self.spec, self.dtype, block_size, self._isa)
+        if order is None:
+            raise ValueError(f"keys moved in vLLM's {isa} cache do not equal keys computed there")
+        self._order: TokenOrder = order
 
     def _rope(self, runner: Any) -> RopeSpec:
         """The re-rotation spec from the model's config, checked against its first layer's own table."""
@@ -152,8 +151,8 @@ class Blender:
 
     @property
     def key_layout(self) -> str:
-        """"dims" or "tokens": how vLLM's attention orders K in a block (``key_layout.py``)."""
-        return self._layout
+        """How vLLM's attention orders K in a block: "dims", "tokens" or its ISA's own (``key_layout.py``)."""
+        return self._order.name
 
     # -- token-granular KV ---------------------------------------------------------------------------
     def token_nbytes(self) -> int:
@@ -169,10 +168,8 @@ class Blender:
         blk, off = self._slots(block_ids, torch.arange(start, end))
         out = torch.empty(len(self._caches), 2, end - start, self.heads, self.head_size, dtype=self.dtype)
         for i, cache in enumerate(self._caches):
-            keys = key_views(cache, self._layout)
-            out[i, 0] = keys[blk, :, :, off] if self._layout == "dims" else keys[blk, :, off, :]
-            values = cache.view(cache.shape[0], self.heads, 2, self.block_size, self.head_size)[:, :, 1]
-            out[i, 1] = values[blk, :, off, :]
+            out[i, 0] = self._order.read(cache, blk, off, 0)
+            out[i, 1] = self._order.read(cache, blk, off, 1)
         rerotate_(out[:, 0], -origin, self.spec, dims_axis=-1)
         return out
 
@@ -193,8 +190,7 @@ class Blender:
     def _keys_at(self, layer: int, block_ids: list[int], positions: torch.Tensor) -> torch.Tensor:
         """Layer ``layer``'s keys at ``positions`` as the cache holds them, ``(tokens, heads, head_size)``."""
         blk, off = self._slots(block_ids, positions)
-        keys = key_views(self._caches[layer], self._layout)
-        return (keys[blk, :, :, off] if self._layout == "dims" else keys[blk, :, off, :]).clone()
+        return self._order.read(self._caches[layer], blk, off, 0)
 
     def decode(self, payload: torch.Tensor, tokens: int) -> torch.Tensor:
         """A segment chunk's payload bytes as K/V (a copy: the caller's buffer may be reused)."""

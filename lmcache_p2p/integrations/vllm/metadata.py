@@ -25,6 +25,7 @@ class LMCacheP2PMetadata(KVConnectorMetadata):
     refused: dict[str, int] = dataclasses.field(default_factory=dict)  # request parameters not honoured, by name
     skipped: dict[str, int] = dataclasses.field(default_factory=dict)  # chunks admission kept out of saves
     missed: dict[str, int] = dataclasses.field(default_factory=dict)  # prompt tokens not from cache, by reason
+    blend_refused: int = 0  # new requests that asked for a blend this engine can't do (served prefix-only)
     reset_cache: bool = False  # vLLM reset its caches (e.g. new weights): each worker drops its node's chunks
 
 

@@ -171,6 +171,7 @@ class P2PScheduler:
         self._asked_burst = max(1.0, config.canary.requested_per_minute / 6.0) if self._asked_per_s > 0 else 0.0
         self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
+        self._blend_refused = 0  # blends asked of this engine since the last step that it can't do
         self._missed: dict[str, int] = {}  # prompt tokens the cache could not give since the last step, by reason
         self._skipped: dict[str, int] = {}  # chunks admission kept out of saves since the last step, by reason
         self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
@@ -432,18 +433,6 @@ class P2PScheduler:
         segments = self._declared(request, record, prompt, identity)
         if not segments:
             return None
-        refusal = self._blend_refusal
-        if refusal is not None:
-            if refusal not in self._told:
-                self._told.add(refusal)
-                log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", refusal)
-            return None
-        saved = () if self._index.connected else self._saved
-
-        def held(keys: list[bytes]) -> bool:
-            chunk_keys = [ChunkKey(k) for k in keys]
-            return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
-
         params = getattr(request, "kv_transfer_params", None)
         try:
             if not wants_blend(params, self._config.blend.by_default):
@@ -451,6 +440,20 @@ class P2PScheduler:
         except SegmentError as exc:
             log.warning("request %s: %s; not blended", request.request_id, exc)
             return None
+        refusal = self._blend_refusal
+        if refusal is not None:
+            if refusal not in self._told:
+                self._told.add(refusal)
+                log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", refusal)
+            if self._config.blend.enabled:  # asked of an engine set to blend that can't (its ISA, model, workers)
+                self._blend_refused += 1
+            return None
+        saved = () if self._index.connected else self._saved
+
+        def held(keys: list[bytes]) -> bool:
+            chunk_keys = [ChunkKey(k) for k in keys]
+            return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
+
         try:
             fraction = read_fraction(params, self._blend_fraction)
             selection = read_selection(params, self._blend_selection)
@@ -561,6 +564,7 @@ class P2PScheduler:
         meta = LMCacheP2PMetadata(num_scheduled_tokens=int(out.total_num_scheduled_tokens))
         meta.uncacheable, self._uncacheable = self._uncacheable, {}
         meta.refused, self._refused = self._refused, {}
+        meta.blend_refused, self._blend_refused = self._blend_refused, 0
         meta.missed, self._missed = self._missed, {}
         meta.skipped, self._skipped = self._skipped, {}
         meta.reset_cache, self._reset = self._reset, False

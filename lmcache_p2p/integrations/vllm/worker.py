@@ -202,8 +202,8 @@ class P2PWorker:
             log.warning("lmcache-p2p: a segment chunk (%d bytes) does not fit a slot; segments are not reused", payload)
             self.blend_refusal = f"a segment chunk ({payload} bytes) does not fit a slot"
             return None
-        log.info("lmcache-p2p: segments reused at any position (keys %s-major, rotary dim %d)", blender.key_layout,
-                 blender.spec.rotary_dim)
+        log.info("lmcache-p2p: segments reused at any position (K/V in the %s order, rotary dim %d)",
+                 blender.key_layout, blender.spec.rotary_dim)
         self.blend_refusal = None
         return blender
 
@@ -220,6 +220,8 @@ class P2PWorker:
                 self.agent.metrics.count_misses(reason, n)
             for reason, n in meta.skipped.items():
                 self.agent.metrics.admission_skipped.labels(reason).inc(n)
+            if meta.blend_refused:
+                self.agent.metrics.blend_requests.labels("refused").inc(meta.blend_refused)
             if meta.reset_cache:
                 self._drop_all()
 
