@@ -4,7 +4,8 @@ Engine B holds no chunk of a document that engine A computed. A is then SIGSTOPp
 still alive, so B's index still names A as the owner. B must answer the document with the output of
 a run without any connector, within its recompute time plus a margin, while a decode stream on B
 keeps producing tokens during the wait (the pull runs off the forward pass and is abandoned at its
-deadline, then vLLM recomputes the chunks).
+deadline, then vLLM recomputes the chunks) and after the answer, until past the abandoned pull's
+liveness deadline.
 
 What the test waits on is B's own view of A (``lmcache_p2p_peers_backed_off``), not time: on a
 loaded machine a pull from a healthy A can outrun its deadline too (correctly recomputed), which
@@ -104,7 +105,9 @@ def test_hung_owner_costs_at_most_recompute_and_never_stalls_other_requests(tiny
         os.killpg(a.pid, signal.SIGSTOP)
         stopped = True
         assert wait_until(lambda: group_stopped(a.pid), 10), "A's processes did not all stop"
-        hung = b.concurrent([docs[1]], stream)[0]
+        # the stream is watched past the abandoned pull's liveness deadline (transfer.timeout_s): a stall
+        # after the answer, while the late rest is still owed, counts too
+        hung = b.concurrent([docs[1]], stream, watch_s=5.0 + 1.0)[0]
         assert hung["tokens"] == reference[1]["tokens"]  # recomputed: the output of a run without the mesh
         after = counters()
         assert unanswered(after) > late, after  # B asked the hung owner (it is held: not asked again)

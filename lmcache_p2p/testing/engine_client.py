@@ -175,11 +175,12 @@ class EngineProcess:
         """Greedy outputs of every prompt submitted at once (they share, and may outgrow, the KV cache)."""
         return self.request("batch", prompts, max_tokens=max_tokens)
 
-    def concurrent(self, prompts: list[list[int]], stream: list[int], stream_tokens: int = 4000
-                   ) -> list[dict[str, Any]]:
+    def concurrent(self, prompts: list[list[int]], stream: list[int], stream_tokens: int = 4000,
+                   watch_s: float = 0.0) -> list[dict[str, Any]]:
         """Each prompt served (one token) while a decode stream runs: ``ttft_s``, ``tokens``,
-        ``num_cached_tokens``, ``max_gap_s`` (the stream's longest gap), ``stream_tokens_during``."""
-        return self.request("concurrent", prompts, stream=stream, stream_tokens=stream_tokens)
+        ``num_cached_tokens``, ``max_gap_s`` (the stream's longest gap, until the answer or ``watch_s``
+        after the prompt arrived, whichever is later), ``stream_tokens_during``."""
+        return self.request("concurrent", prompts, stream=stream, stream_tokens=stream_tokens, watch_s=watch_s)
 
     def ttft(self, prompts: list[list[int]]) -> list[dict[str, Any]]:
         return self.request("ttft", prompts)

@@ -156,8 +156,8 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
     elif req["op"] == "serve":
         _reply({"results": [_serve_one(llm, p, int(req.get("max_tokens", 8)), lora) for p in prompts]})
     elif req["op"] == "concurrent":
-        _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)))
-                            for p in req["prompts"]]})
+        _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)),
+                                        float(req.get("watch_s", 0.0))) for p in req["prompts"]]})
     else:
         _reply({"error": f"unknown op {req['op']!r}"})
 
@@ -217,12 +217,14 @@ def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | N
             "logprobs": gen_lp}
 
 
-def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int) -> dict[str, Any]:
+def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int, watch_s: float = 0.0
+                ) -> dict[str, Any]:
     """Serve ``doc`` (one token) while a decode stream runs on the same engine.
 
     Returns the document's TTFT, its token and cached-token count, and the longest gap between two
-    tokens of the stream from just before the document arrived to just after it was answered: what
-    the document cost every other request on the engine.
+    tokens of the stream from just before the document arrived to just after it was answered, or to
+    ``watch_s`` after it arrived when that is later (what work the document left behind, an abandoned
+    pull among it, cost the stream after its answer): what the document cost every other request.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -252,15 +254,16 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int)
     t_done = t_doc
     while doc_out is None:
         t_done = pump()
-    while times[-1] <= t_done and len(times) < stream_tokens:
+    while (times[-1] <= t_done or times[-1] < t_doc + watch_s) and len(times) < stream_tokens:
         pump()
     engine.abort_request(["stream"])
     while engine.has_unfinished_requests():
         engine.step()
     before = [t for t in times if t < t_doc][-1:]
     window = before + [t for t in times if t >= t_doc]
-    after = [t for t in window if t > t_done][:1]
-    window = [t for t in window if t <= t_done] + after
+    end = max(t_done, t_doc + watch_s)
+    after = [t for t in window if t > end][:1]
+    window = [t for t in window if t <= end] + after
     gaps = [b - a for a, b in zip(window, window[1:], strict=False)]
     return {"ttft_s": t_done - t_doc, "tokens": list(doc_out.outputs[0].token_ids),
             "num_cached_tokens": int(doc_out.num_cached_tokens or 0), "max_gap_s": max(gaps, default=0.0),
