@@ -205,3 +205,27 @@ def test_connect_tcp_tries_the_next_address_when_one_refuses() -> None:
                 sock.close()
 
         asyncio.run(main())
+
+
+def test_an_owner_is_taken_for_silent_after_its_round_trip_and_variation_never_sooner_than_the_floor() -> None:
+    """``Connection.ack_timeout``: none until the owner agreed to acknowledge and a round trip was measured;
+    then twice the smoothed round trip plus four variations (RFC 6298's gains), at least ``ACK_FLOOR_S``;
+    one slow sample widens it at once, steady fast ones narrow it again."""
+    from lmcache_p2p.transfer.connection import ACK_FLOOR_S, Connection
+
+    conn = Connection("peer", 1 << 20)
+    assert conn.ack_timeout() is None
+    conn.observe_rtt(0.016)
+    assert conn.ack_timeout() is None  # the owner did not say it acknowledges (an older owner)
+    conn.acks = True
+    assert conn.ack_timeout() == pytest.approx(2 * 0.016 + 4 * 0.008)
+    for _ in range(50):
+        conn.observe_rtt(0.0002)
+    assert conn.ack_timeout() == ACK_FLOOR_S  # a fast loopback: the floor
+    conn.observe_rtt(0.080)  # the owner's loop was busy once
+    widened = conn.ack_timeout()
+    assert widened is not None and widened > 0.080
+    for _ in range(50):
+        conn.observe_rtt(0.0002)
+    narrowed = conn.ack_timeout()
+    assert narrowed is not None and narrowed < widened

@@ -20,6 +20,15 @@ two of the stream's tokens is what the document cost every other request):
     hung_owner_backed_off_ttft_ms  the next documents A holds, A backed off: recomputed at once
     decode_gap_ms_hung_owner the stream's longest gap while the hung owner's document was served
 
+With ``--stopped-runs N``, then N runs of a stopped owner in a row (``testing/stopped_owner.py``: each
+run resumes A, lets B pull from it, stops A, and serves A's document and a miss beside the same stream,
+both watched past the abandoned pull's liveness deadline, ``transfer.timeout_s``):
+
+    stopped_runs             per run: ttft_ms, miss_ttft_ms, ttft_vs_miss, gap_ms, miss_gap_ms,
+                             gap_vs_miss, unanswered (chunks given up on for A's silence), late
+    stopped_ttft_vs_miss_max the worst run's document TTFT over its miss's (goal <= 1.1)
+    stopped_gap_vs_miss_max  the worst run's decode gap over its miss's (goal <= 1.2)
+
 Medians over the prompts. vLLM's own prefix cache is off everywhere. Engine mode: eager
 (``enforce_eager``) for every engine.
 """
@@ -38,6 +47,7 @@ import yaml
 
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
+from ..testing.stopped_owner import StoppedOwner, metrics_url
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
 from ..usage import HelpFormatter
@@ -103,6 +113,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             miss = a.ttft(prompts)
             out["ttft_miss_ms"] = median_ms(miss)
             a.ttft(hung_docs)  # A holds these too
+            stopped_docs = bench_prompts(2 * args.stopped_runs, args.tokens, seed=6000)
+            if stopped_docs:
+                a.ttft(stopped_docs)
             progress("vllm", "peer hit: engine B pulls what A computed")
             b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
             engines.append(b)
@@ -115,6 +128,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
             progress("vllm", "decode stalls on B: a miss, a peer hit, a hung owner")
             out.update(_stalls(a, b, fresh[0], hung_docs, stream))
+            if args.stopped_runs:
+                progress("vllm", f"{args.stopped_runs} runs of a stopped owner beside a decode stream")
+                out.update(_stopped_runs(a, b, cfg_b, stopped_docs, args, stream))
         finally:
             for engine in engines:
                 with contextlib.suppress(ProcessLookupError):
@@ -158,6 +174,27 @@ def _stalls(a: EngineProcess, b: EngineProcess, fresh: list[int], hung_docs: lis
     return out
 
 
+def _stopped_runs(a: EngineProcess, b: EngineProcess, cfg_b: Path, docs: list[list[int]],
+                  args: argparse.Namespace, stream: list[int]) -> dict[str, Any]:
+    """``--stopped-runs`` in a row, each against a miss served beside the same stream."""
+    from ..config import load_config
+
+    owner = StoppedOwner(a, b, metrics_url(cfg_b, "bench-b"), a_node="bench-a")
+    watch_s = load_config(cfg_b).transfer.timeout_s + 1.0
+    misses = bench_prompts(args.stopped_runs, args.tokens, seed=6500)
+    runs = []
+    for i in range(args.stopped_runs):
+        run_i = owner.run(docs[2 * i], docs[2 * i + 1], misses[i], stream, watch_s)
+        progress("vllm", run_i.line(i))
+        stopped, miss = run_i.stopped, run_i.miss
+        runs.append({"ttft_ms": round(1e3 * stopped["ttft_s"], 1), "miss_ttft_ms": round(1e3 * miss["ttft_s"], 1),
+                     "ttft_vs_miss": round(run_i.ttft_ratio, 3), "gap_ms": round(1e3 * stopped["max_gap_s"], 1),
+                     "miss_gap_ms": round(1e3 * miss["max_gap_s"], 1), "gap_vs_miss": round(run_i.gap_ratio, 3),
+                     "unanswered": run_i.unanswered, "late": run_i.late})
+    return {"stopped_runs": runs, "stopped_ttft_vs_miss_max": max(r["ttft_vs_miss"] for r in runs),
+            "stopped_gap_vs_miss_max": max(r["gap_vs_miss"] for r in runs)}
+
+
 def _lmcache(model: Path, prompts: list[list[int]], dtype: str, work: Path) -> dict[str, Any]:
     try:
         from .lmcache_ref import lmcache_available, measure_lmcache_hit
@@ -181,6 +218,8 @@ def main(argv: list[str]) -> int:
                         help="size of the random-weight test model to create")
     parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
+    parser.add_argument("--stopped-runs", type=int, default=0,
+                        help="then this many runs of a stopped owner in a row, each against a miss beside it")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-")

@@ -41,6 +41,9 @@ class MissReason(enum.StrEnum):
     INVALIDATED = "invalidated"  # arrived intact, but a standing invalidation covers it: dropped
     TIMEOUT = "timeout"  # the pull ran past its deadline (the peer is hung or gone: backed off)
     LATE = "late"  # not in by the load's deadline, still arriving: the engine recomputes it, the pool keeps it
+    # the owner sent nothing (no ack of the get, no byte) for about a round trip: not serving now (stopped,
+    # its host dropping packets); the engine recomputes at once, whatever arrives later the pool keeps
+    UNANSWERED = "unanswered"
     ABORTED = "aborted"  # cut short with its shared connection: no byte came on it for the liveness period
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
     BACKOFF = "backoff"  # the peer erred recently; not asked

@@ -22,7 +22,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
 from .base import MissReason, PullResult, Want, wants_of
-from .connection import Connection
+from .connection import Connection, _Request
 from .health import PeerHealth
 from .netio import connect_tcp, set_keepalive
 from .tls import names_node, peer_binding, peer_nodes
@@ -117,11 +117,13 @@ class ConnectionPool:
             self._check_owner_certificate(peer, peer_nodes(conn.ssl_object()))
         nonce_c = wire.nonce()
         hello: wire.Message = {"t": "hello", "v": WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
-                               "nixl": self._want_nixl, "mac": self._payload_mac}
+                               "nixl": self._want_nixl, "mac": self._payload_mac, "ack": True}
         if self._node_id is not None:
             hello["node"] = self._node_id
+        asked = time.monotonic()
         conn.send(hello)
         challenge = await conn.control(timeout)
+        conn.observe_rtt(time.monotonic() - asked)
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
         if challenge["t"] != "challenge":
@@ -134,16 +136,19 @@ class ConnectionPool:
         if t.owner != peer.node_id:  # the proof covers t.owner: a relay cannot change it
             raise PeerIdentityError(f"{peer}: answered as node {t.owner!r}, not the node {peer.node_id!r} this pull "
                                     "was planned from (its record points at another node's address, or a relay)")
+        asked = time.monotonic()
         conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", t)})
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
             conn.mac_key = wire.session_key(self._secret, t)
         ready = await conn.control(timeout)
+        conn.observe_rtt(time.monotonic() - asked)
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
         if ready["t"] != "ready":
             raise HandshakeError(f"{conn.peer} did not accept the handshake ({ready['t']!r})")
         nixl = ready.get("nixl")
         conn.nixl = nixl if isinstance(nixl, dict) else None
+        conn.acks = ready.get("ack") is True
 
     def _check_owner_certificate(self, peer: PeerAddress, named: frozenset[str]) -> None:
         """The owner's certificate may serve as ``peer.node_id``: it names that node (or its engine), or
@@ -179,10 +184,12 @@ class _Overdue(Exception):
     read and dropped), and the connection is closed if no byte came on it for ``liveness_s``."""
 
     def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], give_up: Callable[[], None],
-                 allowance_s: float, hung_at: float, liveness_s: float, why: str) -> None:
+                 allowance_s: float, hung_at: float, liveness_s: float, why: str,
+                 reason: MissReason = MissReason.LATE) -> None:
         super().__init__(why)
         self.conn, self.futures, self.give_up = conn, futures, give_up
         self.allowance_s, self.hung_at, self.liveness_s = allowance_s, hung_at, liveness_s
+        self.reason = reason  # LATE: still arriving at the deadline; UNANSWERED: nothing heard at all
 
 
 async def guarded_pull(
@@ -209,7 +216,7 @@ async def guarded_pull(
         await asyncio.ensure_future(run(result))
     except _Overdue as overdue:
         early = result.snapshot()
-        early.miss_rest(keys, MissReason.LATE)
+        early.miss_rest(keys, overdue.reason)
         conn = overdue.conn
         early.progress_at = lambda: conn.last_progress
         token = health.hold(peer, overdue.allowance_s, early.progress_at)
@@ -266,6 +273,17 @@ def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
         overdue.give_up()
 
 
+async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float) -> float:
+    """How long the owner was silent after ``requests`` were sent (no ack, no byte on the connection) when
+    that passed its ack timeout before ``deadline``; 0.0 when it was heard from (or sends no acks)."""
+    wait = conn.ack_timeout()
+    if wait is None or wait >= remaining(deadline):
+        return 0.0
+    sent = min(r.sent_at for r in requests)
+    _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()))
+    return time.monotonic() - sent if unheard and conn.last_progress < sent else 0.0
+
+
 class TcpTransport:
     """Pulls chunk payloads over the authenticated TCP connection itself."""
 
@@ -305,10 +323,17 @@ class TcpTransport:
                 conn.abandon(request)
 
         try:
-            _, pending = await asyncio.wait(futures, timeout=remaining(deadline))
+            silent_s = await silent_for(conn, requests, deadline)
+            pending = set(futures) if silent_s else (await asyncio.wait(futures, timeout=remaining(deadline)))[1]
         except BaseException:  # cancelled
             give_up()
             raise
+        if silent_s:
+            # Nothing at all from an owner that acknowledges gets: it is not serving (stopped, unreachable).
+            # The load recomputes now, not at its deadline; the rest may still come until the liveness
+            # deadline (a stopped owner continued), held like any overdue answer (see guarded_pull).
+            raise _Overdue(conn, futures, give_up, silent_s, max(deadline, started + self._liveness_s),
+                           self._liveness_s, f"no ack nor byte in {1e3 * silent_s:.1f} ms", MissReason.UNANSWERED)
         if pending:
             # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
             # (the answer then lands in the pool for later requests); see guarded_pull.

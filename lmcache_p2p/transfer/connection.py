@@ -35,6 +35,11 @@ from .base import MissReason, PullResult, Want
 
 log = logging.getLogger(__name__)
 
+# An owner that acknowledges is taken for not serving (stopped, unreachable) once silent for twice its
+# round trip plus four variations after a get, and never sooner than this: a few scheduler ticks of an
+# owner's loop on a busy host (its engine spinning beside it), a small part of any recompute worth a pull.
+ACK_FLOOR_S = 0.02
+ACK_RTTS = 2.0
 _DISCARD_BYTES = 1 << 18
 _STAGE_BYTES = 1 << 16
 _PREFIX, _BODY = range(2)
@@ -44,11 +49,20 @@ class _Request:
     def __init__(self, rid: int) -> None:
         self.rid = rid
         self.future: asyncio.Future[wire.Message] = asyncio.get_running_loop().create_future()
+        self.sent_at = time.monotonic()
+        # Resolved by the owner's first frame for this request (its ack, else its answer) or by the
+        # request's end: the owner was heard from (``client.py`` tells slow from hung by it)
+        self.heard: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def hear(self) -> None:
+        if not self.heard.done():
+            self.heard.set_result(None)
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
             self.future.exception()  # mark retrieved: an abandoned request has no awaiter
+        self.hear()
 
 
 class _GetRequest(_Request):
@@ -130,6 +144,11 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = peer
         self.nixl: wire.Message | None = None  # the owner's NIXL info from the handshake
         self.mac_key: bytes | None = None  # the session's payload MAC key, when asked for
+        self.acks = False  # the owner acknowledges each get (agreed in the handshake, wire.py)
+        # Round trips to the owner's loop (handshake steps, then acks): RFC 6298's smoothed time and
+        # variation, what "no ack by now" is measured against (``ack_timeout``)
+        self.srtt: float | None = None
+        self.rttvar = 0.0
         self._max_frame = max_frame_bytes
         self._transport: asyncio.Transport | None = None
         self.last_progress = time.monotonic()  # when bytes last arrived (time.monotonic())
@@ -248,12 +267,18 @@ class Connection(asyncio.BufferedProtocol):
         kind = msg["t"]
         if payload_len and kind != "chunk":
             raise ProtocolError(f"{kind!r} frame with a payload")
-        if kind not in ("chunk", "miss", "end", "pinned", "offered", "recent"):
+        if kind not in ("chunk", "miss", "end", "pinned", "offered", "recent", "ack"):
             self._control.put_nowait(msg)
             return
         request = self._pending.get(wire.field(msg, "id", int))
         target: memoryview | None = None
-        if kind == "chunk":
+        if request is not None and not request.heard.done():
+            if kind == "ack":
+                self.observe_rtt(time.monotonic() - request.sent_at)
+            request.hear()
+        if kind == "ack":
+            pass
+        elif kind == "chunk":
             if isinstance(request, _GetRequest):
                 target = request.on_chunk(msg, payload_len)
         elif kind == "miss" and isinstance(request, _GetRequest):
@@ -267,6 +292,23 @@ class Connection(asyncio.BufferedProtocol):
             self._set_target(target)
         else:
             self._skip = payload_len
+
+    # -- round trips ------------------------------------------------------------------------------
+    def observe_rtt(self, sample: float) -> None:
+        """One round trip to the owner's loop (RFC 6298's update, gains 1/8 and 1/4)."""
+        if self.srtt is None:
+            self.srtt, self.rttvar = sample, sample / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
+            self.srtt = 0.875 * self.srtt + 0.125 * sample
+
+    def ack_timeout(self) -> float | None:
+        """How long an owner that acknowledges gets may stay silent after a get before it is taken for
+        not serving at all: its round trip plus four variations, at least ``ACK_FLOOR_S`` (None: it does
+        not acknowledge, or no round trip was measured yet)."""
+        if not self.acks or self.srtt is None:
+            return None
+        return max(ACK_FLOOR_S, ACK_RTTS * self.srtt + 4 * self.rttvar)
 
     # -- requests ---------------------------------------------------------------------------------
     def send(self, msg: wire.Message) -> None:

@@ -40,7 +40,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
 from .base import MissReason, PullResult, Want, wants_of
-from .client import ConnectionPool, batch_size, guarded_pull
+from .client import ConnectionPool, batch_size, guarded_pull, silent_for
 from .connection import Connection, answers
 from .health import PeerHealth
 from .nixl_engine import NixlEngine
@@ -92,6 +92,9 @@ class NixlTransport:
         requests = [conn.start_pin(batch) for batch in batches]
         finishing: list[asyncio.Task[None]] = []
         try:
+            silent_s = await silent_for(conn, requests, deadline)
+            if silent_s:  # an owner that acknowledges pins sent nothing: not serving (stopped, unreachable)
+                raise PeerTimeout(f"{conn.peer}: no ack nor byte in {1e3 * silent_s:.1f} ms")
             for request, batch in zip(requests, batches, strict=True):
                 try:
                     answer = await asyncio.wait_for(request.future, remaining(deadline))

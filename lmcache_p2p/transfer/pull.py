@@ -275,6 +275,8 @@ class Puller:
         late = result.late
         late.add_done_callback(lambda done: self._arrived_late(transport.name, node, parts, early, done, t0))
         loaded = set(early)
+        if MissReason.UNANSWERED in result.missed.values():
+            return [p for p in parts if p.chunk.key not in loaded]  # the owner is not serving: recompute now
         # Bytes stalled for the pull's own allowance or a tenth of its patience (a first byte may take a
         # while; a hung peer then costs at most that much more than recomputing at once would)
         stall_s = max(deadline - t_start, 0.1 * ((patience or deadline) - t_start))

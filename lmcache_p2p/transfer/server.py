@@ -70,6 +70,7 @@ class _Session:
     fingerprint: FingerprintDigest = FingerprintDigest(b"")
     authenticated: bool = False
     mac_key: bytes | None = None
+    acks: bool = False  # the client asked for an ack of each get (wire.py)
     leases: dict[int, tuple[float, list[Pin]]] = dataclasses.field(default_factory=dict)
 
 
@@ -288,7 +289,8 @@ class TransferServer:
         if hello.get("nixl") is True and self._nixl is not None:
             nixl = {"name": self._nixl.name, "md": self._nixl.agent_metadata()}
             self._nixl.keep_progress(max(10.0, 2 * self._timeout))  # the peer wires up now
-        await self._send(s, {"t": "ready", "nixl": nixl})
+        s.acks = hello.get("ack") is True
+        await self._send(s, {"t": "ready", "nixl": nixl, "ack": s.acks})
 
     async def _refuse(self, s: _Session, why: str) -> None:
         with contextlib.suppress(TransferError, OSError):
@@ -300,8 +302,11 @@ class TransferServer:
         if kind in ("get", "pin"):
             keys = wire.key_list(msg)
             heads = wire.head_ranges(msg, len(keys))
+            rid = wire.field(msg, "id", int)
+            if s.acks:  # alive: before any pin or tier read (wire.py)
+                await self._send(s, {"t": "ack", "id": rid})
             serve = self._serve_get if kind == "get" else self._serve_pin
-            await serve(s, wire.field(msg, "id", int), keys, heads)
+            await serve(s, rid, keys, heads)
         elif kind == "offer":
             rid, node, keys = wire.field(msg, "id", int), wire.node_id(msg), wire.key_list(msg)
             handler = self.on_offer

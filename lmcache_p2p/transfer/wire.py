@@ -10,11 +10,11 @@ that breaks any rule is a :class:`ProtocolError` and closes that connection only
 
 Handshake (client C, server S, secret K, ``v`` = ``ids.WIRE_VERSION``, ``fp`` = fingerprint digest)::
 
-    C -> S  hello     {v, fp, nc, node?, nixl, mac}     S checks v (error frame + close)
+    C -> S  hello     {v, fp, nc, node?, nixl, mac, ack?} S checks v (error frame + close)
     S -> C  challenge {ns, node, proof = HMAC(K, "S" v fp nc ns cb owner requester)}
     C -> S  auth      {proof = HMAC(K, "C" v fp nc ns cb owner requester)}   S checks before serving
                                                         anything, then fp
-    S -> C  ready     {nixl: {name, md} | None}
+    S -> C  ready     {nixl: {name, md} | None, ack?}
 
 ``owner`` is the node id S answers as (``challenge.node``), ``requester`` the one C claims
 (``hello.node``; absent, empty: a tool such as ``lookup --explain``), ``cb`` the channel binding.
@@ -36,8 +36,10 @@ server that requires it refuses clients that did not ask.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
-    get     {id, keys, heads?} -> per key: chunk {id, i, h, m?} + payload | miss {id, i, why}; then end {id}
-    pin     {id, keys, heads?} -> pinned {id, lease, items: [[h, addr] | None]}   (NIXL reads these)
+    get     {id, keys, heads?} -> ack {id} (when asked: ``hello.ack``, ``ready.ack``), then per key:
+                                  chunk {id, i, h, m?} + payload | miss {id, i, why}; then end {id}
+    pin     {id, keys, heads?} -> ack {id} (when asked), then pinned {id, lease, items: [[h, addr] | None]}
+                                  (NIXL reads these)
 
 ``heads`` (optional, one entry per key): ``[first, end)`` KV heads wanted, or nil for all the owner
 holds. Payloads are head-major, so the owner answers with that byte range of its chunk and a header
@@ -48,6 +50,11 @@ of its own (that range's length and checksum, computed after checking the whole 
                                has room for by pulling them from ``node`` (``handoff.py``)
     recent  {id, keys}      -> recent {id, ago: [seconds | nil]}   which of these chunks this node
                                dropped lately, how long ago (``lookup --explain``)
+
+``ack`` tells slow from hung: the owner sends it as soon as it reads a ``get`` or ``pin``, before any tier is
+read, so a requester that hears nothing from an owner (no ack, no byte on the connection) for about
+a round trip after asking knows it is not serving at all (stopped, its host dropping packets), while
+one that acknowledged is alive however late its payload (``client.py``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,129 @@
+"""A stopped owner beside a decode stream, run after run: what ``tests/test_vllm_faults.py`` asserts and
+``lmcache-p2p bench vllm --stopped-runs`` reports.
+
+Engine A holds every document; B is asked for them. Each run: A is resumed and B is waited for until it
+would ask A again (not backed off, A's estimate under the recompute time), B pulls a document from A (a
+healthy pull: it also clears the backoff the last run's liveness deadline left), A is SIGSTOPped with its
+lease alive, and B is asked for a document only A holds beside a decode stream, then for a document
+nobody holds (a miss) beside the same stream; both streams are watched until ``watch_s`` after the
+document arrived, past the abandoned pull's liveness deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ..ids import NodeId
+from ..keys import FingerprintDigest
+from ..metrics import scrape
+from .engine_client import EngineProcess, group_states
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoppedRun:
+    stopped: dict[str, Any]  # B's answer to the stopped owner's document (``EngineProcess.concurrent``)
+    miss: dict[str, Any]  # ... and to a document nobody holds, beside the same stream
+    unanswered: float  # chunks B gave up on for A's silence in this run (pull_chunks_total{outcome})
+    late: float  # ... and that ran past their deadline
+
+    @property
+    def ttft_ratio(self) -> float:
+        return float(self.stopped["ttft_s"] / self.miss["ttft_s"])
+
+    @property
+    def gap_ratio(self) -> float:
+        return float(self.stopped["max_gap_s"] / max(self.miss["max_gap_s"], 1e-6))
+
+    def line(self, i: int) -> str:
+        stopped, miss = self.stopped, self.miss
+        return (f"run {i}: document TTFT {1e3 * stopped['ttft_s']:.1f} ms (miss {1e3 * miss['ttft_s']:.1f} ms, "
+                f"{self.ttft_ratio:.2f}x); worst decode gap {1e3 * stopped['max_gap_s']:.1f} ms (miss "
+                f"{1e3 * miss['max_gap_s']:.1f} ms, {self.gap_ratio:.2f}x); {self.unanswered:.0f} chunks "
+                f"unanswered, {self.late:.0f} late")
+
+
+def metrics_url(cfg_path: Path, node: str) -> str:
+    """``node``'s metrics URL from its record in etcd, read with an agent config's etcd settings."""
+    from ..aio import LoopThread
+    from ..config import load_config
+    from ..index.reader import IndexReader
+
+    with LoopThread() as loop:
+        reader = IndexReader.open(loop, load_config(cfg_path), FingerprintDigest(b"\0" * 16))
+        try:
+            url = reader.nodes()[NodeId(node)].metrics_url
+        finally:
+            reader.close()
+    if url is None:
+        raise RuntimeError(f"{node} publishes no metrics URL")
+    return url
+
+
+def group_stopped(pgid: int) -> bool:
+    """Every process of process group ``pgid`` is stopped (state T in /proc/PID/stat): a process in the
+    middle of a system call stops only once it returns."""
+    states = group_states(pgid)
+    return bool(states) and all(s in ("T", "t") for s in states)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+class StoppedOwner:
+    """Engine ``a`` (every document's owner) stopped and resumed under engine ``b``'s eyes."""
+
+    def __init__(self, a: EngineProcess, b: EngineProcess, b_metrics_url: str, a_node: str = "engine-a") -> None:
+        self.a, self.b, self._url, self._node = a, b, b_metrics_url, a_node
+        self.stopped = False
+
+    def counters(self) -> dict[str, float]:
+        return scrape(self._url)
+
+    def outcome(self, name: str) -> float:
+        return sum(v for k, v in self.counters().items()
+                   if k.startswith("lmcache_p2p_pull_chunks_total{") and f'outcome="{name}"' in k)
+
+    def would_pull(self) -> bool:
+        """B asks A now: not backed off, and A measured faster than recomputing."""
+        m = self.counters()
+        expected = m.get(f'lmcache_p2p_pull_expected_seconds{{peer="{self._node}"}}', 0.0)
+        return m["lmcache_p2p_peers_backed_off"] == 0 and expected <= m["lmcache_p2p_recompute_chunk_seconds"]
+
+    def stop(self) -> None:
+        os.killpg(self.a.pid, signal.SIGSTOP)
+        self.stopped = True
+        if not wait_until(lambda: group_stopped(self.a.pid), 10):
+            raise RuntimeError("A's processes did not all stop")
+
+    def resume(self) -> None:
+        os.killpg(self.a.pid, signal.SIGCONT)
+        self.stopped = False
+
+    def run(self, healthy: list[int], held: list[int], miss: list[int], stream: list[int], watch_s: float,
+            wait_s: float = 60.0) -> StoppedRun:
+        """One run (see the module docstring); A is running again when it returns."""
+        if not wait_until(self.would_pull, wait_s):
+            raise RuntimeError(f"B would not ask A within {wait_s:.0f} s: {self.counters()}")
+        self.b.concurrent([healthy], stream)
+        if not wait_until(self.would_pull, wait_s):
+            raise RuntimeError(f"B would not ask A again within {wait_s:.0f} s: {self.counters()}")
+        unanswered, late = self.outcome("unanswered"), self.outcome("late")
+        self.stop()
+        try:
+            stopped = self.b.concurrent([held], stream, watch_s=watch_s)[0]
+            missed = self.b.concurrent([miss], stream, watch_s=watch_s)[0]
+        finally:
+            self.resume()
+        return StoppedRun(stopped, missed, self.outcome("unanswered") - unanswered, self.outcome("late") - late)
