@@ -50,11 +50,11 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
     its lease alive and B is asked for the document beside a decode stream; beside it, a miss (a document
     nobody holds) on the same stream. Both streams are watched until past the abandoned pull's liveness
     deadline. A stopped owner acknowledges nothing: B gives up on it about a round trip after asking
-    (``unanswered``, counted), the engine computes the document (the output of a run without the mesh),
-    and neither the document's TTFT nor the stream's worst gap may exceed the miss's by more than noise
-    (a wait on the owner, its deadline or its liveness, is well past these bounds). Between runs A is
-    resumed and B pulls a document from it. Then, with A stopped again and held, a document of A's is
-    recomputed without asking it."""
+    (``unanswered``, counted; ``timeout`` when B had to connect anew: the handshake is bounded alike), the
+    engine computes the document (the output of a run without the mesh), and neither the document's TTFT
+    nor the stream's worst gap may exceed the miss's by more than noise (a wait on the owner, its deadline
+    or its liveness, is well past these bounds). Between runs A is resumed and B pulls a document from it.
+    Then, with A stopped again and held, a document of A's is recomputed without asking it."""
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
                                timeout_s=LIVENESS_S, backoff_s=0.25)
@@ -76,7 +76,9 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
             run = owner.run(held[2 * i], held[2 * i + 1], misses[i], stream, watch_s=LIVENESS_S + 1.0)
             print(run.line(i))
             assert run.stopped["tokens"] == reference[2 * i + 1]  # computed: the output of a run without the mesh
-            assert run.unanswered > 0, owner.counters()  # B asked A and gave up on it for its silence
+            # B asked A and gave up on it: for its silence (on a connection A answered before, or in the
+            # handshake of a new one), or at a deadline shorter than that silence (late)
+            assert run.unanswered + run.timeout + run.late > 0, owner.counters()
             assert run.stopped["stream_tokens_during"] >= 1  # other requests kept running meanwhile
             runs.append(run)
         ttft_miss = statistics.median(r.miss["ttft_s"] for r in runs)
@@ -84,6 +86,12 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         for run in runs:
             assert run.stopped["ttft_s"] <= 1.25 * ttft_miss + 0.1, (run, ttft_miss)
             assert run.stopped["max_gap_s"] <= 1.5 * gap_miss + 0.25, (run, gap_miss)
+        # Told from its silence, not at a deadline, in most runs (a slow ack just after A was resumed widens
+        # the silence B allows past a short deadline now and then): a deadline-bound give-up costs its
+        # allowance, ~1.2x a miss of this model in the median; about a round trip costs ~1.1x
+        assert sum(1 for r in runs if r.unanswered + r.timeout > 0) >= RUNS // 2, [r.line(i) for i, r in
+                                                                                  enumerate(runs)]
+        assert statistics.median(r.ttft_ratio for r in runs) <= 1.15, [r.line(i) for i, r in enumerate(runs)]
 
         # A stopped and held (asked by no new pull until its late answer or its liveness deadline): the next
         # document owned by A is recomputed without waiting on it

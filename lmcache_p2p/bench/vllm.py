@@ -25,7 +25,8 @@ run resumes A, lets B pull from it, stops A, and serves A's document and a miss 
 both watched past the abandoned pull's liveness deadline, ``transfer.timeout_s``):
 
     stopped_runs             per run: ttft_ms, miss_ttft_ms, ttft_vs_miss, gap_ms, miss_gap_ms,
-                             gap_vs_miss, unanswered (chunks given up on for A's silence), late
+                             gap_vs_miss, unanswered / timeout (chunks given up on for A's silence,
+                             after asking / in a new connection's handshake), late
     stopped_ttft_vs_miss_max the worst run's document TTFT over its miss's (goal <= 1.1)
     stopped_gap_vs_miss_max  the worst run's decode gap over its miss's (goal <= 1.2)
 
@@ -190,7 +191,7 @@ def _stopped_runs(a: EngineProcess, b: EngineProcess, cfg_b: Path, docs: list[li
         runs.append({"ttft_ms": round(1e3 * stopped["ttft_s"], 1), "miss_ttft_ms": round(1e3 * miss["ttft_s"], 1),
                      "ttft_vs_miss": round(run_i.ttft_ratio, 3), "gap_ms": round(1e3 * stopped["max_gap_s"], 1),
                      "miss_gap_ms": round(1e3 * miss["max_gap_s"], 1), "gap_vs_miss": round(run_i.gap_ratio, 3),
-                     "unanswered": run_i.unanswered, "late": run_i.late})
+                     "unanswered": run_i.unanswered, "timeout": run_i.timeout, "late": run_i.late})
     return {"stopped_runs": runs, "stopped_ttft_vs_miss_max": max(r["ttft_vs_miss"] for r in runs),
             "stopped_gap_vs_miss_max": max(r["gap_vs_miss"] for r in runs)}
 

@@ -29,8 +29,9 @@ from .engine_client import EngineProcess, group_states
 class StoppedRun:
     stopped: dict[str, Any]  # B's answer to the stopped owner's document (``EngineProcess.concurrent``)
     miss: dict[str, Any]  # ... and to a document nobody holds, beside the same stream
-    unanswered: float  # chunks B gave up on for A's silence in this run (pull_chunks_total{outcome})
-    late: float  # ... and that ran past their deadline
+    unanswered: float  # chunks B gave up on for A's silence after asking (pull_chunks_total{outcome})
+    timeout: float  # ... for its silence in the handshake of a new connection (or past the deadline)
+    late: float  # ... that ran past their deadline, still arriving
 
     @property
     def ttft_ratio(self) -> float:
@@ -44,8 +45,8 @@ class StoppedRun:
         stopped, miss = self.stopped, self.miss
         return (f"run {i}: document TTFT {1e3 * stopped['ttft_s']:.1f} ms (miss {1e3 * miss['ttft_s']:.1f} ms, "
                 f"{self.ttft_ratio:.2f}x); worst decode gap {1e3 * stopped['max_gap_s']:.1f} ms (miss "
-                f"{1e3 * miss['max_gap_s']:.1f} ms, {self.gap_ratio:.2f}x); {self.unanswered:.0f} chunks "
-                f"unanswered, {self.late:.0f} late")
+                f"{1e3 * miss['max_gap_s']:.1f} ms, {self.gap_ratio:.2f}x); chunks: {self.unanswered:.0f} "
+                f"unanswered, {self.timeout:.0f} timeout, {self.late:.0f} late")
 
 
 def metrics_url(cfg_path: Path, node: str) -> str:
@@ -107,9 +108,11 @@ class StoppedOwner:
         if not wait_until(lambda: group_stopped(self.a.pid), 10):
             raise RuntimeError("A's processes did not all stop")
 
-    def resume(self) -> None:
+    def resume(self, settle_s: float = 0.5) -> None:
+        """SIGCONT, then ``settle_s`` for A to catch up (its lease, its index, the connections it lost)."""
         os.killpg(self.a.pid, signal.SIGCONT)
         self.stopped = False
+        time.sleep(settle_s)
 
     def run(self, healthy: list[int], held: list[int], miss: list[int], stream: list[int], watch_s: float,
             wait_s: float = 60.0) -> StoppedRun:
@@ -119,11 +122,12 @@ class StoppedOwner:
         self.b.concurrent([healthy], stream)
         if not wait_until(self.would_pull, wait_s):
             raise RuntimeError(f"B would not ask A again within {wait_s:.0f} s: {self.counters()}")
-        unanswered, late = self.outcome("unanswered"), self.outcome("late")
+        before = {name: self.outcome(name) for name in ("unanswered", "timeout", "late")}
         self.stop()
         try:
             stopped = self.b.concurrent([held], stream, watch_s=watch_s)[0]
             missed = self.b.concurrent([miss], stream, watch_s=watch_s)[0]
         finally:
             self.resume()
-        return StoppedRun(stopped, missed, self.outcome("unanswered") - unanswered, self.outcome("late") - late)
+        after = {name: self.outcome(name) - n for name, n in before.items()}
+        return StoppedRun(stopped, missed, after["unanswered"], after["timeout"], after["late"])

@@ -74,13 +74,16 @@ class ConnectionPool:
         try:
             conn = self._conns.get(key)
             if conn is None or conn.closed:
-                conn = await self._connect(peer, fp, min(timeout, self._timeout))
+                # a new connection starts from the last one's round trips: a peer that stopped answering
+                # is not given the whole deadline to say hello
+                conn = await self._connect(peer, fp, min(timeout, self._timeout), known=conn)
                 self._conns[key] = conn
             return conn
         finally:
             lock.release()
 
-    async def _connect(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> Connection:
+    async def _connect(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float,
+                       known: Connection | None = None) -> Connection:
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(timeout):
@@ -100,6 +103,8 @@ class ConnectionPool:
         except OSError as exc:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
         set_keepalive(conn.transport_socket())
+        if known is not None:
+            conn.srtt, conn.rttvar = known.srtt, known.rttvar
         try:
             await asyncio.wait_for(self._handshake(conn, peer, fp, timeout), timeout)
         except TimeoutError as exc:
@@ -122,7 +127,7 @@ class ConnectionPool:
             hello["node"] = self._node_id
         asked = time.monotonic()
         conn.send(hello)
-        challenge = await conn.control(timeout)
+        challenge = await _answer(conn, timeout, "hello")
         conn.observe_rtt(time.monotonic() - asked)
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
@@ -140,7 +145,7 @@ class ConnectionPool:
         conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", t)})
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
             conn.mac_key = wire.session_key(self._secret, t)
-        ready = await conn.control(timeout)
+        ready = await _answer(conn, timeout, "auth")
         conn.observe_rtt(time.monotonic() - asked)
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
@@ -176,6 +181,20 @@ class ConnectionPool:
         for conn in self._conns.values():
             conn.abort(TransferError("pool closed"))
         self._conns.clear()
+
+
+async def _answer(conn: Connection, timeout: float, asked: str) -> wire.Message:
+    """The owner's answer to a handshake step, within ``timeout``, or within its silence timeout when its
+    round trips are known (a peer reconnected to): a :class:`PeerTimeout` when nothing came."""
+    silence = conn.silence_timeout()
+    if silence is None or silence >= timeout:
+        return await conn.control(timeout)
+    try:
+        return await conn.control(silence)
+    except TransferError as exc:
+        if conn.closed:
+            raise
+        raise PeerTimeout(f"{conn.peer}: nothing heard in {1e3 * silence:.1f} ms after {asked}") from exc
 
 
 class _Overdue(Exception):

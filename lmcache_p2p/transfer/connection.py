@@ -36,9 +36,10 @@ from .base import MissReason, PullResult, Want
 log = logging.getLogger(__name__)
 
 # An owner that acknowledges is taken for not serving (stopped, unreachable) once silent for twice its
-# round trip plus four variations after a get, and never sooner than this: a few scheduler ticks of an
-# owner's loop on a busy host (its engine spinning beside it), a small part of any recompute worth a pull.
-ACK_FLOOR_S = 0.02
+# round trip plus four variations after a get, and never sooner than this: two of Python's GIL switch
+# intervals for an owner's loop beside its spinning engine (its acks teach the variation when it is
+# slower), a small part of any recompute worth a pull.
+ACK_FLOOR_S = 0.01
 ACK_RTTS = 2.0
 _DISCARD_BYTES = 1 << 18
 _STAGE_BYTES = 1 << 16
@@ -302,13 +303,18 @@ class Connection(asyncio.BufferedProtocol):
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
             self.srtt = 0.875 * self.srtt + 0.125 * sample
 
-    def ack_timeout(self) -> float | None:
-        """How long an owner that acknowledges gets may stay silent after a get before it is taken for
-        not serving at all: its round trip plus four variations, at least ``ACK_FLOOR_S`` (None: it does
-        not acknowledge, or no round trip was measured yet)."""
-        if not self.acks or self.srtt is None:
+    def silence_timeout(self) -> float | None:
+        """How long the owner may stay silent after a request it answers at once (a handshake step, an
+        acknowledged get) before it is taken for not serving at all: twice its round trip plus four
+        variations, at least ``ACK_FLOOR_S`` (None: no round trip measured yet)."""
+        if self.srtt is None:
             return None
         return max(ACK_FLOOR_S, ACK_RTTS * self.srtt + 4 * self.rttvar)
+
+    def ack_timeout(self) -> float | None:
+        """:meth:`silence_timeout` after a get or pin, for an owner that acknowledges them (None: it does
+        not, or no round trip was measured yet)."""
+        return self.silence_timeout() if self.acks else None
 
     # -- requests ---------------------------------------------------------------------------------
     def send(self, msg: wire.Message) -> None:
