@@ -22,7 +22,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
 from .base import MissReason, PullResult, Want, wants_of
-from .connection import Connection, _Request
+from .connection import ACK_FLOOR_S, Connection, _Request
 from .health import PeerHealth
 from .netio import connect_tcp, set_keepalive
 from .tls import names_node, peer_binding, peer_nodes
@@ -294,11 +294,16 @@ def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
 
 async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float) -> float:
     """How long the owner was silent after ``requests`` were sent (no ack, no byte on the connection) when
-    that passed its ack timeout before ``deadline``; 0.0 when it was heard from (or sends no acks)."""
+    that passed its ack timeout, or a third of the pull's allowance if that is shorter (its expected time:
+    an owner that has not even acknowledged by then would not deliver by the deadline); 0.0 when it was
+    heard from (or sends no acks)."""
     wait = conn.ack_timeout()
-    if wait is None or wait >= remaining(deadline):
+    if wait is None:
         return 0.0
     sent = min(r.sent_at for r in requests)
+    wait = min(wait, max(ACK_FLOOR_S, (deadline - sent) / 3))
+    if wait >= remaining(deadline):
+        return 0.0
     _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()))
     return time.monotonic() - sent if unheard and conn.last_progress < sent else 0.0
 
