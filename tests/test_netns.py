@@ -151,7 +151,8 @@ def test_a_node_killed_and_restarted_on_its_disk_serves_only_valid_chunks(lab, e
 def test_peers_back_off_a_node_they_cannot_reach_and_load_within_their_deadline(lab, etcd, cluster_name, tmp_path):
     """A's host drops every packet between it and B (both still reach etcd: A's lease stays alive). B's
     connection to A is open, so A would acknowledge B's request at once: hearing nothing, B gives up on it
-    about a round trip after asking (``unanswered``), not at its 3 s deadline, and recomputes."""
+    once silent for its round trip and a third of the pull's allowance (``unanswered``), not at its 3 s
+    deadline, and recomputes."""
     a = start(lab, A, "a", cluster_name, etcd, tmp_path, seeds=(1, 2))
     b = start(lab, B, "b", cluster_name, etcd, tmp_path)
     try:
@@ -159,7 +160,7 @@ def test_peers_back_off_a_node_they_cannot_reach_and_load_within_their_deadline(
         lab.partition(A, [B])  # both still reach etcd: a's lease stays alive
         r = b.cmd("load", seed=2)
         assert r["sources"] == ["a"] * 5 and not any(r["loaded"])  # planned, not loaded: recomputed
-        assert r["elapsed_s"] < 1.0  # A's silence, not transfer.timeout_s (3 s); never a hang
+        assert r["elapsed_s"] < 1.5  # A's silence, not transfer.timeout_s (3 s); never a hang
         r = b.cmd("load", seed=2)  # still unreachable: again bounded, nothing wrong loaded
         assert not any(r["loaded"]) and r["elapsed_s"] < 3.0 + 1.0
         assert "a" in b.nodes()  # its lease is alive: only this pair is cut

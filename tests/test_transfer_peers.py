@@ -261,8 +261,8 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport: str) -> None:
-    """TCP: a stopped owner acknowledges nothing, so the load gives up on it about a round trip after
-    asking (``unanswered``), long before its 1 s deadline; the answer may still come (held like a late
+    """TCP: a stopped owner acknowledges nothing, so the load gives up on it once it was silent for a third
+    of the pull's allowance (``unanswered``), long before its 1 s deadline; the answer may still come (held like a late
     one): the owner is asked by no new pull until it comes or the liveness deadline passes; a dead owner
     ends it at once and is backed off. NIXL gives up at the deadline (``timeout``)."""
     o = owner(11)
@@ -279,7 +279,7 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
         health = requester.clients[transport].health
         if transport == "tcp":
             assert set(result.missed.values()) == {MissReason.UNANSWERED} and result.late is not None
-            assert elapsed < 0.5, elapsed  # a round trip's silence, not the 1 s deadline
+            assert elapsed < 0.8, elapsed  # a third of the allowance in silence, not the 1 s deadline
             # held once its grace (the silence it was given up after) is over, not failed
             assert wait_until(lambda: not health.available(peer_of(o)), timeout=3.0)
             assert health.failures(peer_of(o)) == 0

@@ -22,12 +22,17 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
 from .base import MissReason, PullResult, Want, wants_of
-from .connection import ACK_FLOOR_S, Connection, _Request
+from .connection import Connection, _Request
 from .health import PeerHealth
 from .netio import connect_tcp, set_keepalive
 from .tls import names_node, peer_binding, peer_nodes
 
 log = logging.getLogger(__name__)
+
+# An owner silent for a third of a pull's allowance (3x its expected time: the expected time itself) and
+# for its ack timeout is not serving; one that is merely busy acknowledges sooner than its pull was
+# expected to take (a canary's or a hand-off's seconds-long allowance waits that much longer).
+SILENT_SHARE = 3.0
 
 
 def batch_size(max_frame_bytes: int) -> int:
@@ -184,9 +189,12 @@ class ConnectionPool:
 
 
 async def _answer(conn: Connection, timeout: float, asked: str) -> wire.Message:
-    """The owner's answer to a handshake step, within ``timeout``, or within its silence timeout when its
-    round trips are known (a peer reconnected to): a :class:`PeerTimeout` when nothing came."""
+    """The owner's answer to a handshake step, within ``timeout``; when its round trips are known (a peer
+    reconnected to), within its silence timeout or a third of ``timeout`` if that is longer (as
+    :func:`silent_for`): a :class:`PeerTimeout` when nothing came."""
     silence = conn.silence_timeout()
+    if silence is not None:
+        silence = max(silence, timeout / SILENT_SHARE)
     if silence is None or silence >= timeout:
         return await conn.control(timeout)
     try:
@@ -294,14 +302,14 @@ def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
 
 async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float) -> float:
     """How long the owner was silent after ``requests`` were sent (no ack, no byte on the connection) when
-    that passed its ack timeout, or a third of the pull's allowance if that is shorter (its expected time:
-    an owner that has not even acknowledged by then would not deliver by the deadline); 0.0 when it was
-    heard from (or sends no acks)."""
+    that passed both its ack timeout and a third of the pull's allowance (the time the whole pull was
+    expected to take: an owner busy enough to be slower than that to acknowledge would not deliver by the
+    deadline either); 0.0 when it was heard from (or sends no acks, or the deadline comes first)."""
     wait = conn.ack_timeout()
     if wait is None:
         return 0.0
     sent = min(r.sent_at for r in requests)
-    wait = min(wait, max(ACK_FLOOR_S, (deadline - sent) / 3))
+    wait = max(wait, (deadline - sent) / SILENT_SHARE)
     if wait >= remaining(deadline):
         return 0.0
     _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()))

@@ -51,10 +51,10 @@ of its own (that range's length and checksum, computed after checking the whole 
     recent  {id, keys}      -> recent {id, ago: [seconds | nil]}   which of these chunks this node
                                dropped lately, how long ago (``lookup --explain``)
 
-``ack`` tells slow from hung: the owner sends it as soon as it reads a ``get`` or ``pin``, before any tier is
-read, so a requester that hears nothing from an owner (no ack, no byte on the connection) for about
-a round trip after asking knows it is not serving at all (stopped, its host dropping packets), while
-one that acknowledged is alive however late its payload (``client.py``).
+``ack`` tells slow from hung: the owner sends it as soon as it reads a ``get`` or ``pin``, before any
+tier is read, so a requester that hears nothing from an owner (no ack, no byte on the connection) for
+its round trip and the pull's expected time after asking knows it is not serving at all (stopped, its
+host dropping packets), while one that acknowledged is alive however late its payload (``client.py``).
 """
 
 from __future__ import annotations
