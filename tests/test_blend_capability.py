@@ -34,11 +34,15 @@ def test_blends_wait_for_every_worker_to_say_it_can(etcd: Any, cluster_name: str
     assert got["none_told"] == "no worker said it can blend"
     assert got["config_first"] == "blend.enabled is false"  # the config's reason wins, whatever workers say
     assert got["pickled"] == {"blend_refusal": "x"}  # crosses vLLM's process boundary as sent
+    # a request asking for a blend this engine can't do is served prefix-only and counted once, however
+    # often vLLM asks about it before scheduling it (blend_requests_total{outcome="refused"})
+    assert got["refused_counted"] == [1, 0]
 
 
 def main() -> None:
     import dataclasses
     import pickle
+    import types
 
     from lmcache_p2p.config import AgentConfig, BlendConfig, EtcdConfig
     from lmcache_p2p.integrations.vllm.metadata import WorkerCapability
@@ -59,6 +63,18 @@ def main() -> None:
         out["one_cannot"] = sched._blend_refusal
         sched.workers_told({})
         out["none_told"] = sched._blend_refusal
+        sched.workers_told({0: "vLLM's no-such-isa attention keeps K/V in an order this version can't place"})
+        request = types.SimpleNamespace(
+            request_id="r", prompt_token_ids=[(7 * i) % 4000 + 3 for i in range(1100)], lora_request=None,
+            kv_transfer_params={"lmcache_p2p_segments": [[256, 768]], "lmcache_p2p_blend": True},
+            mm_features=None, cache_salt=None, prompt_embeds=None, block_hashes=[])
+        counted = []
+        for _ in range(2):
+            for _ in range(3):  # vLLM asks each step until it schedules the request
+                sched.get_num_new_matched_tokens(request, 0)
+            counted.append(sched._blend_refused)
+            sched._blend_refused = 0  # what build_connector_meta ships to the worker each step
+        out["refused_counted"] = counted
     finally:
         sched.shutdown()
     off = P2PScheduler(dataclasses.replace(config, blend=BlendConfig(enabled=False)), fp, 16, blend_refusal=None)

@@ -99,6 +99,7 @@ CANARY_PARAM = "lmcache_p2p_canary"
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
 SIGHTINGS_MAX = 65536  # chunk keys whose prompt sightings are counted (tiers.save_after_sightings > 1)
+BLEND_REFUSED = "blend"  # in a request's ``refused``: its blend was refused by this engine (counted once)
 
 
 @dataclasses.dataclass(slots=True)
@@ -445,7 +446,8 @@ class P2PScheduler:
             if refusal not in self._told:
                 self._told.add(refusal)
                 log.warning("lmcache-p2p: declared segments are reused as prefixes only: %s", refusal)
-            if self._config.blend.enabled:  # asked of an engine set to blend that can't (its ISA, model, workers)
+            if self._config.blend.enabled and BLEND_REFUSED not in record.refused:
+                record.refused |= {BLEND_REFUSED}  # asked of an engine set to blend that can't: counted once
                 self._blend_refused += 1
             return None
         saved = () if self._index.connected else self._saved
