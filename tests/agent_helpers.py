@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import yaml
 
 from lmcache_p2p.config import AgentConfig, load_config
+from lmcache_p2p.testing.stopped_owner import wait_until  # noqa: F401 - the tests import it from here
 
 SECRET = "mesh-test-secret-7f3a9c1e5b2d80461c9e4a7b"
 
@@ -39,15 +40,6 @@ def agent_yaml(path: Path, *, node: str, cluster: str, endpoints: tuple[str, ...
         **({"handoff": handoff} if handoff else {}),
     }))
     return path
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def wait_for(value: Callable[[], T | None], timeout: float) -> T | None:

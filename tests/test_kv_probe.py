@@ -23,6 +23,7 @@ import traceback
 import types
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -144,25 +145,15 @@ def the_engine_layout_follows_the_isa_vllm_picks_for_the_host() -> None:
 def a_probe_that_cannot_run_shares_with_nobody_elsewhere() -> None:
     import torch
 
-    from lmcache_p2p.integrations.vllm import probe
+    from lmcache_p2p.integrations.vllm import blend, probe
     from lmcache_p2p.keys import is_head_major
 
-    real = probe.engine_isa
-    probe.engine_isa = lambda _config: "no-such-isa"
-    try:
+    with mock.patch.object(probe, "engine_isa", lambda _config: "no-such-isa"):
         layout = probe.engine_cpu_layout(engine_config(torch.float32, 16))
-    finally:
-        probe.engine_isa = real
     assert layout.startswith("vllm-cpu-tp+unprobed-") and not is_head_major(layout)
     # ... and the blend check refuses, naming the ISA, instead of guessing an order
-    from lmcache_p2p.integrations.vllm import blend
-
-    real_blend = blend.engine_isa
-    blend.engine_isa = lambda _config: "no-such-isa"
-    try:
+    with mock.patch.object(blend, "engine_isa", lambda _config: "no-such-isa"):
         refusal = blend.blend_refusal(engine_config(torch.float32, 16))
-    finally:
-        blend.engine_isa = real_blend
     assert refusal is not None and "no-such-isa" in refusal
 
 
