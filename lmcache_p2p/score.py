@@ -170,7 +170,7 @@ def score(scorer: Scorer, tokens: list[int], segments: list[tuple[int, int]] | N
             continue
         plan = plan_at(node, keys, spans)
         blended, loads = (_blend_of(declared, plan.hit_tokens, len(arr), functools.partial(plan_at, node),
-                                    config.blend) if declared else (None, []))
+                                    config.blend, config.layout.num_layers) if declared else (None, []))
         rows.append(_score_plan(scorer, node, record.role, plan, blended, loads, by_key, len(arr)))
     # Ties (a prompt nobody holds) go by rendezvous hashing on the prompt's first chunk: one document
     # keeps going to one node while different documents spread over all of them.
@@ -184,7 +184,7 @@ def score(scorer: Scorer, tokens: list[int], segments: list[tuple[int, int]] | N
 
 def _blend_of(declared: list[SegmentChunks], exact_end: int, num_tokens: int,
               plan_at: Callable[[Sequence[ChunkKey], list[tuple[int, int]]], HitPlan],
-              blend: BlendConfig) -> tuple[BlendPlan | None, list[PlannedChunk]]:
+              blend: BlendConfig, num_layers: int) -> tuple[BlendPlan | None, list[PlannedChunk]]:
     """The blend a node's scheduler side would plan over the declared segments after its exact prefix
     (``plan_blend``: a segment is held when its node can have all of its chunks: ``plan_at``; a blend
     costing more than ``blend.max_recompute_tokens`` is refused), and the chunks that blend loads."""
@@ -196,7 +196,8 @@ def _blend_of(declared: list[SegmentChunks], exact_end: int, num_tokens: int,
         plans[seg_keys[0]] = plan = plan_at([ChunkKey(k) for k in seg_keys], spans[seg_keys[0]])
         return len(plan.chunks) == len(seg_keys)
 
-    planned = plan_blend(declared, exact_end, num_tokens, held, blend.recompute_fraction, blend.selection)
+    planned = plan_blend(declared, exact_end, num_tokens, held, blend.recompute_fraction, blend.selection,
+                         num_layers)
     if planned is None or planned.cost_tokens > blend.max_recompute_tokens:
         return None, []
     return planned, [c for seg in planned.segments if not seg.fresh for c in plans[seg.keys[0]].chunks]

@@ -111,6 +111,12 @@ class BlendPlan:
     recompute: list[tuple[int, int]]
     base_end: int = 0
     select: int = 0  # selection "deviation": segment tokens the worker picks (see :func:`plan_blend`)
+    num_layers: int = 0  # the model's layers: what share of them the selection's pass runs (0: unknown, all)
+
+    @property
+    def probe_tokens(self) -> int:
+        """The deviation selection's pass, in tokens run through the whole model (see :func:`probe_cost`)."""
+        return probe_cost(self.end - self.exact_end, self.num_layers) if self.select else 0
 
     @property
     def recomputed_tokens(self) -> int:
@@ -123,9 +129,9 @@ class BlendPlan:
 
     @property
     def cost_tokens(self) -> int:
-        """What the blend runs through the model: its recompute and its fresh segments (the operator's
-        ``blend.max_recompute_tokens`` bounds it)."""
-        return self.recomputed_tokens + self.fresh_tokens
+        """What the blend runs through the model: its recompute, its fresh segments and the deviation
+        selection's pass (the operator's ``blend.max_recompute_tokens`` bounds it)."""
+        return self.recomputed_tokens + self.fresh_tokens + self.probe_tokens
 
 
 def read_segments(params: Any, prompt_len: int) -> list[tuple[int, int]] | None:
@@ -199,10 +205,22 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
 
 
 SELECTIONS = ("first", "deviation")
+DEVIATION_LAYER = 1  # the layer whose keys the deviation selection compares (layer 0's never move)
+
+
+def probe_cost(span: int, num_layers: int) -> int:
+    """The deviation selection's pass over a blend's ``span`` tokens (layers ``0..DEVIATION_LAYER`` of each,
+    :meth:`~lmcache_p2p.integrations.vllm.blend.Blender.deviating`) in tokens run through all
+    ``num_layers`` (0: unknown, counted as all): what budgets, deadlines and the step bound charge it."""
+    if span <= 0:
+        return 0
+    if num_layers <= 0:
+        return span
+    return math.ceil(span * min(DEVIATION_LAYER + 1, num_layers) / num_layers)
 
 
 def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, held: Callable[[list[bytes]], bool],
-               fraction: float, selection: str = "first") -> BlendPlan | None:
+               fraction: float, selection: str = "first", num_layers: int = 0) -> BlendPlan | None:
     """The blend that extends a prompt's exact prefix (``exact_end`` tokens) over its segments; None
     when none of them is held past it.
 
@@ -212,7 +230,8 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
     does not cover is computed first). Glue before a placed segment (and the base, when not exactly
     held) is recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
     (``selection`` "first", EPIC's), or (``"deviation"``, CacheBlend's) the ones whose keys move most
-    once recomputed in this context, picked by the worker (``select``). Nothing past ``prompt_len - 1``
+    once recomputed in this context, picked by the worker (``select``; its pass over the blend's span is
+    part of the plan's cost, :func:`probe_cost` of ``num_layers``). Nothing past ``prompt_len - 1``
     (vLLM computes the last prompt token itself)."""
     if selection not in SELECTIONS:
         raise ValueError(f"selection {selection!r}: one of {SELECTIONS}")
@@ -240,7 +259,7 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
     if not any_held:
         return None
     recompute = merge_runs([(s, min(e, end)) for s, e in runs if s < end])
-    return BlendPlan(exact_end, end, loads, recompute, base_end, select)
+    return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers)
 
 
 def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

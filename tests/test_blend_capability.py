@@ -37,6 +37,10 @@ def test_blends_wait_for_every_worker_to_say_it_can(etcd: Any, cluster_name: str
     # a request asking for a blend this engine can't do is served prefix-only and counted once, however
     # often vLLM asks about it before scheduling it (blend_requests_total{outcome="refused"})
     assert got["refused_counted"] == [1, 0]
+    # vLLM's block hashes of a blended request are its own from its exact prefix's end, and from the new end
+    # when offered again (a failed allocation, a preemption) with a shorter exact prefix: the blocks between
+    # hold blended KV too, and under their true hashes a later request would take them as an exact hit
+    assert got["salted"] == [[4, 5, 6, 7], [2, 3], []]
 
 
 def main() -> None:
@@ -46,7 +50,7 @@ def main() -> None:
 
     from lmcache_p2p.config import AgentConfig, BlendConfig, EtcdConfig
     from lmcache_p2p.integrations.vllm.metadata import WorkerCapability
-    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
+    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler, _Request
     from lmcache_p2p.keys import Fingerprint
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
@@ -83,6 +87,14 @@ def main() -> None:
         out["config_first"] = off._blend_refusal
     finally:
         off.shutdown()
+    hashes = [bytes([i]) * 16 for i in range(8)]  # 8 blocks of 16 tokens
+    blended = types.SimpleNamespace(request_id="b", block_hashes=hashes)
+    record, salted = _Request(), []
+    for exact_end in (64, 32, 64):  # offered, offered again with a shorter exact prefix, and again
+        before = list(hashes)
+        P2PScheduler._salt(types.SimpleNamespace(_block=16), blended, record, exact_end)  # type: ignore[arg-type]
+        salted.append([i for i, (a, b) in enumerate(zip(before, hashes, strict=True)) if a != b])
+    out["salted"] = salted
     out["pickled"] = dataclasses.asdict(pickle.loads(pickle.dumps(WorkerCapability(blend_refusal="x"))))
     print(json.dumps(out))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lmcache_p2p.keys import FingerprintDigest, chunk_keys
@@ -99,6 +101,17 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     picked = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="deviation")
     assert picked is not None and picked.recompute == [(0, 256)] and picked.select == 52 + 30 + 70
     assert picked.recomputed_tokens == 256 + 152
+    # ... whose pass over the whole span (layers 0-1 of each token) is part of what the blend costs: a
+    # document declared 15 times at a tiny fraction is a 15-document pass, not 15 tokens
+    assert picked.probe_tokens == spans[-1][1]  # layers unknown: counted as the whole model
+    picked30 = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="deviation", num_layers=30)
+    assert picked30 is not None and picked30.probe_tokens == math.ceil(spans[-1][1] * 2 / 30)
+    assert picked30.cost_tokens == 256 + 152 + picked30.probe_tokens
+    repeated, rspans = rag(BASE, [DOCS[0]] * 15)
+    rsegs = segment_chunks(ROOT, repeated, rspans, C)
+    tiny = plan_blend(rsegs, 256, len(repeated), lambda keys: True, 1e-6, selection="deviation", num_layers=4)
+    assert tiny is not None and tiny.recomputed_tokens == 15 and tiny.cost_tokens == 15 + (rspans[-1][1] - 256) // 2
+    assert plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1).probe_tokens == 0  # "first": no pass
     with pytest.raises(ValueError, match="selection"):
         plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="random")
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ...kernels.rope import RopeSpec, rerotate_, rope_spec
+from ...segments import DEVIATION_LAYER
 from .key_layout import TokenOrder, find_token_order, self_test
 from .probe import engine_isa
 
@@ -150,6 +151,10 @@ class Blender:
         return spec
 
     @property
+    def num_layers(self) -> int:
+        return len(self._caches)
+
+    @property
     def key_layout(self) -> str:
         """How vLLM's attention orders K in a block: "dims", "tokens" or its ISA's own (``key_layout.py``)."""
         return self._order.name
@@ -209,7 +214,7 @@ class Blender:
         return self.read(scratch, base_end, len(token_ids), base_end)
 
     def deviating(self, token_ids: list[int], block_ids: list[int], span: tuple[int, int],
-                  candidates: list[tuple[int, int]], count: int, layer: int = 1) -> list[tuple[int, int]]:
+                  candidates: list[tuple[int, int]], count: int, layer: int = DEVIATION_LAYER) -> list[tuple[int, int]]:
         """CacheBlend's selection: the ``count`` positions of ``candidates`` whose layer-``layer`` keys move
         most when recomputed over the blended cache. Layers ``0..layer`` of every position in ``span``
         are recomputed on the way (layer 0's keys never depend on context: the first that can move is

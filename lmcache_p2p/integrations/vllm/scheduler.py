@@ -137,7 +137,7 @@ class _Request:
     tail: tuple[int, int, ChunkKey] | None = None  # its hit ends in a cut chunk: (chunk, tokens, key)
     blend: BlendPlan | None = None  # its hit offered as a blend, until its blocks are allocated
     blended: bool = False  # its KV is blended, until it finishes: never saved
-    salted: bool = False  # its vLLM block hashes were made its own
+    salted_from: int | None = None  # its vLLM block hashes from this block on were made its own
     active: _Active | None = None  # being computed: what is saved of it
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # the hit's tokens by where they are held
     sighted: bool = False  # its prompt's keys were counted (tiers.save_after_sightings): once, even if preempted
@@ -463,11 +463,12 @@ class P2PScheduler:
             log.warning("request %s: %s; blend.recompute_fraction (%s) and blend.selection (%s) used",
                         request.request_id, exc, self._blend_fraction, self._blend_selection)
             fraction, selection = self._blend_fraction, self._blend_selection
-        plan = plan_blend(segments, exact_end, len(prompt), held, fraction, selection)
+        plan = plan_blend(segments, exact_end, len(prompt), held, fraction, selection, self._config.layout.num_layers)
         if plan is not None and plan.cost_tokens > self._blend_limit:
-            log.info("request %s: its blend would run %d tokens through the model (recompute %d, fresh segments %d), "
-                     "over blend.max_recompute_tokens or the step's budget (%d): served prefix-only",
-                     request.request_id, plan.cost_tokens, plan.recomputed_tokens, plan.fresh_tokens, self._blend_limit)
+            log.info("request %s: its blend would run %d tokens through the model (recompute %d, fresh segments %d, "
+                     "selection pass %d), over blend.max_recompute_tokens or the step's budget (%d): served "
+                     "prefix-only", request.request_id, plan.cost_tokens, plan.recomputed_tokens, plan.fresh_tokens,
+                     plan.probe_tokens, self._blend_limit)
             return None
         return plan
 
@@ -475,13 +476,19 @@ class P2PScheduler:
         """Make the vLLM block hashes of a blended request's blocks from ``exact_end`` on its own: with
         vLLM's prefix cache on, its blocks are registered under them, and under the prompt's true
         hashes a later request would take blended KV as an exact prefix hit. Later hashes chain from
-        these (vLLM's hasher extends the list), so every block from there on is this request's alone."""
+        these (vLLM's hasher extends the list), so every block from there on is this request's alone.
+        Offered again (a failed allocation, a preemption) with a shorter exact prefix, the blocks
+        between the new and the old start are salted too: they now hold blended KV as well."""
         hashes = getattr(request, "block_hashes", None)
-        if record.salted or not isinstance(hashes, list):
+        if not isinstance(hashes, list):
             return
-        record.salted = True
+        first = exact_end // self._block
+        end = len(hashes) if record.salted_from is None else min(record.salted_from, len(hashes))
+        if first >= end:
+            return
+        record.salted_from = first
         nonce = secrets.token_bytes(16)
-        for i in range(exact_end // self._block, len(hashes)):
+        for i in range(first, end):
             hashes[i] = type(hashes[i])(xxhash.xxh3_128_digest(bytes(hashes[i]) + nonce))
 
     def _tail(self, prompt: list[int], keys: list[ChunkKey], held: int, root: FingerprintDigest,
