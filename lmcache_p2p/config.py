@@ -232,7 +232,8 @@ class BlendConfig:
     ``recompute_fraction`` of each placed segment's tokens is recomputed through the model against the
     blended context (0: plain concatenation; 1: every token, a full prefill's KV), chosen by
     ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
-    when recomputed in this context, CacheBlend's); ``max_recompute_tokens`` bounds what one blend runs
+    when recomputed in this context, CacheBlend's; "question": the tokens the rest of the prompt reads
+    most over the blended cache, ProphetKV's and A³'s); ``max_recompute_tokens`` bounds what one blend runs
     through the model (recompute and fresh segments; also never more than vLLM's token budget per
     step): a blend over it is refused and the request is served prefix-only, whatever it asks."""
 
@@ -244,7 +245,8 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.recompute_fraction <= 1.0, "blend.recompute_fraction", "must be in [0, 1]")
-        _check(self.selection in ("first", "deviation"), "blend.selection", "must be 'first' or 'deviation'")
+        _check(self.selection in ("first", "deviation", "question"), "blend.selection",
+               "must be 'first', 'deviation' or 'question'")
         _check(self.max_recompute_tokens >= 0, "blend.max_recompute_tokens", "must be >= 0")
 
 

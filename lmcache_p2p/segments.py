@@ -90,10 +90,12 @@ class BlendTransfer:
     exact_end: int
     end: int
     base_end: int = 0  # where the first declared segment starts (fresh segments are computed after the base)
-    select: int = 0  # selection "deviation": segment tokens the worker picks by how far their KV moved
+    select: int = 0  # selection "deviation" or "question": segment tokens the worker picks
     sync: bool = False
     index_revision: int = 0
     deadline: float = 0.0
+    selection: str = "first"  # how the worker picks ``select`` tokens: "deviation" or "question"
+    question: list[int] = dataclasses.field(default_factory=list)  # the prompt after ``end`` ("question")
 
     def blocks(self, block_size: int) -> set[int]:
         """The blocks the blend fills (recomputed by the engine when it fails)."""
@@ -110,13 +112,21 @@ class BlendPlan:
     segments: list[SegmentChunks]
     recompute: list[tuple[int, int]]
     base_end: int = 0
-    select: int = 0  # selection "deviation": segment tokens the worker picks (see :func:`plan_blend`)
+    select: int = 0  # selection "deviation" or "question": segment tokens the worker picks (:func:`plan_blend`)
     num_layers: int = 0  # the model's layers: what share of them the selection's pass runs (0: unknown, all)
+    selection: str = "first"
+    question: int = 0  # "question": the prompt's tokens after ``end``, run over the blended cache to select
 
     @property
     def probe_tokens(self) -> int:
-        """The deviation selection's pass, in tokens run through the whole model (see :func:`probe_cost`)."""
-        return probe_cost(self.end - self.exact_end, self.num_layers) if self.select else 0
+        """The selection's pass, in tokens run through the whole model: the deviation selection's over the
+        span (:func:`probe_cost`), the question selection's over the question (and the glue recomputed
+        before it, once more)."""
+        if not self.select:
+            return 0
+        if self.selection == "question":
+            return self.question + sum(e - s for s, e in self.recompute)
+        return probe_cost(self.end - self.exact_end, self.num_layers)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -204,7 +214,8 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
     return out
 
 
-SELECTIONS = ("first", "deviation")
+SELECTIONS = ("first", "deviation", "question")
+KV_ERROR_ENV = "LMCACHE_P2P_BLEND_KV_ERROR"  # a file: each blend's K/V error per layer against a full prefill
 DEVIATION_LAYER = 1  # the layer whose keys the deviation selection compares (layer 0's never move)
 
 
@@ -231,8 +242,9 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
     held) is recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
     (``selection`` "first", EPIC's), or (``"deviation"``, CacheBlend's) the ones whose keys move most
     once recomputed in this context, picked by the worker (``select``; its pass over the blend's span is
-    part of the plan's cost, :func:`probe_cost` of ``num_layers``). Nothing past ``prompt_len - 1``
-    (vLLM computes the last prompt token itself)."""
+    part of the plan's cost, :func:`probe_cost` of ``num_layers``), or (``"question"``, ProphetKV's and
+    A³'s) the ones the rest of the prompt (the question) reads most when run over the blended cache,
+    picked by the worker. Nothing past ``prompt_len - 1`` (vLLM computes the last prompt token itself)."""
     if selection not in SELECTIONS:
         raise ValueError(f"selection {selection!r}: one of {SELECTIONS}")
     limit = prompt_len - 1
@@ -259,7 +271,8 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
     if not any_held:
         return None
     recompute = merge_runs([(s, min(e, end)) for s, e in runs if s < end])
-    return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers)
+    question = prompt_len - end if selection == "question" else 0
+    return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers, selection, question)
 
 
 def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

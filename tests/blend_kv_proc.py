@@ -55,6 +55,22 @@ def main() -> int:
     blender.recompute(toks, [(0, 60), (60, 130), (130, 300)], free[1])
     out["three_runs_vs_one_run"] = diff(blender.read(free[1], 0, 300, 0), full)
 
+    # the question's probe over a cache (free[1]: a full prefill of toks) against a recompute of the question
+    # there: the same model output (its attention answered in torch, nothing written); what it reads is a
+    # share of its attention, all of it on positions before the question's own, summed over layers 2..
+    question = toks[:20]
+    before = blender.read(free[1], 0, 300, 0)
+    read, probed = blender.question_attention(question, 300, free[1])
+    out["probe_wrote_nothing"] = diff(blender.read(free[1], 0, 300, 0), before)
+    computed = blender.recompute(toks + question, [(300, 320)], free[1])
+    out["probe_vs_recompute"] = diff(probed, computed)
+    out["probe_read"] = [float(read.sum()), float(read.min()), len(read)]
+    out["probe_bound"] = 20 * layers[next(iter(caches))].num_heads * (len(caches) - 2)
+    # the blend diagnostic: a cache against its own full prefill is no error, and is given back as it was
+    errors = blender.kv_error(toks, free[1], (100, 300), [(100, 150)])
+    out["kv_error_self"] = max(max(v) for v in errors.values())
+    out["kv_error_restored"] = diff(blender.read(free[1], 0, 300, 0), before)
+
     # the recompute's next-token logits against vLLM's own prefill of the same prompt
     logits = runner.model.compute_logits(hidden[-1:])
     ref = llm.generate([TokensPrompt(prompt_token_ids=toks)], SamplingParams(max_tokens=1, temperature=0, logprobs=0),

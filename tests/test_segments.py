@@ -112,6 +112,11 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     tiny = plan_blend(rsegs, 256, len(repeated), lambda keys: True, 1e-6, selection="deviation", num_layers=4)
     assert tiny is not None and tiny.recomputed_tokens == 15 and tiny.cost_tokens == 15 + (rspans[-1][1] - 256) // 2
     assert plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1).probe_tokens == 0  # "first": no pass
+    # the question's selection: the same budget picked by the worker; its pass is the question (the prompt
+    # after the blend) and the glue recomputed once before it
+    asked = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question", num_layers=30)
+    assert asked is not None and asked.select == picked.select and asked.selection == "question"
+    assert asked.question == len(prompt) - asked.end and asked.probe_tokens == asked.question + 256
     with pytest.raises(ValueError, match="selection"):
         plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="random")
 

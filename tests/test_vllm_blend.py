@@ -164,7 +164,8 @@ def test_blending_machinery_against_the_engines_own_prefill():
     run or several; keys turned to position 0 and back are the bytes they were; a segment moved to another
     position equals a prefill there at layer 0 (nothing attends before its K/V); a fresh segment computed
     after the base alone has the same bytes whatever text preceded it in the request (a prefill of base +
-    segment's); CacheBlend's selection picks what it is asked, recomputing layers 0..1 on the way."""
+    segment's); CacheBlend's selection picks what it is asked, recomputing layers 0..1 on the way; the
+    question selection's probe is a recompute of the question that writes nothing."""
     proc = subprocess.run([sys.executable, str(BLEND_KV), str(trained_model_path())], capture_output=True,
                           text=True, timeout=600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BLEND_KV ")), None)
@@ -181,3 +182,10 @@ def test_blending_machinery_against_the_engines_own_prefill():
     assert got["round_trip"] <= 1e-4 * got["scale"]
     assert got["moved_layer0_k"] <= 1e-4 * got["scale"] and got["moved_layer0_v"] == 0.0
     assert got["moved_last_layer"] > 1e-2  # the context differs: what the moved KV alone can't know
+    # the question selection's probe: vLLM's model with the attention answered in torch, over the cache, is
+    # a recompute of the question there (and writes nothing); what it reads is attention mass before it
+    assert got["probe_wrote_nothing"] == 0.0 and got["probe_vs_recompute"] <= 1e-3, got
+    total, least, positions = got["probe_read"]
+    assert positions == 300 and least >= 0.0 and 0.0 < total <= got["probe_bound"]
+    # the KV diagnostic of bench blend --kv-error: a full prefill against itself, and the cache given back
+    assert got["kv_error_self"] <= 1e-5 and got["kv_error_restored"] == 0.0

@@ -180,3 +180,24 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def test_the_question_selection_recomputes_where_the_question_reads_with_the_words_around() -> None:
+    """``question_runs``: the positions the question's attention falls on most (summed over a window, so
+    a fact's words go with it), only among the candidates (never the glue or an exact prefix), at most
+    the budget, as sorted runs."""
+    from lmcache_p2p.selection import QUESTION_WINDOW, question_runs
+
+    read = torch.full((400,), 0.01)
+    read[250] = 5.0  # the fact the question reads, in the second document
+    read[20] = 9.0  # the exact prefix (the system prompt's first token, a sink): not a candidate
+    candidates = [(100, 200), (210, 300)]
+    runs = question_runs(read, candidates, 2 * QUESTION_WINDOW + 1)
+    assert runs == [(250 - QUESTION_WINDOW, 251 + QUESTION_WINDOW)]
+    assert question_runs(read, candidates, 0) == [] and question_runs(read, [], 5) == []
+    # a budget past the candidates: all of them, never a position outside
+    assert question_runs(read, candidates, 1000) == candidates
+    # two facts, a budget for one window each
+    read[150] = 5.0
+    both = question_runs(read, candidates, 2 * (2 * QUESTION_WINDOW + 1))
+    assert both == [(150 - QUESTION_WINDOW, 151 + QUESTION_WINDOW), (250 - QUESTION_WINDOW, 251 + QUESTION_WINDOW)]

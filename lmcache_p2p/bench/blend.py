@@ -28,6 +28,8 @@ mode: eager (``enforce_eager``); vLLM's own prefix cache off on the mesh engines
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import random
 import statistics
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import EtcdServer
+from ..segments import KV_ERROR_ENV, SELECTIONS
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
@@ -78,14 +81,27 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
         for sel in args.selections for f in args.fractions if not (f in (0, 1) and sel != args.selections[0])}
     modes = [*blends, "prefix-only"]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    kv_file = work / "kv_error.jsonl"
+
+    def blended(prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
+        """B's answer, with its blend's K/V error against a full prefill (``--kv-error``; None: not blended)."""
+        seen = kv_file.stat().st_size if kv_file.exists() else 0
+        row = ask(b, prompt, params)
+        if args.kv_error:
+            with open(kv_file) if kv_file.exists() else contextlib.nullcontext(None) as f:
+                lines = [] if f is None else (f.seek(seen), f.read().splitlines())[1]
+            row["kv_error"] = json.loads(lines[-1]) if lines else None
+        return row
+
     with EtcdServer(base_dir=str(work)) as etcd:
         engines: list[EngineProcess] = []
         try:
             for name in ("blend-a", "blend-b"):
                 # room for every prompt's chunks (the real model's are 5.6 MiB): nothing measured is evicted
                 cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport, cpu_capacity="2GiB")
+                env = {KV_ERROR_ENV: str(kv_file)} if name == "blend-b" and args.kv_error else None
                 engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype,
-                                             prefix_caching=args.prefix_caching))
+                                             prefix_caching=args.prefix_caching, env=env))
             progress("blend", "starting engines A and B (the mesh)")
             a, b = (e.wait_ready() for e in engines)
             for engine in (a, b):
@@ -96,7 +112,7 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
             for i, (prompt, spans) in enumerate(on_b):  # prefix-only last: it saves this order's prefix chain
                 progress("blend", f"engine B: prompt {i + 1}/{len(on_b)} in {len(modes)} modes")
                 for mode, params in blends.items():
-                    results[mode].append(ask(b, prompt, {"lmcache_p2p_segments": spans, **params}))
+                    results[mode].append(blended(prompt, {"lmcache_p2p_segments": spans, **params}))
                 results["prefix-only"].append(ask(b, prompt, None))
         finally:
             for engine in engines:
@@ -157,6 +173,7 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return tokenizer.decode(tokens[:tokens.index(end)] if end in tokens else tokens, skip_special_tokens=True)
 
     replies = {m: [reply(r["tokens"]) for r in rows] for m, rows in {"full": full, **results}.items()}
+    right_full = [q.score(r) for q, r in zip(questions, replies["full"], strict=True)]
     tokens = sum(len(second.tokens) for _, second in pairs)
     full_ms = statistics.median(r["ttft_s"] for r in full) * 1000
     prefix_ms = statistics.median(r["ttft_s"] for r in results["prefix-only"]) * 1000
@@ -173,9 +190,54 @@ def run_facts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                      "ttft_ms": round(ms, 1), "vs_full": round(full_ms / ms, 2),
                      "vs_prefix_only": round(prefix_ms / ms, 2),
                      "same_answer_as_full": round(sum(x == y for x, y in zip(replies[mode], replies["full"],
-                                                                                strict=True)) / len(rows), 4)}
+                                                                                strict=True)) / len(rows), 4),
+                     **paired(right, right_full), **first_token_kl(rows, full), **kv_error(rows)}
     out["replies"] = {m: r[:6] for m, r in replies.items()}
     out["expected"] = [q.answers for q in questions[:6]]
+    return out
+
+
+def paired(right: list[float], right_full: list[float]) -> dict[str, Any]:
+    """Answer credit a mode loses and gains against full prefill's, prompt by prompt (a pair question's
+    half counts a half), and its accuracy on the prompts full prefill answers wholly right."""
+    lost = sum(max(f - r, 0.0) for r, f in zip(right, right_full, strict=True))
+    gained = sum(max(r - f, 0.0) for r, f in zip(right, right_full, strict=True))
+    on_right = [r for r, f in zip(right, right_full, strict=True) if f == 1.0]
+    return {"lost": lost, "gained": gained,
+            "accuracy_where_full_right": round(sum(on_right) / len(on_right), 4) if on_right else None}
+
+
+def first_token_kl(rows: list[dict[str, Any]], full: list[dict[str, Any]]) -> dict[str, Any]:
+    """KL(full || mode) of the first answer token's distribution, per prompt (median and mean), over full
+    prefill's ``first_top`` tokens (a token the mode does not rank there takes the mode's least logprob)."""
+    kls = []
+    for r, f in zip(rows, full, strict=True):
+        p, q = f.get("first_top") or {}, r.get("first_top") or {}
+        if not p or not q:
+            continue
+        floor = min(q.values())
+        kls.append(sum(math.exp(lp) * (lp - q.get(t, floor)) for t, lp in p.items()))
+    if not kls:
+        return {}
+    return {"first_token_kl_median": round(statistics.median(kls), 5),
+            "first_token_kl_mean": round(statistics.mean(kls), 5)}
+
+
+def kv_error(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The blended cache's K/V error against a full prefill (``--kv-error``), per layer, median over prompts:
+    all blended positions, and the reused ones alone."""
+    errors = [r["kv_error"] for r in rows if r.get("kv_error")]
+    if not errors:
+        return {}
+    out: dict[str, Any] = {}
+    for name in ("k_all", "v_all", "k_reused", "v_reused"):
+        per_prompt = [e[name] for e in errors if e.get(name)]
+        if per_prompt:
+            layers = [statistics.median(col) for col in zip(*per_prompt, strict=True)]
+            out[f"kv_error_{name}"] = [round(x, 4) for x in layers]
+            out[f"kv_error_{name}_mean"] = round(statistics.mean(layers), 5)
+    out["recomputed_share"] = round(statistics.median(e["recomputed"] / max(e["span"][1] - e["span"][0], 1)
+                                                      for e in errors), 4)
     return out
 
 
@@ -227,11 +289,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--answer", type=int, default=32, help="tokens generated (greedy agreement)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.0, 1.0],
                         help="recompute fractions measured (the first is the default under test)")
-    parser.add_argument("--selections", nargs="+", default=["first"], choices=["first", "deviation"],
+    parser.add_argument("--selections", nargs="+", default=["first"], choices=list(SELECTIONS),
                         help="how the recompute's tokens are chosen (each fraction but 0 and 1 is run with each)")
     parser.add_argument("--prefix-caching", action="store_true",
                         help="the mesh engines run with vLLM's own prefix cache on (off: every reuse comes through "
                         "the mesh)")
+    parser.add_argument("--kv-error", action="store_true",
+                        help="engine B also computes each blended prompt in full (same model, same kernels) and "
+                        "reports the blended cache's K/V error against it, per layer (a diagnostic: it costs a full "
+                        "prefill per blend; TTFT is then not comparable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])

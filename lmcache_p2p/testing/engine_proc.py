@@ -192,13 +192,17 @@ def _stepped(llm: Any, name: str, prompt: Any, params: Any, lora: Any = None) ->
     return (ttft if ttft is not None else time.perf_counter() - t0), out
 
 
+FIRST_TOP = 20  # vLLM's default max_logprobs
+
+
 def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | None, scored: int) -> dict[str, Any]:
     """One request through the step loop: greedy tokens, TTFT, cached tokens, the logprob of each of the
     prompt's last ``scored`` tokens (the model's view of a continuation; they must be computed, not
-    loaded) and of each generated token."""
+    loaded) and of each generated token, and the ``FIRST_TOP`` most likely first tokens' logprobs
+    (``first_top``: the first answer token's distribution, to compare with a full prefill's)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0,
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=FIRST_TOP,
                             prompt_logprobs=0 if scored else None, skip_reading_prefix_cache=False,
                             detokenize=False,  # prompt logprobs of loaded positions hold no token to decode
                             extra_args={"kv_transfer_params": kv_params} if kv_params else None)
@@ -212,9 +216,10 @@ def _score(llm: Any, prompt: Any, max_tokens: int, kv_params: dict[str, Any] | N
     gen = out.outputs[0]
     gen_lp = [float(e[t].logprob) if e and t in e else None for e, t in zip(gen.logprobs or [], gen.token_ids,
                                                                              strict=False)]
+    first = (gen.logprobs or [None])[0] or {}
     return {"tokens": list(gen.token_ids), "ttft_s": ttft,
             "num_cached_tokens": int(out.num_cached_tokens or 0), "prompt_logprobs": prompt_lp,
-            "logprobs": gen_lp}
+            "logprobs": gen_lp, "first_top": {str(t): float(lp.logprob) for t, lp in first.items()}}
 
 
 def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int, watch_s: float = 0.0

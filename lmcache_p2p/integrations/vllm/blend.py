@@ -28,6 +28,7 @@ table and vLLM's cache layout at start.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 from typing import Any
@@ -36,11 +37,13 @@ import torch
 
 from ...kernels.rope import RopeSpec, rerotate_, rope_spec
 from ...segments import DEVIATION_LAYER
+from ...selection import top_runs
 from .key_layout import TokenOrder, find_token_order, self_test
 from .probe import engine_isa
 
 log = logging.getLogger(__name__)
 VLLM_SERIES = "0.32."  # the model runner and attention internals this module was written against
+QUESTION_FIRST_LAYER = 2  # the question's reads counted from this layer (layers 0-1 read mostly by position)
 ROTARY_CLASSES = frozenset({"RotaryEmbedding", "LinearScalingRotaryEmbedding", "Llama3RotaryEmbedding"})
 
 
@@ -232,15 +235,86 @@ class Blender:
             self.recompute(token_ids, [span], block_ids)
         finally:
             inner.end_layer = end_layer
-        moved = (self._keys_at(layer, block_ids, pos).float() - before).pow(2).sum(dim=(1, 2))
-        picked = pos[torch.topk(moved, min(count, len(pos))).indices].sort().values.tolist()
-        runs: list[tuple[int, int]] = []
-        for p in picked:
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return runs
+        moved = torch.zeros(max(e for _, e in candidates))
+        moved[pos] = (self._keys_at(layer, block_ids, pos).float() - before).pow(2).sum(dim=(1, 2))
+        return top_runs(moved, candidates, count)
+
+    def kv_error(self, token_ids: list[int], block_ids: list[int], span: tuple[int, int],
+                 recomputed: list[tuple[int, int]]) -> dict[str, list[float]]:
+        """How far the blended cache of positions ``span`` is from a full prefill's, per layer: the relative L2
+        error ``|blended - full| / |full|`` of K and of V, over all of ``span``, its ``recomputed`` runs and the
+        rest (reused). The full prefill is computed here, by the same model and kernels, in the request's own
+        blocks, which then get the blended KV back: the request goes on as blended. A diagnostic
+        (``bench blend --kv-error``): it costs a full prefill of ``span``'s end."""
+        start, end = span
+        blended = self.read(block_ids, 0, end, 0)
+        try:
+            self.recompute(token_ids, [(0, end)], block_ids)
+            full = self.read(block_ids, 0, end, 0)
+        finally:
+            self.write(blended, block_ids, 0, 0)
+        picked = torch.zeros(end, dtype=torch.bool)
+        for s, e in recomputed:
+            picked[s:e] = True
+        region = torch.zeros(end, dtype=torch.bool)
+        region[start:end] = True
+        out: dict[str, list[float]] = {}
+        for name, mask in (("all", region), ("recomputed", region & picked), ("reused", region & ~picked)):
+            for i, kv in enumerate(("k", "v")):
+                b, f = blended[:, i][:, mask].float(), full[:, i][:, mask].float()
+                num = (b - f).flatten(1).norm(dim=1)
+                den = f.flatten(1).norm(dim=1).clamp_min(1e-12)
+                out[f"{kv}_{name}"] = [round(float(x), 6) for x in (num / den)] if mask.any() else []
+        return out
+
+    def question_attention(self, question: list[int], start: int, block_ids: list[int],
+                           first_layer: int = QUESTION_FIRST_LAYER) -> tuple[torch.Tensor, Any]:
+        """How much the question (``question``, at positions ``start ..``) reads each position ``[0, start)`` of
+        the blended cache: its attention probabilities there, summed over its tokens, its heads and the layers
+        from ``first_layer`` on, ``(start,)`` float32. The question runs through the engine's own model over
+        the blended cache with each attention layer's call answered here (the cache read, the question's own
+        keys and values appended under a causal mask, softmax in float32): nothing is written to the cache,
+        and the question needs no blocks of its own. ProphetKV's and A³'s signal for what to recompute.
+        Returns that and the model's output for the question (what :meth:`recompute` of it would return)."""
+        from vllm.forward_context import set_forward_context
+
+        layers = self._runner.vllm_config.compilation_config.static_forward_context
+        modules = [layers[name] for name in self._names]
+        blk, off = self._slots(block_ids, torch.arange(start))
+        read = torch.zeros(start, dtype=torch.float32)
+        n = len(question)
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+
+        def attend(i: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                   **kwargs: Any) -> torch.Tensor:
+            module = modules[i]
+            heads, kv_heads, size = module.num_heads, module.num_kv_heads, module.head_size
+            scale = float(getattr(module.impl, "scale", size ** -0.5))
+            q = query.view(n, heads, size).float()
+            cache = self._caches[i]
+            keys = torch.cat([self._order.read(cache, blk, off, 0).float(), key.view(n, kv_heads, size).float()])
+            values = torch.cat([self._order.read(cache, blk, off, 1).float(), value.view(n, kv_heads, size).float()])
+            group = heads // kv_heads
+            scores = torch.einsum("thd,shd->hts", q, keys.repeat_interleave(group, dim=1)) * scale
+            scores[:, :, start:].masked_fill_(~causal, float("-inf"))
+            probs = scores.softmax(dim=-1)
+            if i >= first_layer:
+                read.add_(probs[:, :, :start].sum(dim=(0, 1)))
+            out = torch.einsum("hts,shd->thd", probs, values.repeat_interleave(group, dim=1))
+            return out.reshape(n, heads * size).to(query.dtype)
+
+        for i, module in enumerate(modules):
+            module.forward = functools.partial(attend, i)
+        try:
+            ids = torch.tensor(question, dtype=torch.int64)
+            pos = torch.arange(start, start + n)
+            with torch.inference_mode(), set_forward_context(None, self._runner.vllm_config, num_tokens=n,
+                                                             skip_compiled=True):
+                hidden = self._runner.model(input_ids=ids, positions=pos)
+        finally:
+            for module in modules:
+                del module.forward  # the class's own again
+        return read, hidden
 
     def recompute(self, token_ids: list[int], runs: list[tuple[int, int]], block_ids: list[int]) -> Any:
         """Run the model on positions ``runs`` (sorted, disjoint ``[start, end)``) of a request whose

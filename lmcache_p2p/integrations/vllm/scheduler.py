@@ -544,7 +544,8 @@ class P2PScheduler:
                     request.request_id, exact, blend.segments, blend.recompute, prompt[:max(
                         [blend.end] + [seg.start + seg.length for seg in blend.segments if seg.fresh])], block_ids,
                     max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
-                    index_revision=revision, deadline=deadline))
+                    index_revision=revision, deadline=deadline, selection=blend.selection,
+                    question=prompt[blend.end:] if blend.selection == "question" else []))
                 self._remember_saved([ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys])
                 state.blended = record.blended = True
             else:

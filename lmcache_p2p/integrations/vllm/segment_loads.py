@@ -12,7 +12,9 @@ was to fill.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +24,8 @@ from ...agent import CacheAgent
 from ...aio import remaining
 from ...blocks import blocks_from
 from ...keys import ChunkKey
-from ...segments import BlendTransfer, SegmentChunks, merge_runs, probe_cost, subtract_runs
+from ...segments import KV_ERROR_ENV, BlendTransfer, SegmentChunks, merge_runs, probe_cost, subtract_runs
+from ...selection import question_runs
 from .blend import Blender
 from .exact_loads import ExactLoads, load_deadline, wait_for_index
 from .saves import Saves
@@ -171,8 +174,21 @@ class SegmentLoads:
         if t.select:
             segment_runs = [(seg.start + seg.skip, min(seg.end, t.end)) for seg in t.segments]
             candidates = subtract_runs(segment_runs, runs)
-            runs += blender.deviating(t.token_ids, t.block_ids, (t.exact_end, t.end), candidates, t.select)
-        blender.recompute(t.token_ids, merge_runs(runs), t.block_ids)
+            if t.selection == "question":
+                runs = merge_runs(runs)
+                blender.recompute(t.token_ids, runs, t.block_ids)  # the glue in place: the question reads it
+                read, _ = blender.question_attention(t.question, t.end, t.block_ids)
+                runs += question_runs(read, candidates, t.select)
+            else:
+                runs += blender.deviating(t.token_ids, t.block_ids, (t.exact_end, t.end), candidates, t.select)
+        runs = merge_runs(runs)
+        blender.recompute(t.token_ids, runs, t.block_ids)
+        path = os.environ.get(KV_ERROR_ENV)
+        if path:  # the diagnostic `bench blend --kv-error` reads (Blender.kv_error)
+            error = blender.kv_error(t.token_ids, t.block_ids, (t.exact_end, t.end), runs)
+            with open(path, "a") as f:
+                f.write(json.dumps({"request": t.req_id, "span": [t.exact_end, t.end],
+                                    "recomputed": sum(e - s for s, e in runs), **error}) + "\n")
 
     def _fresh(self, t: BlendTransfer, fresh: list[SegmentChunks]) -> tuple[list[tuple[torch.Tensor, int, int]],
                                                                                list[tuple[int, int]]]:
