@@ -1,4 +1,4 @@
-"""Chunk identities: the layout fingerprint and prefix-chained xxh3_128 chunk keys.
+"""Chunk identities: the layout fingerprint and prefix-chained BLAKE2b-128 chunk keys.
 
 A prompt's token ids are cut into chunks of ``chunk_size`` tokens::
 
@@ -7,9 +7,14 @@ A prompt's token ids are cut into chunks of ``chunk_size`` tokens::
              k1 = H(k0   || t[256:512])
              k2 = H(k1   || t[512:...])        root = H(canonical fingerprint)
 
-``H`` is xxh3_128 over the previous 16-byte key followed by the chunk's token ids as
-int32 little-endian. Nothing here depends on Python's ``hash()`` or a per-process seed:
-the same tokens under the same fingerprint give the same keys on every host.
+``H`` is BLAKE2b-128 (personalised ``lmcp2p-chunk``) over the previous 16-byte key followed by the
+chunk's token ids as int32 little-endian. Nothing here depends on Python's ``hash()`` or a per-process
+seed: the same tokens under the same fingerprint give the same keys on every host. ``H`` must resist
+second preimages: a client that could write a prompt whose chunk has the key of a popular chunk (a
+system prompt, a public document) would have its own KV saved under the key every other client loads
+(first save wins). XXH3, which keyed the chain before (key format 3), is not built for that; BLAKE2b is,
+at about the same cost per prompt (most of it is turning the token list into an array). Format 4 keys
+are refused where format 3 chunks are held (the fingerprint carries the format: another fingerprint).
 
 A request's KV depends on more than its tokens; :class:`RequestIdentity` is the rest, and
 :func:`request_root` folds it into the chain's root (``root = fingerprint digest`` only for a
@@ -29,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, NewType
+from typing import TYPE_CHECKING, Any, NewType
 
 import msgpack
 import numpy as np
@@ -41,14 +46,15 @@ if TYPE_CHECKING:
     from .config import LayoutConfig
 
 ChunkKey = NewType("ChunkKey", bytes)
-"""16-byte xxh3_128 digest identifying one chunk of KV bytes."""
+"""16-byte BLAKE2b-128 digest identifying one chunk of KV bytes."""
 
 FingerprintDigest = NewType("FingerprintDigest", bytes)
 """16-byte xxh3_128 digest of a canonical fingerprint."""
 
 # 2: head-major payloads; TP size and rank left out where heads are sliceable;
 # 3: no model_revision field (never set: model_id is the identity, revision or weights digest included)
-KEY_FORMAT_VERSION = 3
+# 4: chunk and segment keys chained with BLAKE2b-128, not XXH3-128 (second-preimage resistant)
+KEY_FORMAT_VERSION = 4
 
 HeadRange = tuple[int, int]
 """KV heads ``[first, end)`` of a chunk that a payload holds (chunk payloads are head-major)."""
@@ -226,7 +232,7 @@ def partial_chunk_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, sta
     One pass over the tokens (a hash state per length), then the keys lazily, longest first: a probe
     stops at the first one held."""
     arr = tokens_to_array(token_ids)
-    h = xxhash.xxh3_128(parent)
+    h = _chain(parent)
     states = []
     for i in range(start, start + longest):
         h.update(arr[i:i + 1].tobytes())
@@ -241,8 +247,13 @@ def partial_chunk_keys(parent: bytes, token_ids: Sequence[int] | np.ndarray, sta
         yield n, ChunkKey(state.digest())
 
 
+def _chain(prev: bytes) -> Any:
+    """``H``'s state after the previous key (the chain's link: see the module docstring)."""
+    return hashlib.blake2b(prev, digest_size=16, person=b"lmcp2p-chunk")
+
+
 def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Sequence[MultiModalItem]) -> ChunkKey:
-    h = xxhash.xxh3_128(prev)
+    h = _chain(prev)
     h.update(arr[start:stop].tobytes())
     items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
              if m.offset < stop and m.offset + m.length > start]
@@ -261,6 +272,6 @@ def segment_root(root: FingerprintDigest, base: Sequence[int] | np.ndarray) -> F
     request's root and the tokens before its first segment (the system prompt, "the base"), never
     what precedes a segment. A segment's chunks chain from here over its own tokens
     (:func:`chunk_keys`), so the same document after the same base has the same keys at any offset."""
-    h = xxhash.xxh3_128(b"lmcache-p2p segment" + bytes(root))
+    h = hashlib.blake2b(bytes(root), digest_size=16, person=b"lmcp2p-segment")
     h.update(tokens_to_array(base).tobytes())
     return FingerprintDigest(h.digest())

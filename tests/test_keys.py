@@ -96,3 +96,30 @@ def test_partial_tail_chunk_is_keyed_and_optional():
     without = chunk_keys(FP.digest, toks, 256, include_partial=False)
     assert len(with_tail) == 3 and len(without) == 2 and with_tail[:2] == without
     assert chunk_keys(FP.digest, toks[:599], 256)[2] != with_tail[2]
+
+
+def test_the_chain_is_blake2b_so_no_prompt_can_be_aimed_at_another_chunks_key(monkeypatch):
+    """A client chooses its prompt's tokens, and so could, with a chain hash that is not second-preimage
+    resistant, write a chunk whose key is a popular chunk's (a system prompt's, a public document's): its KV
+    would be saved under the key every other client loads. The chain is BLAKE2b-128 (format 4; XXH3-128 in
+    format 3, which is built for speed, not for this): each key is the BLAKE2b digest of the previous key and
+    the chunk's int32 tokens, nothing a client can steer but the tokens. Format 3's chunks belong to another
+    fingerprint: never looked up under format 4's keys."""
+    import hashlib
+
+    import numpy as np
+
+    from lmcache_p2p import keys as keys_module
+
+    toks = list(range(600))
+    got = chunk_keys(FP.digest, toks, 256)
+    prev, want = bytes(FP.digest), []
+    for start in range(0, 600, 256):
+        block = np.asarray(toks[start:start + 256], dtype="<i4").tobytes()
+        prev = hashlib.blake2b(prev + block, digest_size=16, person=b"lmcp2p-chunk").digest()
+        want.append(prev)
+    assert [bytes(k) for k in got] == want
+    assert keys_module.KEY_FORMAT_VERSION == 4
+    new = FP.digest
+    monkeypatch.setattr(keys_module, "KEY_FORMAT_VERSION", 3)  # the same fingerprint at format 3
+    assert dataclasses.replace(FP).digest != new

@@ -17,7 +17,7 @@ from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord, Served
 from lmcache_p2p.keys import ChunkKey, Fingerprint, chunk_keys, tokens_to_array
 from lmcache_p2p.score import ScoreError, Scorer, ScoreRequest, parse_request, score
-from lmcache_p2p.segments import segment_chunks
+from lmcache_p2p.segments import probe_cost, segment_chunks
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 
 CONFIG = AgentConfig(node_id="e")
@@ -82,7 +82,9 @@ def test_score_counts_the_documents_each_node_holds_or_can_pull_as_its_blend_wou
     assert all(r["segment_tokens"] == 0 and r["computed_tokens"] == len(prompt) for r in asked.values())
     rows = {r["node"]: r for r in score(agent, prompt, spans, blend=True)["nodes"]}
     # every node can have all three documents: p holds two and pulls one, e pulls them all
-    recompute = 256 + 3 * 45  # the base (held by nobody: glue) and the first 15 % of each document
+    # the base (held by nobody: glue), 15 % of each document, and the deviation selection's pass over the
+    # blend (layers 0-1 of its 1,156 tokens, CONFIG's selection: probe_cost)
+    recompute = 256 + 3 * 45 + probe_cost(256 + 900, CONFIG.layout.num_layers)
     for row in rows.values():
         assert row["matched_tokens"] == 0 and row["segment_tokens"] == 900 and row["recompute_tokens"] == recompute
         assert row["computed_tokens"] == 50 + recompute  # the question, and what the blend recomputes
@@ -103,12 +105,14 @@ def test_a_document_held_nowhere_is_computed_fresh_in_the_blend_after_the_base()
     # without the base held: the blend computes it first (a prefix), then document 1 fresh
     row = score(_scorer(_node(MemoryMesh(), "e", (0, HEADS), docs[0] + docs[2])), prompt, spans, True)["nodes"][0]
     assert row["matched_tokens"] == 0 and row["segment_tokens"] == 600
-    assert row["recompute_tokens"] == 256 + 3 * 45 + 300 and row["local_tokens"] == {"cpu": 600}
+    pass_all = probe_cost(256 + 900, CONFIG.layout.num_layers)  # the deviation selection's pass
+    assert row["recompute_tokens"] == 256 + 3 * 45 + 300 + pass_all and row["local_tokens"] == {"cpu": 600}
     # with it: document 1 is computed fresh within the blend, documents 0 and 2 placed
     held = _scorer(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2]))
     row = score(held, prompt, spans, True)["nodes"][0]
     assert row["matched_tokens"] == 256 and row["segment_tokens"] == 600
-    assert row["recompute_tokens"] == 3 * 45 + 300 and row["local_tokens"] == {"cpu": 256 + 600}
+    pass_after = probe_cost(900, CONFIG.layout.num_layers)  # ... from the exact prefix's end
+    assert row["recompute_tokens"] == 3 * 45 + 300 + pass_after and row["local_tokens"] == {"cpu": 256 + 600}
     # a blend over blend.max_recompute_tokens is refused there: the exact prefix only
     small = dataclasses.replace(CONFIG, blend=dataclasses.replace(CONFIG.blend, max_recompute_tokens=100))
     row = score(_scorer(_node(MemoryMesh(), "e", (0, HEADS), base + docs[0] + docs[2]), config=small), prompt,
