@@ -172,7 +172,7 @@ class CacheAgent:
             if self.config.metrics_port is not None:
                 self._metrics_server = MetricsServer(
                     self.metrics.registry, self.config.metrics_host, self.config.metrics_port,
-                    wrap=lambda metrics_app: http_app(metrics_app, lambda: self.scorer))
+                    wrap=lambda metrics_app: http_app(metrics_app, lambda: self.scorer, self.config.score_api_key))
             record = self.node_record()
             if self._index_factory is not None:
                 self.index = self._index_factory(self.loop, record)

@@ -455,6 +455,10 @@ class AgentConfig:
     # host when it is a wildcard (advertised_hosts); loopback beside a non-loopback transfer address is
     # warned about at start: `status`, routers and peers on other machines can't reach it.
     metrics_host: str = "127.0.0.1"
+    # When set, /v1/score answers only requests carrying `Authorization: Bearer <this key>` (the router's
+    # --score-key-file); /metrics stays open to scrapers. None: anyone who reaches metrics_host may score
+    # prompts, and so learn whether a guessed prompt is cached. LMCACHE_P2P_SCORE_API_KEY in the environment.
+    score_api_key: str | None = dataclasses.field(default=None, repr=False)
     layout: LayoutConfig = LayoutConfig()
     tiers: TierConfig = TierConfig()
     etcd: EtcdConfig = EtcdConfig()
@@ -482,6 +486,8 @@ class AgentConfig:
         _check(0 < self.chunk_size <= 65520 and self.chunk_size % 16 == 0, "chunk_size",
                "must be a positive multiple of 16, at most 65520")
         _check(self.metrics_port is None or 0 <= self.metrics_port < 65536, "metrics_port", "must be in [0, 65535]")
+        _check(self.score_api_key is None or len(self.score_api_key.strip()) >= 16, "score_api_key",
+               "must be at least 16 characters (e.g. `openssl rand -hex 16`), or unset")
         if isinstance(self.log_level, str):
             object.__setattr__(self, "log_level", self.log_level.upper())
         _check(self.log_level is None or self.log_level in LOG_LEVELS, "log_level", f"must be one of {LOG_LEVELS}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hmac
 import itertools
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -61,6 +62,7 @@ from .segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, pl
 from .segments import segment_chunks as segment_chunks_of
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
+MAX_TOKENS = 1 << 18  # a prompt longer than any context served here: 413
 LOCAL_READ_GBPS = 4.0  # a local hit's copy-out (bench mesh: 4.2 GB/s)
 
 
@@ -114,6 +116,8 @@ def parse_request(body: bytes, model_id: str) -> ScoreRequest:
     tokens = data.get("tokens")
     if not isinstance(tokens, list) or not tokens:
         raise ScoreError(400, "'tokens' must be a non-empty list of token ids")
+    if len(tokens) > MAX_TOKENS:
+        raise ScoreError(413, f"{len(tokens)} tokens: at most {MAX_TOKENS} are scored")
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in tokens):
         raise ScoreError(400, "'tokens' must hold integers in [0, 2^31)")
     model = data.get("model")
@@ -250,15 +254,19 @@ def _score_plan(scorer: Scorer, node: NodeId, role: str, plan: HitPlan, blend: B
     }
 
 
-def http_app(metrics_app: Callable[..., Iterable[bytes]],
-             scorer: Callable[[], Scorer | None]) -> Callable[..., Iterable[bytes]]:
-    """The agent's HTTP: ``/v1/score`` here (``scorer()``: None until the agent is started: 503),
-    everything else to the Prometheus app."""
+def http_app(metrics_app: Callable[..., Iterable[bytes]], scorer: Callable[[], Scorer | None],
+             api_key: str | None = None) -> Callable[..., Iterable[bytes]]:
+    """The agent's HTTP: ``/v1/score`` here (``scorer()``: None until the agent is started: 503; with
+    ``api_key``, 401 without ``Authorization: Bearer <api_key>``), everything else to the Prometheus app."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         if environ.get("PATH_INFO") != "/v1/score":
             return metrics_app(environ, start_response)
         try:
+            if expected is not None and not hmac.compare_digest(
+                    environ.get("HTTP_AUTHORIZATION", "").encode("utf-8", "replace"), expected):
+                raise ScoreError(401, "send Authorization: Bearer <score_api_key>")
             if environ.get("REQUEST_METHOD") != "POST":
                 raise ScoreError(405, "use POST with a JSON body")
             try:
@@ -280,7 +288,7 @@ def http_app(metrics_app: Callable[..., Iterable[bytes]],
         except Exception as exc:  # a scoring bug must not take the metrics server down
             status, payload = 500, {"error": f"{type(exc).__name__}: {exc}"}
         data = json.dumps(payload).encode()
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
+        reason = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
                   413: "Payload Too Large", 500: "Internal Server Error", 503: "Service Unavailable"}[status]
         start_response(f"{status} {reason}", [("Content-Type", "application/json"),
                                               ("Content-Length", str(len(data)))])

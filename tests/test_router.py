@@ -119,9 +119,10 @@ Scenario = Callable[[str, list[FakeEngine], Router], Awaitable[None]]
 def run_router(n: int, scenario: Scenario, *, config: RouterConfig | None = None,
                pools: tuple[str, ...] | None = None, score: dict[str, Any] | None = None,
                health_timeout_s: float = 0.3, engine_type: Callable[[str], FakeEngine] = FakeEngine,
-               scored: list[dict[str, Any]] | None = None) -> None:
+               scored: list[dict[str, Any]] | None = None, authorizations: list[str | None] | None = None) -> None:
     """``n`` fake engines (``engine_type``) behind a router on a free port; ``scenario(router_url, engines,
-    router)``; the score requests it made are appended to ``scored``."""
+    router)``; the score requests it made are appended to ``scored``, their Authorization headers to
+    ``authorizations``."""
 
     async def main() -> None:
         engines = [await engine_type(f"e{i}").start() for i in range(n)]
@@ -130,6 +131,8 @@ def run_router(n: int, scenario: Scenario, *, config: RouterConfig | None = None
         async def score_handler(request: web.Request) -> web.Response:
             if scored is not None:
                 scored.append(await request.json())
+            if authorizations is not None:
+                authorizations.append(request.headers.get("Authorization"))
             return web.json_response(score or {"nodes": []})
 
         score_app.router.add_post("/v1/score", score_handler)
@@ -443,3 +446,19 @@ def test_a_failed_read_of_the_node_records_keeps_the_engines_known():
             assert list(fleet.engines) == ["http://a:8000"]
 
     asyncio.run(main())
+
+
+def test_the_router_sends_the_agents_score_key_to_v1_score():
+    """``--score-key-file``: the agents' ``score_api_key`` goes to their /v1/score as a bearer token (and,
+    without one, no Authorization header at all: never the client's)."""
+    for key, expected in (("s" * 32, "Bearer " + "s" * 32), (None, None)):
+        seen: list[str | None] = []
+
+        async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+            async with aiohttp.ClientSession() as s, s.post(
+                    url + "/v1/completions", json={"prompt": list(range(600)), "max_tokens": 1},
+                    headers={"Authorization": "Bearer the-clients-own"}) as r:
+                assert r.status == 200
+
+        run_router(2, scenario, config=RouterConfig(first_byte_timeout_s=2.0, score_key=key), authorizations=seen)
+        assert seen and set(seen) == {expected}, seen

@@ -12,8 +12,11 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -24,6 +27,8 @@ from agent_helpers import AgentProcess, agent_yaml, config, stop_process, wait_u
 from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 
+from lmcache_p2p import metrics as metrics_module
+from lmcache_p2p import score as score_module
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.index.reader import IndexReader
@@ -47,9 +52,10 @@ def agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, c
                       metrics=AgentMetrics(CollectorRegistry())).start()
 
 
-def post(a: CacheAgent, body: bytes | None, method: str = "POST") -> tuple[int, dict[str, Any]]:
+def post(a: CacheAgent, body: bytes | None, method: str = "POST",
+         headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     req = urllib.request.Request(f"http://127.0.0.1:{a.metrics_port}/v1/score", data=body, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, json.loads(resp.read())
@@ -117,7 +123,68 @@ def test_score_rejects_bad_input_with_a_clear_4xx(etcd, cluster_name, tmp_path):
         assert post(a, json.dumps({"tokens": [5] * 300}).encode())[0] == 200  # still serving
         with urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics", timeout=5) as resp:
             assert b"lmcache_p2p_stored_chunks_total" in resp.read()
+        status, answer = post(a, json.dumps({"tokens": [5] * (score_module.MAX_TOKENS + 1)}).encode())
+        assert status == 413 and "at most" in answer["error"]  # a prompt past any context: not hashed
     finally:
+        a.stop()
+
+
+def test_the_score_api_asks_for_its_key_when_one_is_set(etcd, cluster_name, tmp_path):
+    """``score_api_key``: /v1/score answers only a bearer of it (what the router sends, --score-key-file);
+    /metrics stays open to scrapers."""
+    key = "k" * 32
+    a = agent(tmp_path, cluster_name, etcd.endpoints, "a", score_api_key=key)
+    try:
+        body = json.dumps({"tokens": [5] * 300}).encode()
+        status, answer = post(a, body)
+        assert status == 401 and "Bearer" in answer["error"]
+        assert post(a, body, headers={"Authorization": "Bearer " + "x" * 32})[0] == 401
+        assert post(a, body, headers={"Authorization": f"Bearer {key}"})[0] == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics", timeout=5) as resp:
+            assert resp.status == 200
+    finally:
+        a.stop()
+
+
+def test_slow_clients_of_the_agents_http_hold_a_bounded_pool_and_are_cut_off(etcd, cluster_name, tmp_path):
+    """The HTTP server runs in the engine's process: 200 clients that connect and go silent (or dribble
+    their headers) hold at most ``HTTP_WORKERS`` threads and ``HTTP_QUEUE`` waiting connections; the rest
+    get a 503 at once, a request beside them gets an answer (a 503 while they hold the pool, never a hang),
+    and ``HTTP_TIMEOUT_S`` after they were accepted they are cut and the agent serves again."""
+    a = agent(tmp_path, cluster_name, etcd.endpoints, "a")
+    slow: list[socket.socket] = []
+    try:
+        threads_before = threading.active_count()
+        for _ in range(200):
+            sock = socket.create_connection(("127.0.0.1", a.metrics_port), timeout=5)
+            sock.sendall(b"POST /v1/score HTTP/1.1\r\nHost: x\r\n")  # and nothing more
+            slow.append(sock)
+        time.sleep(0.5)
+        threads = threading.active_count() - threads_before
+        assert threads <= 2 * metrics_module.HTTP_WORKERS, threads  # a worker and its deadline's timer, not 200
+        assert a._metrics_server is not None
+        refused = a._metrics_server.refused
+        assert refused >= 200 - metrics_module.HTTP_WORKERS - metrics_module.HTTP_QUEUE - 5, refused
+        started = time.monotonic()
+        try:  # a 503 (or the connection closed on a body not read) at once: not queued behind them
+            status = post(a, json.dumps({"tokens": [5] * 300}).encode())[0]
+        except urllib.error.URLError:
+            status = 503
+        assert status in (200, 503) and time.monotonic() - started < 2.0
+        with socket.create_connection(("127.0.0.1", a.metrics_port), timeout=5) as sock:  # a plain GET reads it
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 503")
+        # the silent ones are closed after HTTP_TIMEOUT_S: the agent answers again
+        def serves() -> bool:
+            try:
+                return post(a, json.dumps({"tokens": [5] * 300}).encode())[0] == 200
+            except (urllib.error.URLError, OSError):
+                return False
+
+        assert wait_until(serves, 3 * metrics_module.HTTP_TIMEOUT_S)
+    finally:
+        for sock in slow:
+            sock.close()
         a.stop()
 
 

@@ -37,6 +37,7 @@ from .common import add_etcd_arguments, tool_config
 PROG = "lmcache-p2p router"
 ROUTER_KEY_ENV = "LMCACHE_P2P_ROUTER_KEY"
 API_KEY_ENV = "LMCACHE_P2P_ROUTER_API_KEY"
+SCORE_KEY_ENV = "LMCACHE_P2P_SCORE_API_KEY"  # the agents' score_api_key (the same variable sets theirs)
 
 
 def _engine(spec: str, pool: str) -> tuple[str, str, str | None]:
@@ -80,6 +81,8 @@ def parser() -> argparse.ArgumentParser:
                    "engines; the default), static (--engine ... only), none")
     p.add_argument("--api-key-file", metavar="PATH", help=f"clients must send Authorization: Bearer <this key> "
                    f"(else ${API_KEY_ENV}; none: no check) on every route but /health and /metrics")
+    p.add_argument("--score-key-file", metavar="PATH", help=f"the agents' score_api_key, sent to their /v1/score as "
+                   f"Authorization: Bearer (else ${SCORE_KEY_ENV}; none: sent without)")
     p.add_argument("--max-body", default="8MiB", help="largest request body (default 8MiB; larger: 413)")
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds for a request's headers, and for "
                    "its body (default 30; then the connection is closed, a body: 408)")
@@ -203,7 +206,8 @@ def main(argv: list[str]) -> int:
                               route_timeout_s=args.route_timeout, documents_timeout_s=args.documents_timeout,
                               chunk_tokens=chunk, max_body_bytes=parse_size(args.max_body, "--max-body"),
                               read_timeout_s=args.read_timeout, max_concurrent=args.max_concurrent,
-                              api_key=_read_key(args.api_key_file, API_KEY_ENV))
+                              api_key=_read_key(args.api_key_file, API_KEY_ENV),
+                              score_key=_read_key(args.score_key_file, SCORE_KEY_ENV))
     except (ValueError, OSError) as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2

@@ -93,6 +93,7 @@ class RouterConfig:
     read_timeout_s: float = 30.0  # a request's headers (and an idle connection), and its body, each
     max_concurrent: int = 512  # requests in flight (routed and proxied); past it: 503
     api_key: str | None = dataclasses.field(default=None, repr=False)  # clients must present it
+    score_key: str | None = dataclasses.field(default=None, repr=False)  # the agents' score_api_key
 
     def __post_init__(self) -> None:
         for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s", "documents_timeout_s",
@@ -162,7 +163,7 @@ class Router:
         self.metrics = metrics if metrics is not None else Metrics()
         self.in_flight = 0  # client requests being handled (OPEN_PATHS aside)
         self.prompts = Prompts(session, self._least_busy, route_timeout_s=config.route_timeout_s,
-                               documents_timeout_s=config.documents_timeout_s,
+                               documents_timeout_s=config.documents_timeout_s, score_key=config.score_key,
                                failures=self.metrics.score_failures, outcomes=self.metrics.documents)
         self._ids = itertools.count()
         self._rotate = itertools.count()

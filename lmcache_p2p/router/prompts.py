@@ -66,10 +66,13 @@ class Placed:
 
 class Prompts:
     def __init__(self, session: aiohttp.ClientSession, engines: Callable[[], list[Engine]], *,
-                 route_timeout_s: float, documents_timeout_s: float, failures: Counter, outcomes: Counter) -> None:
+                 route_timeout_s: float, documents_timeout_s: float, failures: Counter, outcomes: Counter,
+                 score_key: str | None = None) -> None:
         """``engines``: the healthy engines, the least busy first; ``failures`` counts tokenize and score calls
-        that failed (by call), ``outcomes`` requests carrying documents (by outcome)."""
+        that failed (by call), ``outcomes`` requests carrying documents (by outcome); ``score_key``: the
+        agents' ``score_api_key``, sent to ``/v1/score`` as a bearer token."""
         self.session = session
+        self._score_headers = {"Authorization": f"Bearer {score_key}"} if score_key else {}
         self.engines = engines
         self.route_timeout_s = route_timeout_s
         self.documents_timeout_s = documents_timeout_s
@@ -130,7 +133,7 @@ class Prompts:
             if blend is not None:
                 ask["blend"] = blend
         try:
-            async with self.session.post(url, json=ask, timeout=self._short()) as resp:
+            async with self.session.post(url, json=ask, timeout=self._short(), headers=self._score_headers) as resp:
                 data = await resp.json() if resp.status == 200 else None
             if isinstance(data, dict):
                 return data
