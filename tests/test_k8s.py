@@ -193,7 +193,7 @@ def test_schema_validation_rejects_bad_manifests():
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kustomize_build_renders_valid_resources(tmp_path):
     k8s = tmp_path / "k8s"
-    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt", "pki"))
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("cluster-secret.txt", "score-key.txt", "pki"))
     subprocess.run([str(k8s / "generate-secret.sh")], check=True, timeout=30, capture_output=True)
     subprocess.run([str(k8s / "generate-certs.sh")], check=True, timeout=60, capture_output=True,
                    env={**os.environ, "PYTHON": sys.executable})
@@ -208,6 +208,9 @@ def test_kustomize_build_renders_valid_resources(tmp_path):
         kust.get("secretGenerator", []))
     secret = one(rendered, "Secret", "lmcache-p2p-secret")
     assert base64.b64decode(secret["data"]["cluster-secret"]).decode() == key
+    # the agents' score_api_key, which the router presents: a config value that loads (long enough)
+    score_key = base64.b64decode(one(rendered, "Secret", "lmcache-p2p-router-key")["data"]["score-key"]).decode()
+    assert AgentConfig(node_id="x", score_api_key=score_key).score_api_key == (k8s / "score-key.txt").read_text()
     for d in rendered:
         if d["kind"] != "Namespace":
             assert d["metadata"]["namespace"] == kust["namespace"], d["metadata"]["name"]
@@ -379,6 +382,11 @@ def env_problems(docs: list[Doc], tmp_path: Path) -> list[str]:
                 continue
             field_ref = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
             value = e.get("value", SAMPLE_FIELD_REFS.get(field_ref or ""))
+            secret_ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if secret_ref is not None:  # a Secret's key (e.g. score_api_key): it must exist, and a value set it
+                if secret_ref.get("key") not in secret_keys(docs).get(secret_ref.get("name"), set()):
+                    problems.append(f"{where} refers to a missing Secret key {secret_ref}")
+                value = "s" * 32
             if value is None:
                 problems.append(f"{where}: unsupported value source {e}")
                 continue
@@ -557,6 +565,16 @@ def router_problems(docs: list[Doc]) -> list[str]:
     api = int(flag(vc["args"], "--port") or 8000)
     if not url.endswith(f":{api}") or "$(POD_IP)" not in url or "POD_IP" not in env_of(vc):
         problems.append(f"vLLM pods publish engine_url {url!r}, not http://$(POD_IP):{api}")
+    # the router presents the key the agents' /v1/score asks for: the same Secret key, mounted where it reads
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v.get("secret", {}).get("secretName") for v in dep["spec"]["template"]["spec"]["volumes"]}
+    given = next(((volumes[n], args.score_key_file.removeprefix(path + "/")) for n, path in mounts.items()
+                  if args.score_key_file and args.score_key_file.startswith(path + "/")), None)
+    for w in (vllm, one(docs, "StatefulSet", "lmcache-cache-agent")):
+        ref = env_of(w["spec"]["template"]["spec"]["containers"][0]).get("LMCACHE_P2P_SCORE_API_KEY", {})
+        asked = ref.get("valueFrom", {}).get("secretKeyRef", {})
+        if given is None or (asked.get("name"), asked.get("key")) != given:
+            problems.append(f"{w['metadata']['name']}'s score_api_key {asked} is not what the router sends {given}")
     return problems
 
 
@@ -567,7 +585,8 @@ def test_the_router_deployment_agrees_with_the_router_and_the_engines():
     c["readinessProbe"]["httpGet"]["path"] = "/healthz"
     vc = one(broken, "StatefulSet", "lmcache-vllm")["spec"]["template"]["spec"]["containers"][0]
     next(e for e in vc["env"] if e["name"] == "LMCACHE_P2P_ENGINE_URL")["value"] = "http://$(POD_IP):9000"
-    assert len(router_problems(broken)) == 2
+    next(e for e in vc["env"] if e["name"] == "LMCACHE_P2P_SCORE_API_KEY")["valueFrom"]["secretKeyRef"]["key"] = "x"
+    assert len(router_problems(broken)) == 3
 
 
 # --------------------------------------------------------------------------- etcd
