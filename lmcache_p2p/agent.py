@@ -567,6 +567,10 @@ class CacheAgent:
         """An absolute load deadline ``timeout`` (default ``transfer.timeout_s``) from now."""
         return time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
 
+    def unavailable_peers(self) -> frozenset[str]:
+        """Peers this node's pulls do not ask now (held: an answer overdue; or backed off), by node id."""
+        return self._stack.health.unavailable() if self._stack is not None else frozenset()
+
     def _planner_gauges(self) -> None:
         """What the fetch-or-recompute planner believes now (refreshed on each scrape)."""
         m = self.metrics

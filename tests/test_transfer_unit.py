@@ -76,6 +76,26 @@ def test_peer_health_backs_off_exponentially() -> None:
     assert health.failures(A) == 0
 
 
+def test_the_peers_not_asked_now_are_named_for_the_scheduler() -> None:
+    """``unavailable``: what the worker tells its scheduler after each step (``WorkerState``): the node ids of
+    peers backed off, and of peers held (an answer overdue past its grace, no byte since), until either ends."""
+    now, heard = [0.0], [0.0]
+    health = PeerHealth(1.0, 4.0, clock=lambda: now[0], rng=lambda: 1.0)
+    assert health.unavailable() == frozenset()
+    health.record_failure(A, "boom")
+    token = health.hold(B, grace_s=0.1, progress_at=lambda: heard[0])
+    assert health.unavailable() == {A.node_id}  # B's hold starts after its grace
+    now[0] = 0.2
+    assert health.unavailable() == {A.node_id, B.node_id}
+    heard[0] = 0.15  # bytes from B: slow, not hung
+    assert health.unavailable() == {A.node_id}
+    heard[0] = 0.0
+    now[0] = 1.0
+    assert health.unavailable() == {B.node_id}  # A's backoff is over
+    health.release(B, token)
+    assert health.unavailable() == frozenset()
+
+
 def test_peer_health_backoff_is_jittered_between_half_and_all_of_it() -> None:
     """Requesters that saw a peer fail together come back spread over [d/2, d], not all at once."""
     now, draw = [0.0], [0.0]

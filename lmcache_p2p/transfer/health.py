@@ -97,6 +97,13 @@ class PeerHealth:
     def __len__(self) -> int:
         return len(self._peers)
 
+    def unavailable(self) -> frozenset[str]:
+        """The node ids of the peers not asked now, held or backed off (any thread: reads copies)."""
+        now = self._clock()
+        held = {p.node_id for p, holds in dict(self._held).items()
+                if any(self._holding(h) for h in list(holds.values()))}
+        return frozenset(held | {p.node_id for p, state in dict(self._peers).items() if now < state.until})
+
     def backed_off(self) -> int:
         """Peers not available now (any thread: reads a copy)."""
         now = self._clock()

@@ -30,7 +30,7 @@ from ...coordinator.apply import set_log_level
 from ...keys import head_range
 from .blend import blend_refusal
 from .layout import connector_config, engine_fingerprint
-from .metadata import LMCacheP2PMetadata, WorkerCapability
+from .metadata import LMCacheP2PMetadata, WorkerCapability, WorkerState
 from .scheduler import P2PScheduler
 from .support import kv_cache_refusal
 from .worker import P2PWorker
@@ -157,6 +157,13 @@ class LMCacheP2PConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> WorkerState | None:
+        return self._worker.state() if self._worker is not None else None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self._scheduler is not None:
+            self._scheduler.workers_said(getattr(connector_output, "kv_connector_worker_meta", None))
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -1,17 +1,21 @@
 """What the scheduler-side connector tells the worker-side connector each step: the loads and saves
-(``ChunkTransfer``, see ``blocks.py`` for how chunks map to engine blocks); and what each
-worker tells the scheduler once at start (``WorkerCapability``)."""
+(``ChunkTransfer``, see ``blocks.py`` for how chunks map to engine blocks); what each worker tells
+the scheduler once at start (``WorkerCapability``), and after each step (``WorkerState``)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from ...blocks import ChunkTransfer
 from ...segments import BlendTransfer, SegmentSave
 
-__all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave", "WorkerCapability"]
+__all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave", "WorkerCapability", "WorkerState"]
 
 
 @dataclasses.dataclass
@@ -36,3 +40,18 @@ class WorkerCapability(KVConnectorHandshakeMetadata):
     first step): ``blend_refusal`` None when it can blend, else why not."""
 
     blend_refusal: str | None
+
+
+@dataclasses.dataclass
+class WorkerState(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after each step (vLLM aggregates the ranks' into one):
+    ``unavailable``, the peers their pulls do not ask now (an answer overdue, or backed off), by node id.
+    The scheduler offers no hit held only there: a load that would fail at once costs a request vLLM's
+    failed-load round (a step or two) on top of computing it."""
+
+    unavailable: frozenset[str] = frozenset()
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, WorkerState):
+            return self
+        return WorkerState(self.unavailable | other.unavailable)

@@ -191,6 +191,7 @@ class P2PScheduler:
         self._blend_limit = min(config.blend.max_recompute_tokens, token_budget or config.blend.max_recompute_tokens)
         self._blend_loads: list[BlendTransfer] = []  # decided this step; handed to the worker in the next meta
         self._told: set[str] = set()  # reasons for not blending already logged
+        self._unavailable: frozenset[str] = frozenset()  # peers the workers' pulls do not ask now (WorkerState)
 
     def _record(self, request: Any) -> _Request:
         found = self._requests.get(request.request_id)
@@ -199,9 +200,11 @@ class P2PScheduler:
         return found
 
     def _usable(self, record: NodeRecord) -> bool:
-        """An owner this engine's worker can pull from (the same rule its plan applies)."""
+        """An owner this engine's worker can pull from (the same rule its plan applies), and would ask now:
+        one its pulls hold (an answer overdue: hung or slow) or back off is no hit (its load would fail at
+        once, and the failed load cost the request a round of vLLM's steps on top of computing it)."""
         return (compatible(record, tls=self._tls, transports=self._transports)
-                and not self._index.quarantine.blocked(record.node_id))
+                and not self._index.quarantine.blocked(record.node_id) and record.node_id not in self._unavailable)
 
     def _canary(self, request: Any, record: _Request, hit: int, num_computed_tokens: int) -> bool:
         """Whether ``request`` is computed as a canary (asked for, or sampled among hits). Only when
@@ -412,6 +415,13 @@ class P2PScheduler:
     def _blend_refusal(self) -> str | None:
         """Why this engine can't blend now (None: it can): its config, then its workers' word."""
         return self._config_refusal or self._worker_refusal
+
+    def workers_said(self, state: Any) -> None:
+        """The workers' state after a step (``WorkerState``, aggregated over ranks; None: none sent)."""
+        unavailable = getattr(state, "unavailable", None)
+        if isinstance(unavailable, frozenset) and unavailable != self._unavailable:
+            log.debug("lmcache-p2p: peers not asked now: %s", sorted(unavailable) or "none")
+            self._unavailable = unavailable
 
     def workers_told(self, refusals: dict[int, str | None]) -> None:
         """Every worker's blend capability (rank -> None, or why it can't); blends are planned only when all can."""

@@ -49,7 +49,7 @@ from ..kv_order import layout_order, observed_order, orders_agree
 from .blend import Blender, blend_refusal, find_runner
 from .canary_checks import CanaryChecks
 from .exact_loads import ExactLoads
-from .metadata import LMCacheP2PMetadata
+from .metadata import LMCacheP2PMetadata, WorkerState
 from .saves import Saves
 from .segment_loads import SegmentLoads
 
@@ -318,6 +318,10 @@ class P2PWorker:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._completions.take_errors()
+
+    def state(self) -> WorkerState:
+        """For the scheduler, after this step: the peers this rank's pulls do not ask now."""
+        return WorkerState(self.agent.unavailable_peers() if self.agent is not None else frozenset())
 
     # -- save ---------------------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheP2PMetadata) -> None:
