@@ -215,11 +215,22 @@ def chunk_keys(
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
     arr = tokens_to_array(token_ids)
-    keys: list[ChunkKey] = []
-    prev = bytes(root)
     end = len(arr) if include_partial else len(arr) - len(arr) % chunk_size
-    for start in range(0, end, chunk_size):
-        prev = bytes(_chunk_key(prev, arr, start, min(start + chunk_size, end), mm_items))
+    return chunk_keys_from(root, arr[:end], chunk_size, 0, mm_items)
+
+
+def chunk_keys_from(parent: bytes, token_ids: Sequence[int] | np.ndarray, chunk_size: int, offset: int,
+                    mm_items: Sequence[MultiModalItem] = ()) -> list[ChunkKey]:
+    """Keys of the chunks of ``token_ids``, which start at position ``offset`` of their prompt (a multiple of
+    ``chunk_size``; multimodal items are at prompt positions), chained from ``parent``: the key of the chunk
+    before (the root when ``offset`` is 0). What :func:`chunk_keys` of the whole prompt gives from there,
+    without hashing what came before (a request's generated chunks, one at a time)."""
+    arr = tokens_to_array(token_ids)
+    keys: list[ChunkKey] = []
+    prev = bytes(parent)
+    for start in range(0, len(arr), chunk_size):
+        stop = min(start + chunk_size, len(arr))
+        prev = bytes(_chunk_key(prev, arr, start, stop, mm_items, offset))
         keys.append(ChunkKey(prev))
     return keys
 
@@ -252,11 +263,13 @@ def _chain(prev: bytes) -> Any:
     return hashlib.blake2b(prev, digest_size=16, person=b"lmcp2p-chunk")
 
 
-def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Sequence[MultiModalItem]) -> ChunkKey:
+def _chunk_key(prev: bytes, arr: np.ndarray, start: int, stop: int, mm_items: Sequence[MultiModalItem],
+               offset: int = 0) -> ChunkKey:
     h = _chain(prev)
     h.update(arr[start:stop].tobytes())
-    items = [[m.content_hash, m.offset - start, m.length] for m in mm_items
-             if m.offset < stop and m.offset + m.length > start]
+    first, last = offset + start, offset + stop  # the chunk's positions in its prompt
+    items = [[m.content_hash, m.offset - first, m.length] for m in mm_items
+             if m.offset < last and m.offset + m.length > first]
     if items:
         h.update(msgpack.packb(items, use_bin_type=True))
     return ChunkKey(h.digest())

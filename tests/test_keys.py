@@ -8,7 +8,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lmcache_p2p.errors import ConfigError
-from lmcache_p2p.keys import Fingerprint, MultiModalItem, chunk_keys, chunk_spans, partial_chunk_keys
+from lmcache_p2p.keys import (
+    Fingerprint,
+    MultiModalItem,
+    chunk_keys,
+    chunk_keys_from,
+    chunk_spans,
+    partial_chunk_keys,
+)
 
 FP = Fingerprint(model_id="tiny-llama", kv_dtype="bfloat16", num_layers=4, num_kv_heads=2, head_size=64,
                  block_size=128, kv_layout="cpu:blocks,heads,block,2*head")
@@ -88,6 +95,17 @@ def test_cut_chunk_keys_are_the_keys_of_the_prompt_cut_there(toks, chunk, image)
         assert [n for n, _ in cuts] == list(range(longest, 0, -1))
         for n, key in cuts:
             assert key == chunk_keys(FP.digest, toks[:start + n], chunk, mm_items=mm)[-1]
+
+
+@given(tokens, st.integers(min_value=1, max_value=64), st.booleans(), st.data())
+def test_keys_from_a_chunk_on_are_the_prompts_keys_from_there(toks, chunk, image, data):
+    """``chunk_keys_from``: a request's generated chunks keyed from the last one saved (not the whole
+    history again) are the keys of the whole token list there, multimodal items at prompt positions."""
+    mm = (MultiModalItem("img", len(toks) // 3, 5),) if image else ()
+    keys = chunk_keys(FP.digest, toks, chunk, mm_items=mm)
+    first = data.draw(st.integers(min_value=0, max_value=len(keys) - 1))
+    parent = bytes(keys[first - 1]) if first else bytes(FP.digest)
+    assert chunk_keys_from(parent, toks[first * chunk:], chunk, first * chunk, mm) == keys[first:]
 
 
 def test_partial_tail_chunk_is_keyed_and_optional():

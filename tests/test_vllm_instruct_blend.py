@@ -9,12 +9,15 @@ For each of three document sets: the engine answers it in one order, declaring t
 saves its first document; the others are computed fresh by the next blend, after the base alone);
 then another order with a blend at fraction 1 (the base computed first, every document token
 recomputed over the blended cache), whose answer must equal the same engine's answer to that prompt
-without segments (a prefill, or an exact prefix of one).
+without segments (a prefill, or an exact prefix of one). Then each second order with the question
+selection at 10 %: the recompute goes to the documents its question names (the blend diagnostic of
+``bench blend --kv-error`` names the runs recomputed).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -24,6 +27,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_helpers import node_records, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.bench.rag_task import RagTask  # noqa: E402
+from lmcache_p2p.segments import KV_ERROR_ENV  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.instruct_model import instruct_model_path  # noqa: E402
 
@@ -42,7 +46,9 @@ def test_a_blend_at_fraction_one_answers_as_a_full_prefill_on_the_real_model(etc
     # engine lane; under the default 5 s deadline the engine would refuse it as too slow (segment_loads.py)
     cfg = write_agent_config(tmp_path / "i.yaml", node="engine-i", cluster=cluster_name, endpoints=etcd.endpoints,
                              recompute_when_faster=False, timeout_s=60)
-    engine = EngineProcess(model, cfg, name="engine-i", log_path=tmp_path / "i.log", dtype="float32")
+    kv_file = tmp_path / "kv_error.jsonl"
+    engine = EngineProcess(model, cfg, name="engine-i", log_path=tmp_path / "i.log", dtype="float32",
+                           env={KV_ERROR_ENV: str(kv_file)})
     try:
         engine.wait_ready()
 
@@ -57,8 +63,20 @@ def test_a_blend_at_fraction_one_answers_as_a_full_prefill_on_the_real_model(etc
             full = ask(second.tokens, None)  # a prefill (at most an exact prefix of one another set computed)
             assert blended["tokens"] == full["tokens"], (tokenizer.decode(blended["tokens"]),
                                                          tokenizer.decode(full["tokens"]))
+        # the question selection at 10 %: the question run over the blended cache reads the documents it asks
+        # about, and the recompute goes there (the diagnostic file names the runs: KV_ERROR_ENV)
+        for _, second in pairs:
+            names = [task.products[task.doc_tokens.index(second.tokens[a:b])].name for a, b in second.spans]
+            gold = [span for span, name in zip(second.spans, names, strict=True) if name in second.question.text]
+            ask(second.tokens, {"lmcache_p2p_segments": second.spans, "lmcache_p2p_blend": True,
+                                "lmcache_p2p_recompute_fraction": 0.1, "lmcache_p2p_blend_selection": "question"})
+            line = json.loads(kv_file.read_text().splitlines()[-1])
+            assert line["selection"] == "question"
+            picked = [p for s, e in line["runs"] for p in range(s, e) if any(a <= p < b for a, b in second.spans)]
+            inside = sum(1 for p in picked if any(a <= p < b for a, b in gold))
+            assert picked and inside >= 0.8 * len(picked), (second.question.text, gold, line["runs"])
         metrics = scrape(node_records(cfg)["engine-i"].metrics_url)
-        assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 3
+        assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 6
         assert metrics['lmcache_p2p_blend_tokens_total{kind="fresh"}'] > 0
     finally:
         engine.stop()

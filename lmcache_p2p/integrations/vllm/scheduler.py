@@ -72,6 +72,7 @@ from ...keys import (
     FingerprintDigest,
     MultiModalItem,
     chunk_keys,
+    chunk_keys_from,
     partial_chunk_keys,
     request_root,
 )
@@ -115,6 +116,7 @@ class _Active:
     mm_items: tuple[MultiModalItem, ...] = ()
     prompt_saved: bool = False
     full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
+    last_generated: ChunkKey | None = None  # the key of the last full chunk saved past the prompt's full ones
     segments: list[SegmentChunks] | None = None  # declared segments, saved with the prompt
     blended: bool = False  # its KV is blended (close to a prefill's, not equal): nothing of it is saved
 
@@ -606,11 +608,12 @@ class P2PScheduler:
                     state.block_ids = list(new_ids[0])
                 else:
                     state.block_ids.extend(new_ids[0])
+        computed = _computed_after_step(out)
         for req_id, record in self._requests.items():
             state = record.active
             if state is None:
                 continue
-            done = _computed_after_step(out, req_id)
+            done = computed.get(req_id)
             if done is not None and done > len(state.prompt):
                 # decoding: its prompt was computed in an earlier step (its load, if any, went through, or vLLM
                 # has recomputed what failed); were vLLM to preempt it now, its hit may be offered again when
@@ -647,14 +650,22 @@ class P2PScheduler:
 
     def _generated(self, state: _Active, full: int) -> ChunkTransfer:
         """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's keys."""
-        first = state.full_chunks_saved
-        keys = self._keys(list(state.request.all_token_ids[: full * self._chunk]), state.root, state.mm_items)
-        per = self._chunk // self._block
-        state.full_chunks_saved = full
-        save = self._admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in keys[first:full]],
-                                            [self._chunk] * (full - first),
+        first, chunk = state.full_chunks_saved, self._chunk
+        # chained from the chunk before: hashing only the new chunks (not the whole history at each one)
+        in_prompt = len(state.prompt) // chunk  # the prompt's full chunks, whose keys are state.keys
+        parent = (state.root if first == 0 else state.keys[first - 1] if first <= in_prompt
+                  else state.last_generated)
+        if parent is None:  # not known here (never so far): the whole history keyed once more
+            new = self._keys(list(state.request.all_token_ids[: full * chunk]), state.root, state.mm_items)[first:]
+        else:
+            new = chunk_keys_from(bytes(parent), list(state.request.all_token_ids[first * chunk: full * chunk]),
+                                  chunk, first * chunk, state.mm_items)
+        per = chunk // self._block
+        state.full_chunks_saved, state.last_generated = full, new[-1]
+        save = self._admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in new],
+                                            [chunk] * (full - first),
                                             [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)],
-                                            generated=True), self._seen(keys[first:full]))
+                                            generated=True), self._seen(new))
         self._remember_saved([ChunkKey(k) for k in save.keys])
         return save
 
@@ -764,15 +775,13 @@ class P2PScheduler:
         self._loop.stop()
 
 
-def _computed_after_step(out: Any, req_id: str) -> int | None:
-    """Tokens of ``req_id`` computed once this step runs; None when it is not scheduled."""
-    scheduled = out.num_scheduled_tokens.get(req_id)
-    if scheduled is None:
-        return None
-    for new in out.scheduled_new_reqs:
-        if new.req_id == req_id:
-            return int(new.num_computed_tokens) + int(scheduled)
+def _computed_after_step(out: Any) -> dict[str, int]:
+    """Tokens of each request scheduled in this step computed once it runs (one pass over the batch)."""
+    scheduled = out.num_scheduled_tokens
+    computed = {new.req_id: int(new.num_computed_tokens) + int(scheduled[new.req_id])
+                for new in out.scheduled_new_reqs if new.req_id in scheduled}
     cached = out.scheduled_cached_reqs
-    if req_id in cached.req_ids:
-        return int(cached.num_computed_tokens[cached.req_ids.index(req_id)]) + int(scheduled)
-    return None
+    for req_id, done in zip(cached.req_ids, cached.num_computed_tokens, strict=False):
+        if req_id in scheduled and req_id not in computed:
+            computed[req_id] = int(done) + int(scheduled[req_id])
+    return computed

@@ -187,8 +187,8 @@ class SegmentLoads:
         if path:  # the diagnostic `bench blend --kv-error` reads (Blender.kv_error)
             error = blender.kv_error(t.token_ids, t.block_ids, (t.exact_end, t.end), runs)
             with open(path, "a") as f:
-                f.write(json.dumps({"request": t.req_id, "span": [t.exact_end, t.end],
-                                    "recomputed": sum(e - s for s, e in runs), **error}) + "\n")
+                f.write(json.dumps({"request": t.req_id, "span": [t.exact_end, t.end], "selection": t.selection,
+                                    "recomputed": sum(e - s for s, e in runs), "runs": runs, **error}) + "\n")
 
     def _fresh(self, t: BlendTransfer, fresh: list[SegmentChunks]) -> tuple[list[tuple[torch.Tensor, int, int]],
                                                                                list[tuple[int, int]]]:
