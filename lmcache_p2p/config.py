@@ -239,8 +239,8 @@ class BlendConfig:
 
     enabled: bool = True
     by_default: bool = False
-    recompute_fraction: float = 0.15
-    selection: str = "deviation"
+    recompute_fraction: float = 0.3
+    selection: str = "question"
     max_recompute_tokens: int = 4096
 
     def __post_init__(self) -> None:

@@ -122,8 +122,8 @@ class BlendPlan:
         """The selection's pass, in tokens run through the whole model: the deviation selection's over the
         span (:func:`probe_cost`), the question selection's over the question (and the glue recomputed
         before it, once more)."""
-        if not self.select:
-            return 0
+        if not self.select or self.select >= sum(seg.end - seg.start - seg.skip for seg in self.segments):
+            return 0  # nothing selected, or every segment token: no pass
         if self.selection == "question":
             return self.question + sum(e - s for s, e in self.recompute)
         return probe_cost(self.end - self.exact_end, self.num_layers)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from lmcache_p2p.config import AgentConfig
+from lmcache_p2p.config import AgentConfig, BlendConfig
 from lmcache_p2p.estimates import PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord, Served
@@ -20,7 +20,8 @@ from lmcache_p2p.score import ScoreError, Scorer, ScoreRequest, parse_request, s
 from lmcache_p2p.segments import probe_cost, segment_chunks
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 
-CONFIG = AgentConfig(node_id="e")
+# the deviation selection at 0.15 (the numbers below); the question selection's cost is checked beside it
+CONFIG = AgentConfig(node_id="e", blend=BlendConfig(recompute_fraction=0.15, selection="deviation"))
 FINGERPRINT = Fingerprint.of(CONFIG.layout)
 FP = FINGERPRINT.digest
 HEADS = FINGERPRINT.num_kv_heads
@@ -90,6 +91,11 @@ def test_score_counts_the_documents_each_node_holds_or_can_pull_as_its_blend_wou
         assert row["computed_tokens"] == 50 + recompute  # the question, and what the blend recomputes
         assert row["estimated_compute_ms"] == pytest.approx(50 + recompute)  # 1 token/ms
     assert rows["p"]["local_tokens"] == {"cpu": 600} and rows["p"]["sources"] == {"q": 300}
+    # the question selection: its pass is the question (50 tokens) and the glue recomputed once before it
+    asking = dataclasses.replace(CONFIG, blend=BlendConfig(recompute_fraction=0.15, selection="question"))
+    e = _scorer(_node(mesh, "e", (0, HEADS), []), config=asking, prefill=PrefillRate(1000.0))
+    row = {r["node"]: r for r in score(e, prompt, spans, blend=True)["nodes"]}["e"]
+    assert row["recompute_tokens"] == 256 + 3 * 45 + (50 + 256)
     assert rows["e"]["local_tokens"] == {} and rows["e"]["sources"] == {"p": 600, "q": 300}
     assert rows["e"]["peer_tokens"] == 900
     # without segments: the exact prefix only, as before

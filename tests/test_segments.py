@@ -148,3 +148,12 @@ def test_a_request_is_blended_when_it_asks_or_when_the_operator_says_every_one_i
     assert wants_blend({FRACTION_PARAM: 0.3}, False) and wants_blend({SELECTION_PARAM: "deviation"}, False)
     with pytest.raises(SegmentError, match=BLEND_PARAM):
         wants_blend({BLEND_PARAM: "yes"}, False)
+
+
+def test_a_selection_of_every_segment_token_runs_no_pass():
+    """Fraction 1 selects every placed token: nothing to choose between, so no selection pass is run or charged."""
+    prompt, spans = rag(BASE, DOCS)
+    segs = segment_chunks(ROOT, prompt, spans, C)
+    for selection in ("deviation", "question"):
+        every = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0, selection=selection, num_layers=30)
+        assert every is not None and every.select == spans[-1][1] - 256 and every.probe_tokens == 0

@@ -174,7 +174,9 @@ class SegmentLoads:
         if t.select:
             segment_runs = [(seg.start + seg.skip, min(seg.end, t.end)) for seg in t.segments]
             candidates = subtract_runs(segment_runs, runs)
-            if t.selection == "question":
+            if t.select >= sum(e - s for s, e in candidates):
+                runs += candidates  # every candidate: nothing to select between (no pass run)
+            elif t.selection == "question":
                 runs = merge_runs(runs)
                 blender.recompute(t.token_ids, runs, t.block_ids)  # the glue in place: the question reads it
                 read, _ = blender.question_attention(t.question, t.end, t.block_ids)
