@@ -122,11 +122,8 @@ class BlendPlan:
         """The selection's pass, in tokens run through the whole model: the deviation selection's over the
         span (:func:`probe_cost`), the question selection's over the question (and the glue recomputed
         before it, once more)."""
-        if not self.select or self.select >= sum(seg.end - seg.start - seg.skip for seg in self.segments):
-            return 0  # nothing selected, or every segment token: no pass
-        if self.selection == "question":
-            return self.question + sum(e - s for s, e in self.recompute)
-        return probe_cost(self.end - self.exact_end, self.num_layers)
+        return selection_pass(self.selection, self.select, self.segments, self.end - self.exact_end, self.question,
+                              self.recompute, self.num_layers)
 
     @property
     def recomputed_tokens(self) -> int:
@@ -217,6 +214,18 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
 SELECTIONS = ("first", "deviation", "question")
 KV_ERROR_ENV = "LMCACHE_P2P_BLEND_KV_ERROR"  # a file: each blend's K/V error per layer against a full prefill
 DEVIATION_LAYER = 1  # the layer whose keys the deviation selection compares (layer 0's never move)
+
+
+def selection_pass(selection: str, select: int, segments: Sequence[SegmentChunks], span: int, question: int,
+                   glue: Sequence[tuple[int, int]], num_layers: int) -> int:
+    """What choosing ``select`` of the placed ``segments``' tokens runs through the model, in tokens through
+    all of it: nothing when every placed token is selected; the question's ``question`` tokens and the
+    ``glue`` runs once more for "question"; :func:`probe_cost` of the blend's ``span`` for "deviation"."""
+    if not select or select >= sum(seg.end - seg.start - seg.skip for seg in segments):
+        return 0
+    if selection == "question":
+        return question + sum(e - s for s, e in glue)
+    return probe_cost(span, num_layers)
 
 
 def probe_cost(span: int, num_layers: int) -> int:

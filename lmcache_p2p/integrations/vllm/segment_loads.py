@@ -24,7 +24,7 @@ from ...agent import CacheAgent
 from ...aio import remaining
 from ...blocks import blocks_from
 from ...keys import ChunkKey
-from ...segments import KV_ERROR_ENV, BlendTransfer, SegmentChunks, merge_runs, probe_cost, subtract_runs
+from ...segments import KV_ERROR_ENV, BlendTransfer, SegmentChunks, merge_runs, selection_pass, subtract_runs
 from ...selection import question_runs
 from .blend import Blender
 from .exact_loads import ExactLoads, load_deadline, wait_for_index
@@ -89,8 +89,10 @@ class SegmentLoads:
         expected, at this engine's measured prefill rate, to run past its load's deadline: it would run as one
         nested forward outside vLLM's step budget, stalling every other request's decode for that long;
         refused, vLLM computes the prompt itself, chunked into its steps."""
+        layers = self.blender.num_layers if t.select and self.blender is not None else 0
         tokens = (sum(e - s for s, e in t.recompute) + t.select + sum(seg.length for seg in t.segments if seg.fresh)
-                  + (probe_cost(t.end - t.exact_end, self.blender.num_layers) if t.select and self.blender else 0))
+                  + selection_pass(t.selection, t.select, t.segments, t.end - t.exact_end, len(t.question),
+                                   t.recompute, layers))
         expected = self.agent.prefill.recompute_s(tokens)
         left = remaining(load_deadline(self.agent, t))
         if expected is not None and expected > left:
