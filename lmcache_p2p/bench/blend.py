@@ -28,7 +28,6 @@ mode: eager (``enforce_eager``); vLLM's own prefix cache off on the mesh engines
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import random
@@ -85,11 +84,13 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
 
     def blended(prompt: list[int], params: dict[str, Any]) -> dict[str, Any]:
         """B's answer, with its blend's K/V error against a full prefill (``--kv-error``; None: not blended)."""
-        seen = kv_file.stat().st_size if kv_file.exists() else 0
+        def written() -> list[str]:
+            return kv_file.read_text().splitlines() if kv_file.exists() else []
+
+        seen = len(written()) if args.kv_error else 0
         row = ask(b, prompt, params)
         if args.kv_error:
-            with open(kv_file) if kv_file.exists() else contextlib.nullcontext(None) as f:
-                lines = [] if f is None else (f.seek(seen), f.read().splitlines())[1]
+            lines = written()[seen:]
             row["kv_error"] = json.loads(lines[-1]) if lines else None
         return row
 
