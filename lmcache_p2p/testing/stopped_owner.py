@@ -108,8 +108,11 @@ class StoppedOwner:
         if not wait_until(lambda: group_stopped(self.a.pid), 10):
             raise RuntimeError("A's processes did not all stop")
 
-    def resume(self, settle_s: float = 0.5) -> None:
-        """SIGCONT, then ``settle_s`` for A to catch up (its lease, its index, the connections it lost)."""
+    def resume(self, settle_s: float = 2.0) -> None:
+        """SIGCONT, then ``settle_s`` for A to catch up (its lease, its index, the connections it lost). Half a
+        second was too short after a stop of several seconds: A's first handshakes and acks came late, so the
+        next run's healthy pull timed out or widened B's round-trip estimate, and that run measured an owner
+        stopped just after a slow one (a deadline-bound give-up) instead of a healthy owner that stopped."""
         os.killpg(self.a.pid, signal.SIGCONT)
         self.stopped = False
         time.sleep(settle_s)
