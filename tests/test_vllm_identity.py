@@ -8,7 +8,9 @@ the reference outputs and is stopped before the tests run. All three run the tra
 
 A computes a held-out document under one identity; once its chunks are announced in etcd, B asks
 for the same document under other identities (it must load nothing from the mesh) and then under
-A's (it must load everything but the last token). Every answer equals the reference.
+A's (it must load everything but the last token). Every answer equals the reference. Last, B's weights
+are updated in place (vLLM's ``collective_rpc``, then ``reset_prefix_cache``, as an RL trainer does):
+rewritten unchanged, B keeps loading A's chunks; changed, it loads nothing and stops sharing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,9 +55,10 @@ class Mesh:
     a: EngineProcess
     b: EngineProcess
     cfg_a: Path
-    docs: dict[str, list[int]]  # "salt", "lora": one held-out document per test
+    docs: dict[str, list[int]]  # "salt", "lora", "reset", "weights": one held-out document per test
     adapters: dict[str, dict[str, Any]]  # "one", "two" (on A and the reference), "one-elsewhere" (on B)
     reference: dict[str, list[int]]  # greedy tokens without any connector, per document:identity
+    work: Path  # the engines' logs
 
 
 @pytest.fixture(scope="module")
@@ -66,24 +70,29 @@ def mesh(trained_model: Path, etcd: EtcdServer, tmp_path_factory: pytest.TempPat
     elsewhere = shutil.copytree(one, work / "elsewhere" / "adapter-one")
     adapters = {"one": lora("adapter-one", 1, one), "two": lora("adapter-two", 2, two),
                 "one-elsewhere": lora("adapter-one", 1, elsewhere)}
-    salt_doc, lora_doc = held_out_prompts(trained_model, 2, DOC_LEN)
+    # (the third held-out file's answer is one token over and over: no test of what KV changes)
+    salt_doc, lora_doc, _, weights_doc, reset_doc = held_out_prompts(trained_model, 5, DOC_LEN)
     cluster = "t-" + uuid.uuid4().hex[:12]
     cfg_a, cfg_b = (write_agent_config(work / f"{n}.yaml", node=f"engine-{n}", cluster=cluster,
                                        endpoints=etcd.endpoints) for n in ("a", "b"))
+    # B's weights are updated in place by a callable sent to its workers (test_weights_updated_in_place...)
+    env = {"engine-a": None, "engine-b": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
     engines = [EngineProcess(trained_model, cfg, name=name, log_path=work / f"{name}.log", dtype=DTYPE,
-                             max_lora_rank=LORA_RANK)
+                             max_lora_rank=LORA_RANK, env=env[name])
                for name, cfg in (("engine-a", cfg_a), ("engine-b", cfg_b))]
     a, b = engines
     try:
         # A plain engine's outputs (kept per machine: lmcache_p2p.testing.references)
-        names = ["salt:base", "lora:base", "lora:one", "lora:two"]
-        tokens = reference_tokens(trained_model, [salt_doc, lora_doc, lora_doc, lora_doc], max_tokens=MAX_TOKENS,
-                                  log_path=work / "reference.log", name="reference", dtype=DTYPE,
-                                  max_lora_rank=LORA_RANK, loras=[None, None, adapters["one"], adapters["two"]])
+        names = ["salt:base", "lora:base", "lora:one", "lora:two", "reset:base", "weights:base"]
+        tokens = reference_tokens(trained_model, [salt_doc, lora_doc, lora_doc, lora_doc, reset_doc, weights_doc],
+                                  max_tokens=MAX_TOKENS, log_path=work / "reference.log", name="reference",
+                                  dtype=DTYPE, max_lora_rank=LORA_RANK,
+                                  loras=[None, None, adapters["one"], adapters["two"], None, None])
         reference = dict(zip(names, tokens, strict=True))
         for engine in engines:
             engine.wait_ready()
-        yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc}, adapters, reference)
+        yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc, "reset": reset_doc, "weights": weights_doc},
+                   adapters, reference, work)
     finally:
         for engine in engines:
             engine.stop()
@@ -132,3 +141,36 @@ def test_lora_adapters_share_no_kv(mesh: Mesh) -> None:
     assert loaded == {"two": 0, "base": 0, "one": FULL_HIT}, (
         f"tokens B loaded per adapter: {loaded}; answers unlike recompute: {wrong}")
     assert not wrong, f"answers unlike recompute under {wrong}"
+
+
+def test_weights_updated_in_place_share_no_kv(mesh: Mesh) -> None:
+    """The fingerprint names the weights B loaded at start; an update in place keeps it. B's workers take a
+    digest of the weights at start and at each cache reset (``identity.loaded_weights_digest``).
+    Rewritten unchanged (an RL sync that changed nothing, or a plain reset): B drops its own chunks and goes
+    on loading A's. Changed: B loads nothing from A (A's chunks were computed with the old weights), its
+    agent stops (its chunks leave the index: nobody loads new-weight KV under the old fingerprint), and it
+    answers as its new weights do, unlike the reference. Runs last: B keeps its new weights."""
+    ref = mesh.reference
+    assert _on_a(mesh, mesh.docs["reset"])["tokens"] == ref["reset:base"]
+    assert mesh.b.request("update_weights", [], scale=1.0) == [{"reset": True}]
+    result = mesh.b.generate([mesh.docs["reset"]], MAX_TOKENS)[0]
+    assert (result["num_cached_tokens"], result["tokens"]) == (FULL_HIT, ref["reset:base"])  # still shares
+
+    assert _on_a(mesh, mesh.docs["weights"])["tokens"] == ref["weights:base"]
+    b_log = mesh.work / "engine-b.log"
+    assert "stops sharing" not in b_log.read_text()
+    assert mesh.b.request("update_weights", [], scale=1.25) == [{"reset": True}]
+    result = mesh.b.generate([mesh.docs["weights"]], MAX_TOKENS)[0]
+    assert result["num_cached_tokens"] == 0  # nothing of A's old-weight KV
+    assert result["tokens"] != ref["weights:base"]  # the update changed the answer: loading A's KV would be wrong
+    assert "the model's weights changed in place" in b_log.read_text()
+    assert wait_unregistered(mesh.cfg_a, "engine-b") == 0  # B's lease revoked: none of its chunks announced
+    again = mesh.b.generate([mesh.docs["reset"]], MAX_TOKENS)[0]  # A still holds it: never offered to B again
+    assert again["num_cached_tokens"] == 0
+
+
+def wait_unregistered(cfg: Path, node: str, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (count := registered_chunks(cfg, node)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return count

@@ -8,6 +8,8 @@ Reads JSON requests, one per line, on stdin::
     {"op": "batch", "prompts": [[1, 2, ...], ...], "max_tokens": 16}   # all at once (they compete for KV)
     {"op": "ttft", "prompts": [[...], ...]}          # one request per prompt, max_tokens=1, timed
     {"op": "serve", "prompts": [[...], ...], "max_tokens": 8}   # greedy tokens and the real TTFT of each
+    {"op": "update_weights", "prompts": [], "scale": 1.02}   # every weight times scale in place, then
+                                                             # reset_prefix_cache (as after an RL update)
     {"op": "quit"}
 
 ``generate``, ``ttft`` and ``serve`` also take ``"cache_salt": "tenant-one"`` (vLLM's per-request
@@ -158,8 +160,23 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
     elif req["op"] == "concurrent":
         _reply({"results": [_concurrent(llm, p, req["stream"], int(req.get("stream_tokens", 4000)),
                                         float(req.get("watch_s", 0.0))) for p in req["prompts"]]})
+    elif req["op"] == "update_weights":
+        # The engine's own control path: a callable on every worker (needs VLLM_ALLOW_INSECURE_SERIALIZATION
+        # in the engine's environment), then the reset a trainer makes after a weight update
+        llm.collective_rpc(_scale_weights, args=(float(req["scale"]),))
+        _reply({"results": [{"reset": bool(llm.reset_prefix_cache(reset_running_requests=True,
+                                                                  reset_connector=True))}]})
     else:
         _reply({"error": f"unknown op {req['op']!r}"})
+
+
+def _scale_weights(worker: Any, scale: float) -> None:
+    """Runs on a worker: every parameter of its model times ``scale``, in place (1.0: rewritten unchanged)."""
+    import torch
+
+    with torch.no_grad():
+        for param in worker.model_runner.model.parameters():
+            param.mul_(scale)
 
 
 def _serve_one(llm: Any, prompt: Any, max_tokens: int, lora: Any = None) -> dict[str, Any]:

@@ -47,11 +47,16 @@ class WorkerState(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after each step (vLLM aggregates the ranks' into one):
     ``unavailable``, the peers their pulls do not ask now (an answer overdue, or backed off), by node id.
     The scheduler offers no hit held only there: a load that would fail at once costs a request vLLM's
-    failed-load round (a step or two) on top of computing it."""
+    failed-load round (a step or two) on top of computing it. After a cache reset the scheduler offers
+    no hit until every worker checked the weights (``resets``), and none ever again once one stopped
+    sharing."""
 
     unavailable: frozenset[str] = frozenset()
+    resets: int = 0  # cache resets the workers checked the weights at (the fewest of any rank)
+    stopped_sharing: str | None = None  # why a worker stopped sharing (its weights changed in place)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, WorkerState):
             return self
-        return WorkerState(self.unavailable | other.unavailable)
+        return WorkerState(self.unavailable | other.unavailable, min(self.resets, other.resets),
+                           self.stopped_sharing or other.stopped_sharing)

@@ -179,6 +179,10 @@ class P2PScheduler:
         self._skipped: dict[str, int] = {}  # chunks admission kept out of saves since the last step, by reason
         self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
         self._reset = False  # vLLM reset its caches: the workers drop their chunks at the next step
+        self._resets = 0  # cache resets asked of the workers; hits are offered once they checked them all
+        self._workers_reset = 0  # ... the resets every worker has checked the weights at (WorkerState)
+        self._stopped_sharing: str | None = None  # a worker's weights changed in place: no hit, ever
+        self._steps_unchecked = 0  # steps built since a reset the workers have not all checked
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
@@ -280,6 +284,12 @@ class P2PScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         record = self._record(request)
+        if self._stopped_sharing is not None:  # the weights changed in place: chunks anywhere are the old ones'
+            return 0, False
+        if self._workers_reset < self._resets:
+            # Asked again next step, once every worker compared its weights with the start's (the reset goes
+            # out with the next step; their word comes back with its output); no hit if it has not by then.
+            return (None, False) if self._steps_unchecked < 2 else (0, False)
         if not prompt or record.loaded:
             # Asked again after a load for this request, before its prompt was computed: the load failed
             # (vLLM reset the request to recompute it). Offering the same hit again would loop; the engine
@@ -424,6 +434,14 @@ class P2PScheduler:
         if isinstance(unavailable, frozenset) and unavailable != self._unavailable:
             log.debug("lmcache-p2p: peers not asked now: %s", sorted(unavailable) or "none")
             self._unavailable = unavailable
+        resets = getattr(state, "resets", None)
+        if isinstance(resets, int):
+            self._workers_reset = max(self._workers_reset, resets)
+        stopped = getattr(state, "stopped_sharing", None)
+        if isinstance(stopped, str) and self._stopped_sharing is None:
+            self._stopped_sharing = stopped
+            log.error("lmcache-p2p: a worker stopped sharing (%s): no hit is offered until the engine restarts",
+                      stopped)
 
     def workers_told(self, refusals: dict[int, str | None]) -> None:
         """Every worker's blend capability (rank -> None, or why it can't); blends are planned only when all can."""
@@ -590,6 +608,7 @@ class P2PScheduler:
         meta.missed, self._missed = self._missed, {}
         meta.skipped, self._skipped = self._skipped, {}
         meta.reset_cache, self._reset = self._reset, False
+        self._steps_unchecked = self._steps_unchecked + 1 if self._workers_reset < self._resets else 0
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
@@ -764,8 +783,11 @@ class P2PScheduler:
     def reset_cache(self) -> bool:
         """vLLM resets its caches (``reset_prefix_cache``, e.g. after a weight update): this engine's workers
         drop every chunk their agents hold (unannounced from the index) at the next step, and nothing this
-        side remembers as saved counts as held any more."""
+        side remembers as saved counts as held any more. No hit is offered until every worker has compared
+        its weights with those loaded at start (``WorkerState.resets``); if they changed, none again."""
         self._reset = True
+        self._resets += 1
+        self._steps_unchecked = 0
         self._saved.clear()
         log.info("lmcache-p2p: cache reset requested: this node's chunks are dropped at the next step")
         return True

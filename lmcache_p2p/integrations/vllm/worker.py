@@ -20,6 +20,12 @@ The worker composes one part per concern, each the only owner of its state:
     wait_for_save:  the step's saves (synchronous gathers: the blocks may be reused after the step); a
                     finished request's tail is reported through get_finished once gathered (vLLM held
                     its blocks until then, whether or not it could be saved); a canary save is checked
+    reset_cache:    (vLLM's reset after a weight update) every chunk dropped; the weights' digest taken
+                    again (``identity.loaded_weights_digest``): when it changed, the agent is stopped (its
+                    lease revoked: its chunks leave the index; its server closed) and nothing is loaded
+                    or saved until a restart derives the new weights' fingerprint. Every load still
+                    planned or in flight is reported failed (recomputed); the scheduler hears it
+                    through WorkerState.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from ...blocks import ChunkTransfer, blocks_from
 from ...canary import Canary, MeshCopies
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
+from ...identity import loaded_weights_digest
 from ...kernels.layout import physical_view
 from ...kernels.paged import PagedKV
 from ...keys import Fingerprint, HeadRange, is_head_major
@@ -138,6 +145,12 @@ class P2PWorker:
         self._step_started: float | None = None
         self._idle_step = False
         self._step_tokens = 0
+        # The weights as loaded (their digest) and how many cache resets were checked against them; why
+        # this node stopped sharing (None: it shares)
+        self._model: Any = None
+        self._weights: bytes | None = None
+        self.resets = 0
+        self.stopped_sharing: str | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = list(kv_caches.values())
@@ -151,6 +164,13 @@ class P2PWorker:
         split = self._heads[1] - self._heads[0] if is_head_major(kv_layout) else 1
         kv = PagedKV([v for v, _ in views], block_dim=views[0][1], heads=split)
         blender = self._find_blender(kv_caches, kv) if self._config.blend.enabled else None
+        runner = find_runner()
+        if runner is not None:
+            self._model = runner.model
+            self._weights = loaded_weights_digest(self._model)
+        else:
+            log.warning("lmcache-p2p: vLLM's model runner was not found: a weight update in place cannot be told "
+                        "from a cache reset here (restart the engine after updating its weights)")
         chunk_bytes = kv.payload_nbytes(self._blocks_per_chunk)
         agent = CacheAgent(self._config, self._fingerprint, chunk_bytes, secret=cluster_secret(self._config),
                            heads=self._heads).start()
@@ -224,6 +244,8 @@ class P2PWorker:
                 self.agent.metrics.blend_requests.labels("refused").inc(meta.blend_refused)
             if meta.reset_cache:
                 self._drop_all()
+        if meta.reset_cache:
+            self._check_weights()
 
     def _drop_all(self) -> None:
         """vLLM reset its caches: drop every chunk this rank's agent holds, in every tier (each is unannounced)."""
@@ -231,6 +253,35 @@ class P2PWorker:
         assert agent is not None
         dropped = sum(1 for key in list(agent.tiers.inventory()) if agent.tiers.remove(key))
         log.info("lmcache-p2p: cache reset: %d chunks of agent %s dropped", dropped, agent.node_id)
+
+    def _check_weights(self) -> None:
+        """After a cache reset: the weights' digest again; stop sharing when they changed."""
+        self.resets += 1
+        if self._model is None or self.stopped_sharing is not None:
+            return
+        now = loaded_weights_digest(self._model)
+        if now == self._weights:
+            log.info("lmcache-p2p: cache reset with the weights unchanged: the node keeps sharing")
+            return
+        before = self._weights.hex() if self._weights is not None else "?"
+        self._stop_sharing(f"the model's weights changed in place (digest {before} -> {now.hex()}) under a "
+                           "fingerprint named for the weights loaded at start")
+
+    def _stop_sharing(self, why: str) -> None:
+        """Nothing more is loaded, saved or served by this rank: its agent is stopped (lease revoked, server
+        closed); loads planned from now on are reported failed."""
+        self.stopped_sharing = why
+        log.error("lmcache-p2p: %s: this node stops sharing KV (its chunks are dropped and unannounced, nothing "
+                  "is loaded from peers or the object store) until the engine is restarted, which derives the "
+                  "new weights' fingerprint", why)
+        agent = self.agent
+        self.exact = self.segments = self.saves = None
+        if self.canary is not None:
+            self.canary.shutdown()
+            self.canary = None
+        self.agent = None
+        if agent is not None:
+            agent.stop()
 
     def step_finished(self) -> None:
         self._unloaded.clear()
@@ -246,6 +297,9 @@ class P2PWorker:
     def start_load_kv(self, meta: LMCacheP2PMetadata) -> None:
         self._place_pulled()
         segments, exact = self.segments, self.exact
+        if self.stopped_sharing is not None:
+            self._fail_all(meta)
+            return
         if segments is None or exact is None:
             return
         for blend in meta.blends:
@@ -267,6 +321,21 @@ class P2PWorker:
                 self._completions.started()
                 self._loader.submit(self._load_async, transfer, time.monotonic())
 
+    def _fail_all(self, meta: LMCacheP2PMetadata) -> None:
+        """Every load of this step reported failed: the engine computes them (after this node stopped sharing)."""
+        transfers: list[BlendTransfer | ChunkTransfer] = [*meta.blends, *meta.loads]
+        for t in transfers:
+            if isinstance(t, BlendTransfer):
+                failed = t.blocks(self._block_size) | (blocks_from(t.exact, 0) if t.exact is not None else set())
+            else:
+                failed = blocks_from(t, 0)
+            if t.sync:
+                self._unloaded[t.req_id] = failed
+                self._completions.failed(failed)
+            else:
+                self._completions.started()
+                self._completions.finished(t.req_id, failed)
+
     def _queued(self, submitted: float) -> None:
         if self.agent is not None:
             self.agent.metrics.load_queue_seconds.observe(time.monotonic() - submitted)
@@ -276,6 +345,8 @@ class P2PWorker:
         try:
             assert self.exact is not None
             failed = self.exact.load(t, remote=True)
+            if self.stopped_sharing is not None:  # the weights changed while it loaded
+                failed = blocks_from(t, 0)
         except Exception:  # a cache problem must never become a serving problem: recompute it all
             log.exception("request %s: asynchronous load failed; recomputing", t.req_id)
             failed = blocks_from(t, 0)
@@ -288,6 +359,8 @@ class P2PWorker:
             assert self.segments is not None
             loaded, failed, gathered = self.segments.blend(t, remote=True, place=False)
             left = loaded.end > loaded.exact_end and not failed >= loaded.blocks(self._block_size)
+            if self.stopped_sharing is not None:  # the weights changed while it loaded
+                raise RuntimeError("this node stopped sharing")
         except Exception:  # never leave the request waiting: the engine computes it
             log.exception("request %s: blend failed on the load thread", t.req_id)
             loaded, left, gathered = t, False, []
@@ -320,8 +393,10 @@ class P2PWorker:
         return self._completions.take_errors()
 
     def state(self) -> WorkerState:
-        """For the scheduler, after this step: the peers this rank's pulls do not ask now."""
-        return WorkerState(self.agent.unavailable_peers() if self.agent is not None else frozenset())
+        """For the scheduler, after this step: the peers this rank's pulls do not ask now, the cache resets it
+        checked the weights at, and why it stopped sharing (None: it shares)."""
+        return WorkerState(self.agent.unavailable_peers() if self.agent is not None else frozenset(),
+                           resets=self.resets, stopped_sharing=self.stopped_sharing)
 
     # -- save ---------------------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheP2PMetadata) -> None:
