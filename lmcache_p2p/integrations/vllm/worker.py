@@ -118,6 +118,13 @@ class _Completions:
         return errors
 
 
+def _digest_into(model: Any, future: concurrent.futures.Future[bytes]) -> None:
+    try:
+        future.set_result(loaded_weights_digest(model))
+    except Exception as exc:  # told at the first reset: the node then stops sharing
+        future.set_exception(exc)
+
+
 class P2PWorker:
     def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int,
                  heads: HeadRange | None = None) -> None:
@@ -148,7 +155,7 @@ class P2PWorker:
         # The weights as loaded (their digest) and how many cache resets were checked against them; why
         # this node stopped sharing (None: it shares)
         self._model: Any = None
-        self._weights: bytes | None = None
+        self._weights: concurrent.futures.Future[bytes] | None = None
         self.resets = 0
         self.stopped_sharing: str | None = None
 
@@ -167,7 +174,12 @@ class P2PWorker:
         runner = find_runner()
         if runner is not None:
             self._model = runner.model
-            self._weights = loaded_weights_digest(self._model)
+            # Read beside the engine's start (torch releases the GIL; ~20 s for 16 GB of weights on 2 CPU
+            # cores, fast on a GPU); a reset waits for it. Weights updated while it reads them give a digest
+            # no later read matches: the node stops sharing, the safe side.
+            self._weights = concurrent.futures.Future()
+            threading.Thread(target=_digest_into, args=(self._model, self._weights), name="lmcache-p2p-weights",
+                             daemon=True).start()
         else:
             log.warning("lmcache-p2p: vLLM's model runner was not found: a weight update in place cannot be told "
                         "from a cache reset here (restart the engine after updating its weights)")
@@ -259,11 +271,16 @@ class P2PWorker:
         self.resets += 1
         if self._model is None or self.stopped_sharing is not None:
             return
-        now = loaded_weights_digest(self._model)
-        if now == self._weights:
+        try:
+            now = loaded_weights_digest(self._model)
+            at_start = self._weights.result() if self._weights is not None else None
+        except Exception as exc:  # never into vLLM; unknown weights are not shared
+            log.exception("lmcache-p2p: the weights' digest failed")
+            now, at_start = repr(exc).encode(), None
+        if now == at_start:
             log.info("lmcache-p2p: cache reset with the weights unchanged: the node keeps sharing")
             return
-        before = self._weights.hex() if self._weights is not None else "?"
+        before = at_start.hex() if at_start is not None else "?"
         self._stop_sharing(f"the model's weights changed in place (digest {before} -> {now.hex()}) under a "
                            "fingerprint named for the weights loaded at start")
 
