@@ -53,6 +53,13 @@ def test_a_failed_sync_load_saves_nothing_computed_over_it() -> None:
     run("sync-load")
 
 
+def test_kv_laid_out_otherwise_than_the_fingerprint_says_is_refused_and_the_engine_serves() -> None:
+    """A KV cache whose strides name another order than the layout fingerprint (its chunks would carry other
+    bytes under the same keys) is refused, not fatal: no agent starts, every planned load is reported failed
+    (recomputed: never a request left waiting), and the scheduler is told (``WorkerState.stopped_sharing``)."""
+    run("layout")
+
+
 def failed_gather() -> None:
     from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
     from lmcache_p2p.integrations.vllm.worker import P2PWorker
@@ -135,5 +142,32 @@ def failed_sync_load() -> None:
     print("ok")
 
 
+def layout_refused() -> None:
+    from lmcache_p2p.blocks import blocks_from
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+    from lmcache_p2p.integrations.vllm.worker import P2PWorker
+
+    config = load_config(env={}, overrides={"node_id": "w"})  # layout vllm-cpu: head-major blocks
+    worker = P2PWorker(config, Fingerprint.of(config.layout), BLOCK)
+    token_major = torch.zeros(4, BLOCK, 2, 8).transpose(1, 2)  # (block, head, token, content), tokens outer
+    worker.register_kv_caches({"layer.0": token_major, "layer.1": token_major.clone()})
+    assert worker.agent is None and worker.stopped_sharing is not None and "LBNHC" in worker.stopped_sharing
+    assert worker.state().stopped_sharing == worker.stopped_sharing
+    chunk = config.chunk_size
+    sync = ChunkTransfer("r-sync", [b"\1" * 16], [chunk], [list(range(16))], sync=True)
+    later = ChunkTransfer("r-async", [b"\2" * 16], [chunk], [list(range(16, 32))])
+    meta = LMCacheP2PMetadata(loads=[sync, later], saves=[ChunkTransfer("r-save", [b"\3" * 16], [chunk],
+                                                                        [list(range(32, 48))], finished=True)])
+    worker.step_started(meta)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    worker.step_finished()
+    assert worker.get_block_ids_with_load_errors() == blocks_from(sync, 0) | blocks_from(later, 0)
+    sent, done = worker.get_finished()
+    assert sent == {"r-save"} and done == {"r-async"}  # the saved tail's blocks go back; the load is done
+    worker.shutdown()
+    print("ok")
+
+
 if __name__ == "__main__":
-    {"gather": failed_gather, "sync-load": failed_sync_load}[sys.argv[1]]()
+    {"gather": failed_gather, "sync-load": failed_sync_load, "layout": layout_refused}[sys.argv[1]]()

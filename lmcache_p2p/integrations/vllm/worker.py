@@ -164,8 +164,10 @@ class P2PWorker:
         kv_layout = self._config.layout.kv_layout
         observed, named = observed_order(layers[0]), layout_order(kv_layout)
         if not orders_agree(observed, named, layers[0].shape[1]):  # the fingerprint would name other bytes
-            raise ValueError(f"lmcache-p2p: the KV cache tensors are laid out {observed} (read from their strides) "
-                             f"but the layout fingerprint names {named} ({kv_layout}): refusing to share them")
+            # Refused, not fatal: the engine serves as if the connector were not there
+            self._stop_sharing(f"the KV cache tensors are laid out {observed} (read from their strides) but the "
+                               f"layout fingerprint names {named} ({kv_layout})")
+            return
         views = [physical_view(t) for t in layers]  # memory order: what the gather kernels read
         # Head-major layouts: chunks are stored by KV head, so engines sharded differently share them.
         split = self._heads[1] - self._heads[0] if is_head_major(kv_layout) else 1
@@ -285,12 +287,11 @@ class P2PWorker:
                            "fingerprint named for the weights loaded at start")
 
     def _stop_sharing(self, why: str) -> None:
-        """Nothing more is loaded, saved or served by this rank: its agent is stopped (lease revoked, server
-        closed); loads planned from now on are reported failed."""
+        """Nothing more is loaded, saved or served by this rank: its agent (if started) is stopped (lease
+        revoked, server closed); loads planned from now on are reported failed, and the scheduler told."""
         self.stopped_sharing = why
-        log.error("lmcache-p2p: %s: this node stops sharing KV (its chunks are dropped and unannounced, nothing "
-                  "is loaded from peers or the object store) until the engine is restarted, which derives the "
-                  "new weights' fingerprint", why)
+        log.error("lmcache-p2p: %s: this node stops sharing KV (nothing of it is announced, nothing is loaded from "
+                  "peers or the object store) until the engine is restarted", why)
         agent = self.agent
         self.exact = self.segments = self.saves = None
         if self.canary is not None:
