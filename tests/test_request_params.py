@@ -7,7 +7,9 @@ A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd) 
   then the request is planned at once and never costs another read (it would have held the request and
   read etcd on the scheduler thread every step for 2 s);
 - ``lmcache_p2p_canary: true`` beyond ``canary.requested_per_minute``: served as any request (offered its
-  hit), the ask counted; within the limit, honoured (no hit: the engine computes it).
+  hit), the ask counted; within the limit, honoured (no hit: the engine computes it);
+- after vLLM's ``reset_cache``: held (None) until the workers say they compared the weights, for two steps
+  at most; then planned again, or never once a worker stopped sharing (weights changed in place).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
     # vLLM's reset_cache: told to the workers once, in the next step's metadata
     assert got["reset"] == [True, False, True, False], got
     assert got["admitted"] == [[256], [256, 40]], got
+    assert got["after_reset"] == [[None, False], [None, False], [0, False], [0, False], [0, True], [0, False]], got
 
 
 def main() -> None:
@@ -94,6 +97,29 @@ def main() -> None:
         longer = ChunkTransfer("l", [b"a" * 16, b"c" * 16], [256, 40], [[0] * 16, [3, 4, 5]])
         out["admitted"] = [sched._admitted(short).num_tokens, sched._admitted(longer).num_tokens]
         out["reset"] += [sched.build_connector_meta(empty).reset_cache, sched.build_connector_meta(empty).reset_cache]
+        # after a reset, nothing is offered until every worker compared its weights (asked again: None); two
+        # steps without their word: no hit (0), never a request held for good; once they did, planned again
+        # (a plan reads etcd in lookup mode: the reads tell a plan from a refusal)
+        from lmcache_p2p.integrations.vllm.metadata import WorkerState
+
+        def asked(rid: str) -> list[Any]:
+            before = reads()
+            n = sched.get_num_new_matched_tokens(request(rid, list(range(2000 + 300 * len(rid), 2256 + 300 * len(rid))),
+                                                         None), 0)[0]
+            return [n, reads() - before > 0]
+
+        sched.reset_cache()
+        out["after_reset"] = [asked("w0")]
+        sched.build_connector_meta(empty)
+        out["after_reset"].append(asked("w1"))
+        sched.build_connector_meta(empty)
+        out["after_reset"].append(asked("w2"))
+        sched.workers_said(WorkerState(resets=1))  # the first reset's report came late: still one behind
+        out["after_reset"].append(asked("w3"))
+        sched.workers_said(WorkerState(resets=2))
+        out["after_reset"].append(asked("w4x"))
+        sched.workers_said(WorkerState(resets=2, stopped_sharing="the model's weights changed in place"))
+        out["after_reset"].append(asked("w5xx"))
     finally:
         sched.shutdown()
     print(json.dumps(out))
