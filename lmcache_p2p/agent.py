@@ -63,7 +63,7 @@ from .keys import ChunkKey, Fingerprint, HeadRange
 from .load import Loader, keys_of, local_plan
 from .metrics import PER_PEER_SERIES, AgentMetrics, MetricsServer
 from .plan import FetchBudget, HitPlan, PlannedChunk
-from .router.proof import engine_proof, router_key
+from .router.proof import engine_proof, router_key, signed_engine_proof
 from .score import Scorer, http_app
 from .tiers import Pin, Reservation, TieredStore
 from .transfer.pull import Puller
@@ -103,6 +103,7 @@ class CacheAgent:
         self._index_factory = index_factory
         self._transfers_factory = transfers
         self._secret = secret
+        self._proof: tuple[tuple[str, str, str | None], str | None] | None = None  # (what it proves, the proof)
         self.metrics = metrics if metrics is not None else AgentMetrics(CollectorRegistry())
         self.metrics.on_collect(lambda: self.metrics.mirror(
             self.tiers, self.index, self._stack.chunks_sent() if self._stack is not None else None))
@@ -300,12 +301,7 @@ class CacheAgent:
         transfer = stack.node_record() if stack is not None else {}
         host = str(transfer.get("host"))
         address = f"{self._advertise_host() if is_wildcard(host) else host}:{transfer.get('port')}"
-        proof = None  # routers use the engine this record announces only with its proof
-        secret = self._secret if self._secret is not None else cluster_secret(self.config)
-        if self.config.engine_url and secret:
-            proof = engine_proof(router_key(secret), cluster=self.config.cluster, node_id=self.node_id,
-                                 engine_url=self.config.engine_url, engine_pool=self.config.engine_pool,
-                                 metrics_url=metrics_url)
+        proof = self._engine_proof(metrics_url)  # routers use the engine this record announces only with it
         return NodeRecord(
             node_id=self.node_id,
             addresses={t: address for t in transfer.get("transports", ())},
@@ -329,6 +325,29 @@ class CacheAgent:
             engine_pool=self.config.engine_pool,
             engine_proof=proof,
         )
+
+    def _engine_proof(self, metrics_url: str | None) -> str | None:
+        """The proof of the engine this node announces (``router/proof.py``): signed with the node's transfer
+        TLS key where it has one (a router given the transfer CA accepts no other), else keyed by the router
+        key of the cluster secret. Made once per announced engine."""
+        c = self.config
+        if not c.engine_url:
+            return None
+        what = (c.engine_url, c.engine_pool, metrics_url)
+        if self._proof is not None and self._proof[0] == what:
+            return self._proof[1]
+        proof: str | None = None
+        if c.transfer.tls_cert is not None and c.transfer.tls_key is not None:
+            proof = signed_engine_proof(Path(c.transfer.tls_cert).read_bytes(), Path(c.transfer.tls_key).read_bytes(),
+                                        cluster=c.cluster, node_id=self.node_id, engine_url=c.engine_url,
+                                        engine_pool=c.engine_pool, metrics_url=metrics_url)
+        else:
+            secret = self._secret if self._secret is not None else cluster_secret(c)
+            if secret:
+                proof = engine_proof(router_key(secret), cluster=c.cluster, node_id=self.node_id,
+                                     engine_url=c.engine_url, engine_pool=c.engine_pool, metrics_url=metrics_url)
+        self._proof = (what, proof)
+        return proof
 
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:
         """On the loop: the cluster config changed; apply its live fields (``coordinator/apply.py``)."""

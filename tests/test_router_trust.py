@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import io
 import json
 import os
@@ -33,6 +34,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
+from lmcache_p2p.certs import make_certs
 from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.errors import MalformedRecord
 from lmcache_p2p.ids import NodeId
@@ -43,7 +45,13 @@ from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.router.app import ENGINE_HEADER, Metrics, Router, RouterConfig, client_session
 from lmcache_p2p.router.engines import Fleet, FleetSource
-from lmcache_p2p.router.proof import engine_proof, router_key
+from lmcache_p2p.router.proof import (
+    engine_proof,
+    load_transfer_ca,
+    router_key,
+    signed_engine_proof,
+    signed_proof_refusal,
+)
 
 REPO = Path(__file__).parents[1]
 KEY = router_key(SECRET.encode())
@@ -496,3 +504,83 @@ def test_api_keys_pass_through_to_trusted_engines_and_guard_the_routers_own_rout
             await announced.stop()
 
     asyncio.run(main())
+
+
+def signed(node: str, url: str, cert: tuple[Path, Path], *, cluster: str = "default", pool: str = "mixed",
+           metrics_url: str | None = None) -> NodeRecord:
+    """A node record announcing ``url``, its proof signed with the transfer certificate and key ``cert``."""
+    metrics_url = metrics_url or url + "/metrics"
+    proof = signed_engine_proof(cert[0].read_bytes(), cert[1].read_bytes(), cluster=cluster, node_id=node,
+                                engine_url=url, engine_pool=pool, metrics_url=metrics_url)
+    return NodeRecord(node_id=NodeId(node), addresses={}, transports=(), metrics_url=metrics_url, engine_url=url,
+                      engine_pool=pool, engine_proof=proof)
+
+
+def test_with_the_transfer_ca_only_a_nodes_own_certificate_proves_its_engine(tmp_path, caplog):
+    """Every agent holds the cluster secret, so a keyed proof proves nothing about which node made it: a
+    router given the transfer CA takes only proofs signed by the key of a certificate the CA issued, valid
+    now, that names the record's node. Node x, holding its own certificate, the secret and etcd, cannot
+    announce an engine under any other node id, nor move a's record to its URL; nor can a certificate of
+    another CA, or one that names no node. A node's TP ranks (``a-r1``) are covered by its name."""
+    certs = make_certs(tmp_path / "pki", ["node-a=node:a", "node-x=node:x", "unnamed"])
+    foreign = make_certs(tmp_path / "other-pki", ["node-a=node:a"])
+    cas = tuple(load_transfer_ca((tmp_path / "pki" / "ca.crt").read_bytes(), "ca.crt"))
+    good = signed("a", "http://10.0.0.1:8000", certs["node-a"])
+    rank = signed("a-r1", "http://10.0.0.9:8000", certs["node-a"])
+    cases = {
+        "keyed": (record("keyed", "http://10.0.0.2:8000"), "keyed_proof"),  # any secret holder's
+        "evil": (signed("evil", "http://10.6.6.6:8000", certs["node-x"]), "other_node"),
+        "evil-copy": (dataclasses.replace(good, node_id=NodeId("evil-copy")), "other_node"),
+        "moved": (dataclasses.replace(signed("moved", "http://10.0.0.3:8000", certs["node-a"]),
+                                      engine_url="http://10.6.6.6:8000"), "other_node"),
+        "a-r2": (dataclasses.replace(rank, node_id=NodeId("a-r2"), engine_url="http://10.6.6.6:8000"),
+                    "bad_proof"),  # a's certificate names a-r2 too, but the signature covers a-r1 and its URL
+        "a-r3": (signed("a-r3", "http://10.0.0.4:8000", foreign["node-a"]), "untrusted_cert"),
+        "unnamed": (signed("unnamed", "http://10.0.0.5:8000", certs["unnamed"]), "other_node"),
+        "unproven": (record("unproven", "http://10.0.0.6:8000", key=None), "no_proof"),
+    }
+    records = [good, rank] + [r for r, _ in cases.values()]
+    for r in records:  # every form travels in a node record
+        assert NodeRecord.unpack(r.pack()).engine_proof == r.engine_proof
+
+    async def main() -> None:
+        async with aiohttp.ClientSession() as session:
+            fleet = Fleet(FleetSource(records=lambda: records, transfer_ca=cas, router_key=KEY), session)
+            assert sorted(fleet.engines) == ["http://10.0.0.1:8000", "http://10.0.0.9:8000"]
+            assert fleet.refused == {node: reason for node, (_, reason) in cases.items()}
+            keyed_only = Fleet(FleetSource(records=lambda: [good], router_key=KEY), session)
+            assert keyed_only.engines == {} and keyed_only.refused == {"a": "no_transfer_ca"}
+
+    asyncio.run(main())
+    fields = {"cluster": "default", "node_id": "a", "engine_url": good.engine_url, "engine_pool": "mixed",
+              "metrics_url": good.metrics_url}
+    assert signed_proof_refusal(cas, good.engine_proof, **fields) is None
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3650)  # the certificate has expired
+    assert signed_proof_refusal(cas, good.engine_proof, now=later, **fields) == "expired_cert"
+    assert signed_proof_refusal(cas, good.engine_proof, **{**fields, "cluster": "other"}) == "bad_proof"
+
+
+def test_an_agent_with_a_transfer_certificate_signs_the_engine_it_announces(tmp_path, etcd, cluster_name):
+    """A real agent with ``transfer.tls_*`` publishes a signed proof in its node record (read back from etcd)
+    that holds under the transfer CA; without TLS, the keyed one."""
+    certs = make_certs(tmp_path / "pki", ["node-a=node:a"])
+    cas = tuple(load_transfer_ca((tmp_path / "pki" / "ca.crt").read_bytes(), "ca.crt"))
+    tls = {"tls_ca_cert": str(tmp_path / "pki" / "ca.crt"), "tls_cert": str(certs["node-a"][0]),
+           "tls_key": str(certs["node-a"][1])}
+    cfg = agent_yaml(tmp_path / "a.yaml", node="a", cluster=cluster_name, endpoints=etcd.endpoints, transfer=tls)
+    cfg.write_text(yaml.safe_dump({**yaml.safe_load(cfg.read_text()), "engine_url": "http://10.0.0.1:8000"}))
+    agent = start_agent(cfg)
+    try:
+        async def read() -> NodeRecord:
+            async with EtcdClient(EtcdConfig(endpoints=etcd.endpoints)) as client:
+                kv, _ = await client.get(Schema(cluster_name).node(NodeId("a")))
+                assert kv is not None
+                return NodeRecord.unpack(kv.value)
+
+        published = asyncio.run(read())
+    finally:
+        agent.stop()
+    assert published.engine_proof is not None and published.engine_proof.startswith("x509:")
+    assert signed_proof_refusal(cas, published.engine_proof, cluster=cluster_name, node_id="a",
+                                engine_url="http://10.0.0.1:8000", engine_pool="mixed",
+                                metrics_url=published.metrics_url) is None

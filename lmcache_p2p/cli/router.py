@@ -6,14 +6,16 @@
     lmcache-p2p router key --config agent.yaml    # print the router key of a node's cluster secret
 
 With etcd, every engine whose agent sets ``engine_url`` (and ``engine_pool``: mixed, prefill or decode)
-and proves it (``engine_proof`` in its node record, under the router key) is found and scored through its
-own agent; engines come and go with their node records. The router key (``--router-key-file`` or
-LMCACHE_P2P_ROUTER_KEY, hex) is derived from the cluster secret for this one purpose: the router never
-holds the secret itself. Without it, or for a record whose proof does not hold, announced engines are
-ignored (logged, counted in lmcache_p2p_router_engines_refused_total) and never contacted; static engines
-(``--engine`` ...) are the operator's and always used. Static engines may be named ``NODE=URL`` so the
-score (which names engines by their agent's node id) applies to them. Listens on ``--host``/``--port``
-(default 127.0.0.1:8080).
+and proves it (``engine_proof`` in its node record, ``router/proof.py``) is found and scored through its
+own agent; engines come and go with their node records. With ``--transfer-ca`` (the transfer CA's
+certificate) only proofs signed by the node's own transfer certificate hold: no agent can announce
+another node's engine. Else the router key (``--router-key-file`` or LMCACHE_P2P_ROUTER_KEY, hex) is
+derived from the cluster secret for this one purpose (the router never holds the secret itself; every
+agent can make such proofs for any node). Without either, or for a record whose proof does not hold,
+announced engines are ignored (logged, counted in lmcache_p2p_router_engines_refused_total) and never
+contacted; static engines (``--engine`` ...) are the operator's and always used. Static engines may be
+named ``NODE=URL`` so the score (which names engines by their agent's node id) applies to them. Listens on
+``--host``/``--port`` (default 127.0.0.1:8080).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import cluster_secret, parse_size
-from ..router.proof import parse_router_key, plain_url, router_key
+from ..router.proof import load_transfer_ca, parse_router_key, plain_url, router_key
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 
@@ -76,6 +78,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--health-timeout", type=float, default=1.0)
     p.add_argument("--router-key-file", metavar="PATH", help="the router key (hex; `lmcache-p2p router key` "
                    f"prints it), else ${ROUTER_KEY_ENV}; without it engines announced in etcd are ignored")
+    p.add_argument("--transfer-ca", metavar="PATH", help="the transfer CA's certificate (PEM; k8s: ca.crt of the "
+                   "Secret lmcache-p2p-transfer-tls): an announced engine is used only with a proof signed by its "
+                   "node's own transfer certificate, which names the node (agents with transfer.tls_* make them); "
+                   "keyed proofs, which any holder of the cluster secret can make, are refused")
     p.add_argument("--forward-authorization", default="all-trusted", choices=FORWARD_AUTHORIZATION,
                    help="which engines get the client's Authorization header: all-trusted (static and proven "
                    "engines; the default), static (--engine ... only), none")
@@ -122,7 +128,7 @@ def _read_key(path: str | None, env: str) -> str | None:
 
 
 async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, str, str | None], ...],
-                records: Any, key: bytes | None, cluster: str) -> None:
+                records: Any, key: bytes | None, cluster: str, cas: tuple[Any, ...] = ()) -> None:
     from aiohttp import web
 
     from ..router.app import Metrics, Router, client_session
@@ -131,7 +137,7 @@ async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, 
     async with client_session() as session:
         metrics = Metrics()
         source = FleetSource(static=static, records=records, score_url=args.score_url, router_key=key,
-                             cluster=cluster, forward_authorization=args.forward_authorization)
+                             transfer_ca=cas, cluster=cluster, forward_authorization=args.forward_authorization)
         fleet = Fleet(source, session, interval_s=args.health_interval, timeout_s=args.health_timeout,
                       refused=metrics.engines_refused)
         router = Router(fleet, config, session, metrics)
@@ -201,6 +207,7 @@ def main(argv: list[str]) -> int:
         chunk = args.chunk_size or (node_config.chunk_size if args.config and node_config else CHUNK_TOKENS)
         key_text = _read_key(args.router_key_file, ROUTER_KEY_ENV)
         key = parse_router_key(key_text, args.router_key_file or ROUTER_KEY_ENV) if key_text is not None else None
+        cas = tuple(load_transfer_ca(Path(args.transfer_ca).read_bytes(), "--transfer-ca")) if args.transfer_ca else ()
         config = RouterConfig(policy=args.policy, disaggregated=args.disaggregated, attempts=args.attempts,
                               first_byte_timeout_s=args.first_byte_timeout, request_timeout_s=args.request_timeout,
                               route_timeout_s=args.route_timeout, documents_timeout_s=args.documents_timeout,
@@ -212,10 +219,13 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
     cluster = node_config.cluster if node_config is not None else "default"
-    if node_config is not None and key is None:
+    if node_config is not None and key is None and not cas:
         logging.getLogger(__name__).warning(
-            "no router key (--router-key-file or $%s): engines announced in etcd are ignored, only static "
-            "engines are used; `lmcache-p2p router key --config agent.yaml` prints the key", ROUTER_KEY_ENV)
+            "no transfer CA (--transfer-ca) and no router key (--router-key-file or $%s): engines announced in "
+            "etcd are ignored, only static engines are used; `lmcache-p2p router key --config agent.yaml` prints "
+            "the key", ROUTER_KEY_ENV)
+    elif cas and key is not None:
+        logging.getLogger(__name__).info("--transfer-ca given: the router key is not used (only signed proofs)")
     with _records(args) as records:
-        asyncio.run(serve(args, config, tuple(static), records, key, cluster))
+        asyncio.run(serve(args, config, tuple(static), records, key, cluster, cas))
     return 0

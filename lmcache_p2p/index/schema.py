@@ -366,13 +366,16 @@ def _one_of(raw: dict[str, Any], name: str, allowed: tuple[str, ...], default: s
     return value
 
 
-_PROOF_RE = re.compile("[0-9a-f]{64}")
+# The two forms of an engine proof (router/proof.py): keyed, and signed with the node's transfer certificate
+KEYED_PROOF_RE = re.compile("[0-9a-f]{64}")
+SIGNED_PROOF_RE = re.compile(r"x509:[A-Za-z0-9_-]{64,8192}\.[A-Za-z0-9_-]{32,1024}")
 
 
 def _engine_proof(raw: dict[str, Any]) -> str | None:
     proof = _field(raw, "engine_proof", (str, type(None)), None)
-    if proof is not None and not _PROOF_RE.fullmatch(proof):
-        raise MalformedRecord("node record", "engine_proof: expected 64 lower-case hex chars")
+    if proof is not None and not (KEYED_PROOF_RE.fullmatch(proof) or SIGNED_PROOF_RE.fullmatch(proof)):
+        raise MalformedRecord("node record", "engine_proof: expected 64 lower-case hex chars, or x509:<certificate>."
+                                             "<signature> in base64url")
     return proof
 
 

@@ -4,9 +4,10 @@ An :class:`Engine` is one vLLM OpenAI server: its base URL, the node id of its a
 names engines by it), and its pool (``mixed``, or ``prefill`` / ``decode`` for disaggregated serving).
 Engines come from a static list (the operator's: trusted as given) or from the node records in etcd
 (``engine_url`` / ``engine_pool``, published by each agent), where only a record whose ``engine_proof``
-holds under the router key (``proof.py``) is used: any other is never contacted at all (no health
-check, prompt or header), counted by reason and logged once per record as it stands. Without a router
-key, every announced engine is refused. The client's ``Authorization`` goes to an engine only where
+holds (``proof.py``: signed by the node's own certificate under the transfer CA when the router has it,
+else keyed under the router key) is used: any other is never contacted at all (no health check, prompt or
+header), counted by reason and logged once per record as it stands. With neither, every announced engine
+is refused. The client's ``Authorization`` goes to an engine only where
 ``forward_authorization`` allows (``all-trusted``: static and proven engines; ``static``; ``none``).
 :class:`Fleet` keeps them fresh in the background: every ``interval_s`` it re-reads the records, asks each
 engine's ``/health`` and reads its ``/metrics`` (running and waiting requests, KV-cache usage), each call
@@ -33,7 +34,7 @@ import aiohttp
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from .proof import plain_url, proof_holds
+from .proof import SIGNED_PREFIX, plain_url, proof_holds, signed_proof_refusal
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,14 @@ class Engine:
 @dataclasses.dataclass(frozen=True)
 class FleetSource:
     """Where engines come from: static URLs per pool, and/or a function returning node records (used
-    only where their proof holds under ``router_key`` for ``cluster``)."""
+    only where their proof holds for ``cluster``: signed by a certificate of ``transfer_ca`` naming the node
+    when that is given, else keyed under ``router_key``)."""
 
     static: tuple[tuple[str, str, str | None], ...] = ()  # (url, pool, node id)
     records: Callable[[], Iterable[Any]] | None = None  # -> NodeRecords (an etcd mirror's nodes)
     score_url: str | None = None  # static: the agent asked for scores
     router_key: bytes | None = dataclasses.field(default=None, repr=False)
+    transfer_ca: tuple[Any, ...] = ()  # CA certificates: then only proofs signed by a node's certificate hold
     cluster: str = "default"
     forward_authorization: str = "all-trusted"  # which engines get the client's Authorization
 
@@ -154,13 +157,19 @@ class Fleet:
 
     def _refusal(self, record: Any) -> str | None:
         """Why an announced engine may not be used (None: its proof holds)."""
-        key = self.source.router_key
-        if key is None:
+        key, cas = self.source.router_key, self.source.transfer_ca
+        if key is None and not cas:
             return "no_router_key"
         if not plain_url(record.engine_url):
             return "bad_url"
+        if cas:
+            return signed_proof_refusal(cas, record.engine_proof, cluster=self.source.cluster,
+                                        node_id=record.node_id, engine_url=record.engine_url,
+                                        engine_pool=record.engine_pool, metrics_url=record.metrics_url)
         if record.engine_proof is None:
             return "no_proof"
+        if key is None or record.engine_proof.startswith(SIGNED_PREFIX):
+            return "no_transfer_ca"
         if not proof_holds(key, record.engine_proof, cluster=self.source.cluster, node_id=record.node_id,
                            engine_url=record.engine_url, engine_pool=record.engine_pool,
                            metrics_url=record.metrics_url):
@@ -173,12 +182,19 @@ class Fleet:
         if self._refused.get(record.node_id) != seen:
             if self._refused_counter is not None:
                 self._refused_counter.labels(reason).inc()
-            why = {"no_router_key": "the router has no router key (--router-key-file): announced engines are "
-                                    "ignored",
+            why = {"no_router_key": "the router has neither the transfer CA (--transfer-ca) nor a router key "
+                                    "(--router-key-file): announced engines are ignored",
                    "bad_url": "its engine URL is not a plain http(s) URL",
                    "no_proof": "its record carries no engine_proof",
-                   "bad_proof": "its engine_proof does not hold under the router key (forged or edited record, "
-                                "or another cluster secret)"}[reason]
+                   "bad_proof": "its engine_proof does not hold (forged or edited record, or another cluster "
+                                "secret or CA)",
+                   "keyed_proof": "its engine_proof is keyed by the cluster secret, which every agent holds: "
+                                  "with --transfer-ca only proofs signed by the node's own certificate count",
+                   "no_transfer_ca": "its engine_proof is signed by a node certificate: give the router the "
+                                     "transfer CA (--transfer-ca) to check it",
+                   "untrusted_cert": "its engine_proof's certificate was not issued by the transfer CA",
+                   "expired_cert": "its engine_proof's certificate is not valid now",
+                   "other_node": "its engine_proof's certificate names another node"}[reason]
             log.warning("engine at %.200r announced by node record %r ignored: %s", record.engine_url,
                         record.node_id, why)
         return seen

@@ -37,11 +37,12 @@ import contextlib
 import hashlib
 import socket
 import ssl
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..certs import NODE_URI
+from ..certs import NODE_URI as NODE_URI  # re-exported: requesters and tests read them here
+from ..certs import names_node as names_node
 from ..config import TransferConfig
 from ..errors import ConfigError, HandshakeError, PeerTimeout
 from .netio import send_all
@@ -78,12 +79,6 @@ def cert_nodes(cert: Mapping[str, Any] | None) -> frozenset[str]:
     """The node ids a certificate names (a validated peer certificate, as ``getpeercert()`` gives it)."""
     sans = (cert or {}).get("subjectAltName", ())
     return frozenset(v[len(NODE_URI):] for k, v in sans if k == "URI" and v.startswith(NODE_URI))
-
-
-def names_node(names: Collection[str], node_id: str) -> bool:
-    """A certificate naming ``names`` may serve as ``node_id``: one of them, or a TP rank of one."""
-    base, sep, rank = node_id.rpartition("-r")
-    return node_id in names or (bool(sep) and rank.isdigit() and base in names)
 
 
 def peer_nodes(ssl_object: ssl.SSLObject | None) -> frozenset[str]:
