@@ -72,7 +72,7 @@ class Recorder:
         self.url = ""
 
     async def start(self) -> Recorder:
-        app = web.Application()
+        app = web.Application(client_max_size=16 << 20)  # the largest bodies a router passes
         app.router.add_route("*", "/{tail:.*}", self._any)
         self.runner = web.AppRunner(app, shutdown_timeout=0.2)
         await self.runner.setup()
@@ -584,3 +584,75 @@ def test_an_agent_with_a_transfer_certificate_signs_the_engine_it_announces(tmp_
     assert signed_proof_refusal(cas, published.engine_proof, cluster=cluster_name, node_id="a",
                                 engine_url="http://10.0.0.1:8000", engine_pool="mixed",
                                 metrics_url=published.metrics_url) is None
+
+
+def test_maximal_bodies_past_the_memory_budget_get_a_503_and_the_router_stays_within_it(tmp_path):
+    """48 clients at once, each with the largest body (8 MiB of token ids), at a router process whose only
+    engine holds every request it gets (it never answers) and whose budget is 160 MiB: each request reserves
+    8 bytes per body byte before its body is read (64 MiB here), so two are admitted and the rest answered
+    503 with Retry-After, read by the client after its whole body was sent and dropped. The router's
+    resident memory stays within the budget over its idle size (sampled from /proc during the burst);
+    admitted all at once (no budget), the same 48 grew it by 2.9 GiB. A small body is served afterwards."""
+    tokens = [100_000 + i % 900_000 for i in range(1_040_000)]  # "123456, ": 8 bytes each, just under 8 MiB
+    body = json.dumps({"prompt": tokens, "max_tokens": 1}).encode()
+    assert 7 << 20 < len(body) <= 8 << 20
+
+    async def main() -> None:
+        engine = await Recorder("m").start()
+        engine.mode = "hang"
+        port = free_port()
+        log = open(tmp_path / "router.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "lmcache_p2p", "router", "--port", str(port), "--engine",
+                                 f"m={engine.url}", "--health-interval", "0.2", "--health-timeout", "5",
+                                 "--max-memory", "160MiB", "--first-byte-timeout", "600", "--policy", "round_robin"],
+                                stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async def ready() -> bool:
+                assert proc.poll() is None, (tmp_path / "router.log").read_text()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    return (await call("GET", url + "/health"))[0] == 200
+                return False
+
+            await until(ready, 60, "the router never had a healthy engine")
+            idle_rss = rss(proc.pid)
+            peak = idle_rss
+            sending = [asyncio.create_task(call("POST", url + "/v1/completions", raw=body)) for _ in range(48)]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and (len([t for t in sending if t.done()]) < 46
+                                                   or not await at_engine(engine, 2)):
+                peak = max(peak, rss(proc.pid))
+                await asyncio.sleep(0.02)
+            done = [t.result() for t in sending if t.done()]
+            assert len(done) == 46 and all(status == 503 and headers["Retry-After"] == "1" and b"MiB" in answer
+                                           for status, headers, answer in done), [d[0] for d in done]
+            for _ in range(25):  # the two admitted ones stay held at the engine
+                peak = max(peak, rss(proc.pid))
+                await asyncio.sleep(0.02)
+            assert peak - idle_rss < 160 << 20, f"router grew {(peak - idle_rss) >> 20} MiB over its idle size"
+            metrics = (await call("GET", url + "/metrics"))[2].decode()
+            assert 'lmcache_p2p_router_refused_total{reason="memory"} 46.0' in metrics
+            for task in sending:
+                task.cancel()
+            await asyncio.gather(*sending, return_exceptions=True)
+            engine.mode = "ok"
+            await until(lambda: served(url), 30, "a small request was never served after the burst")
+        finally:
+            proc.terminate()
+            proc.wait(15)
+            log.close()
+            await engine.stop()
+
+    asyncio.run(main())
+
+
+def rss(pid: int) -> int:
+    """Resident memory of process ``pid`` in bytes (/proc/PID/status VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) << 10
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+async def served(url: str) -> bool:
+    return (await call("POST", url + "/v1/completions", {"prompt": "small", "max_tokens": 1}))[0] == 200

@@ -94,6 +94,9 @@ def parser() -> argparse.ArgumentParser:
                    "its body (default 30; then the connection is closed, a body: 408)")
     p.add_argument("--max-concurrent", type=int, default=512, help="requests in flight; past it: 503 with "
                    "Retry-After (default 512)")
+    p.add_argument("--max-memory", default="1GiB", help="what requests in flight may hold: each reserves 8 times "
+                   "its body's length before it is read; past it: 503 with Retry-After (default 1GiB; at least 8 "
+                   "times --max-body)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -213,6 +216,7 @@ def main(argv: list[str]) -> int:
                               route_timeout_s=args.route_timeout, documents_timeout_s=args.documents_timeout,
                               chunk_tokens=chunk, max_body_bytes=parse_size(args.max_body, "--max-body"),
                               read_timeout_s=args.read_timeout, max_concurrent=args.max_concurrent,
+                              max_memory_bytes=parse_size(args.max_memory, "--max-memory"),
                               api_key=_read_key(args.api_key_file, API_KEY_ENV),
                               score_key=_read_key(args.score_key_file, SCORE_KEY_ENV))
     except (ValueError, OSError) as exc:
