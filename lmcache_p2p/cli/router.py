@@ -94,8 +94,8 @@ def parser() -> argparse.ArgumentParser:
                    "its body (default 30; then the connection is closed, a body: 408)")
     p.add_argument("--max-concurrent", type=int, default=512, help="requests in flight; past it: 503 with "
                    "Retry-After (default 512)")
-    p.add_argument("--max-memory", default="1GiB", help="what requests in flight may hold: each reserves 8 times "
-                   "its body's length before it is read; past it: 503 with Retry-After (default 1GiB; at least 8 "
+    p.add_argument("--max-memory", default="1GiB", help="what requests in flight may hold: each reserves 10 times "
+                   "its body's length before it is read; past it: 503 with Retry-After (default 1GiB; at least 10 "
                    "times --max-body)")
     p.add_argument("--log-level", default="INFO")
     return p
