@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from .backoff import TokenBucket
 from .config import AgentConfig, HandoffConfig
 from .ids import NodeId
 from .index.protocol import BlockIndex
@@ -81,8 +82,8 @@ class Handoff:
         self.hits: dict[ChunkKey, int] = {}  # local loads and pulls served, per chunk held
         self.served: dict[ChunkKey, int] = {}  # pulls served while no other node held the chunk
         self._offered: dict[ChunkKey, float] = {}  # key -> when it was last offered
-        self._tokens = float(settings().handoff.budget_bytes_per_s)
-        self._refilled = time.monotonic()
+        budget = float(settings().handoff.budget_bytes_per_s)
+        self._bucket = TokenBucket(budget, budget)  # bytes offered (handoff.budget_bytes_per_s, live)
         self._arriving = 0  # chunks accepted from peers, pull not finished
         self._published_free: dict[str, int] | None = None
         self._published_at = 0.0
@@ -170,8 +171,7 @@ class Handoff:
         budget = self.config.budget_bytes_per_s
         if budget <= 0:
             return
-        self._tokens = min(float(budget), self._tokens + budget * (now - self._refilled))
-        self._refilled = now
+        self._bucket.rate_per_s = self._bucket.burst = float(budget)
         for key, when in list(self._offered.items()):
             if now - when > REOFFER_S:
                 del self._offered[key]
@@ -215,9 +215,9 @@ class Handoff:
         targets = self._targets()
         if mesh is None or not targets:
             return
-        while keys and targets and self._tokens >= size:
+        while keys and targets and self._bucket.tokens >= size:
             record, room = targets[0]
-            n = min(len(keys), OFFER_BATCH, room, int(self._tokens // size))
+            n = min(len(keys), OFFER_BATCH, room, int(self._bucket.tokens // size))
             if n <= 0:
                 targets.pop(0)
                 continue
@@ -232,7 +232,7 @@ class Handoff:
             accepted = await mesh.transfers.offer(peer, self.fp, self.node_id, batch,
                                                   self._settings().transfer.timeout_s)
             taken = sum(accepted)
-            self._tokens -= taken * size
+            self._bucket.spend(taken * size)
             self.metrics.handoff_chunks.labels("accepted").inc(taken)
             self.metrics.handoff_chunks.labels("replicas").inc(sum(1 for k, a in zip(batch, accepted, strict=True)
                                                                  if a and k in hot))

@@ -75,20 +75,26 @@ def _local_identity(path: str, _stamp: tuple[tuple[str, int, int], ...]) -> str:
 _ADAPTER_FILES = ("adapter_config.json",)
 
 
-def adapter_identity(name: str, path: str | os.PathLike[str]) -> str | None:
-    """``name@digest`` of a LoRA adapter's files (its config and weights, by content), or None
-    when ``path`` is not a readable adapter directory: an adapter we can't identify is not cached."""
-    root = Path(path)
+def adapter_stamp(path: str | os.PathLike[str]) -> tuple[tuple[str, int, int], ...] | None:
+    """The name, size and modification time of each of a LoRA adapter's files (a listing and a stat
+    each, no read), or None when ``path`` is not a readable adapter directory."""
     try:
-        files = sorted(p for p in root.iterdir() if p.is_file()
+        files = sorted(p for p in Path(path).iterdir() if p.is_file()
                        and (p.name in _ADAPTER_FILES or p.name.endswith(_WEIGHT_SUFFIXES)))
         stamp = tuple((p.name, st.st_size, st.st_mtime_ns) for p in files for st in [p.stat()])
     except OSError:
         return None
-    if not any(p.name.endswith(_WEIGHT_SUFFIXES) for p in files):
+    return stamp if any(name.endswith(_WEIGHT_SUFFIXES) for name, _, _ in stamp) else None
+
+
+def adapter_identity(name: str, path: str | os.PathLike[str]) -> str | None:
+    """``name@digest`` of a LoRA adapter's files (its config and weights, by content), or None
+    when ``path`` is not a readable adapter directory: an adapter we can't identify is not cached."""
+    stamp = adapter_stamp(path)
+    if stamp is None:
         return None
     try:
-        return f"{name}@{_files_digest(str(root.resolve()), stamp)}"
+        return f"{name}@{_files_digest(str(Path(path).resolve()), stamp)}"
     except OSError:  # unreadable, or replaced while it was read
         return None
 

@@ -9,7 +9,8 @@ A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd) 
 - ``lmcache_p2p_canary: true`` beyond ``canary.requested_per_minute``: served as any request (offered its
   hit), the ask counted; within the limit, honoured (no hit: the engine computes it);
 - after vLLM's ``reset_cache``: held (None) until the workers say they compared the weights, for two steps
-  at most; then planned again, or never once a worker stopped sharing (weights changed in place).
+  at most; then planned again, or never once a worker stopped sharing (weights changed in place);
+- a LoRA adapter whose files changed in place after its first request: not cached from then on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
     # vLLM's reset_cache: told to the workers once, in the next step's metadata
     assert got["reset"] == [True, False, True, False], got
     assert got["admitted"] == [[256], [256, 40]], got
+    # an adapter changed in place after first sight: neither loaded nor saved (vLLM may run either version)
+    assert got["adapter"] == [True, None, None], got
     assert got["after_reset"] == [[None, False], [None, False], [0, False], [0, False], [0, True], [0, False]], got
 
 
@@ -95,7 +98,7 @@ def main() -> None:
         # admission (tiers.min_save_tokens): a partial chunk shorter than it is not saved, a longer one is
         short = ChunkTransfer("s", [b"a" * 16, b"b" * 16], [256, 20], [[0] * 16, [1, 2]])
         longer = ChunkTransfer("l", [b"a" * 16, b"c" * 16], [256, 40], [[0] * 16, [3, 4, 5]])
-        out["admitted"] = [sched._admitted(short).num_tokens, sched._admitted(longer).num_tokens]
+        out["admitted"] = [sched._admission.admitted(short).num_tokens, sched._admission.admitted(longer).num_tokens]
         out["reset"] += [sched.build_connector_meta(empty).reset_cache, sched.build_connector_meta(empty).reset_cache]
         # after a reset, nothing is offered until every worker compared its weights (asked again: None); two
         # steps without their word: no hit (0), never a request held for good; once they did, planned again
@@ -120,6 +123,18 @@ def main() -> None:
         out["after_reset"].append(asked("w4x"))
         sched.workers_said(WorkerState(resets=2, stopped_sharing="the model's weights changed in place"))
         out["after_reset"].append(asked("w5xx"))
+        # a LoRA adapter's files changed in place after this engine first served it: unknown from then on
+        import pathlib
+        import tempfile
+
+        adapter = pathlib.Path(tempfile.mkdtemp()) / "adapter"
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text("{}")
+        (adapter / "adapter_model.safetensors").write_bytes(b"x" * 64)
+        lora = types.SimpleNamespace(lora_int_id=1, lora_name="a", lora_path=str(adapter))
+        first, again = sched._adapter(lora), sched._adapter(lora)
+        (adapter / "adapter_model.safetensors").write_bytes(b"y" * 65)
+        out["adapter"] = [first is not None and first == again, sched._adapter(lora), sched._adapter(lora)]
     finally:
         sched.shutdown()
     print(json.dumps(out))

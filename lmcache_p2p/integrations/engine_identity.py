@@ -70,7 +70,7 @@ def request_identity(request: Any, adapter_of: Callable[[Any], str | None] | Non
                      ) -> tuple[str, RequestIdentity | None]:
     """What besides its tokens makes ``request``'s KV (vLLM's ``Request``): ("", identity), or
     (why not, None) when it can't be keyed. ``adapter_of(lora_request)`` names an adapter (default:
-    its files' digest now; the scheduler pins it per adapter id, as vLLM keeps a loaded adapter)."""
+    its files' digest now; the scheduler keeps it per adapter id while the files stay unchanged)."""
     if getattr(request, "prompt_embeds", None) is not None:
         return "prompt_embeds", None
     adapter = ""

@@ -47,7 +47,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from ..backoff import Backoff
+from ..backoff import Backoff, TokenBucket
 from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
@@ -118,8 +118,8 @@ class ObjectTier:
         self._waiting_lock = threading.Lock()  # offers come from the tiers' threads, releases from the loop
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tokens = float(self.config.budget_bytes_per_s)
-        self._refilled = time.monotonic()
+        budget = float(self.config.budget_bytes_per_s)
+        self._bucket = TokenBucket(budget, budget)  # upload bytes (objects.budget_bytes_per_s)
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
@@ -287,16 +287,15 @@ class ObjectTier:
             self._spawn(upload(), "object-upload")
 
     async def _take_tokens(self, size: int) -> None:
-        """Wait until ``objects.budget_bytes_per_s`` allows ``size`` more bytes (a burst of one second)."""
-        budget = float(self.config.budget_bytes_per_s)
+        """Wait until ``objects.budget_bytes_per_s`` allows ``size`` more bytes (a burst of one second, or of
+        one object larger than that); the budget is read again at least every second (a live config field)."""
+        bucket = self._bucket
         while True:
-            now = time.monotonic()
-            self._tokens = min(max(budget, float(size)), self._tokens + (now - self._refilled) * budget)
-            self._refilled = now
-            if self._tokens >= size:
-                self._tokens -= size
+            budget = float(self.config.budget_bytes_per_s)
+            bucket.rate_per_s, bucket.burst = budget, max(budget, float(size))
+            if bucket.take(size):
                 return
-            await asyncio.sleep((size - self._tokens) / budget)
+            await asyncio.sleep(min(bucket.wait_s(size), 1.0))
 
     async def _upload(self, item: _Upload) -> None:
         header = item.header

@@ -36,25 +36,16 @@ request is not scheduled yet (vLLM asks again next step), for at most ``FRESHNES
 is planned with what the mirror holds (``integrations/freshness.py``). Without it, a request arriving right
 after the chunks reached etcd may find the mirror an event behind and be computed.
 
-Admission: a partial chunk shorter than ``tiers.min_save_tokens`` is not saved, and with
-``tiers.save_after_sightings`` N > 1 a chunk is saved only once its key was in N requests' prompts on
-this node (counts for the newest ``SIGHTINGS_MAX`` keys): a one-off prompt never takes a slot or an
-etcd entry; the Nth request with it computes it once more and saves it.
-
-While the mirror is not following etcd (etcd down at start, or an outage), it cannot learn what
-this engine's own worker stores; the scheduler remembers the chunks it asked its worker to save
-(a bounded LRU of keys) and counts them as held too, so local hits keep working. A key the
-worker has evicted since fails its load, and vLLM recomputes it (fail closed).
+Which computed chunks a save keeps, and the keys remembered as saved while the mirror does not follow
+etcd: ``admission.py``. Which requests are canaries: ``canary_sampling.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import random
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
@@ -63,6 +54,7 @@ import xxhash
 from ...aio import LoopThread
 from ...blocks import ChunkTransfer, chunk_transfer
 from ...config import AgentConfig
+from ...identity import adapter_stamp
 from ...ids import TIER_DISK, NodeId
 from ...index.reader import IndexReader
 from ...index.schema import NodeRecord
@@ -93,13 +85,12 @@ from ...segments import (
 )
 from ..engine_identity import file_adapter, request_identity
 from ..freshness import REVISION_PARAM, Freshness, named_revision
+from .admission import Admission
+from .canary_sampling import CANARY_PARAM, CanarySampling
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
-CANARY_PARAM = "lmcache_p2p_canary"
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
-SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
-SIGHTINGS_MAX = 65536  # chunk keys whose prompt sightings are counted (tiers.save_after_sightings > 1)
 BLEND_REFUSED = "blend"  # in a request's ``refused``: its blend was refused by this engine (counted once)
 
 
@@ -161,22 +152,17 @@ class P2PScheduler:
             raise
         self._requests: dict[str, _Request] = {}  # every request vLLM asked about and has not finished
         self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
-        self._saved: OrderedDict[ChunkKey, None] = OrderedDict()  # asked of our worker; newest last
-        self._save_after = config.tiers.save_after_sightings
-        self._sightings: OrderedDict[ChunkKey, int] = OrderedDict()  # prompts each key was in; newest last
+        self._admission = Admission(config.chunk_size, save_after_sightings=config.tiers.save_after_sightings,
+                                    min_save_tokens=config.tiers.min_save_tokens)
+        self._saved = self._admission.saved  # asked of our worker (an LRU): held, while the mirror can't say
         self._uncacheable: dict[str, int] = {}  # requests neither loaded nor saved, by reason; sent to the worker
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
-        self._adapters: dict[tuple[int, str, str], str | None] = {}  # first identity seen per adapter
-        self._canary_rate = config.canary.rate
-        self._random = random.Random()
-        # canary checks clients may ask for: a token bucket (config.canary.requested_per_minute)
-        self._asked_per_s = config.canary.requested_per_minute / 60.0
-        self._asked_burst = max(1.0, config.canary.requested_per_minute / 6.0) if self._asked_per_s > 0 else 0.0
-        self._asked_tokens, self._asked_at = self._asked_burst, time.monotonic()
+        # per adapter: its identity as first seen (None once its files changed) and its files' stamp then
+        self._adapters: dict[tuple[int, str, str], tuple[str | None, tuple[tuple[str, int, int], ...] | None]] = {}
+        self._canaries = CanarySampling(config.canary)
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
         self._blend_refused = 0  # blends asked of this engine since the last step that it can't do
         self._missed: dict[str, int] = {}  # prompt tokens the cache could not give since the last step, by reason
-        self._skipped: dict[str, int] = {}  # chunks admission kept out of saves since the last step, by reason
         self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
         self._reset = False  # vLLM reset its caches: the workers drop their chunks at the next step
         self._resets = 0  # cache resets asked of the workers; hits are offered once they checked them all
@@ -221,24 +207,11 @@ class P2PScheduler:
         if num_computed_tokens > 0 or (identity is not None and identity is not _UNREAD and identity[1]):
             return False
         params = getattr(request, "kv_transfer_params", None)
-        asked = isinstance(params, dict) and params.get(CANARY_PARAM) is True
-        if asked and not self._may_ask_canary():
+        canary, refused = self._canaries.sampled(isinstance(params, dict) and params.get(CANARY_PARAM) is True, hit)
+        if refused:  # served as any other request
             self._refuse(record, request.request_id, CANARY_PARAM, "over canary.requested_per_minute")
-            asked = False  # served as any other request
-        if asked or (hit > 0 and self._canary_rate > 0 and self._random.random() < self._canary_rate):
-            record.canary = True
-            return True
-        return False
-
-    def _may_ask_canary(self) -> bool:
-        """A client's canary ask fits ``canary.requested_per_minute`` (takes a token when it does)."""
-        now = time.monotonic()
-        self._asked_tokens = min(self._asked_burst, self._asked_tokens + (now - self._asked_at) * self._asked_per_s)
-        self._asked_at = now
-        if self._asked_tokens < 1.0:
-            return False
-        self._asked_tokens -= 1.0
-        return True
+        record.canary = record.canary or canary
+        return canary
 
     def _refuse(self, record: _Request, req_id: str, param: str, why: str) -> None:
         """A request parameter is not honoured: counted (``request_params_refused_total``) once per request."""
@@ -269,14 +242,24 @@ class P2PScheduler:
         return result
 
     def _adapter(self, lora: Any) -> str | None:
-        """An adapter's identity, fixed the first time this process sees its id: vLLM keeps a loaded
-        adapter in memory, so files changed in place afterwards do not change the KV it computes."""
+        """An adapter's identity, read from its files the first time this process sees its id. Files changed
+        in place afterwards (their sizes or times: a stat each, per request) make it unknown from then on:
+        vLLM may compute with the version it loaded or, once it evicted the adapter, with the new files, and
+        this side cannot tell which, so its requests are neither loaded nor saved (``unknown_adapter``) until
+        the adapter is served under another id or the engine restarts."""
         slot = (int(lora.lora_int_id), str(lora.lora_name), str(lora.lora_path or ""))
-        if slot not in self._adapters:
+        known = self._adapters.get(slot)
+        if known is None:
             if len(self._adapters) >= ADAPTERS_MAX:
                 self._adapters.pop(next(iter(self._adapters)))
-            self._adapters[slot] = file_adapter(lora)
-        return self._adapters[slot]
+            known = self._adapters[slot] = (file_adapter(lora), adapter_stamp(slot[2]))
+        identity, stamp = known
+        if identity is not None and adapter_stamp(slot[2]) != stamp:
+            log.warning("lmcache-p2p: LoRA adapter %s (id %d) changed in place at %s: its requests are not cached "
+                        "until it is served under another id or the engine restarts", slot[1], slot[0], slot[2])
+            identity = None
+            self._adapters[slot] = (None, stamp)
+        return identity
 
     def _keys(self, tokens: list[int], root: FingerprintDigest, mm_items: tuple[MultiModalItem, ...]) -> list[ChunkKey]:
         return chunk_keys(root, tokens, self._chunk, mm_items=mm_items)
@@ -576,7 +559,7 @@ class P2PScheduler:
                     max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
                     index_revision=revision, deadline=deadline, selection=blend.selection,
                     question=prompt[blend.end:] if blend.selection == "question" else []))
-                self._remember_saved([ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys])
+                self._admission.remember_saved(ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys)
                 state.blended = record.blended = True
             else:
                 load = self._exact_load(request.request_id, record, prompt, keys, block_ids, start, end)
@@ -606,7 +589,7 @@ class P2PScheduler:
         meta.refused, self._refused = self._refused, {}
         meta.blend_refused, self._blend_refused = self._blend_refused, 0
         meta.missed, self._missed = self._missed, {}
-        meta.skipped, self._skipped = self._skipped, {}
+        meta.skipped = self._admission.take_skipped()
         meta.reset_cache, self._reset = self._reset, False
         self._steps_unchecked = self._steps_unchecked + 1 if self._workers_reset < self._resets else 0
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
@@ -641,18 +624,18 @@ class P2PScheduler:
             if done is None or done < len(state.prompt) or state.blended:
                 continue
             if not state.prompt_saved:
-                seen = self._seen(state.keys) if record.sighted else self._sighted(state.keys)
+                admission = self._admission
+                seen = admission.seen(state.keys) if record.sighted else admission.sighted(state.keys)
                 record.sighted = True
-                save = self._admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
-                                                     len(state.prompt)), seen)
+                save = admission.admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
+                                                         len(state.prompt)), seen)
                 save.canary = record.canary
                 if save.keys:
                     meta.saves.append(save)
                 if state.segments:  # only the first: computed right after the base (the others are
                     # computed after documents this client chose; a blend computes them fresh)
                     meta.segment_saves.append(SegmentSave(req_id, state.segments[:1], list(state.block_ids)))
-                    self._remember_saved([ChunkKey(k) for k in state.segments[0].keys])
-                self._remember_saved([ChunkKey(k) for k in save.keys])
+                    self._admission.remember_saved(ChunkKey(k) for k in state.segments[0].keys)
                 state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
             # only chunks whose every token is known (a later step saves the rest).
@@ -681,64 +664,11 @@ class P2PScheduler:
                                   chunk, first * chunk, state.mm_items)
         per = chunk // self._block
         state.full_chunks_saved, state.last_generated = full, new[-1]
-        save = self._admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in new],
-                                            [chunk] * (full - first),
-                                            [state.block_ids[i * per:(i + 1) * per] for i in range(first, full)],
-                                            generated=True), self._seen(new))
-        self._remember_saved([ChunkKey(k) for k in save.keys])
-        return save
-
-    def _admitted(self, save: ChunkTransfer, seen: int | None = None) -> ChunkTransfer:
-        """``save`` cut to its first ``seen`` chunks (those sighted often enough, ``tiers.save_after_sightings``;
-        None: all) and without a partial chunk shorter than ``tiers.min_save_tokens`` (only its last can be
-        partial)."""
-        keep = len(save.keys) if seen is None else min(seen, len(save.keys))
-        self._count_skipped("sightings", len(save.keys) - keep)
-        n = save.num_tokens[keep - 1] if keep else self._chunk
-        if n < self._chunk and n < self._config.tiers.min_save_tokens:
-            keep -= 1
-            self._count_skipped("short", 1)
-        if keep == len(save.keys):
-            return save
-        return dataclasses.replace(save, keys=save.keys[:keep], num_tokens=save.num_tokens[:keep],
-                                   block_ids=save.block_ids[:keep])
-
-    def _count_skipped(self, reason: str, chunks: int) -> None:
-        """Chunks a save leaves out (``admission_skipped_chunks_total``, counted by the worker)."""
-        if chunks > 0:
-            self._skipped[reason] = self._skipped.get(reason, 0) + chunks
-
-    def _sighted(self, keys: list[ChunkKey]) -> int | None:
-        """Count one more prompt sighting of ``keys``; how many of them, from the first, were now seen in at
-        least ``tiers.save_after_sightings`` prompts (None: every key is admitted, nothing counted)."""
-        if self._save_after <= 1:
-            return None
-        sightings = self._sightings
-        for key in keys:
-            sightings[key] = sightings.get(key, 0) + 1
-            sightings.move_to_end(key)
-        while len(sightings) > SIGHTINGS_MAX:
-            sightings.popitem(last=False)
-        return self._seen(keys)
-
-    def _seen(self, keys: list[ChunkKey]) -> int | None:
-        """How many of ``keys``, from the first, were seen in ``tiers.save_after_sightings`` prompts (None: all
-        are admitted). A key's chunk is useless without its predecessors' (keys chain), so the run stops at
-        the first short of it."""
-        if self._save_after <= 1:
-            return None
-        for i, key in enumerate(keys):
-            if self._sightings.get(key, 0) < self._save_after:
-                return i
-        return len(keys)
-
-    def _remember_saved(self, keys: list[ChunkKey]) -> None:
-        saved = self._saved
-        for key in keys:
-            saved[key] = None
-            saved.move_to_end(key)
-        while len(saved) > SAVED_KEYS_MAX:
-            saved.popitem(last=False)
+        return self._admission.admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in new],
+                                                      [chunk] * (full - first),
+                                                      [state.block_ids[i * per:(i + 1) * per]
+                                                       for i in range(first, full)],
+                                                      generated=True), self._admission.seen(new))
 
     def request_finished(self, request: Any, block_ids: list[int] | None = None) -> bool:
         """Forget ``request``; True when its tail is to be saved: vLLM then keeps its blocks (``block_ids``,
@@ -773,11 +703,10 @@ class P2PScheduler:
             log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
                         request.request_id, len(blocks), done)
             return None
-        save = self._admitted(save, self._seen([ChunkKey(k) for k in save.keys]))
+        save = self._admission.admitted(save, self._admission.seen([ChunkKey(k) for k in save.keys]))
         if not save.keys:
             return None  # nothing worth saving: vLLM frees its blocks at once
         save.generated, save.finished = True, True
-        self._remember_saved([ChunkKey(k) for k in save.keys])
         return save
 
     def reset_cache(self) -> bool:
