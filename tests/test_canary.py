@@ -213,8 +213,11 @@ def test_a_quarantine_lapses_unless_a_new_mismatch_renews_it(etcd, cluster_name:
         record = QuarantineRecord(NodeId("engine-f"), "engine-b", "ab" * 16, 1.4)
         loop.run(writer.add(record, ttl_s=3), 10.0)
         assert wait_until(lambda: follower.blocked("engine-f"), 10.0)
+        first = writer.leases[NodeId("engine-f")]
         time.sleep(2.0)
         loop.run(writer.add(record, ttl_s=3), 10.0)  # confirmed again before it lapsed: 3 s more
+        # on a new lease, the first one revoked: one live lease per quarantined node, however many confirmations
+        assert writer.leases[NodeId("engine-f")] != first and first not in loop.run(client.leases(), 10.0)
         time.sleep(2.0)  # 4 s after the first write: it stands
         assert follower.blocked("engine-f")
         assert wait_until(lambda: not follower.blocked("engine-f"), 15.0)  # no more confirmation: it lapses

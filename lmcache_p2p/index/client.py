@@ -384,6 +384,11 @@ class EtcdClient:
     async def revoke(self, lease_id: int) -> None:
         await self._unary("Lease.Revoke", lambda ep: ep.lease.revoke(lease_id, timeout=self.timeout))
 
+    async def leases(self) -> set[int]:
+        """The ids of every lease etcd holds."""
+        resp = await self._unary("Lease.Leases", lambda ep: ep.lease.leases(timeout=self.timeout))
+        return {int(lease.ID) for lease in resp.leases}
+
     async def status(self) -> tuple[int, int, int]:
         """``(db_size, db_size_in_use, revision)`` of the member that answers."""
         resp = await self._unary("Maintenance.Status", lambda ep: ep.maintenance.status(timeout=self.timeout))

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
-from ..errors import MalformedRecord
+from ..errors import IndexError_, MalformedRecord
 from ..ids import NodeDigest, NodeId, node_digest
 from .client import EtcdClient, KeyValue, WatchEvent, op_delete
 from .schema import Rejects, Schema
@@ -72,9 +72,11 @@ def decode(etcd_key: bytes, data: bytes, *, prefix_len: int) -> QuarantineRecord
     return QuarantineRecord(NodeId(node), by, key, float(distance), reason, float(at))
 
 
-async def write(client: EtcdClient, schema: Schema, record: QuarantineRecord, *, ttl_s: int | None = None) -> int:
-    """Quarantine ``record.node`` (on a lease of ``ttl_s`` if given); the write's revision."""
-    lease = (await client.grant(ttl_s))[0] if ttl_s is not None else 0
+async def write(client: EtcdClient, schema: Schema, record: QuarantineRecord, *, ttl_s: int | None = None,
+                lease: int = 0) -> int:
+    """Quarantine ``record.node`` (on a new lease of ``ttl_s`` if given, else on ``lease``); the write's revision."""
+    if ttl_s is not None:
+        lease = (await client.grant(ttl_s))[0]
     return await client.put(prefix(schema) + record.node.encode(), record.pack(), lease=lease)
 
 
@@ -115,6 +117,7 @@ class Quarantine:
         self._records: dict[NodeId, QuarantineRecord] = {}  # replaced, never mutated: readers on any thread
         self._origins: frozenset[NodeDigest] = frozenset()  # node_digest of each quarantined node, likewise
         self._on_quarantined = on_quarantined
+        self.leases: dict[NodeId, int] = {}  # the live lease of each record this instance wrote with a TTL
         self._watch = ResumableWatch(client, self._prefix, load=self._load, apply=self._apply, name="quarantine")
 
     def blocked(self, node: str) -> bool:
@@ -135,7 +138,19 @@ class Quarantine:
         """Quarantine ``record.node``: obeyed here at once, by every other planner when etcd has it; for
         ``ttl_s`` seconds (a lease: each new mismatch writes a new record, renewing it), or standing (None)."""
         self._set({**self._records, record.node: record})
-        return await write(self._client, self._schema, record, ttl_s=None if ttl_s is None else math.ceil(ttl_s))
+        if ttl_s is None:
+            return await write(self._client, self._schema, record)
+        # a new lease per write (its TTL whole again), the last one this node wrote for it revoked: one live
+        # lease per node quarantined, however many mismatches confirm it
+        lease = (await self._client.grant(math.ceil(ttl_s)))[0]
+        revision = await write(self._client, self._schema, record, lease=lease)
+        old, self.leases[record.node] = self.leases.get(record.node), lease
+        if old is not None:
+            try:
+                await self._client.revoke(old)  # it holds no key now: the record moved to the new lease
+            except IndexError_ as exc:  # lapsed already, or etcd unreachable: it expires on its own
+                log.debug("revoking the quarantine lease %x of %s: %s", old, record.node, exc)
+        return revision
 
     def records(self) -> list[QuarantineRecord]:
         return list(self._records.values())
