@@ -8,8 +8,8 @@ A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd) 
   read etcd on the scheduler thread every step for 2 s);
 - ``lmcache_p2p_canary: true`` beyond ``canary.requested_per_minute``: served as any request (offered its
   hit), the ask counted; within the limit, honoured (no hit: the engine computes it);
-- after vLLM's ``reset_cache``: held (None) until the workers say they compared the weights, for two steps
-  at most; then planned again, or never once a worker stopped sharing (weights changed in place);
+- after vLLM's ``reset_cache``: held (None) until the workers say they compared the weights, for
+  ``RESET_CHECK_WAIT_S`` at most; then planned again, or never once a worker stopped sharing (weights changed in place);
 - a LoRA adapter whose files changed in place after its first request: not cached from then on.
 """
 
@@ -100,10 +100,12 @@ def main() -> None:
         longer = ChunkTransfer("l", [b"a" * 16, b"c" * 16], [256, 40], [[0] * 16, [3, 4, 5]])
         out["admitted"] = [sched._admission.admitted(short).num_tokens, sched._admission.admitted(longer).num_tokens]
         out["reset"] += [sched.build_connector_meta(empty).reset_cache, sched.build_connector_meta(empty).reset_cache]
-        # after a reset, nothing is offered until every worker compared its weights (asked again: None); two
-        # steps without their word: no hit (0), never a request held for good; once they did, planned again
+        # after a reset, nothing is offered until every worker compared its weights (asked again: None); past
+        # RESET_CHECK_WAIT_S without their word: no hit (0), never a request held for good; once they did,
+        # planned again
         # (a plan reads etcd in lookup mode: the reads tell a plan from a refusal)
         from lmcache_p2p.integrations.vllm.metadata import WorkerState
+        from lmcache_p2p.integrations.vllm.scheduler import RESET_CHECK_WAIT_S
 
         def asked(rid: str) -> list[Any]:
             before = reads()
@@ -115,7 +117,7 @@ def main() -> None:
         out["after_reset"] = [asked("w0")]
         sched.build_connector_meta(empty)
         out["after_reset"].append(asked("w1"))
-        sched.build_connector_meta(empty)
+        sched._reset_at -= RESET_CHECK_WAIT_S  # as long ago as a request is held
         out["after_reset"].append(asked("w2"))
         sched.workers_said(WorkerState(resets=1))  # the first reset's report came late: still one behind
         out["after_reset"].append(asked("w3"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -51,6 +52,14 @@ def test_a_failed_gather_returns_its_slot() -> None:
 
 def test_a_failed_sync_load_saves_nothing_computed_over_it() -> None:
     run("sync-load")
+
+
+def test_after_a_cache_reset_nothing_is_loaded_until_the_weights_are_read_and_changed_weights_stop_sharing() -> None:
+    """The weights' digest after a reset is read on a thread of its own (here held back until released):
+    meanwhile a held chunk's load is reported failed and nothing is saved; once read and equal to the
+    start's, loads go on; after the weights change, the next reset stops the node's sharing (its agent
+    stopped, loads failed, the scheduler told through ``WorkerState``)."""
+    run("weights")
 
 
 def test_kv_laid_out_otherwise_than_the_fingerprint_says_is_refused_and_the_engine_serves() -> None:
@@ -169,5 +178,83 @@ def layout_refused() -> None:
     print("ok")
 
 
+class HeldModel:
+    """What the digest reads of a model (``named_parameters``/``named_buffers``), read only once released."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.weight = torch.arange(64, dtype=torch.float32)
+        self.release = threading.Event()
+        self.release.set()
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        assert self.release.wait(60)
+        return [("w", self.weight)]
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return []
+
+
+def weights_checked() -> None:
+    from lmcache_p2p.integrations.vllm import worker as worker_module
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+    from lmcache_p2p.integrations.vllm.worker import P2PWorker
+
+    config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
+    fingerprint = Fingerprint.of(config.layout)
+    worker = P2PWorker(config, fingerprint, BLOCK)
+    kv = FlakyKV()
+    kv.failing = False
+    chunk, per = config.chunk_size, config.chunk_size // BLOCK
+    worker.attach(CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
+                             index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start(),
+                  kv, None)  # type: ignore[arg-type]
+    model = HeldModel()
+    worker._model, worker._weights = model, worker_module._digest_later(model)  # as register_kv_caches does
+    key, blocks = [b"\1" * 16], [list(range(per))]
+
+    def step(meta: LMCacheP2PMetadata) -> set[int]:
+        worker.step_started(meta)
+        worker.start_load_kv(meta)
+        worker.wait_for_save(meta)
+        worker.step_finished()
+        return worker.get_block_ids_with_load_errors()
+
+    def load() -> LMCacheP2PMetadata:
+        return LMCacheP2PMetadata(loads=[ChunkTransfer("r", key, [chunk], blocks, sync=True)])
+
+    def settled(resets: int) -> bool:
+        deadline = time.monotonic() + 30
+        while worker.state().resets < resets and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return worker.state().resets == resets
+
+    try:
+        assert worker._weights.result(30) is not None
+        step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))
+        assert worker.agent is not None
+        worker.agent._writer.submit(lambda: None).result(10)
+        model.release.clear()  # the next read waits
+        step(LMCacheP2PMetadata(reset_cache=True))  # drops the chunk; the check starts
+        step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))  # not saved meanwhile
+        assert worker.state().resets == 0 and len(worker.agent.tiers.cpu) == 0
+        assert step(load()) == set(blocks[0])  # nothing loaded while the weights are in question
+        model.release.set()
+        assert settled(1) and worker.stopped_sharing is None  # the same weights: sharing goes on
+        step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))
+        worker.agent._writer.submit(lambda: None).result(10)
+        assert step(load()) == set()  # held and loaded again
+        model.weight[5] += 1.0  # updated in place
+        step(LMCacheP2PMetadata(reset_cache=True))
+        assert settled(2) and worker.stopped_sharing is not None and "changed in place" in worker.stopped_sharing
+        assert worker.agent is None and worker.state().stopped_sharing == worker.stopped_sharing
+        assert step(load()) == set(blocks[0])
+    finally:
+        worker.shutdown()
+    print("ok")
+
+
 if __name__ == "__main__":
-    {"gather": failed_gather, "sync-load": failed_sync_load, "layout": layout_refused}[sys.argv[1]]()
+    {"gather": failed_gather, "sync-load": failed_sync_load, "layout": layout_refused,
+     "weights": weights_checked}[sys.argv[1]]()

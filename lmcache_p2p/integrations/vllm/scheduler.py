@@ -91,6 +91,7 @@ from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
 ADAPTERS_MAX = 4096  # adapter identities remembered (vLLM serves far fewer at once)
+RESET_CHECK_WAIT_S = 2.0  # a request held at most this long after a cache reset for the workers' weight check
 BLEND_REFUSED = "blend"  # in a request's ``refused``: its blend was refused by this engine (counted once)
 
 
@@ -168,7 +169,7 @@ class P2PScheduler:
         self._resets = 0  # cache resets asked of the workers; hits are offered once they checked them all
         self._workers_reset = 0  # ... the resets every worker has checked the weights at (WorkerState)
         self._stopped_sharing: str | None = None  # a worker's weights changed in place: no hit, ever
-        self._steps_unchecked = 0  # steps built since a reset the workers have not all checked
+        self._reset_at = 0.0  # when the last reset was asked (time.monotonic())
         self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         # Segments (segments.py): blending needs this engine to place keys exactly (blend.py);
@@ -270,9 +271,10 @@ class P2PScheduler:
         if self._stopped_sharing is not None:  # the weights changed in place: chunks anywhere are the old ones'
             return 0, False
         if self._workers_reset < self._resets:
-            # Asked again next step, once every worker compared its weights with the start's (the reset goes
-            # out with the next step; their word comes back with its output); no hit if it has not by then.
-            return (None, False) if self._steps_unchecked < 2 else (0, False)
+            # Asked again next step, until every worker compared its weights with the start's (the reset goes
+            # out with the next step, each reads its weights on a thread of its own, their word comes back
+            # with a step's output); no hit past RESET_CHECK_WAIT_S (a large model read on CPU: seconds).
+            return (None, False) if time.monotonic() - self._reset_at < RESET_CHECK_WAIT_S else (0, False)
         if not prompt or record.loaded:
             # Asked again after a load for this request, before its prompt was computed: the load failed
             # (vLLM reset the request to recompute it). Offering the same hit again would loop; the engine
@@ -591,7 +593,6 @@ class P2PScheduler:
         meta.missed, self._missed = self._missed, {}
         meta.skipped = self._admission.take_skipped()
         meta.reset_cache, self._reset = self._reset, False
-        self._steps_unchecked = self._steps_unchecked + 1 if self._workers_reset < self._resets else 0
         # Sync loads belong to requests scheduled in this step; async ones to requests that now wait
         # for their KV (not scheduled): both start on the worker in this step.
         meta.loads, self._loads = self._loads, []
@@ -716,7 +717,7 @@ class P2PScheduler:
         its weights with those loaded at start (``WorkerState.resets``); if they changed, none again."""
         self._reset = True
         self._resets += 1
-        self._steps_unchecked = 0
+        self._reset_at = time.monotonic()
         self._saved.clear()
         log.info("lmcache-p2p: cache reset requested: this node's chunks are dropped at the next step")
         return True

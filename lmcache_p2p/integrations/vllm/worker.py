@@ -21,11 +21,12 @@ The worker composes one part per concern, each the only owner of its state:
                     finished request's tail is reported through get_finished once gathered (vLLM held
                     its blocks until then, whether or not it could be saved); a canary save is checked
     reset_cache:    (vLLM's reset after a weight update) every chunk dropped; the weights' digest taken
-                    again (``identity.loaded_weights_digest``): when it changed, the agent is stopped (its
-                    lease revoked: its chunks leave the index; its server closed) and nothing is loaded
-                    or saved until a restart derives the new weights' fingerprint. Every load still
-                    planned or in flight is reported failed (recomputed); the scheduler hears it
-                    through WorkerState.
+                    again (``identity.loaded_weights_digest``) on a thread of its own (seconds for a large
+                    model on CPU: never on the forward pass), nothing loaded or saved meanwhile. Changed:
+                    the agent is stopped (its lease revoked: its chunks leave the index; its server
+                    closed) and nothing is loaded or saved until a restart derives the new weights'
+                    fingerprint. Every load planned or in flight meanwhile is reported failed
+                    (recomputed); the scheduler hears the outcome through WorkerState.
 """
 
 from __future__ import annotations
@@ -118,11 +119,18 @@ class _Completions:
         return errors
 
 
-def _digest_into(model: Any, future: concurrent.futures.Future[bytes]) -> None:
-    try:
-        future.set_result(loaded_weights_digest(model))
-    except Exception as exc:  # told at the first reset: the node then stops sharing
-        future.set_exception(exc)
+def _digest_later(model: Any) -> concurrent.futures.Future[bytes]:
+    """:func:`loaded_weights_digest` of ``model``, read on a thread of its own."""
+    future: concurrent.futures.Future[bytes] = concurrent.futures.Future()
+
+    def read() -> None:
+        try:
+            future.set_result(loaded_weights_digest(model))
+        except Exception as exc:  # told when compared: the node then stops sharing
+            future.set_exception(exc)
+
+    threading.Thread(target=read, name="lmcache-p2p-weights", daemon=True).start()
+    return future
 
 
 class P2PWorker:
@@ -156,6 +164,8 @@ class P2PWorker:
         # this node stopped sharing (None: it shares)
         self._model: Any = None
         self._weights: concurrent.futures.Future[bytes] | None = None
+        self._checking: concurrent.futures.Future[bytes] | None = None  # the digest after a reset, being read
+        self._pending_resets = 0  # resets whose check is under way
         self.resets = 0
         self.stopped_sharing: str | None = None
 
@@ -179,9 +189,7 @@ class P2PWorker:
             # Read beside the engine's start (torch releases the GIL; ~20 s for 16 GB of weights on 2 CPU
             # cores, fast on a GPU); a reset waits for it. Weights updated while it reads them give a digest
             # no later read matches: the node stops sharing, the safe side.
-            self._weights = concurrent.futures.Future()
-            threading.Thread(target=_digest_into, args=(self._model, self._weights), name="lmcache-p2p-weights",
-                             daemon=True).start()
+            self._weights = _digest_later(self._model)
         else:
             log.warning("lmcache-p2p: vLLM's model runner was not found: a weight update in place cannot be told "
                         "from a cache reset here (restart the engine after updating its weights)")
@@ -269,22 +277,38 @@ class P2PWorker:
         log.info("lmcache-p2p: cache reset: %d chunks of agent %s dropped", dropped, agent.node_id)
 
     def _check_weights(self) -> None:
-        """After a cache reset: the weights' digest again; stop sharing when they changed."""
-        self.resets += 1
+        """After a cache reset: the weights' digest read again, off the forward pass (:meth:`_weights_checked`
+        compares it once read; nothing is loaded or saved meanwhile)."""
         if self._model is None or self.stopped_sharing is not None:
+            self.resets += 1
             return
+        if self._checking is None:  # a reset during a check: the check under way reads the weights as they are
+            self._checking = _digest_later(self._model)
+        self._pending_resets += 1
+
+    def _weights_checked(self) -> bool:
+        """True when no check is under way (any that finished is settled here: the node stops sharing if the
+        weights changed)."""
+        checking = self._checking
+        if checking is None:
+            return True
+        if not checking.done() or (self._weights is not None and not self._weights.done()):
+            return False
+        self._checking = None
+        self.resets, self._pending_resets = self.resets + self._pending_resets, 0
         try:
-            now = loaded_weights_digest(self._model)
+            now = checking.result()
             at_start = self._weights.result() if self._weights is not None else None
         except Exception as exc:  # never into vLLM; unknown weights are not shared
-            log.exception("lmcache-p2p: the weights' digest failed")
+            log.error("lmcache-p2p: the weights' digest failed: %r", exc)
             now, at_start = repr(exc).encode(), None
         if now == at_start:
             log.info("lmcache-p2p: cache reset with the weights unchanged: the node keeps sharing")
-            return
+            return True
         before = at_start.hex() if at_start is not None else "?"
         self._stop_sharing(f"the model's weights changed in place (digest {before} -> {now.hex()}) under a "
                            "fingerprint named for the weights loaded at start")
+        return True
 
     def _stop_sharing(self, why: str) -> None:
         """Nothing more is loaded, saved or served by this rank: its agent (if started) is stopped (lease
@@ -298,8 +322,8 @@ class P2PWorker:
             self.canary.shutdown()
             self.canary = None
         self.agent = None
-        if agent is not None:
-            agent.stop()
+        if agent is not None:  # off the forward pass (its lease revoked: an etcd round trip, or its timeout)
+            threading.Thread(target=agent.stop, name="lmcache-p2p-stop", daemon=True).start()
 
     def step_finished(self) -> None:
         self._unloaded.clear()
@@ -315,8 +339,8 @@ class P2PWorker:
     def start_load_kv(self, meta: LMCacheP2PMetadata) -> None:
         self._place_pulled()
         segments, exact = self.segments, self.exact
-        if self.stopped_sharing is not None:
-            self._fail_all(meta)
+        if self.stopped_sharing is not None or not self._weights_checked():
+            self._fail_all(meta)  # nothing loaded while the weights are in question
             return
         if segments is None or exact is None:
             return
@@ -363,7 +387,7 @@ class P2PWorker:
         try:
             assert self.exact is not None
             failed = self.exact.load(t, remote=True)
-            if self.stopped_sharing is not None:  # the weights changed while it loaded
+            if self.stopped_sharing is not None or self._checking is not None:  # weights in question meanwhile
                 failed = blocks_from(t, 0)
         except Exception:  # a cache problem must never become a serving problem: recompute it all
             log.exception("request %s: asynchronous load failed; recomputing", t.req_id)
@@ -377,8 +401,8 @@ class P2PWorker:
             assert self.segments is not None
             loaded, failed, gathered = self.segments.blend(t, remote=True, place=False)
             left = loaded.end > loaded.exact_end and not failed >= loaded.blocks(self._block_size)
-            if self.stopped_sharing is not None:  # the weights changed while it loaded
-                raise RuntimeError("this node stopped sharing")
+            if self.stopped_sharing is not None or self._checking is not None:  # weights in question meanwhile
+                raise RuntimeError("this node stopped sharing, or checks its weights")
         except Exception:  # never leave the request waiting: the engine computes it
             log.exception("request %s: blend failed on the load thread", t.req_id)
             loaded, left, gathered = t, False, []
@@ -413,12 +437,16 @@ class P2PWorker:
     def state(self) -> WorkerState:
         """For the scheduler, after this step: the peers this rank's pulls do not ask now, the cache resets it
         checked the weights at, and why it stopped sharing (None: it shares)."""
+        self._weights_checked()
         return WorkerState(self.agent.unavailable_peers() if self.agent is not None else frozenset(),
                            resets=self.resets, stopped_sharing=self.stopped_sharing)
 
     # -- save ---------------------------------------------------------------------------------------
     def wait_for_save(self, meta: LMCacheP2PMetadata) -> None:
-        saves = self.saves
+        # nothing saved or held against peers' copies while the weights are in question (KV of new weights
+        # under the old fingerprint; a canary would blame the peers)
+        checked = self._weights_checked()
+        saves, canary = (self.saves, self.canary) if checked else (None, None)
         for segments in meta.segment_saves:
             try:
                 if segments.req_id in self._unloaded:
@@ -429,8 +457,8 @@ class P2PWorker:
                 log.exception("request %s: saving its segments failed", segments.req_id)
         for transfer in meta.saves:
             try:
-                if transfer.canary and self.canary is not None:
-                    self.canary.check_later(transfer)
+                if transfer.canary and canary is not None:
+                    canary.check_later(transfer)
                 if saves is not None:
                     saves.save(transfer, self._unloaded.get(transfer.req_id, set()))
             except Exception:  # a cache problem must never become a serving problem
