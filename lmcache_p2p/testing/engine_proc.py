@@ -164,10 +164,22 @@ def _handle(llm: Any, req: dict[str, Any]) -> None:
         # The engine's own control path: a callable on every worker (needs VLLM_ALLOW_INSECURE_SERIALIZATION
         # in the engine's environment), then the reset a trainer makes after a weight update
         llm.collective_rpc(_scale_weights, args=(float(req["scale"]),))
-        _reply({"results": [{"reset": bool(llm.reset_prefix_cache(reset_running_requests=True,
-                                                                  reset_connector=True))}]})
+        _reply({"results": [{"reset": _reset_caches(llm)}]})
     else:
         _reply({"error": f"unknown op {req['op']!r}"})
+
+
+def _reset_caches(llm: Any, tries: int = 50) -> bool:
+    """vLLM's reset after a weight update. It fails while blocks are still held (a finished request's tail,
+    kept until the worker has copied it: the engine core frees them at its next step): tried again."""
+    for _ in range(tries):
+        try:
+            if llm.reset_prefix_cache(reset_running_requests=True, reset_connector=True):
+                return True
+        except RuntimeError:  # "Failed to reset KV cache even when all the running requests are preempted"
+            pass
+        time.sleep(0.1)
+    return False
 
 
 def _scale_weights(worker: Any, scale: float) -> None:
