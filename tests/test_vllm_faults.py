@@ -86,17 +86,19 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
             runs.append(run)
         ttft_miss = statistics.median(r.miss["ttft_s"] for r in runs)
         gap_miss = statistics.median(r.miss["max_gap_s"] for r in runs)
-        # Each run against its own miss (beside a CPU hog a whole run is slower, the miss too). B gives up on
-        # A's silence after the pull's expected time (a third of its allowance) or its ack timeout, whichever
-        # is longer (11-40 ms idle), or at the pull's deadline (3x its expected time) when a slow ack widened
-        # the silence it allows; then vLLM's failed-load round. The old stall, a wait on the liveness
-        # deadline, was 15x a miss and more; these bounds hold it to noise.
+        # Each run against its own miss. B gives up on A's silence after the pull's expected time (a third of
+        # its allowance) or its ack timeout, whichever is longer (11-40 ms idle), or at the pull's deadline (3x
+        # its expected time) when a slow ack widened the silence it allows; then vLLM's failed-load round.
+        # Idle, every run is within 1.34x its miss; beside a CPU hog and the suite's other lane one run in ten
+        # reached 2.47x (its decode stream stalled as long: the whole engine was starved). The old stall, a
+        # wait on the liveness deadline, was 4.8-6.4 s: 14x a miss and more. These bounds catch it anywhere.
         for run in runs:
-            assert run.stopped["ttft_s"] <= 1.5 * run.miss["ttft_s"] + 0.15, (run, ttft_miss)
-            assert run.stopped["max_gap_s"] <= 1.5 * max(gap_miss, run.miss["max_gap_s"]) + 0.25, (run, gap_miss)
+            assert run.stopped["ttft_s"] <= 2.5 * run.miss["ttft_s"] + 0.5, (run, ttft_miss)
+            assert run.stopped["max_gap_s"] <= 2.5 * max(gap_miss, run.miss["max_gap_s"]) + 0.5, (run, gap_miss)
         assert any(r.unanswered + r.timeout > 0 for r in runs), [r.line(i) for i, r in enumerate(runs)]
-        # the median run: 1.13x idle, 1.245x beside a CPU hog (both measured)
-        assert statistics.median(r.ttft_ratio for r in runs) <= 1.4, [r.line(i) for i, r in enumerate(runs)]
+        # the median run: 1.13x idle, 1.23x and 1.245x beside a CPU hog (measured); a give-up at the
+        # liveness deadline in most runs would be 10x and more
+        assert statistics.median(r.ttft_ratio for r in runs) <= 1.5, [r.line(i) for i, r in enumerate(runs)]
 
         # A stopped and held (asked by no new pull until its late answer or its liveness deadline): the next
         # document owned by A is recomputed without waiting on it
@@ -105,7 +107,7 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         failed_loads = (tmp_path / "b.log").read_text().count(FAILED_LOAD)
         again = b.concurrent([held[-1]], stream)[0]  # not asked: not even offered as a hit (WorkerState)
         assert first["tokens"] == reference[-2] and again["tokens"] == reference[-1]
-        assert again["ttft_s"] <= 1.5 * ttft_miss + 0.15, (again, ttft_miss)
+        assert again["ttft_s"] <= 2.5 * ttft_miss + 0.5, (again, ttft_miss)
         assert (tmp_path / "b.log").read_text().count(FAILED_LOAD) == failed_loads  # computed as a miss
     finally:
         if owner is not None and owner.stopped:

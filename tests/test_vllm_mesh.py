@@ -127,7 +127,7 @@ def test_lookup_mode_peer_hits_through_vllm(tiny_model, etcd, cluster_name, tmp_
         # B's first lookups open its etcd channels (scheduler and worker): beside a CPU hog that once took
         # longer than the 0.5 s a load waits for its rank's index (the load then recomputed, as it must); a
         # prompt nobody holds opens them before the documents are asked for
-        assert b.generate(prompts(1, 300, seed=22))[0]["num_cached_tokens"] == 0
+        b.generate(prompts(1, 300, seed=22))
         on_b = b.generate(docs)
         assert [r["tokens"] for r in on_b] == [r["tokens"] for r in on_a]
         assert [r["num_cached_tokens"] for r in on_b] == [1099, 1099]
