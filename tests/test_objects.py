@@ -321,7 +321,9 @@ def test_the_store_stopped_or_killed_costs_a_load_its_deadline_and_never_a_save(
                 loaded = r.load(plan, bufs, timeout=1.0)
                 waited = time.monotonic() - t0
                 assert not any(loaded)
-                assert waited < 1.0 + 1.5, waited  # its deadline, plus the loop's own slack
+                # its deadline, plus the loop's own slack (2.77 s once beside a CPU hog and the suite's other
+                # lane), well short of the store's own 10 s timeout
+                assert waited < 1.0 + 3.0, waited
                 assert ops(r, "get", "error") >= 1
                 assert r.objects is not None  # one backoff step for the whole load, by the peers' rule
                 assert r.objects.health.failures(r.objects.address) == 1
