@@ -71,7 +71,7 @@ def test_live_mesh_then_a_hung_agent(etcd, cluster_name, tmp_path):
     # likely because c's 30 s lease had run out while stopped (its record gone); the test took 110 s there.
     agents = [start(tmp_path, "a", cluster_name, etcd.endpoints, seeds=(1,)),
               start(tmp_path, "b", cluster_name, etcd.endpoints, seeds=(2, 3)),
-              start(tmp_path, "c", cluster_name, etcd.endpoints, ttl=30)]
+              start(tmp_path, "c", cluster_name, etcd.endpoints, ttl=120)]
     try:
         for a in agents:
             a.wait_ready()
