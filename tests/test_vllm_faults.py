@@ -104,11 +104,12 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         # document owned by A is recomputed without waiting on it
         owner.stop()
         first = b.concurrent([held[-2]], stream)[0]  # taken for hung: held
-        failed_loads = (tmp_path / "b.log").read_text().count(FAILED_LOAD)
+        # B's pulls, counted by its agent (its log is written by buffered processes: no count to compare)
+        asked = owner.pulled_chunks()
         again = b.concurrent([held[-1]], stream)[0]  # not asked: not even offered as a hit (WorkerState)
         assert first["tokens"] == reference[-2] and again["tokens"] == reference[-1]
         assert again["ttft_s"] <= 2.5 * ttft_miss + 0.5, (again, ttft_miss)
-        assert (tmp_path / "b.log").read_text().count(FAILED_LOAD) == failed_loads  # computed as a miss
+        assert owner.pulled_chunks() == asked  # computed as a miss: no load planned, so no pull and no failure
     finally:
         if owner is not None and owner.stopped:
             owner.resume()

@@ -96,6 +96,10 @@ class StoppedOwner:
         return sum(v for k, v in self.counters().items()
                    if k.startswith("lmcache_p2p_pull_chunks_total{") and f'outcome="{name}"' in k)
 
+    def pulled_chunks(self) -> float:
+        """Chunks B's pulls asked for so far, whatever their outcome (``pull_chunks_total``)."""
+        return sum(v for k, v in self.counters().items() if k.startswith("lmcache_p2p_pull_chunks_total{"))
+
     def would_pull(self) -> bool:
         """B asks A now: not backed off, and A measured faster than recomputing."""
         m = self.counters()
