@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -102,8 +103,9 @@ def failed_gather() -> None:
     print("ok")
 
 
-def failed_sync_load() -> None:
-    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+def attached_worker() -> tuple[Any, Any]:
+    """A worker over a started agent (an 8-slot pool, an in-memory index) and working paged KV, as
+    register_kv_caches builds its parts: ``(worker, config)``."""
     from lmcache_p2p.integrations.vllm.worker import P2PWorker
 
     config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
@@ -111,12 +113,18 @@ def failed_sync_load() -> None:
     worker = P2PWorker(config, fingerprint, BLOCK)
     kv = FlakyKV()
     kv.failing = False
-    chunk, per = config.chunk_size, config.chunk_size // BLOCK
-    mesh = MemoryMesh()
-    # the engine's KV, as register_kv_caches gives it to the parts
+    per = config.chunk_size // BLOCK
     worker.attach(CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
-                             index_factory=lambda loop, record: MemoryIndex(mesh, record)).start(),
+                             index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start(),
                   kv, None)  # type: ignore[arg-type]
+    return worker, config
+
+
+def failed_sync_load() -> None:
+    from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
+
+    worker, config = attached_worker()
+    chunk, per = config.chunk_size, config.chunk_size // BLOCK
     assert worker.agent is not None
     keys = [bytes([i + 1]) * 16 for i in range(3)]
     blocks = [list(range(i * per, (i + 1) * per)) for i in range(3)]
@@ -199,17 +207,9 @@ class HeldModel:
 def weights_checked() -> None:
     from lmcache_p2p.integrations.vllm import worker as worker_module
     from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
-    from lmcache_p2p.integrations.vllm.worker import P2PWorker
 
-    config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
-    fingerprint = Fingerprint.of(config.layout)
-    worker = P2PWorker(config, fingerprint, BLOCK)
-    kv = FlakyKV()
-    kv.failing = False
+    worker, config = attached_worker()
     chunk, per = config.chunk_size, config.chunk_size // BLOCK
-    worker.attach(CacheAgent(config, fingerprint, kv.payload_nbytes(per), secret=os.urandom(32),
-                             index_factory=lambda loop, record: MemoryIndex(MemoryMesh(), record)).start(),
-                  kv, None)  # type: ignore[arg-type]
     model = HeldModel()
     worker._model, worker._weights = model, worker_module._digest_later(model)  # as register_kv_caches does
     key, blocks = [b"\1" * 16], [list(range(per))]
