@@ -54,7 +54,7 @@ from .coordinator.store import ConfigWatcher
 from .errors import LMCacheP2PError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .handoff import Handoff
-from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeId, node_digest
+from .ids import OBJECTS, TIER_CODES, WIRE_VERSION, NodeId, origin_of
 from .index.protocol import BlockIndex
 from .index.quarantine import Quarantine, QuarantineRecord
 from .index.schema import NodeRecord, Rejects, Schema, Served, tenant_digest
@@ -98,7 +98,7 @@ class CacheAgent:
         self.heads: HeadRange = heads if heads is not None else (0, fingerprint.num_kv_heads)
         self.role = role  # "engine" (inside vLLM) or "cache" (a cache-only agent: hand-offs go there first)
         self.node_id = NodeId(config.node_id)
-        self.origin = node_digest(self.node_id)  # in the header of every chunk this node computes
+        self.origin = origin_of(self.node_id)  # in the header of every chunk this node computes (its engine's)
         self.chunk_bytes = chunk_bytes
         self._index_factory = index_factory
         self._transfers_factory = transfers

@@ -6,18 +6,19 @@
                forward pass, each owner the index lists is asked for its copy of the same key and
                the two are compared within the KV dtype's tolerance
     mismatch:  when another owner's copy agrees with the reference (two computations against
-               one), the node that *computed* the wrong copy (the origin in its header) is
-               quarantined (``index/quarantine.py``: a record every planner obeys, ``status``
-               shows), and every holder drops the copies it pulled of that node's chunks; a holder
-               that only pulled the copy is not. Else it is counted as ``unconfirmed`` and logged
-               (``canary_checks_total{outcome}``); a copy this node holds that differs is replaced
+               one), the owner that served the wrong copy is quarantined (``index/quarantine.py``:
+               a record every planner obeys, ``status`` shows), and every holder drops the copies
+               it holds of chunks that owner's engine computed. Else it is counted as
+               ``unconfirmed`` and logged (``canary_checks_total{outcome}``); a copy this node
+               holds that differs is replaced
 
-Whom a mismatch names: the copy's origin when the holder computed it itself; when the holder pulled
-it, the origin, unless the origin's computation was found right in the same check (its own copy,
-another holder's copy of it, or this node's reference when this node is the origin): then the
-holder's copy is not what its origin computed and the holder is the wrong one. A copy whose origin
-names no node in the mesh (gone, or a chunk assembled from several nodes' head ranges) quarantines
-nobody: ``unconfirmed``, logged.
+Whom a mismatch names: the holder answers for what it serves. A chunk header's ``origin`` (the
+engine that computed it) is written by whoever serves the copy and proves nothing, so it never
+names a culprit on its own: a holder serving wrong KV under a zero origin or under an innocent
+node's is the one quarantined. The one exception spares an honest relay: when the origin names an
+owner whose *own* copy is found wrong in the same check, that owner is the culprit (it is
+quarantined for its own copy anyway) and every holder drops what it computed, the relay's copy
+included.
 
 A key is derived by this node from the tokens it just computed, so the check covers the key chain
 too: an owner whose chunk under this key is not the KV of these tokens under this model is wrong,
@@ -39,7 +40,7 @@ import torch
 from .aio import remaining
 from .chunk import ChunkHeader
 from .errors import LMCacheP2PError
-from .ids import NodeDigest, NodeId, node_digest
+from .ids import NO_ORIGIN, NodeDigest, NodeId, origin_of
 from .index.quarantine import QuarantineRecord
 from .keys import ChunkKey, HeadRange, piece_key
 from .plan import Piece, PlannedChunk
@@ -99,7 +100,7 @@ class Verdict:
     key: ChunkKey
     distance: float | None  # None: the owner's copy could not be had
     outcome: str
-    quarantined: NodeId | None = None  # whom a mismatch quarantined (the computing node, or a lying holder)
+    quarantined: NodeId | None = None  # whom a mismatch quarantined (the holder, or the owner its origin names)
 
 
 class CanaryNode(Protocol):
@@ -111,9 +112,6 @@ class CanaryNode(Protocol):
     def owners_of(self, key: ChunkKey) -> list[NodeId]: ...
 
     def fetch_copy(self, owner: NodeId, chunk: PlannedChunk, deadline: float) -> Copy | None: ...
-
-    def node_named(self, origin: NodeDigest) -> NodeId | None:
-        """The node of the mesh (this one included) whose :func:`~lmcache_p2p.ids.node_digest` is ``origin``."""
 
     def quarantine_owner(self, record: QuarantineRecord) -> None: ...
 
@@ -151,10 +149,9 @@ class Canary:
                                        pieces=(Piece(owner, self.node.heads),))
                 copy = self.node.fetch_copy(owner, planned, time.monotonic() + self.timeout_s)
                 if copy is None:
-                    found.append(_Found(owner, None, None))
+                    found.append(_Found(owner, None))
                 else:
-                    found.append(_Found(owner, kv_distance(reference, copy.payload, self.kv_dtype),
-                                        self.node.node_named(copy.origin)))
+                    found.append(_Found(owner, kv_distance(reference, copy.payload, self.kv_dtype), copy.origin))
             verdicts += self._judge(key, found)
         return verdicts
 
@@ -162,11 +159,10 @@ class Canary:
         return kv_distance(reference, copy, self.kv_dtype) > self.tolerance
 
     def _judge(self, key: ChunkKey, found: Sequence[_Found]) -> list[Verdict]:
-        matched = [f for f in found if f.distance is not None and f.distance <= self.tolerance]
-        ok = {f.owner for f in matched}
-        # nodes whose computation of this key was found right here: a holder's own copy, any copy whose
-        # origin names them, and this node (the reference)
-        right = ok | {f.computed_by for f in matched if f.computed_by is not None} | {self.node.node_id}
+        ok = any(f.distance is not None and f.distance <= self.tolerance for f in found)
+        # owners whose own copy is wrong here, by the origin their own chunks carry
+        wrong = {origin_of(f.owner): f.owner for f in found
+                 if f.distance is not None and f.distance > self.tolerance}
         out, quarantined = [], set()
         for f in found:
             culprit = None
@@ -175,13 +171,13 @@ class Canary:
             elif f.distance <= self.tolerance:
                 outcome = "match"
                 log.debug("canary: %s's chunk %s matches (distance %.3g)", f.owner, key.hex()[:16], f.distance)
-            elif ok and f.computed_by is not None:
+            elif ok:
                 outcome = "mismatch"
-                # The computing node, unless its own copy is right here: then the holder's copy is not its.
-                culprit = f.owner if f.computed_by in right else f.computed_by
-                log.error("canary: %s's copy of chunk %s (computed by %s) is not the KV this engine and another "
-                          "owner compute (distance %.3g > %.3g): %s quarantined", f.owner, key.hex()[:16],
-                          f.computed_by, f.distance, self.tolerance, culprit)
+                # The holder answers for what it serves, unless the engine its copy names served it wrong here too.
+                culprit = wrong.get(f.origin, f.owner)
+                log.error("canary: %s's copy of chunk %s is not the KV this engine and another owner compute "
+                          "(distance %.3g > %.3g): %s quarantined", f.owner, key.hex()[:16],
+                          f.distance, self.tolerance, culprit)
                 if culprit not in quarantined:
                     quarantined.add(culprit)
                     self.node.quarantine_owner(QuarantineRecord(culprit, self.node.node_id, key.hex(),
@@ -189,9 +185,8 @@ class Canary:
             else:
                 outcome = "unconfirmed"
                 log.warning("canary: %s's chunk %s differs from what this engine computes (distance %.3g > %.3g) "
-                            "and %s: not quarantined", f.owner, key.hex()[:16], f.distance, self.tolerance,
-                            "its origin names no node in the mesh" if ok else
-                            "no other owner agrees with either side")
+                            "and no other owner agrees with either side: not quarantined", f.owner,
+                            key.hex()[:16], f.distance, self.tolerance)
             self._count(outcome)
             out.append(Verdict(f.owner, key, f.distance, outcome, culprit))
         return out
@@ -201,7 +196,7 @@ class Canary:
 class _Found:
     owner: NodeId
     distance: float | None  # None: no copy
-    computed_by: NodeId | None = None  # the node its origin names, if any
+    origin: NodeDigest = NO_ORIGIN  # the origin its header carries (a claim of the holder's)
 
 
 class MeshCopies:
@@ -210,13 +205,12 @@ class MeshCopies:
     pull), the CPU pool (copied out of registered memory and verified again), the quarantine (written
     through the agent, so its own planner stops at once)."""
 
-    def __init__(self, *, node_id: NodeId, origin: NodeDigest, heads: HeadRange, fp: FingerprintDigest,
+    def __init__(self, *, node_id: NodeId, heads: HeadRange, fp: FingerprintDigest,
                  tiers: TieredStore, puller: Puller, loop: LoopThread, pin_timeout_s: float,
                  index: Callable[[], BlockIndex | None], usable: Callable[[NodeRecord | None], bool],
                  store: Callable[[list[ChunkKey], list[int], list[memoryview]], object],
                  quarantine: Callable[[QuarantineRecord], None]) -> None:
         self.node_id = node_id
-        self.origin = origin
         self.heads = heads
         self.fp = fp
         self.tiers = tiers
@@ -275,11 +269,3 @@ class MeshCopies:
         log.error("canary: this node's copy of chunk %s is not the KV its engine computes: replaced", key.hex()[:16])
         self.tiers.remove(key)
         self._store([key], [num_tokens], [memoryview(reference)])
-
-    def node_named(self, origin: NodeDigest) -> NodeId | None:
-        """The node of the mesh (this one included) that ``origin`` (a chunk header's) names."""
-        if origin == self.origin:
-            return self.node_id
-        index = self._index()
-        nodes = index.nodes() if index is not None else {}
-        return next((n for n in nodes if node_digest(n) == origin), None)

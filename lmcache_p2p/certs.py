@@ -32,7 +32,7 @@ import tempfile
 from collections.abc import Collection, Sequence
 from pathlib import Path
 
-from .ids import NODE_ID_RE
+from .ids import NODE_ID_RE, engine_of
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 NODE_URI = "urn:lmcache-p2p:node:"  # the URI SAN a transfer certificate names its node with (transfer/tls.py)
@@ -41,8 +41,7 @@ _EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 def names_node(names: Collection[str], node_id: str) -> bool:
     """A certificate naming ``names`` may serve as ``node_id``: one of them, or a TP rank of one."""
-    base, sep, rank = node_id.rpartition("-r")
-    return node_id in names or (bool(sep) and rank.isdigit() and base in names)
+    return node_id in names or engine_of(node_id) in names
 
 
 def _sans(spec: str) -> str:

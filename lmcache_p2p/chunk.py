@@ -14,10 +14,11 @@
                  invalidation at revision R covers a chunk of another generation, or of this one
                  below R (``invalidation.py``, ``index/generation.py``)
     56     8     xxh3_64 of the payload (u64)
-    64     16    origin: the node that computed the chunk (``ids.node_digest``; zeros when several
-                 did, for a chunk assembled from other nodes' head ranges). Kept by every copy: a
-                 pulled chunk is re-served under its holder's name with its computer's origin, so
-                 the canary and ``invalidate --node`` judge the node that computed it, not each holder
+    64     16    origin: the engine that computed the chunk (``ids.origin_of``: the ranks of a TP
+                 engine share it; zeros: unknown). Kept by every copy, and a chunk is never
+                 assembled from pieces of two origins: ``invalidate --node`` and a quarantine reach
+                 every copy of what an engine computed. A claim of whoever serves it, not a proof:
+                 the canary holds the holder to what it serves (``canary.py``)
 
 All integers little-endian. The payload is the bytes of the engine blocks that hold the
 chunk's tokens, head-major (``kernels/layout.py``): heads ``[h0, h1)`` are ``h1 - h0`` equal

@@ -40,9 +40,24 @@ NO_ORIGIN = NodeDigest(bytes(16))
 
 
 def node_digest(node_id: str) -> NodeDigest:
-    """The 16-byte name of ``node_id`` a chunk header carries (BLAKE2b, personalised: not forgeable
-    into another node's by choosing an id)."""
+    """The 16-byte name of ``node_id`` (BLAKE2b, personalised: not forgeable into another node's by
+    choosing an id)."""
     return NodeDigest(hashlib.blake2b(node_id.encode(), digest_size=16, person=b"lmcache-p2p/node").digest())
+
+
+_RANK_SUFFIX = re.compile(r"-r\d+$")
+
+
+def engine_of(node_id: str) -> str:
+    """The engine a node's agent runs in: a tensor-parallel rank's agent is ``<engine>-r<rank>``
+    (``config.rank_config``; a certificate naming the engine covers its ranks), any other node is its own."""
+    return _RANK_SUFFIX.sub("", node_id)
+
+
+def origin_of(node_id: str) -> NodeDigest:
+    """The origin a chunk header carries for what ``node_id`` computes: the digest of its *engine*, so
+    the ranks of one tensor-parallel engine share it and a chunk assembled from their head ranges keeps it."""
+    return node_digest(engine_of(node_id))
 
 
 # The transfer protocol's version (handshake and frames: transfer/wire.py); every node record carries it,

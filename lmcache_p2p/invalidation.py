@@ -58,7 +58,7 @@ from .aio import LoopThread
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
-from .ids import NodeId, node_digest
+from .ids import NodeId, origin_of
 from .index.client import EtcdClient, KeyValue, WatchEvent
 from .index.generation import GenerationWatch, cap_epoch, epoch_generation, epoch_revision, make_epoch
 from .index.schema import (
@@ -96,12 +96,13 @@ async def issue(client: EtcdClient, schema: Schema, kind: str, value: str, *, tt
 def matches(inv: Invalidation, header: ChunkHeader, tenant: str | None, holder: str, generation: int) -> bool:
     """Whether ``inv`` covers a chunk with ``header`` held by ``holder``; ``tenant``: the digest of its
     fingerprint's salt, if known; ``generation``: the etcd history followed (a chunk of another one is
-    ordered before every invalidation). A ``node`` invalidation matches the node that computed the
-    chunk (its header's origin) wherever the chunk is held, and everything that node holds."""
+    ordered before every invalidation). A ``node`` invalidation matches the engine that computed the
+    chunk (its header's origin; a TP rank names its engine) wherever the chunk is held, and everything
+    that node holds."""
     if epoch_generation(header.epoch) == generation and epoch_revision(header.epoch) >= inv.revision:
         return False
     if inv.kind == "node":
-        return inv.value == holder or header.origin == node_digest(inv.value)
+        return inv.value == holder or header.origin == origin_of(inv.value)
     if inv.kind == "fingerprint":
         return header.fingerprint.hex().startswith(inv.value)
     return tenant is not None and tenant == inv.value

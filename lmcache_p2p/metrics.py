@@ -118,6 +118,9 @@ class AgentMetrics:
         self.assembled_chunks = Counter("assembled_chunks", "Chunks assembled from head ranges pulled from several "
                                         "peers (the ranks of a tensor-parallel engine)", namespace=ns,
                                         registry=registry)
+        self.mixed_origin_chunks = Counter("mixed_origin_chunks", "Chunks not assembled because their pieces "
+                                           "were computed by different engines (recomputed)", namespace=ns,
+                                           registry=registry)
         self.pull_bytes = Counter("pull_bytes", "Bytes pulled from peers", ["transport"], namespace=ns,
                                   registry=registry)
         self.pull_chunks = Counter("pull_chunks", "Chunks requested from peers, by outcome",

@@ -24,7 +24,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from .ids import TIER_OBJECT, NodeId
+from .ids import TIER_OBJECT, NodeId, engine_of
 from .keys import ChunkKey, HeadRange
 
 if TYPE_CHECKING:
@@ -144,16 +144,19 @@ def make_plan(
 def _cover(need: HeadRange, held: Mapping[NodeId, tuple[HeadRange, int]],
            load: dict[NodeId, int]) -> tuple[Piece, ...] | None:
     """``need`` from pieces of several peers' ranges (greedy: at each head, the peer reaching
-    furthest, then the least loaded); None when some head is held by no usable peer."""
+    furthest, then one of the first piece's engine, then the least loaded); None when some head is
+    held by no usable peer. (Pieces computed by different engines are never assembled: pull.py.)"""
     pieces: list[Piece] = []
     pos = need[0]
     while pos < need[1]:
-        at = [(-min(h[1], need[1]), load.get(n, 0), tier, n) for n, (h, tier) in held.items() if h[0] <= pos < h[1]]
+        engine = engine_of(pieces[0].source) if pieces else None
+        at = [(-min(h[1], need[1]), engine is not None and engine_of(n) != engine, load.get(n, 0), tier, n)
+              for n, (h, tier) in held.items() if h[0] <= pos < h[1]]
         if not at:
             return None
         at.sort()
-        end, best = -at[0][0], at[0][3]
-        same = tuple(c[3] for c in at[1:] if -c[0] == end)  # others holding this very piece
+        end, best = -at[0][0], at[0][-1]
+        same = tuple(c[-1] for c in at[1:] if -c[0] == end)  # others holding this very piece
         load[best] = load.get(best, 0) + 1
         pieces.append(Piece(best, (pos, end), same))
         pos = end

@@ -12,7 +12,7 @@ from agent_helpers import wait_until
 
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.canary import Canary, Copy, kv_distance, tolerance_for
-from lmcache_p2p.ids import NO_ORIGIN, NodeDigest, NodeId, node_digest
+from lmcache_p2p.ids import NO_ORIGIN, NodeDigest, NodeId, origin_of
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.quarantine import Quarantine, QuarantineRecord, prefix, read_all, release, write
 from lmcache_p2p.index.schema import Rejects, Schema
@@ -65,10 +65,7 @@ class _Node:
         self.asked.append((owner, chunk))
         assert deadline > time.monotonic()
         payload = self.copies[owner]
-        return None if payload is None else Copy(payload, self.origins.get(owner, node_digest(owner)))
-
-    def node_named(self, origin: NodeDigest) -> NodeId | None:
-        return next((n for n in (self.node_id, *self.copies, NodeId("elsewhere")) if node_digest(n) == origin), None)
+        return None if payload is None else Copy(payload, self.origins.get(owner, origin_of(owner)))
 
     def quarantine_owner(self, record: QuarantineRecord) -> None:
         self.quarantined.append(record)
@@ -95,48 +92,40 @@ def test_one_check_quarantines_the_wrong_owner_and_only_it() -> None:
     assert all(c.pieces and c.pieces[0].heads == (0, 2) and c.key == key for _, c in node.asked)
 
 
-def test_a_holder_of_a_pulled_copy_is_not_quarantined_its_computing_node_is() -> None:
-    """``puller`` pulled ``bad``'s chunk (its header names ``bad``); ``elsewhere`` computed one too but no
-    longer holds it, and ``far`` pulled that one: each mismatch quarantines the computing node, once,
-    never the holder."""
+def test_a_relay_of_a_wrong_copy_is_spared_when_its_origin_serves_it_wrong_too() -> None:
+    """``puller`` pulled ``bad``'s chunk (its header names ``bad``), and ``bad``'s own copy is wrong in the
+    same check: ``bad`` is the culprit, once; the relay is not quarantined (it drops ``bad``'s chunks when the
+    record lands). The ranks of one tensor-parallel engine share its origin: ``tp-r1`` pulled from ``tp-r0``."""
     reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
     key = ChunkKey(b"k" * 16)
-    node = _Node({NodeId("good"): reference, NodeId("bad"): wrong, NodeId("puller"): wrong, NodeId("far"): wrong},
-                 origins={NodeId("puller"): node_digest("bad"), NodeId("far"): node_digest("elsewhere")})
-    verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
+    node = _Node({NodeId("good"): reference, NodeId("bad"): wrong, NodeId("puller"): wrong,
+                  NodeId("tp-r0"): wrong, NodeId("cache"): wrong},
+                 origins={NodeId("puller"): origin_of("bad"), NodeId("cache"): origin_of("tp-r1")})
+    verdicts = Canary(node, "bfloat16", max_owners=5).check([(key, 0, 256, reference)])
     assert {v.owner: (v.outcome, v.quarantined) for v in verdicts} == {
         "good": ("match", None), "bad": ("mismatch", "bad"), "puller": ("mismatch", "bad"),
-        "far": ("mismatch", "elsewhere")}
-    assert [r.node for r in node.quarantined] == ["bad", "elsewhere"]
+        "tp-r0": ("mismatch", "tp-r0"), "cache": ("mismatch", "tp-r0")}
+    assert [r.node for r in node.quarantined] == ["bad", "tp-r0"]
+    assert origin_of("tp-r0") == origin_of("tp-r1") == origin_of("tp") != origin_of("tp-r")
 
 
-def test_a_copy_that_is_not_what_its_origin_computed_quarantines_its_holder() -> None:
-    """``liar`` serves other bytes under ``good``'s name (or this node's): ``good``'s own copy (this
-    node's reference) is right in the same check, so the holder is the wrong one."""
+def test_the_holder_answers_for_a_wrong_copy_whatever_origin_it_claims() -> None:
+    """The origin is written by whoever serves the copy: a holder serving wrong KV under a zero origin, under
+    an innocent node's (one right in this check, this node, or one gone from the mesh) or under one that
+    serves nothing here is the one quarantined, never the node its header names."""
     reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
     key = ChunkKey(b"k" * 16)
-    for origin in (node_digest("good"), node_digest("me")):
+    for origin in (NO_ORIGIN, origin_of("good"), origin_of("me"), origin_of("gone-node"), origin_of("elsewhere")):
         node = _Node({NodeId("good"): reference, NodeId("liar"): wrong}, origins={NodeId("liar"): origin})
         verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
-        assert {v.owner: v.quarantined for v in verdicts} == {"good": None, "liar": "liar"}
+        assert {v.owner: (v.outcome, v.quarantined) for v in verdicts} == {
+            "good": ("match", None), "liar": ("mismatch", "liar")}, origin
         assert [r.node for r in node.quarantined] == ["liar"]
-    # "elsewhere" no longer holds its chunk, but an honest holder's copy of it is right: its computation was.
+    # An owner whose own copy is right is never named by another's wrong copy claiming its origin.
     node = _Node({NodeId("honest"): reference, NodeId("liar"): wrong},
-                 origins={NodeId("honest"): node_digest("elsewhere"), NodeId("liar"): node_digest("elsewhere")})
+                 origins={NodeId("honest"): origin_of("elsewhere"), NodeId("liar"): origin_of("honest")})
     verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
     assert {v.owner: v.quarantined for v in verdicts} == {"honest": None, "liar": "liar"}
-
-
-def test_a_copy_whose_origin_names_no_node_quarantines_nobody() -> None:
-    """Assembled from several nodes' head ranges (no single origin), or computed by a node gone from
-    the mesh: nobody to name; counted as unconfirmed."""
-    reference, wrong = _bytes(_kv(1)), _bytes(_kv(9))
-    key = ChunkKey(b"k" * 16)
-    for origin in (NO_ORIGIN, node_digest("gone-node")):
-        node = _Node({NodeId("good"): reference, NodeId("holder"): wrong}, origins={NodeId("holder"): origin})
-        verdicts = Canary(node, "bfloat16").check([(key, 0, 256, reference)])
-        assert {v.owner: v.outcome for v in verdicts} == {"good": "match", "holder": "unconfirmed"}
-        assert node.quarantined == []
 
 
 def test_one_computation_against_one_copy_quarantines_nobody() -> None:
@@ -255,8 +244,8 @@ def test_a_holder_drops_the_copies_a_quarantined_node_computed_and_keeps_its_own
         # Offered again (a pull from a lagging planner): refused at the gate while a stands quarantined.
         payload = memoryview(bytes(c.chunk_bytes))
         key = ChunkKey(b"q" * 16)
-        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=node_digest("a")) is None
-        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=node_digest("d")) is not None
+        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=origin_of("a")) is None
+        assert c.tiers.put(key, c.fp, payload, 256, heads=c.heads, origin=origin_of("d")) is not None
         assert c.invalidation.removed.labels("quarantine")._value.get() == pulled + 1
     finally:
         c.stop()

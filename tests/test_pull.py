@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.chunk import make_header
 from lmcache_p2p.estimates import PeerEstimates
-from lmcache_p2p.ids import OBJECTS, WIRE_VERSION, NodeId, PeerAddress
+from lmcache_p2p.ids import NO_ORIGIN, OBJECTS, WIRE_VERSION, NodeDigest, NodeId, PeerAddress, engine_of, origin_of
 from lmcache_p2p.index.schema import NodeRecord, Served
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
 from lmcache_p2p.metrics import AgentMetrics
@@ -64,12 +64,13 @@ class Mesh:
                                    "transports": ("loopback",), "served": {FP.hex(): Served(heads=(*heads, HEADS))}}
         return NodeRecord(**{**base, **fields})  # type: ignore[arg-type]
 
-    def owner(self, node: str, keys: list[ChunkKey], heads: HeadRange = (0, HEADS), tier: int = 1) -> PeerAddress:
+    def owner(self, node: str, keys: list[ChunkKey], heads: HeadRange = (0, HEADS), tier: int = 1,
+              origin: NodeDigest = NO_ORIGIN) -> PeerAddress:
         port = 7000 + len(self.owners)
         pool = self.pools[node] = CpuPool(16 * SLOT, SLOT)
         for key in keys:
             data = payload(key, heads)
-            pool.put(make_header(key, FP, data, CHUNK, heads=heads), memoryview(data))
+            pool.put(make_header(key, FP, data, CHUNK, heads=heads, origin=origin), memoryview(data))
         peer = PeerAddress("127.0.0.1", port, node)
         self.net.add(peer, pool)
         index = self.owners[node] = MemoryIndex(self.index_mesh, self.record(node, port, heads))
@@ -202,6 +203,35 @@ def test_pieces_from_two_ranks_are_assembled_into_the_chunk(mesh: Mesh) -> None:
         assert mesh.pool.header(key).heads == (0, HEADS)  # type: ignore[union-attr]
         assert not mesh.pool.contains(piece_key(key, (0, 1))) and not mesh.pool.contains(piece_key(key, (1, HEADS)))
     assert mesh.value("assembled_chunks_total") == 4 and mesh.announced == KEYS
+
+
+def test_pieces_keep_their_engines_origin_and_pieces_of_two_engines_are_never_assembled(mesh: Mesh) -> None:
+    """The ranks of one engine share its origin, and the chunk assembled from them keeps it; pieces two
+    engines computed would make a chunk nobody computed: not assembled (recomputed), counted, no piece left."""
+    mesh.owner("e-r0", KEYS[:2], heads=(0, 2), origin=origin_of("e-r0"))
+    mesh.owner("e-r1", KEYS[:2], heads=(2, HEADS), origin=origin_of("e-r1"))
+    mesh.owner("a-r0", KEYS[2:], heads=(0, 2), origin=origin_of("a-r0"))
+    mesh.owner("b-r1", KEYS[2:], heads=(2, HEADS), origin=origin_of("b-r1"))
+    chunks = mesh.plan(KEYS)
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
+    for key in KEYS[:2]:
+        assert mesh.held(key) == payload(key) and mesh.pool.header(key).origin == origin_of("e")  # type: ignore[union-attr]
+    assert not mesh.pool.contains(KEYS[2]) and not mesh.pool.contains(KEYS[3]) and len(mesh.pool) == 2
+    assert mesh.value("assembled_chunks_total") == 2 and mesh.value("mixed_origin_chunks_total") == 2
+    assert mesh.announced == KEYS[:2]
+
+
+def test_the_planner_takes_a_chunks_pieces_from_one_engine_when_it_can(mesh: Mesh) -> None:
+    """Two engines hold every head in halves: each chunk's second piece comes from its first piece's engine
+    even where the other engine's rank is less loaded."""
+    for engine in ("a", "b"):
+        mesh.owner(f"{engine}-r0", KEYS, heads=(0, 2), origin=origin_of(engine))
+        mesh.owner(f"{engine}-r1", KEYS, heads=(2, HEADS), origin=origin_of(engine))
+    chunks = mesh.plan(KEYS)
+    assert all(len({engine_of(p.source) for p in c.pieces}) == 1 for c in chunks), chunks
+    assert {engine_of(c.pieces[0].source) for c in chunks} == {"a", "b"}  # load still spreads the chunks
+    mesh.puller.pull(chunks, time.monotonic() + 2.0)
+    assert all(mesh.held(key) == payload(key) for key in KEYS) and mesh.value("mixed_origin_chunks_total") == 0
 
 
 def test_a_piece_changed_in_memory_after_it_landed_is_not_assembled(mesh: Mesh, loop: LoopThread) -> None:

@@ -22,6 +22,7 @@ from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.cli import status
 from lmcache_p2p.config import rank_config
+from lmcache_p2p.ids import origin_of
 from lmcache_p2p.index.reader import IndexReader
 from lmcache_p2p.kernels.paged import PagedKV
 from lmcache_p2p.keys import Fingerprint, chunk_keys, head_range
@@ -71,8 +72,11 @@ def load_and_check(agent: CacheAgent, seed: int, loader_seed: int) -> list[tuple
     dst_ids, src_ids = block_ids(loader_seed, n_blocks), block_ids(seed, n_blocks)
     pins = agent.load_pinned(plan, agent.deadline(10.0))
     try:
-        for pin, blocks in zip(pins, chunk_blocks(layout, agent.config.chunk_size, dst_ids, TOKENS), strict=True):
+        for pin, chunk, blocks in zip(pins, plan.chunks, chunk_blocks(layout, agent.config.chunk_size, dst_ids, TOKENS),
+                                      strict=True):
             assert pin is not None and pin.header.heads == (h0, h1)
+            # whichever ranks it came from, the chunk names the engine that computed it
+            assert pin.header.origin == origin_of(chunk.parts()[0].source)
             staged = agent.tiers.cpu.stage(pin)  # what the worker scatters: a verified private copy
             assert staged is not None and staged.numel() == kv.payload_nbytes(len(blocks))
             kv.scatter(staged, torch.tensor(blocks, dtype=torch.int64))

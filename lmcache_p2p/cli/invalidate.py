@@ -33,7 +33,7 @@ from typing import Any
 
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
-from ..ids import OBJECTS, node_digest
+from ..ids import OBJECTS, origin_of
 from ..index.client import EtcdClient, KeyValue
 from ..index.schema import ObjectMeta, Schema, decode_node_record, decode_object_meta, tenant_digest
 from ..invalidation import Invalidation, issue
@@ -82,7 +82,7 @@ async def _matching_objects(client: EtcdClient, schema: Schema, kind: str, value
         except MalformedRecord:
             continue  # the cleanup skips it too
         if (kind == "fingerprint" and meta.fp.hex().startswith(value)) or (kind == "tenant" and meta.tenant == value) \
-                or (kind == "node" and (meta.node == value or meta.origin == node_digest(value))):
+                or (kind == "node" and (meta.node == value or meta.origin == origin_of(value))):
             out.append(meta)
     return out
 

@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import http.client
 import json
-import re
 import sys
 import time
 from collections import Counter, defaultdict
@@ -33,14 +32,13 @@ from typing import Any
 
 from ..config import AgentConfig, EtcdConfig
 from ..errors import LMCacheP2PError, MalformedRecord
+from ..ids import engine_of
 from ..index.client import EtcdClient, translate
 from ..index.quarantine import read_all as read_quarantine
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record, decode_object_meta
 from ..metrics import RECENT_S, SCRAPE_TIMEOUT_S, scrape
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
-
-_RANK_SUFFIX = re.compile(r"-r\d+$")  # config.rank_config names a TP rank's agent "<node>-r<rank>"
 
 
 @dataclasses.dataclass(slots=True)
@@ -127,7 +125,7 @@ async def collect(config: AgentConfig) -> dict[str, Any]:
                 transports=list(record.transports), fingerprints=[f[:12] for f in record.fingerprints],
                 lease_ttl_left_s=await _ttl_left(client, kv.lease),
                 chunks_registered=per_node[record.node_id], software_version=record.software_version,
-                wire_version=record.wire_version, engine=_RANK_SUFFIX.sub("", record.node_id), role=record.role,
+                wire_version=record.wire_version, engine=engine_of(record.node_id), role=record.role,
                 free_bytes=dict(record.free), config_revision=record.config_revision,
                 config_deviations=dict(record.config_deviations),
                 heads=",".join(f"{h[0]}-{h[1]}/{h[2]}" for s in record.served.values()

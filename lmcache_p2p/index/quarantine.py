@@ -11,7 +11,7 @@ recomputes sampled chunks with the engine itself; a mismatch writes this record.
 (each worker's agent and each scheduler side) follows the prefix with one
 :class:`~lmcache_p2p.index.watch.ResumableWatch` and never counts or pulls a chunk from a
 quarantined owner, nor a chunk it computed that another node holds (a copy pulled from it: its
-header's origin names the quarantined node): every agent drops such copies when it learns of the
+header's origin names the quarantined node's engine): every agent drops such copies when it learns of the
 record and refuses them while it stands, so the holders, healthy, lose only those copies and keep
 serving the rest. ``lmcache-p2p status`` and ``verify`` list the records. A malformed record is
 skipped and counted like every other record; with etcd unreachable the last set read stands.
@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 import msgpack
 
 from ..errors import IndexError_, MalformedRecord
-from ..ids import NodeDigest, NodeId, node_digest
+from ..ids import NodeDigest, NodeId, origin_of
 from .client import EtcdClient, KeyValue, WatchEvent, op_delete
 from .schema import Rejects, Schema
 from .watch import ResumableWatch
@@ -115,7 +115,7 @@ class Quarantine:
         self._client, self._schema = client, schema
         self.rejects = rejects if rejects is not None else Rejects()
         self._records: dict[NodeId, QuarantineRecord] = {}  # replaced, never mutated: readers on any thread
-        self._origins: frozenset[NodeDigest] = frozenset()  # node_digest of each quarantined node, likewise
+        self._origins: frozenset[NodeDigest] = frozenset()  # origin_of each quarantined node (its engine), likewise
         self._on_quarantined = on_quarantined
         self.leases: dict[NodeId, int] = {}  # the live lease of each record this instance wrote with a TTL
         self._watch = ResumableWatch(client, self._prefix, load=self._load, apply=self._apply, name="quarantine")
@@ -130,7 +130,7 @@ class Quarantine:
     def _set(self, records: dict[NodeId, QuarantineRecord]) -> None:
         new = records.keys() - self._records.keys()
         self._records = records
-        self._origins = frozenset(node_digest(n) for n in records)
+        self._origins = frozenset(origin_of(n) for n in records)
         if new:
             self._on_quarantined(self._origins)
 

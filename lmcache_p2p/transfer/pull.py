@@ -40,7 +40,7 @@ from ..aio import LoopThread, remaining
 from ..chunk import ChunkHeader, make_header, verify
 from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
-from ..ids import NO_ORIGIN, NodeId, PeerAddress
+from ..ids import NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest, piece_key
 from ..metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from ..peers import PeerRecord, compatible
@@ -344,6 +344,12 @@ class Puller:
             if len(per_head) != 1 or len({p.header.num_tokens for p in got}) != 1 or total > pool.slot_bytes:
                 log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
                 return False
+            if len({p.header.origin for p in got}) != 1:
+                # One engine's ranks share an origin (ids.origin_of); a chunk of several would name nobody,
+                # and the canary and `invalidate --node` would have nobody to hold to it.
+                log.warning("pieces of chunk %s were computed by different engines; recomputed", chunk.key.hex()[:16])
+                self.metrics.mixed_origin_chunks.inc()
+                return False
             reservation = pool.reserve()
             try:
                 header = self._fill(chunk, got, reservation.view)
@@ -398,10 +404,8 @@ class Puller:
             starts.append(offset)
             offset += n
         try:
-            origins = {p.header.origin for p in pieces}
             header = make_header(chunk.key, self.fp, view[:offset], pieces[0].header.num_tokens,
-                                 min(p.header.epoch for p in pieces), heads=chunk.heads,
-                                 origin=origins.pop() if len(origins) == 1 else NO_ORIGIN)
+                                 min(p.header.epoch for p in pieces), heads=chunk.heads, origin=pieces[0].header.origin)
         except ChunkError as exc:
             log.warning("pieces of chunk %s do not make a chunk (%s); recomputed", chunk.key.hex()[:16], exc)
             return None

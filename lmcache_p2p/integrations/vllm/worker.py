@@ -215,7 +215,7 @@ class P2PWorker:
         if kv is not None:
             canary, metrics = self._config.canary, agent.metrics
             assert agent.puller is not None and agent.loop is not None  # started
-            mesh = MeshCopies(node_id=agent.node_id, origin=agent.origin, heads=agent.heads, fp=agent.fp,
+            mesh = MeshCopies(node_id=agent.node_id, heads=agent.heads, fp=agent.fp,
                               tiers=agent.tiers, puller=agent.puller, loop=agent.loop,
                               pin_timeout_s=self._config.tiers.pin_timeout_s, index=lambda: agent.index,
                               usable=agent.usable, store=agent.store_chunks, quarantine=agent.quarantine_owner)
