@@ -960,6 +960,74 @@ def test_dashboard_covers_the_mesh():
 
 # --------------------------------------------------------------------------- the checks catch mistakes
 
+# --------------------------------------------------------------------------- who reaches the agents
+
+MONITORING_NS = {"kubernetes.io/metadata.name": "monitoring"}
+NAMESPACE = {"kubernetes.io/metadata.name": "lmcache-p2p"}
+
+
+def admits(docs: list[Doc], pod: Doc, port: int, source: dict[str, str], source_ns: dict[str, str]) -> bool:
+    """NetworkPolicy ingress semantics for ``pod`` (a workload's template) on ``port`` from a pod labelled
+    ``source`` in a namespace labelled ``source_ns``: open unless some policy selects the pod, then open
+    only where a rule of one of those policies admits the source and the port."""
+    pod_labels = pod["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in of_kind(docs, "NetworkPolicy")
+                if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                and all(pod_labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())]
+    if not policies:
+        return True
+
+    def peer_admits(peer: Doc) -> bool:
+        ns_sel, pod_sel = peer.get("namespaceSelector"), peer.get("podSelector")
+        ns_ok = (source_ns == NAMESPACE) if ns_sel is None else all(
+            source_ns.get(k) == v for k, v in ns_sel.get("matchLabels", {}).items())
+        pod_ok = pod_sel is None or all(source.get(k) == v for k, v in pod_sel.get("matchLabels", {}).items())
+        return ns_ok and pod_ok
+
+    def port_admits(rule: Doc) -> bool:
+        return "ports" not in rule or any(container_port(pod, p["port"]) == port or p["port"] == port
+                                          for p in rule["ports"])
+
+    return any((not rule.get("from") or any(peer_admits(f) for f in rule["from"])) and port_admits(rule)
+               for policy in policies for rule in policy["spec"].get("ingress", []))
+
+
+def network_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
+    """The agents' HTTP port binds the pod IP and a NetworkPolicy lets in whom the README says: transfers
+    (and any UCX port) from agent pods only; the HTTP port from agent pods, the router and Prometheus's
+    namespace; the OpenAI API from anywhere."""
+    out = []
+    router = one(docs, "Deployment", "lmcache-router")["spec"]["template"]["metadata"]["labels"]
+    stranger = {"app": "something-else"}
+    for w, c in agent_containers(docs):
+        name = w["metadata"]["name"]
+        host = env_of(c).get(ENV_PREFIX + "METRICS_HOST", {}).get("valueFrom", {}).get("fieldRef", {})
+        if host.get("fieldPath") != "status.podIP":
+            out.append(f"{name}: the HTTP port does not bind the pod IP ({ENV_PREFIX}METRICS_HOST)")
+        agent = w["spec"]["template"]["metadata"]["labels"]
+        metrics = [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("metrics")]
+        transfer = [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("transfer")]
+        want = [(port, src, ns, ok) for port in metrics for src, ns, ok in (
+            (agent, NAMESPACE, True), (router, NAMESPACE, True), ({}, MONITORING_NS, True), (stranger, NAMESPACE, False),
+            (router, {"x": "y"}, False))]  # a pod labelled like the router elsewhere
+        want += [(port, src, ns, ok) for port in [*transfer, 40123] for src, ns, ok in (  # 40123: a port UCX opened
+            (agent, NAMESPACE, True), (router, NAMESPACE, False), ({}, MONITORING_NS, False),
+            (stranger, NAMESPACE, False))]
+        if any(p["containerPort"] == 8000 for p in c.get("ports", [])):
+            want += [(8000, src, ns, True) for src, ns in ((stranger, NAMESPACE), ({}, {"x": "y"}), (router, NAMESPACE))]
+        out += [f"{name}: port {port} from {src or 'any pod'} in {ns}: {'refused' if ok else 'admitted'}"
+                for port, src, ns, ok in want if admits(docs, w, port, src, ns) != ok]
+        if cfg.metrics_port not in metrics:
+            out.append(f"{name}: no container port for metrics_port {cfg.metrics_port}")
+    return out
+
+
+def test_agents_http_port_binds_the_pod_ip_and_the_network_policy_admits_only_its_users(tmp_path):
+    cfg = config_of(DOCS, tmp_path)
+    assert network_problems(DOCS, cfg) == []
+    assert config_of(DOCS, tmp_path, env={ENV_PREFIX + "METRICS_HOST": "10.1.2.3"}).metrics_host == "10.1.2.3"
+
+
 def test_checks_catch_mismatches(tmp_path):
     docs = DOCS
     cfg = config_of(docs, tmp_path)
@@ -1044,4 +1112,14 @@ def test_checks_catch_mismatches(tmp_path):
         config_of(renamed, tmp_path, env=service_link_env(renamed))
     w, c = agent_containers(docs)[0]
     assert mounted_config_path_problems(w, c, "/etc/lmcache-p2p/other.yaml")
+    no_policy = broken(lambda b: b.remove(one(b, "NetworkPolicy", "lmcache-agents")))
+    assert {p.split(":")[0] for p in network_problems(no_policy, cfg)
+            if "port 7470 from {'app': 'something-else'}" in p and p.endswith("admitted")} == \
+        {w["metadata"]["name"] for w, _ in agent_containers(docs)}
+    open_metrics = broken(lambda b: one(b, "NetworkPolicy", "lmcache-agents")["spec"]["ingress"][1].pop("from"))
+    assert [p for p in network_problems(open_metrics, cfg) if "9470 from {'app': 'something-else'}" in p]
+    wildcard = broken(lambda b: env_of(agent_containers(b)[0][1]).pop(ENV_PREFIX + "METRICS_HOST") and
+                      agent_containers(b)[0][1].update(env=[e for e in agent_containers(b)[0][1]["env"]
+                                                            if e["name"] != ENV_PREFIX + "METRICS_HOST"]))
+    assert [p for p in network_problems(wildcard, cfg) if "does not bind the pod IP" in p]
     assert servicemonitor_problems({"apiVersion": "v1", "metadata": {"name": "X"}, "spec": {}})
