@@ -20,7 +20,10 @@ merging with its neighbours'; a template that merges them, or renders a message 
 (numbers it), fails the check and the request is served by prefix reuse only, with the reason. With no
 message before the first document the context is the last message, and the base is what the template
 puts before a first message (a default system prompt, BOS): ``T([doc A])`` minus A's tokens.
-No tokenizer call tokenizes an empty conversation (transformers refuses one).
+No tokenizer call tokenizes an empty conversation (transformers refuses one). A context over
+``STAND_IN_OVER`` characters (a long history, a 7 MiB first message) is tokenized once; each unit
+then follows a one-message stand-in (``T([stand-in] + [doc A]) - T([stand-in])``), and the check
+above holds those pieces to the prompt all the same.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .segments import MAX_SEGMENTS, SEGMENTS_PARAM
 DOCUMENTS_FIELD = "documents"  # vLLM's chat field
 DOCUMENT_FLAG = "lmcache_p2p_document"  # on a message: it is a document
 MAX_DOCUMENTS = min(64, MAX_SEGMENTS)
+STAND_IN_OVER = 4096  # characters of context past which documents are tokenized after a stand-in (SpanPlan)
 
 Message = dict[str, Any]
 ChatTokenize = Callable[[list[Message], bool], list[int]]
@@ -71,23 +75,39 @@ class SpanPlan:
             out.append((d, d + 1, True))
         return out
 
+    def _context(self) -> list[Message]:
+        return self.messages[:self.documents[0]] if self.documents[0] else self.messages[-1:]
+
+    def _lead(self) -> list[Message] | None:
+        """What each unit is tokenized after when the context is long (over ``STAND_IN_OVER`` characters): one
+        short message of the context's last role, so that a long history is sent twice (the prompt, the
+        context) rather than once per document. None: the context itself."""
+        context = self._context()
+        if sum(len(str(m.get("content", ""))) for m in context) <= STAND_IN_OVER:
+            return None
+        return [{"role": context[-1].get("role", "user"), "content": "."}]
+
     def calls(self) -> list[list[Message]]:
-        """The message lists to tokenize without a generation prompt: the context, the context with each
-        unit, and (no message before the first document) the first document alone."""
-        first = self.documents[0]
-        context = self.messages[:first] if first else self.messages[-1:]
-        calls = [context] + [context + self.messages[s:e] for s, e, _ in self.units()]
+        """The message lists to tokenize without a generation prompt: the context, [a short stand-in for
+        it,] each unit after the stand-in or the context, and (no message before the first document) the
+        first document alone."""
+        first, context, lead = self.documents[0], self._context(), self._lead()
+        calls = [context] + ([lead] if lead is not None else [])
+        calls += [(lead if lead is not None else context) + self.messages[s:e] for s, e, _ in self.units()]
         return calls + ([self.messages[:1]] if not first else [])
 
     def spans(self, tokenized: Sequence[Sequence[int]], full: Sequence[int]) -> list[tuple[int, int]]:
         """The document messages' ``[start, end)`` token spans in ``full`` (the prompt as the request asks
-        for it), from the token ids of :meth:`calls`; :class:`NotSegmentable` when they do not add up."""
-        context = list(tokenized[0])
+        for it), from the token ids of :meth:`calls`; :class:`NotSegmentable` when they do not add up.
+        Units tokenized after a stand-in for the context are held to ``full`` like the others: a template
+        that renders a message by what precedes it fails the check."""
+        skip = 2 if self._lead() is not None else 1
+        context, lead = list(tokenized[0]), list(tokenized[skip - 1])
         pieces = []
-        for toks in tokenized[1:1 + len(self.units())]:
-            if list(toks[:len(context)]) != context or len(toks) == len(context):
+        for toks in tokenized[skip:skip + len(self.units())]:
+            if list(toks[:len(lead)]) != lead or len(toks) == len(lead):
                 raise NotSegmentable("prefix_unstable", "a message's tokens do not extend the tokens before it")
-            pieces.append(list(toks[len(context):]))
+            pieces.append(list(toks[len(lead):]))
         base = context
         if not self.documents[0]:  # the base is what the template puts before the first message
             head = list(tokenized[-1])

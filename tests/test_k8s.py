@@ -1008,13 +1008,14 @@ def network_problems(docs: list[Doc], cfg: AgentConfig) -> list[str]:
         metrics = [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("metrics")]
         transfer = [p["containerPort"] for p in c.get("ports", []) if p["name"].startswith("transfer")]
         want = [(port, src, ns, ok) for port in metrics for src, ns, ok in (
-            (agent, NAMESPACE, True), (router, NAMESPACE, True), ({}, MONITORING_NS, True), (stranger, NAMESPACE, False),
-            (router, {"x": "y"}, False))]  # a pod labelled like the router elsewhere
+            (agent, NAMESPACE, True), (router, NAMESPACE, True), ({}, MONITORING_NS, True),
+            (stranger, NAMESPACE, False), (router, {"x": "y"}, False))]  # a pod labelled like the router elsewhere
         want += [(port, src, ns, ok) for port in [*transfer, 40123] for src, ns, ok in (  # 40123: a port UCX opened
             (agent, NAMESPACE, True), (router, NAMESPACE, False), ({}, MONITORING_NS, False),
             (stranger, NAMESPACE, False))]
         if any(p["containerPort"] == 8000 for p in c.get("ports", [])):
-            want += [(8000, src, ns, True) for src, ns in ((stranger, NAMESPACE), ({}, {"x": "y"}), (router, NAMESPACE))]
+            want += [(8000, src, ns, True)
+                     for src, ns in ((stranger, NAMESPACE), ({}, {"x": "y"}), (router, NAMESPACE))]
         out += [f"{name}: port {port} from {src or 'any pod'} in {ns}: {'refused' if ok else 'admitted'}"
                 for port, src, ns, ok in want if admits(docs, w, port, src, ns) != ok]
         if cfg.metrics_port not in metrics:

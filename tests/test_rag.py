@@ -117,6 +117,32 @@ def test_with_nothing_before_the_documents_the_base_is_what_the_template_puts_fi
     assert one.token_ids[slice(*one.spans[1])] == two.token_ids[slice(*two.spans[1])]
 
 
+@pytest.mark.parametrize("template", [DELIMITED, SMOLLM2])
+def test_a_long_context_is_tokenized_once_not_once_per_document(tokenizer, template, monkeypatch):
+    """A 20,000-character system prompt and history before 3 documents (and a long question with nothing
+    before them): the documents are tokenized after a one-message stand-in, so the long text goes to the
+    tokenizer twice (the prompt, the context) instead of once per document; the spans are those the
+    context itself gives."""
+    tokenize = hf_tokenize(tokenizer, template)
+    history = [{"role": "system", "content": "Answer from the documents. " * 400},
+               {"role": "user", "content": "Earlier question?"}, {"role": "assistant", "content": "Earlier answer."},
+               {"role": "user", "content": "When does the harbour open?"}]
+    for messages in (history, [{"role": "user", "content": "Which pier? " * 800}]):
+        seen: list[list[dict[str, Any]]] = []
+
+        def counting(ms: list[dict[str, Any]], gen: bool, seen: list[list[dict[str, Any]]] = seen) -> list[int]:
+            seen.append(ms)
+            return tokenize(ms, gen)
+
+        placed = document_prompt(counting, messages, DOCS)
+        assert placed.unsegmented is None and len(placed.spans) == 3
+        long_calls = [ms for ms in seen if sum(len(str(m["content"])) for m in ms) > 4096]
+        assert len(long_calls) == 2 and len(seen) >= 5, [len(ms) for ms in seen]
+        monkeypatch.setattr("lmcache_p2p.rag.STAND_IN_OVER", 1 << 30)  # every unit after the context itself
+        assert document_prompt(tokenize, messages, DOCS) == placed
+        monkeypatch.undo()
+
+
 @pytest.mark.parametrize(("template", "reason"), [(JOINED, "prefix_unstable"), (NUMBERED, "merged")])
 def test_templates_that_merge_or_number_messages_get_no_spans(tokenizer, template, reason):
     # joined without delimiters, "Answer from the" and "se notes" become "... these notes": merged tokens

@@ -48,6 +48,7 @@ class FakeEngine:
         self.waiting = 0
         self.runner: web.AppRunner | None = None
         self.url = ""
+        self.max_model_len: int | None = 8192  # what /v1/models says (None: nothing)
 
     async def start(self) -> FakeEngine:
         app = web.Application()
@@ -80,7 +81,8 @@ class FakeEngine:
                                  f'vllm:kv_cache_usage_perc{{engine="0"}} 0.1\n')
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+        extra = {"max_model_len": self.max_model_len} if self.max_model_len is not None else {}
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model", **extra}]})
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -197,6 +199,46 @@ def test_bad_input_gets_a_clear_4xx_and_an_engines_4xx_passes_through():
         assert sum(len(e.bodies) for e in engines) == 1  # a client error is not retried elsewhere
 
     run_router(2, scenario)
+
+
+class ShortEngine(FakeEngine):
+    """e0 takes 64 tokens, e1 and on 128 (as their /v1/models say)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.max_model_len = 64 if name == "e0" else 128
+
+
+def test_a_prompt_goes_only_to_engines_whose_context_holds_it_and_one_none_holds_is_a_400():
+    async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+        await wait_healthy(router, len(engines))
+        assert {e.name: e.max_model_len for e in router.fleet.engines.values()} == {"e0": 64, "e1": 128}
+        for _ in range(4):  # 100 tokens: only e1's context holds it
+            status, headers, _ = await post(url + "/v1/completions", {"prompt": list(range(100)), "max_tokens": 1})
+            assert status == 200 and headers[ENGINE_HEADER] == "e1"
+        status, _, body = await post(url + "/v1/completions", {"prompt": list(range(128)), "max_tokens": 1})
+        assert status == 400 and "maximum context length is 128 tokens" in json.loads(body)["error"]["message"]
+        status, _, body = await post(url + "/v1/chat/completions",  # tokenized by the engine: 200 characters
+                                     {"messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 1})
+        assert status == 400 and "request has " in json.loads(body)["error"]["message"]
+        assert sum(len(e.bodies) for e in engines) == 4  # nothing too long reached an engine
+        assert router.metrics.refused.labels("too_long")._value.get() == 2
+        # An engine that does not say (an API key on /v1/models, an older server): not judged, nothing refused.
+        engines[1].max_model_len = None
+        router.fleet.engines[engines[1].url].max_model_len = None
+        await router.fleet.refresh()
+        status, headers, _ = await post(url + "/v1/completions", {"prompt": list(range(300)), "max_tokens": 1})
+        assert status == 200 and headers[ENGINE_HEADER] == "e1"
+
+    run_router(2, scenario, engine_type=ShortEngine)
+
+
+async def wait_healthy(router: Router, n: int, timeout_s: float = 20.0) -> None:
+    """Until ``n`` engines passed a health check (beside a CPU hog one 0.3 s check can time out)."""
+    deadline = time.monotonic() + timeout_s
+    while sum(e.healthy for e in router.fleet.engines.values()) < n:
+        assert time.monotonic() < deadline, "engines never all healthy"
+        await asyncio.sleep(0.05)
 
 
 def test_an_engine_failing_or_silent_before_its_first_byte_is_retried_elsewhere():
@@ -419,6 +461,7 @@ def test_a_long_non_streaming_answer_is_not_a_first_byte_timeout_and_load_is_rea
 
 def test_disaggregated_round_robin_takes_each_pool_in_turn():
     async def scenario(url: str, engines: list[FakeEngine], router: Router) -> None:
+        await wait_healthy(router, len(engines))  # else a pool's engine still unchecked gets no turn
         for i in range(4):
             status, _, _ = await post(url + "/v1/completions", {"prompt": f"p{i}", "max_tokens": 2})
             assert status == 200

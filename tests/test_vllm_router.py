@@ -205,6 +205,7 @@ def test_a_repeated_document_keeps_going_where_its_cache_is(fleet, router):
     assert len(set(seen)) == 1, seen  # idle: the holder and the rendezvous pick agree
     state = json.loads(get(router.url + "/router/engines"))
     assert state["policy"] == "score_load" and {e["node"] for e in state["engines"]} == {"ra", "rb"}
+    assert [e["max_model_len"] for e in state["engines"]] == [8192, 8192]  # vLLM's /v1/models, read by the router
 
 
 def external_tokens(engine: VllmServer) -> float:

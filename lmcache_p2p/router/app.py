@@ -14,8 +14,10 @@ body not in within ``read_timeout_s`` end the connection (a body: 408), more tha
 requests in flight, or bodies in flight that may hold more than ``max_memory_bytes`` (each reserved at
 ``MEMORY_PER_BODY_BYTE`` times its declared length before it is read), are answered 503 with
 ``Retry-After`` (``/health`` and ``/metrics`` are never held back), token ids outside [0, 2^31) are a
-400 naming the first. With ``api_key`` every route but ``/health`` and ``/metrics`` asks for
-``Authorization: Bearer <api_key>`` (401 without). The client's
+400 naming the first, and so is a prompt no healthy engine takes (``max_model_len`` tokens or more, as
+each engine's ``/v1/models`` says; a prompt goes only to engines whose context holds it). With
+``api_key`` every route but ``/health`` and ``/metrics`` asks for ``Authorization: Bearer <api_key>``
+(401 without). The client's
 ``Authorization`` and ``X-Request-Id`` go with every call made for its request (the routed request,
 ``/tokenize``, ``/v1/models``) to engines the operator trusts (``engines.py``: static engines and engines
 whose node record is proven; ``forward_authorization`` narrows it); never to an agent's ``/v1/score``.
@@ -321,6 +323,13 @@ class Router:
             except BadPrompt as exc:
                 self.metrics.refused.labels("bad_prompt").inc()
                 return _error(400, str(exc), "invalid_request_error")
+        longest = next((n for p in (("prefill", "decode") if self.config.disaggregated else ("mixed",))
+                        if tokens and (n := self.fleet.too_long(p, len(tokens))) is not None), None)
+        if tokens and longest is not None:
+            self.metrics.refused.labels("too_long").inc()
+            return _error(400, f"This model's maximum context length is {longest} tokens. However, your request "
+                          f"has {len(tokens)} input tokens. Please reduce the length of the input.",
+                          "invalid_request_error")
         if self.config.disaggregated:
             expect = await self._prefill(request.path, payload, tokens, headers)
             if expect:
@@ -365,7 +374,7 @@ class Router:
         tried: list[str] = []
         last = "no healthy engine"
         for _ in range(self.config.attempts):
-            choice = self.policy.choose(self.fleet.candidates(pool, tried), tokens=len(tokens or ()),
+            choice = self.policy.choose(self.fleet.candidates(pool, tried, len(tokens or ())), tokens=len(tokens or ()),
                                         hash_key=hash_key, score=score, mean_prefill_s=self.fleet.mean_prefill_s,
                                         s_per_token=self.fleet.prefill_s_per_token,
                                         pending=self.pending.lookup(prefixes, time.monotonic()))
@@ -491,7 +500,7 @@ class Router:
         if "max_completion_tokens" in prefill:
             prefill["max_completion_tokens"] = 1
         score = await self.prompts.score(tokens, payload) if tokens and self.config.policy != "round_robin" else None
-        choice = self.policy.choose(self.fleet.candidates("prefill"), tokens=len(tokens or ()),
+        choice = self.policy.choose(self.fleet.candidates("prefill", (), len(tokens or ())), tokens=len(tokens or ()),
                                     hash_key=_hash_key(tokens, payload, self.config.chunk_tokens), score=score,
                                     mean_prefill_s=self.fleet.mean_prefill_s,
                                     s_per_token=self.fleet.prefill_s_per_token)

@@ -59,6 +59,7 @@ class Engine:
     running: float = 0.0  # vLLM's gauges, last read
     waiting: float = 0.0
     kv_usage: float = 0.0
+    max_model_len: int | None = None  # from its /v1/models (None: not known yet, or it does not say)
     prefilling: dict[int, float] = dataclasses.field(default_factory=dict)  # request -> expected prefill s
     inflight: int = 0  # requests sent and not finished
     down: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while taken out
@@ -199,11 +200,23 @@ class Fleet:
                         record.node_id, why)
         return seen
 
-    def candidates(self, pool: str, exclude: Iterable[str] = ()) -> list[Engine]:
-        """Healthy engines able to serve ``pool`` (mixed engines serve every pool)."""
+    def candidates(self, pool: str, exclude: Iterable[str] = (), tokens: int = 0) -> list[Engine]:
+        """Healthy engines able to serve ``pool`` (mixed engines serve every pool) and a prompt of ``tokens``
+        (shorter than their ``max_model_len``, where known)."""
         skip = set(exclude)
         return [e for e in self.engines.values()
-                if e.healthy and e.url not in skip and (e.pool == pool or e.pool == "mixed")]
+                if e.healthy and e.url not in skip and (e.pool == pool or e.pool == "mixed")
+                and (e.max_model_len is None or tokens < e.max_model_len)]
+
+    def too_long(self, pool: str, tokens: int) -> int | None:
+        """The longest context any healthy engine of ``pool`` takes, when every one of them says and a prompt
+        of ``tokens`` fits none (vLLM refuses a prompt of ``max_model_len`` tokens or more); else None."""
+        healthy = self.candidates(pool, tokens=0)
+        lengths = [e.max_model_len for e in healthy]
+        if not healthy or any(n is None for n in lengths):
+            return None
+        longest = max(n for n in lengths if n is not None)
+        return longest if tokens >= longest else None
 
     @property
     def refused(self) -> dict[str, str]:
@@ -243,6 +256,8 @@ class Fleet:
                 await resp.read()
             if ok:
                 await self._read_load(engine)
+                if engine.max_model_len is None:
+                    await self._read_max_model_len(engine)
         except (TimeoutError, aiohttp.ClientError, ValueError):
             ok = False
         engine.checked = True
@@ -286,6 +301,20 @@ class Fleet:
         for attr, value in values.items():
             setattr(engine, attr, value)
 
+    async def _read_max_model_len(self, engine: Engine) -> None:
+        """The longest context its models take (vLLM's ``/v1/models``: ``max_model_len`` of each model, its
+        adapters included); left unknown where the page is refused (an engine with an API key) or says nothing."""
+        try:
+            async with self.session.get(engine.url + "/v1/models", timeout=self._timeout()) as resp:
+                data = await resp.json() if resp.status == 200 else None
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return
+        models = data.get("data") if isinstance(data, dict) else None
+        lengths = [m.get("max_model_len") for m in models if isinstance(m, dict)] if isinstance(models, list) else []
+        known = [n for n in lengths if type(n) is int and n > 0]
+        if known:
+            engine.max_model_len = max(known)
+
     def _timeout(self) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=self.timeout_s)
 
@@ -307,7 +336,7 @@ class Fleet:
 
     def describe(self) -> list[dict[str, Any]]:
         return [{"url": e.url, "node": e.node, "pool": e.pool, "static": e.static, "healthy": e.healthy,
-                 "running": e.running,
+                 "running": e.running, "max_model_len": e.max_model_len,
                  "waiting": e.waiting, "kv_usage": round(e.kv_usage, 4), "inflight": e.inflight,
                  "queue_s": round(e.queue_s(self.mean_prefill_s), 4)} for e in self.engines.values()]
 

@@ -6,6 +6,8 @@
                a message of its own, and its documents' spans found with that engine's ``/tokenize``:
                    T(messages, as the request asks)                        1 call
                    T(context), T(context + each unit), [T(first doc)]      at most 2 x documents + 1 calls
+               (past ``rag.STAND_IN_OVER`` characters of context, each unit after a one-message stand-in:
+               the long context is sent twice, not once per document)
                made concurrently (at most ``PARALLEL_CALLS`` at a time), all within ``documents_timeout_s``
     score      one agent's ``/v1/score`` of every engine, a request's declared segments included (and whether
                it asks to be blended, when its ``kv_transfer_params`` say)
