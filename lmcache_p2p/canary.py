@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -42,7 +43,7 @@ from .chunk import ChunkHeader
 from .errors import LMCacheP2PError
 from .ids import NO_ORIGIN, NodeDigest, NodeId, origin_of
 from .index.quarantine import QuarantineRecord
-from .keys import ChunkKey, HeadRange, piece_key
+from .keys import ChunkKey, HeadRange
 from .plan import Piece, PlannedChunk
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class Canary:
             found: list[_Found] = []
             for owner in owners:
                 planned = PlannedChunk(0, key, start, end, owner, heads=self.node.heads,
-                                       pieces=(Piece(owner, self.node.heads),))
+                                       pieces=(Piece(owner, self.node.heads),), nonce=os.urandom(8))
                 copy = self.node.fetch_copy(owner, planned, time.monotonic() + self.timeout_s)
                 if copy is None:
                     found.append(_Found(owner, None))
@@ -236,7 +237,7 @@ class MeshCopies:
         again there; None if it could not be had by ``deadline``."""
         if not chunk.pieces:
             return None
-        scratch = piece_key(chunk.key, chunk.pieces[0].heads)
+        scratch = chunk.piece_key(chunk.pieces[0].heads)  # this pull's own (the chunk's nonce)
         try:
             missed = self.loop.run(self.puller.pull_from(owner, [chunk], deadline), remaining(deadline) + 1.0)
             if missed:

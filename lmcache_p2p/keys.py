@@ -150,11 +150,11 @@ class Fingerprint:
         return self.digest.hex()[:12]
 
 
-def piece_key(key: ChunkKey, heads: HeadRange) -> ChunkKey:
+def piece_key(key: ChunkKey, heads: HeadRange, nonce: bytes = b"") -> ChunkKey:
     """The local pool key of heads ``heads`` of chunk ``key`` while the chunk is assembled from
-    pieces (never announced, never served)."""
+    pieces (never announced, never served); ``nonce``: one pull's own (a canary's copy of one owner)."""
     return ChunkKey(xxhash.xxh3_128_digest(b"piece" + bytes(key) + heads[0].to_bytes(2, "little")
-                                           + heads[1].to_bytes(2, "little")))
+                                           + heads[1].to_bytes(2, "little") + nonce))
 
 
 def tokens_to_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:

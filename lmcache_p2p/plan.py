@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .ids import TIER_OBJECT, NodeId, engine_of
-from .keys import ChunkKey, HeadRange
+from .keys import ChunkKey, HeadRange, piece_key
 
 if TYPE_CHECKING:
     from .index.schema import NodeRecord
@@ -54,10 +54,17 @@ class PlannedChunk:
     alternatives: tuple[NodeId, ...] = ()  # other peers holding it, tried if the source fails
     heads: HeadRange = (0, 1)  # the heads this node needs (and pulls from ``source``)
     pieces: tuple[Piece, ...] = ()  # set when no one peer holds all of ``heads``
+    # folded into its pieces' pool keys: a canary's copy of one owner lands under its own key, so a pull of
+    # another owner's copy that lands late never passes for this one
+    nonce: bytes = b""
 
     def parts(self) -> tuple[Piece, ...]:
         """What to pull: the pieces, or the whole range from the source."""
         return self.pieces or (Piece(self.source, self.heads, self.alternatives),)
+
+    def piece_key(self, heads: HeadRange) -> ChunkKey:
+        """Where its piece of ``heads`` lands in the pool until the chunk is assembled."""
+        return piece_key(self.key, heads, self.nonce)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

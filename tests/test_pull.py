@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from agent_helpers import wait_until
 from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.aio import LoopThread
@@ -19,7 +20,7 @@ from lmcache_p2p.ids import NO_ORIGIN, OBJECTS, WIRE_VERSION, NodeDigest, NodeId
 from lmcache_p2p.index.schema import NodeRecord, Served
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest, HeadRange, chunk_keys, piece_key
 from lmcache_p2p.metrics import AgentMetrics
-from lmcache_p2p.plan import PlannedChunk, make_plan
+from lmcache_p2p.plan import Piece, PlannedChunk, make_plan
 from lmcache_p2p.testing.loopback import LoopbackNet, LoopbackTransport
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 from lmcache_p2p.tiers.cpu_pool import CpuPool
@@ -232,6 +233,57 @@ def test_the_planner_takes_a_chunks_pieces_from_one_engine_when_it_can(mesh: Mes
     assert {engine_of(c.pieces[0].source) for c in chunks} == {"a", "b"}  # load still spreads the chunks
     mesh.puller.pull(chunks, time.monotonic() + 2.0)
     assert all(mesh.held(key) == payload(key) for key in KEYS) and mesh.value("mixed_origin_chunks_total") == 0
+
+
+def test_copies_pulled_with_their_own_nonces_land_apart(mesh: Mesh, loop: LoopThread) -> None:
+    """The canary pulls each owner's copy of one chunk aside, under a key with a nonce of its own: a copy
+    that lands late (an overdue pull of another owner's) never lands under the key read for this one."""
+    key = KEYS[0]
+    mesh.owner("a", [key])
+    mesh.owner("b", [key])
+    other = bytes(b ^ 0x5A for b in payload(key))
+    mesh.pools["b"].remove(key)
+    mesh.pools["b"].put(make_header(key, FP, other, CHUNK, heads=(0, HEADS)), memoryview(other))
+    copies = [PlannedChunk(0, key, 0, CHUNK, NodeId(o), heads=(0, HEADS), pieces=(Piece(NodeId(o), (0, HEADS)),),
+                           nonce=nonce) for o, nonce in (("a", b"check-1"), ("b", b"check-2"))]
+    for c in copies:
+        assert loop.run(mesh.puller.pull_from(c.source, [c], time.monotonic() + 2.0), 5) == []
+    held = [mesh.held(c.piece_key((0, HEADS))) for c in copies]
+    assert held == [payload(key), other] and copies[0].piece_key((0, HEADS)) != copies[1].piece_key((0, HEADS))
+    assert not mesh.pool.contains(piece_key(key, (0, HEADS)))  # nothing under the nonce-less key
+
+
+def test_pieces_that_land_after_their_load_gave_up_are_assembled_or_dropped(mesh: Mesh, loop: LoopThread) -> None:
+    """A rank that answers past the load's deadline: its pieces land later, when the load has dropped the
+    pieces that came in time; they are dropped too, never left in the pool unannounced. When every piece of a
+    chunk lands late it is assembled and announced. A canary's copy (a nonce) landing late is only dropped."""
+    mesh.owner("e-r0", KEYS[:2], heads=(0, 2))
+    late = mesh.owner("e-r1", KEYS[:2], heads=(2, HEADS))
+    mesh.net.owner(late).late_s = 0.1
+    mesh.puller.pull(mesh.plan(KEYS[:2]), time.monotonic() + 0.1)
+    assert not any(mesh.pool.contains(k) for k in KEYS[:2])  # recomputed
+
+    def arrived_late() -> float:
+        return mesh.value("pull_chunks_total", transport="loopback", outcome="arrived_late")
+
+    assert wait_until(lambda: arrived_late() == 2 and len(mesh.pool) == 0, 5.0)
+    time.sleep(0.1)
+    assert len(mesh.pool) == 0 and mesh.announced == []
+    for owner, heads in (("f-r0", (0, 2)), ("f-r1", (2, HEADS))):  # every piece late: assembled once all are in
+        mesh.net.owner(mesh.owner(owner, KEYS[2:], heads=heads)).late_s = 0.1
+    chunks = mesh.plan(KEYS[2:])
+    assert all({p.source for p in c.pieces} == {"f-r0", "f-r1"} for c in chunks), chunks
+    mesh.puller.pull(chunks, time.monotonic() + 0.1)
+    assert wait_until(lambda: all(mesh.pool.contains(k) for k in KEYS[2:]), 5.0)
+    assert wait_until(lambda: len(mesh.pool) == 2, 5.0)  # the pieces gone
+    assert all(mesh.held(k) == payload(k) for k in KEYS[2:]) and mesh.announced == KEYS[2:]
+    mesh.net.owner(mesh.owner("g", [KEYS[0]], heads=(0, 2))).late_s = 0.1
+    copy = PlannedChunk(0, KEYS[0], 0, CHUNK, NodeId("g"), heads=(0, 2), pieces=(Piece(NodeId("g"), (0, 2)),),
+                        nonce=b"check")
+    assert loop.run(mesh.puller.pull_from(NodeId("g"), [copy], time.monotonic() + 0.1), 5) == [copy]
+    assert wait_until(lambda: arrived_late() == 7, 5.0)
+    time.sleep(0.1)
+    assert len(mesh.pool) == 2 and not mesh.pool.contains(KEYS[0])  # the late copy: dropped, not assembled
 
 
 def test_a_piece_changed_in_memory_after_it_landed_is_not_assembled(mesh: Mesh, loop: LoopThread) -> None:

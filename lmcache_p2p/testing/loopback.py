@@ -39,6 +39,7 @@ class Owner:
     pool: CpuPool
     fault: str | None = None  # None | "dead" | "hang" | "corrupt"
     delay_s: float = 0.0
+    late_s: float = 0.0  # > 0: nothing by the pull's deadline (missed ``LATE``), everything this much after it
     connect_s: float = 0.0  # the first pull of each transport from it pays this (a connection and handshake)
     served: int = 0  # chunks sent
     hooks: ServerHooks = ServerHooks()  # what an agent's transfer server would ask of it
@@ -75,8 +76,28 @@ class LoopbackTransport:
                    dst: CpuPool, deadline: float) -> PullResult:
         wants = wants_of(keys)
         self.pulls.append((peer, len(wants)))
+        owner = self.net.owners.get((peer.host, peer.port))
+        if owner is not None and owner.late_s > 0 and owner.fault is None:
+            return self._late(peer, fingerprint, wants, dst, deadline, owner.late_s)
         return await guarded_pull(self.health, peer, wants,
                                   lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
+
+    def _late(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
+              deadline: float, late_s: float) -> PullResult:
+        """An owner that answers ``late_s`` past the deadline: what a TCP pull still arriving at its load's
+        deadline returns (``client.guarded_pull``), its rest landing in the background."""
+        early = PullResult(peer)
+        early.miss_rest(wants, MissReason.LATE)
+
+        async def rest() -> PullResult:
+            await asyncio.sleep(remaining(deadline) + late_s)
+            result = PullResult(peer)
+            await self._pull(peer, fp, wants, dst, result, time.monotonic() + 60.0)
+            return result
+
+        early.late = asyncio.ensure_future(rest())
+        early.progress_at = time.monotonic
+        return early
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float) -> None:

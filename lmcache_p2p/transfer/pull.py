@@ -41,7 +41,7 @@ from ..chunk import ChunkHeader, make_header, verify
 from ..errors import ChunkError, LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
 from ..ids import NodeId, PeerAddress
-from ..keys import ChunkKey, FingerprintDigest, piece_key
+from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from ..peers import PeerRecord, compatible
 from ..plan import Piece, PlannedChunk
@@ -65,7 +65,7 @@ class Part:
     def want(self) -> Want:
         if not self.chunk.pieces:
             return Want(self.chunk.key, self.chunk.heads)
-        return Want(self.chunk.key, self.piece.heads, piece_key(self.chunk.key, self.piece.heads))
+        return Want(self.chunk.key, self.piece.heads, self.chunk.piece_key(self.piece.heads))
 
     @property
     def pool_key(self) -> ChunkKey:
@@ -148,7 +148,7 @@ class Puller:
         one: one that sent nothing for the pull's own allowance, or a tenth of the patience, is given up
         on; what it sends later still lands in the pool)."""
         pieced = [c for c in chunks if c.pieces]
-        pieces = [piece_key(c.key, p.heads) for c in pieced for p in c.pieces]
+        pieces = [c.piece_key(p.heads) for c in pieced for p in c.pieces]
         with self._pieces_lock:  # another load may share them (a joined pull): dropped by the last one
             for key in pieces:
                 self._piece_users[key] = self._piece_users.get(key, 0) + 1
@@ -323,13 +323,32 @@ class Puller:
             self._peer_error(node)
             log.warning("pull from %s: no answer in %.1f ms; the peer is backed off", node, 1e3 * seconds)
         self._announce(parts, result, skip=early)
+        pieced = {p.chunk.key: p.chunk for p in parts if p.chunk.pieces and p.chunk.key in arrived}
+        if pieced:  # off the loop: assembling pins and copies
+            asyncio.get_running_loop().run_in_executor(None, self._settle_late_pieces, list(pieced.values()))
+
+    def _settle_late_pieces(self, chunks: list[PlannedChunk]) -> None:
+        """Pieces that landed after their load gave up: announced or dropped, never left in the pool unknown.
+        A chunk whose pieces are all there is assembled (and announced); the rest go, unless another load is
+        assembling them. A canary's copy (a chunk with a nonce) is only dropped: it is what the check doubts."""
+        for chunk in chunks:
+            keys = [chunk.piece_key(p.heads) for p in chunk.pieces]
+            with self._pieces_lock:
+                if any(k in self._piece_users for k in keys):
+                    continue  # another load's: it assembles and drops them
+            if not chunk.nonce and self.assemble(chunk, drop_pieces=False):
+                log.info("chunk %s assembled from pieces that arrived late", chunk.key.hex()[:16])
+            with self._pieces_lock:
+                gone = [k for k in keys if k not in self._piece_users]
+            for key in gone:
+                self.pool.remove(key)
 
     def assemble(self, chunk: PlannedChunk, drop_pieces: bool = True) -> bool:
         """Concatenate a chunk's pieces (head ranges pulled from several peers) into one slot under
         the chunk's key; the pieces go either way (``drop_pieces`` False: the caller drops them, when
         no other load still needs them). True if it landed (or another load had assembled it)."""
         pool = self.pool
-        keys = [piece_key(chunk.key, p.heads) for p in chunk.pieces]
+        keys = [chunk.piece_key(p.heads) for p in chunk.pieces]
         if pool.contains(chunk.key):
             if drop_pieces:
                 self._drop_pieces(keys)
