@@ -107,7 +107,8 @@ class AgentMetrics:
         self.object_bytes = Counter("object_bytes", "Bytes moved to (up) and from (down) the object store",
                                     ["direction"], namespace=ns, registry=registry)
         self.object_uploads_dropped = Counter("object_uploads_dropped", "Chunks worth keeping not uploaded to the "
-                                              "object store, by reason (spill_full, budget_off)", ["reason"],
+                                              "object store, by reason (spill_full, budget_off, invalidated, "
+                                              "uploading_elsewhere: another node claimed it)", ["reason"],
                                               namespace=ns, registry=registry)
         self.object_uploads_pending = Gauge("object_uploads_pending", "Uploads to the object store queued or in "
                                             "flight", namespace=ns, registry=registry)

@@ -588,3 +588,39 @@ def test_invalidate_tenant_finds_the_objects_of_a_fingerprint_no_running_node_se
         assert not any(m.fp == t.fp for m in run(s, metas_of(s)))
     finally:
         s.stop()
+
+
+def test_a_chunk_another_node_is_uploading_is_not_uploaded_twice(etcd, cluster_name, tmp_path, s3_env):
+    """Two nodes uploading one chunk would leave one's object beside the other's meta (refused as a replay,
+    deleted: lost). An upload claims the object name in etcd first: the chunks another node claimed are
+    dropped here (counted ``uploading_elsewhere``) and never PUT; the rest go up and their claims go with
+    the announce; a claim of a node that died lapses with its lease."""
+    s = objects_agent(tmp_path, cluster_name, etcd.endpoints, "s", s3_env)
+    try:
+        assert s.objects is not None and s.index is not None
+        tier = s.objects
+        client = tier.client
+        assert client is not None
+        claimed = keys_of(s, 1)[:2]
+        lease, _ = run(s, client.grant(2))  # "t", mid-upload, dies: its lease lapses after 2 s
+        for key in claimed:
+            run(s, client.put(tier.schema.upload_claim(s.fp, key), b"t", lease))
+        preload(s, 1, TOKENS)
+        preload(s, 101, TOKENS)
+        preload(s, 201, TOKENS)
+        rest = keys_of(s, 1)[2:]
+        assert wait_until(lambda: in_store(s, rest), 30)
+        dropped = s.metrics.registry.get_sample_value("lmcache_p2p_object_uploads_dropped_total",
+                                                      {"reason": "uploading_elsewhere"})
+        assert dropped == 2
+        assert not any(owners.get(OBJECTS) for owners in s.index.owners(s.fp, claimed))
+        uploads, _ = run(s, client.get_prefix(tier.schema.uploads))
+        assert [kv.key for kv in uploads] == [tier.schema.upload_claim(s.fp, k) for k in sorted(claimed)]
+        assert wait_until(lambda: not run(s, client.get_prefix(tier.schema.uploads))[0], 10)  # the dead claims lapsed
+        preload(s, 1, TOKENS)  # computed again, evicted again: now uploaded
+        preload(s, 301, TOKENS)
+        preload(s, 401, TOKENS)
+        assert wait_until(lambda: in_store(s, claimed), 30)
+        assert not run(s, client.get_prefix(tier.schema.uploads))[0]  # announced: no claim left
+    finally:
+        s.stop()

@@ -67,6 +67,7 @@ class Schema:
         self.blocks = self.root + b"blocks/"
         self.invalidations = self.root + b"invalidate/"  # see lmcache_p2p.invalidation
         self.objects = self.root + b"objects/"  # see lmcache_p2p.objects
+        self.uploads = self.root + b"uploads/"  # an upload under way: its node, under a lease (objects/tier.py)
 
     def node(self, node_id: NodeId) -> bytes:
         return self.nodes + node_id.encode()
@@ -80,6 +81,9 @@ class Schema:
 
     def object_meta(self, fp: FingerprintDigest, key: ChunkKey) -> bytes:
         return b"%s%s/%s" % (self.objects, fp.hex().encode(), key.hex().encode())
+
+    def upload_claim(self, fp: FingerprintDigest, key: ChunkKey) -> bytes:
+        return b"%s%s/%s" % (self.uploads, fp.hex().encode(), key.hex().encode())
 
 
 class Rejects:

@@ -21,6 +21,8 @@ and never served; an object a standing invalidation covers (by its epoch, finger
 uploader) is never loaded and is deleted. The cleanup pass reads every ``objects/`` record and deletes
 what an invalidation covers (a tenant's by the tenant the meta carries: also a fingerprint no running
 node serves) or ``tiers.chunk_ttl_s`` expired (every node with the tier runs it: deletes are idempotent).
+Two nodes never upload one chunk: an upload first claims its name (``uploads/<fp>/<key>`` in etcd, put
+only where no meta or other claim stands, under a lease; the announce deletes it), else it is dropped.
 
 Reads are a transport (:class:`~lmcache_p2p.objects.transport.ObjectTransport`): the puller asks the store
 for chunks planned there, or for those a peer failed to send when the store is their alternative, in the
@@ -52,7 +54,7 @@ from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
 from ..ids import OBJECTS, TIER_OBJECT, NodeId, PeerAddress
-from ..index.client import EtcdClient, op_delete, op_put
+from ..index.client import EtcdClient, compare_mod_revision, op_delete, op_put
 from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta, tenant_digest
 from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import AgentMetrics
@@ -63,7 +65,9 @@ from .store import ObjectStore
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF_S = 30.0
-ANNOUNCE_BATCH = 64  # uploads announced per etcd txn (2 operations each: etcd's default --max-txn-ops is 128)
+ANNOUNCE_BATCH = 42  # uploads announced per etcd txn (3 operations each: etcd's default --max-txn-ops is 128)
+CLAIM_TTL_S = 60  # the lease of uploads' claims on their object names (a dead uploader's lapse with it)
+CLAIM_LEASE_EVERY_S = 20.0  # a new claim lease this often: a claim stands at least CLAIM_TTL_S - this
 MAX_UNANNOUNCED = 65536  # uploads confirmed but not yet in etcd (etcd down): beyond, the oldest are forgotten
 RETRY_FIRST_S = 1.0  # the first wait of a retry loop (uploads, announces), doubling up to MAX_BACKOFF_S
 
@@ -123,6 +127,7 @@ class ObjectTier:
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
+        self._claim_lease: tuple[int, float] | None = None  # (lease id, monotonic time granted)
         self._announce_wake: asyncio.Event | None = None
         self._cleanup_soon: asyncio.Event | None = None
         self.offered = {"memory": 0, "file": 0}  # chunks taken for upload: CPU victims' bytes, disk victims' files
@@ -302,6 +307,9 @@ class ObjectTier:
         if self._covers(header, self.node_id):  # invalidated while it waited: never stored
             self.dropped.labels("invalidated").inc()
             return
+        if not await self._claim(header):
+            self.dropped.labels("uploading_elsewhere").inc()
+            return
         try:
             if item.data is not None:
                 payload: bytes | memoryview = item.data
@@ -319,6 +327,7 @@ class ObjectTier:
         except (ObjectStoreError, LMCacheP2PError, OSError) as exc:
             self.ops.labels("put", "error").inc()
             log.warning("upload of chunk %s failed: %s", header.key.hex()[:16], exc)
+            await self._unclaim(header.key)
             return
         self.ops.labels("put", "ok").inc()
         if self._announce_wake is not None:
@@ -326,6 +335,32 @@ class ObjectTier:
                                                 header.epoch, header.num_tokens, header.heads, header.origin,
                                                 self.tenant))
             self._announce_wake.set()
+
+    async def _claim(self, header: ChunkHeader) -> bool:
+        """Claim the chunk's object name before the PUT: two nodes uploading one chunk would leave the object
+        of one beside the meta of the other, which readers refuse as a replay (and delete). The claim is an
+        etcd record put only where neither a meta nor another claim stands, under a lease never kept alive
+        (one per ``CLAIM_LEASE_EVERY_S``, of ``CLAIM_TTL_S``: a node that dies mid-upload lets its claims
+        lapse); the announce deletes it. False: another node's
+        object stands or is on its way. etcd unreachable: uploaded unclaimed (announcing waits for etcd
+        anyway; the race is then only a lost object, never wrong KV)."""
+        if self.client is None:
+            return True
+        meta, claim = self.schema.object_meta(self.fp, header.key), self.schema.upload_claim(self.fp, header.key)
+        try:
+            if self._claim_lease is None or time.monotonic() - self._claim_lease[1] > CLAIM_LEASE_EVERY_S:
+                self._claim_lease = ((await self.client.grant(CLAIM_TTL_S))[0], time.monotonic())
+            ok, _ = await self.client.txn([compare_mod_revision(meta, 0), compare_mod_revision(claim, 0)],
+                                          [op_put(claim, self.node_id.encode(), lease=self._claim_lease[0])])
+            return ok
+        except LMCacheP2PError as exc:
+            log.debug("claiming the upload of chunk %s: %s (uploaded unclaimed)", header.key.hex()[:16], exc)
+            return True
+
+    async def _unclaim(self, key: ChunkKey) -> None:
+        if self.client is not None:
+            with contextlib.suppress(LMCacheP2PError):
+                await self.client.txn([], [op_delete(self.schema.upload_claim(self.fp, key))])
 
     async def _announce_forever(self) -> None:
         """Confirmed uploads into etcd, in batches: per object its index entry (``@objects``, tier 3) and the
@@ -358,7 +393,8 @@ class ObjectTier:
                 self.forget_soon(meta.key, meta.fp, delete_object=True)
                 continue
             ops += [op_put(self.schema.object_meta(meta.fp, meta.key), meta.pack()),
-                    op_put(self.schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT]))]
+                    op_put(self.schema.block(meta.fp, meta.key, OBJECTS), bytes([TIER_OBJECT])),
+                    op_delete(self.schema.upload_claim(meta.fp, meta.key))]
         if not ops:
             return
         try:
