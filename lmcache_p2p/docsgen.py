@@ -5,7 +5,9 @@
   ``__post_init__`` makes of it);
 - ``cli.md``: every ``lmcache-p2p`` command's argparse help, in the groups ``lmcache-p2p --help`` shows;
 - ``metrics.md``: every metric an agent (a :class:`~lmcache_p2p.agent.CacheAgent` built, never started)
-  and the router register: the names as exposed, type, labels and help.
+  and the router register: the names as exposed, type, labels and help;
+- ``request-params.md``: every name a request may send in ``kv_transfer_params``
+  (``request_params.PARAMS``).
 
 Regenerate them with::
 
@@ -419,8 +421,22 @@ def metrics_page() -> str:
         *head, *_metric_rows(Metrics().registry, {}), ""])
 
 
+def request_params_page() -> str:
+    from . import request_params
+
+    doc = (request_params.__doc__ or "").split("\n\n")
+    rows = [f"| `{p.name}` | {_cell(p.takes)} | {_cell(p.does)} | {_cell(p.bound)} | {_cell(p.beyond)} |"
+            for p in request_params.PARAMS]
+    return "\n".join([
+        _header("Request parameters (`kv_transfer_params`)", "`lmcache_p2p/request_params.py` (`PARAMS`)"),
+        markdown("\n\n".join(doc[1:3])),
+        "A client sends them in the body of an OpenAI-compatible request to vLLM, e.g. "
+        '`{"prompt": ..., "kv_transfer_params": {"lmcache_p2p_canary": true}}`; the router passes them on.', "",
+        "| Name | Takes | Does | Bound | Beyond it |", "|---|---|---|---|---|", *rows, ""])
+
+
 PAGES: dict[str, Callable[[], str]] = {"configuration.md": configuration_page, "cli.md": cli_page,
-                                       "metrics.md": metrics_page}
+                                       "metrics.md": metrics_page, "request-params.md": request_params_page}
 
 
 def generate(out_dir: Path) -> list[Path]:

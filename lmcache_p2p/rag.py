@@ -34,7 +34,7 @@ import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .segments import MAX_SEGMENTS, SEGMENTS_PARAM
+from .request_params import MAX_SEGMENTS, SEGMENTS_PARAM
 
 DOCUMENTS_FIELD = "documents"  # vLLM's chat field
 DOCUMENT_FLAG = "lmcache_p2p_document"  # on a message: it is a document

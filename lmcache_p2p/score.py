@@ -58,7 +58,8 @@ from .index.protocol import BlockIndex
 from .index.schema import NodeRecord
 from .keys import ChunkKey, Fingerprint, FingerprintDigest, HeadRange, chunk_keys, chunk_spans, tokens_to_array
 from .plan import LOCAL, HitPlan, PlannedChunk, make_plan
-from .segments import SEGMENTS_PARAM, BlendPlan, SegmentChunks, SegmentError, plan_blend, read_segments
+from .request_params import SEGMENTS_PARAM, ParamError, read_spans
+from .segments import BlendPlan, SegmentChunks, plan_blend
 from .segments import segment_chunks as segment_chunks_of
 
 MAX_BODY_BYTES = 4 << 20  # 1M token ids as JSON
@@ -128,8 +129,8 @@ def parse_request(body: bytes, model_id: str) -> ScoreRequest:
         raise ScoreError(400, "'blend' must be true or false")
     try:
         raw = data.get("segments")
-        segments = read_segments({SEGMENTS_PARAM: raw}, len(tokens)) if raw is not None else None
-    except SegmentError as exc:
+        segments = read_spans(raw, len(tokens)) if raw is not None else None
+    except ParamError as exc:
         raise ScoreError(400, f"'segments': {str(exc).removeprefix(SEGMENTS_PARAM + ': ')}") from exc
     return ScoreRequest(tokens, segments, blend)
 

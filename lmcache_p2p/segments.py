@@ -34,20 +34,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from .blocks import ChunkTransfer
 from .keys import FingerprintDigest, chunk_keys, chunk_spans, segment_root
-
-SEGMENTS_PARAM = "lmcache_p2p_segments"
-FRACTION_PARAM = "lmcache_p2p_recompute_fraction"  # a request's own blend.recompute_fraction
-SELECTION_PARAM = "lmcache_p2p_blend_selection"  # a request's own blend.selection
-BLEND_PARAM = "lmcache_p2p_blend"  # true: blend this request's segments (false: prefix reuse only)
-MAX_SEGMENTS = 256
-
-
-class SegmentError(ValueError):
-    """A request's segment spans are malformed (the request is then served prefix-only)."""
+from .request_params import SELECTIONS
 
 
 @dataclasses.dataclass(slots=True)
@@ -141,63 +131,6 @@ class BlendPlan:
         return self.recomputed_tokens + self.fresh_tokens + self.probe_tokens
 
 
-def read_segments(params: Any, prompt_len: int) -> list[tuple[int, int]] | None:
-    """The spans a request declares (None when it declares none); :class:`SegmentError` naming the
-    problem when they are malformed."""
-    if not isinstance(params, dict) or SEGMENTS_PARAM not in params:
-        return None
-    raw = params[SEGMENTS_PARAM]
-    if not isinstance(raw, (list, tuple)) or not raw:
-        raise SegmentError(f"{SEGMENTS_PARAM}: a non-empty list of [start, end] spans is needed")
-    if len(raw) > MAX_SEGMENTS:
-        raise SegmentError(f"{SEGMENTS_PARAM}: {len(raw)} spans, at most {MAX_SEGMENTS}")
-    spans: list[tuple[int, int]] = []
-    for span in raw:
-        if (not isinstance(span, (list, tuple)) or len(span) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in span)):
-            raise SegmentError(f"{SEGMENTS_PARAM}: {span!r} is not a [start, end] pair of token offsets")
-        start, end = span
-        if not 0 <= start < end <= prompt_len:
-            raise SegmentError(f"{SEGMENTS_PARAM}: [{start}, {end}] is empty or outside the {prompt_len}-token prompt")
-        if spans and start < spans[-1][1]:
-            raise SegmentError(f"{SEGMENTS_PARAM}: [{start}, {end}] overlaps or precedes the span before it")
-        spans.append((start, end))
-    return spans
-
-
-def read_fraction(params: Any, default: float) -> float:
-    """The recompute fraction a request asks for (``default``: none); :class:`SegmentError` when invalid."""
-    if not isinstance(params, dict) or FRACTION_PARAM not in params:
-        return default
-    value = params[FRACTION_PARAM]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
-        raise SegmentError(f"{FRACTION_PARAM}: {value!r} is not a number in [0, 1]")
-    return float(value)
-
-
-def wants_blend(params: Any, default: bool) -> bool:
-    """Whether a request asks to be blended: ``lmcache_p2p_blend`` when it says, else true when it asks
-    for a blend setting (a recompute fraction or selection), else ``default`` (``blend.by_default``);
-    :class:`SegmentError` when the flag is not a boolean."""
-    if not isinstance(params, dict):
-        return default
-    if BLEND_PARAM in params:
-        if not isinstance(params[BLEND_PARAM], bool):
-            raise SegmentError(f"{BLEND_PARAM}: {params[BLEND_PARAM]!r} is not true or false")
-        return bool(params[BLEND_PARAM])
-    return default or FRACTION_PARAM in params or SELECTION_PARAM in params
-
-
-def read_selection(params: Any, default: str) -> str:
-    """The recompute selection a request asks for (``default``: none); :class:`SegmentError` when invalid."""
-    if not isinstance(params, dict) or SELECTION_PARAM not in params:
-        return default
-    value = params[SELECTION_PARAM]
-    if value not in SELECTIONS:
-        raise SegmentError(f"{SELECTION_PARAM}: {value!r} is not one of {SELECTIONS}")
-    return str(value)
-
-
 def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[tuple[int, int]],
                    chunk: int) -> list[SegmentChunks]:
     """Each declared segment's chunks (keys chained from :func:`~lmcache_p2p.keys.segment_root`)."""
@@ -211,7 +144,6 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
     return out
 
 
-SELECTIONS = ("first", "deviation", "question")
 KV_ERROR_ENV = "LMCACHE_P2P_BLEND_KV_ERROR"  # a file: each blend's K/V error per layer against a full prefill
 DEVIATION_LAYER = 1  # the layer whose keys the deviation selection compares (layer 0's never move)
 

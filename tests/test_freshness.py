@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from lmcache_p2p.integrations.freshness import EXPECT_PARAM, REVISION_PARAM, Freshness, expected_chunks
+from lmcache_p2p.integrations.freshness import Freshness
+from lmcache_p2p.request_params import EXPECT_PARAM, REVISION_PARAM, RequestParams
+
+
+def ask(raw: object) -> RequestParams:
+    return RequestParams.parse(raw, 4096)
 
 
 class Clock:
@@ -19,7 +24,7 @@ class Clock:
 def test_waits_until_the_mirror_reaches_the_revision() -> None:
     clock = Clock()
     gate = Freshness(2.0, clock)
-    params = {REVISION_PARAM: 50}
+    params = ask({REVISION_PARAM: 50})
     assert gate.hold("r", params, revision=49, following=True)
     clock.now += 1.0
     assert gate.hold("r", params, revision=49, following=True)
@@ -30,7 +35,7 @@ def test_waits_until_the_mirror_reaches_the_revision() -> None:
 def test_waits_at_most_wait_s_then_never_again() -> None:
     clock = Clock()
     gate = Freshness(2.0, clock)
-    params = {REVISION_PARAM: 50}
+    params = ask({REVISION_PARAM: 50})
     assert gate.hold("r", params, 10, True)
     clock.now += 2.0
     assert not gate.hold("r", params, 10, True)  # planned with what the mirror holds
@@ -44,20 +49,20 @@ def test_waits_at_most_wait_s_then_never_again() -> None:
 @pytest.mark.parametrize("params", [None, {}, {REVISION_PARAM: "50"}, {REVISION_PARAM: True}, {REVISION_PARAM: 5}])
 def test_no_revision_or_an_old_one_never_waits(params) -> None:
     gate = Freshness(2.0, Clock())
-    assert not gate.hold("r", params, revision=10, following=True)
+    assert not gate.hold("r", ask(params), revision=10, following=True)
     assert len(gate) == 0
 
 
 def test_a_mirror_not_following_etcd_never_waits() -> None:
     # etcd unreachable: the mirror can't move, so waiting would only delay the request
     gate = Freshness(2.0, Clock())
-    assert not gate.hold("r", {REVISION_PARAM: 50}, revision=10, following=False)
+    assert not gate.hold("r", ask({REVISION_PARAM: 50}), revision=10, following=False)
 
 
 def test_an_aborted_request_leaves_nothing_behind() -> None:
     gate = Freshness(2.0, Clock())
     for i in range(100):
-        assert gate.hold(f"r{i}", {REVISION_PARAM: 50}, 10, True)
+        assert gate.hold(f"r{i}", ask({REVISION_PARAM: 50}), 10, True)
     for i in range(100):
         gate.forget(f"r{i}")
     assert len(gate) == 0 and gate.held == 100
@@ -66,7 +71,7 @@ def test_an_aborted_request_leaves_nothing_behind() -> None:
 def test_a_disaggregated_decode_waits_for_the_chunks_its_prefill_engine_saved() -> None:
     clock = Clock()
     gate = Freshness(2.0, clock)
-    params = {EXPECT_PARAM: 4}
+    params = ask({EXPECT_PARAM: 4})
     assert gate.hold("d", params, revision=10, following=True, held=0)  # the prefill's saves not announced yet
     clock.now += 0.3
     assert gate.hold("d", params, revision=11, following=True, held=3)
@@ -77,5 +82,5 @@ def test_a_disaggregated_decode_waits_for_the_chunks_its_prefill_engine_saved() 
     assert not gate.hold("f", params, 12, True, held=1)  # bounded: the decode engine computes the rest
     assert gate.held == 2 and gate.gave_up == 1
     for bad in (None, {}, {EXPECT_PARAM: "4"}, {EXPECT_PARAM: True}, {EXPECT_PARAM: -2}, [EXPECT_PARAM]):
-        assert expected_chunks(bad) == 0
-        assert not gate.hold("g", bad, 12, True, held=0)
+        assert ask(bad).expect_chunks == 0
+        assert not gate.hold("g", ask(bad), 12, True, held=0)

@@ -7,18 +7,7 @@ import math
 import pytest
 
 from lmcache_p2p.keys import FingerprintDigest, chunk_keys
-from lmcache_p2p.segments import (
-    BLEND_PARAM,
-    FRACTION_PARAM,
-    SEGMENTS_PARAM,
-    SELECTION_PARAM,
-    SegmentError,
-    plan_blend,
-    read_fraction,
-    read_segments,
-    segment_chunks,
-    wants_blend,
-)
+from lmcache_p2p.segments import plan_blend, segment_chunks
 
 ROOT = FingerprintDigest(b"r" * 16)
 C = 256
@@ -34,26 +23,6 @@ def rag(base: list[int], docs: list[list[int]]) -> tuple[list[int], list[tuple[i
 
 BASE = list(range(1000, 1256))
 DOCS = [list(range(2000 + 1000 * i, 2000 + 1000 * i + n)) for i, n in enumerate([512, 300, 700])]
-
-
-def test_read_segments_accepts_sorted_spans_and_names_what_is_wrong():
-    assert read_segments(None, 100) is None
-    assert read_segments({"other": 1}, 100) is None
-    assert read_segments({"lmcache_p2p_segments": [[0, 10], [10, 20], [30, 100]]}, 100) == [(0, 10), (10, 20),
-                                                                                             (30, 100)]
-    for bad, words in [([], "non-empty"), ([[5, 5]], "empty or outside"), ([[0, 101]], "outside"),
-                       ([[10, 20], [15, 30]], "overlaps"), ([[10, 20], [0, 5]], "precedes"), ([[0, "9"]], "pair"),
-                       ([[True, 9]], "pair"), ("0-9", "non-empty list"), ([[0, 1]] * 300, "at most")]:
-        with pytest.raises(SegmentError, match=words):
-            read_segments({"lmcache_p2p_segments": bad}, 100)
-
-
-def test_read_fraction():
-    assert read_fraction(None, 0.15) == 0.15
-    assert read_fraction({"lmcache_p2p_recompute_fraction": 1}, 0.15) == 1.0
-    for bad in (-0.1, 1.5, "0.2", True, None):
-        with pytest.raises(SegmentError, match="recompute_fraction"):
-            read_fraction({"lmcache_p2p_recompute_fraction": bad}, 0.15)
 
 
 def test_segment_keys_do_not_depend_on_what_precedes_the_segment_but_on_the_base():
@@ -139,15 +108,6 @@ def test_plan_blend_leaves_the_last_prompt_token_to_the_engine():
     plan = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0)
     assert plan is not None and plan.end == len(prompt) - 1 and plan.segments[0].end == len(prompt) - 1
     assert plan.recompute == [(256, len(prompt) - 1)]
-
-
-def test_a_request_is_blended_when_it_asks_or_when_the_operator_says_every_one_is():
-    assert not wants_blend(None, False) and wants_blend(None, True)
-    assert not wants_blend({SEGMENTS_PARAM: [[0, 1]]}, False)
-    assert wants_blend({BLEND_PARAM: True}, False) and not wants_blend({BLEND_PARAM: False}, True)
-    assert wants_blend({FRACTION_PARAM: 0.3}, False) and wants_blend({SELECTION_PARAM: "deviation"}, False)
-    with pytest.raises(SegmentError, match=BLEND_PARAM):
-        wants_blend({BLEND_PARAM: "yes"}, False)
 
 
 def test_a_selection_of_every_segment_token_runs_no_pass():

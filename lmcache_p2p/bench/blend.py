@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import EtcdServer
-from ..segments import KV_ERROR_ENV, SELECTIONS
+from ..request_params import SELECTIONS
+from ..segments import KV_ERROR_ENV
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path

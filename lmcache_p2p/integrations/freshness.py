@@ -17,24 +17,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..request_params import RequestParams
 
 log = logging.getLogger(__name__)
 FRESHNESS_WAIT_S = 2.0  # at most, per request, for the mirror to reach a revision the request names
-REVISION_PARAM = "lmcache_p2p_index_revision"
-EXPECT_PARAM = "lmcache_p2p_expect_chunks"
-
-
-def named_revision(params: Any) -> int:
-    """The index revision a request's ``kv_transfer_params`` name (0: none, or not an integer)."""
-    wanted = params.get(REVISION_PARAM) if isinstance(params, dict) else None
-    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else 0
-
-
-def expected_chunks(params: Any) -> int:
-    """How many leading chunks of the prompt a request's ``kv_transfer_params`` expect in the mesh (0: none)."""
-    wanted = params.get(EXPECT_PARAM) if isinstance(params, dict) else None
-    return wanted if isinstance(wanted, int) and not isinstance(wanted, bool) and wanted > 0 else 0
 
 
 class Freshness:
@@ -47,12 +36,11 @@ class Freshness:
         self._expired: set[str] = set()  # held back for wait_s already: never again
         self.held = self.gave_up = 0  # requests held back at least once; of those, planned after wait_s
 
-    def hold(self, req_id: str, params: Any, revision: int, following: bool, held: int = 0) -> bool:
-        """Whether ``req_id``, whose ``kv_transfer_params`` are ``params``, waits: it names an index
-        revision above ``revision`` (how far the mirror has followed the block entries) or expects more
-        leading chunks than the ``held`` ones, the mirror is following etcd, and the request has waited
-        less than ``wait_s``."""
-        wanted, expected = named_revision(params), expected_chunks(params)
+    def hold(self, req_id: str, params: RequestParams, revision: int, following: bool, held: int = 0) -> bool:
+        """Whether ``req_id`` waits: its ``params`` name an index revision above ``revision`` (how far the
+        mirror has followed the block entries) or expect more leading chunks than the ``held`` ones, the
+        mirror is following etcd, and the request has waited less than ``wait_s``."""
+        wanted, expected = params.index_revision, params.expect_chunks
         behind = (wanted and revision < wanted) or (expected and held < expected)
         if not behind or not following or req_id in self._expired:
             return False

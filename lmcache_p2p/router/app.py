@@ -65,6 +65,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..rag import DOCUMENTS_FIELD, DocumentError, place_documents
+from ..request_params import EXPECT_PARAM
 from .engines import Engine, Fleet
 from .policy import Choice, Pending, Policy
 from .prompts import BadPrompt, Prompts
@@ -84,7 +85,6 @@ MEMORY_PER_BODY_BYTE = 10
 MAX_MEMORY_BYTES = 1 << 30
 PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed off the event loop
 CHUNK_TOKENS = 256
-EXPECT_PARAM = "lmcache_p2p_expect_chunks"
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 ENGINE_HEADER = "X-LMCache-P2P-Engine"  # on every routed answer: the engine that gave it
 

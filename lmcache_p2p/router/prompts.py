@@ -32,15 +32,7 @@ import aiohttp
 from prometheus_client import Counter
 
 from ..rag import DOCUMENTS_FIELD, NotSegmentable, SpanPlan
-from ..segments import (
-    BLEND_PARAM,
-    FRACTION_PARAM,
-    SEGMENTS_PARAM,
-    SELECTION_PARAM,
-    SegmentError,
-    read_segments,
-    wants_blend,
-)
+from ..request_params import SEGMENTS_PARAM, RequestParams
 from .engines import Engine
 
 log = logging.getLogger(__name__)
@@ -124,14 +116,12 @@ class Prompts:
         if url is None:
             return None
         ask: dict[str, Any] = {"tokens": tokens}
-        params = payload.get("kv_transfer_params")
-        try:  # declared segments (documents): the score counts what each engine holds of them too
-            spans = read_segments(params, len(tokens))
-        except SegmentError:
-            spans = None  # the engine ignores them as well
-        if spans:
-            ask["segments"] = [list(span) for span in spans]
-            blend = _asks_blend(params)
+        # declared segments (documents): the score counts what each engine holds of them too (malformed: the
+        # engine ignores them as well), and whether it blends, as its engine's scheduler side reads them
+        params = RequestParams.parse(payload.get("kv_transfer_params"), len(tokens))
+        if params.segments:
+            ask["segments"] = [list(span) for span in params.segments]
+            blend = params.wants_blend(False) if params.says_blend else None  # None: the engines' default
             if blend is not None:
                 ask["blend"] = blend
         try:
@@ -174,17 +164,6 @@ def chat_ask(payload: dict[str, Any]) -> dict[str, Any] | None:
             kwargs["reasoning_effort"] = effort
         ask["chat_template_kwargs"] = kwargs
     return ask
-
-
-def _asks_blend(params: Any) -> bool | None:
-    """Whether a request's ``kv_transfer_params`` ask for a blend (None: they do not say; the engines'
-    ``blend.by_default`` decides), as its engine's scheduler side reads them."""
-    if not isinstance(params, dict) or not any(k in params for k in (BLEND_PARAM, FRACTION_PARAM, SELECTION_PARAM)):
-        return None
-    try:
-        return wants_blend(params, False)
-    except SegmentError:
-        return False  # a malformed flag: the engine does not blend
 
 
 def _token_id(value: Any) -> bool:

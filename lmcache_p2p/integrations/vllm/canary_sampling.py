@@ -15,8 +15,6 @@ from collections.abc import Callable
 from ...backoff import TokenBucket
 from ...config import CanaryConfig
 
-CANARY_PARAM = "lmcache_p2p_canary"
-
 
 class CanarySampling:
     def __init__(self, config: CanaryConfig, *, rng: Callable[[], float] | None = None) -> None:

@@ -70,23 +70,12 @@ from ...keys import (
 )
 from ...peers import compatible
 from ...plan import miss_reason
-from ...segments import (
-    BlendPlan,
-    BlendTransfer,
-    SegmentChunks,
-    SegmentError,
-    SegmentSave,
-    plan_blend,
-    read_fraction,
-    read_segments,
-    read_selection,
-    segment_chunks,
-    wants_blend,
-)
+from ...request_params import CANARY_PARAM, REVISION_PARAM, RequestParams
+from ...segments import BlendPlan, BlendTransfer, SegmentChunks, SegmentSave, plan_blend, segment_chunks
 from ..engine_identity import file_adapter, request_identity
-from ..freshness import REVISION_PARAM, Freshness, named_revision
+from ..freshness import Freshness
 from .admission import Admission
-from .canary_sampling import CANARY_PARAM, CanarySampling
+from .canary_sampling import CanarySampling
 from .metadata import LMCacheP2PMetadata
 
 log = logging.getLogger(__name__)
@@ -122,6 +111,7 @@ class _Request:
     record, dropped whole (``request_finished``)."""
 
     identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]] | None = _UNREAD  # None: its KV can't be keyed
+    params: RequestParams | None = None  # its kv_transfer_params, once read
     segments: list[SegmentChunks] | None = _UNREAD  # its declared segments, keyed (None: none usable)
     local_hit: int = 0  # tokens vLLM's own prefix cache supplied when the hit was offered
     load_async: bool | None = None  # how the hit was announced to vLLM (None: no hit offered)
@@ -207,12 +197,20 @@ class P2PScheduler:
         identity = record.identity
         if num_computed_tokens > 0 or (identity is not None and identity is not _UNREAD and identity[1]):
             return False
-        params = getattr(request, "kv_transfer_params", None)
-        canary, refused = self._canaries.sampled(isinstance(params, dict) and params.get(CANARY_PARAM) is True, hit)
+        canary, refused = self._canaries.sampled(self._params(request, record).canary, hit)
         if refused:  # served as any other request
             self._refuse(record, request.request_id, CANARY_PARAM, "over canary.requested_per_minute")
         record.canary = record.canary or canary
         return canary
+
+    def _params(self, request: Any, record: _Request) -> RequestParams:
+        """``request``'s ``kv_transfer_params``, read once; each malformed one refused (logged, counted)."""
+        if record.params is None:
+            record.params = RequestParams.parse(getattr(request, "kv_transfer_params", None),
+                                                len(request.prompt_token_ids or ()))
+            for name, why in record.params.malformed:
+                self._refuse(record, request.request_id, name, why)
+        return record.params
 
     def _refuse(self, record: _Request, req_id: str, param: str, why: str) -> None:
         """A request parameter is not honoured: counted (``request_params_refused_total``) once per request."""
@@ -284,8 +282,8 @@ class P2PScheduler:
         if identity is None:
             return 0, False
         keys = self._keys(prompt, *identity)
-        params = getattr(request, "kv_transfer_params", None)
-        wanted = 0 if REVISION_PARAM in record.refused else named_revision(params)
+        params = self._params(request, record)
+        wanted = params.index_revision
         mirror = self._index.mirror
         if wanted:  # etcd.index lookup: read these keys as of that revision (the watch: nothing to do)
             mirror.prefetch(keys, wanted)
@@ -294,9 +292,7 @@ class P2PScheduler:
                 # will reach it soon, and each would cost a scheduler step an etcd round trip.
                 self._refuse(record, request.request_id, REVISION_PARAM,
                              f"etcd is at revision {mirror.blocks_revision}, below {wanted}")
-                wanted = 0
-        if REVISION_PARAM in record.refused and isinstance(params, dict):
-            params = {k: v for k, v in params.items() if k != REVISION_PARAM}
+                record.params = params = params.without_revision()
         held = self._index.longest_prefix(keys, () if self._index.connected else self._saved, self._usable)
         if held < len(keys) and self._freshness.hold(request.request_id, params, mirror.blocks_revision,
                                                      self._index.connected, held):
@@ -396,15 +392,11 @@ class P2PScheduler:
                   identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[SegmentChunks] | None:
         """The segments ``request`` declares, keyed (None: none, malformed, multimodal, or under a LoRA
         adapter, which the recompute would not apply)."""
-        req_id = request.request_id
         if record.segments is _UNREAD:
             found = None
-            try:
-                spans = read_segments(getattr(request, "kv_transfer_params", None), len(prompt))
-                if spans is not None and not identity[1] and getattr(request, "lora_request", None) is None:
-                    found = segment_chunks(identity[0], prompt, spans, self._chunk)
-            except SegmentError as exc:
-                log.warning("request %s: segments ignored (prefix reuse only): %s", req_id, exc)
+            spans = self._params(request, record).segments  # malformed: refused, prefix reuse only
+            if spans is not None and not identity[1] and getattr(request, "lora_request", None) is None:
+                found = segment_chunks(identity[0], prompt, list(spans), self._chunk)
             record.segments = found
         return record.segments
 
@@ -449,13 +441,9 @@ class P2PScheduler:
         segments = self._declared(request, record, prompt, identity)
         if not segments:
             return None
-        params = getattr(request, "kv_transfer_params", None)
-        try:
-            if not wants_blend(params, self._config.blend.by_default):
-                return None  # its segments are saved and reused as prefixes; it did not ask to be blended
-        except SegmentError as exc:
-            log.warning("request %s: %s; not blended", request.request_id, exc)
-            return None
+        params = self._params(request, record)
+        if not params.wants_blend(self._config.blend.by_default):
+            return None  # its segments are saved and reused as prefixes; it did not ask to be blended
         refusal = self._blend_refusal
         if refusal is not None:
             if refusal not in self._told:
@@ -471,13 +459,8 @@ class P2PScheduler:
             chunk_keys = [ChunkKey(k) for k in keys]
             return self._index.longest_prefix(chunk_keys, saved, self._usable) == len(chunk_keys)
 
-        try:
-            fraction = read_fraction(params, self._blend_fraction)
-            selection = read_selection(params, self._blend_selection)
-        except SegmentError as exc:
-            log.warning("request %s: %s; blend.recompute_fraction (%s) and blend.selection (%s) used",
-                        request.request_id, exc, self._blend_fraction, self._blend_selection)
-            fraction, selection = self._blend_fraction, self._blend_selection
+        fraction = params.fraction if params.fraction is not None else self._blend_fraction
+        selection = params.selection if params.selection is not None else self._blend_selection
         plan = plan_blend(segments, exact_end, len(prompt), held, fraction, selection, self._config.layout.num_layers)
         if plan is not None and plan.cost_tokens > self._blend_limit:
             log.info("request %s: its blend would run %d tokens through the model (recompute %d, fresh segments %d, "
