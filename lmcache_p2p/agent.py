@@ -349,6 +349,26 @@ class CacheAgent:
         self._proof = (what, proof)
         return proof
 
+    def live_setters(self) -> dict[str, Callable[[AgentConfig], None] | None]:
+        """What applies each live field of the cluster config (``coordinator/apply.py``'s table: a test holds
+        the two to each other) while this node runs, given the new config; None: read at every use. A new
+        live field: its row there, its setter here."""
+        return {
+            "tiers.chunk_ttl_s": lambda c: self.background(
+                asyncio.get_running_loop().create_task(self.invalidation.set_ttl(c.tiers.chunk_ttl_s))),
+            "tiers.eviction": lambda c: self.tiers.set_eviction(c.tiers.eviction),
+            "transfer.backoff_s": self._set_backoff,
+            "log_level": lambda c: set_log_level(c.log_level),
+            "handoff.budget_bytes_per_s": None,
+            "handoff.replicate_after": None,
+        }
+
+    def _set_backoff(self, config: AgentConfig) -> None:
+        if self._stack is not None:
+            self._stack.health.set_base(config.transfer.backoff_s)
+        if self.objects is not None:
+            self.objects.health.set_base(max(config.transfer.backoff_s, 0.1))
+
     def _on_cluster_config(self, cluster: ClusterConfig) -> None:
         """On the loop: the cluster config changed; apply its live fields (``coordinator/apply.py``)."""
         watch = self._config_watch
@@ -359,18 +379,10 @@ class CacheAgent:
                         ", ".join(pending))
         self._pending_restart = pending
         old, self.config = self.config, new
-        if new.tiers.chunk_ttl_s != old.tiers.chunk_ttl_s:
-            self.background(asyncio.get_running_loop().create_task(self.invalidation.set_ttl(new.tiers.chunk_ttl_s)))
-        if new.tiers.eviction != old.tiers.eviction:
-            self.tiers.set_eviction(new.tiers.eviction)
-        if new.transfer.backoff_s != old.transfer.backoff_s:
-            if self._stack is not None:
-                self._stack.health.set_base(new.transfer.backoff_s)
-            if self.objects is not None:
-                self.objects.health.set_base(max(new.transfer.backoff_s, 0.1))
-        if new.log_level != old.log_level:
-            set_log_level(new.log_level)
-        # handoff.* are read at every use
+        value = cluster_config_apply.field_value
+        for dotted, setter in self.live_setters().items():
+            if setter is not None and value(new, dotted) != value(old, dotted):
+                setter(new)
         if new != old:
             log.info("cluster config rev %d applied", watch.revision)
         self.config_revision = watch.revision

@@ -177,6 +177,10 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
                        metrics=AgentMetrics(CollectorRegistry())).start()
     base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
     try:
+        from lmcache_p2p.coordinator.apply import FIELDS
+
+        # every field the cluster config applies live has its setter (or is read at every use), and only those
+        assert set(agent.live_setters()) == {dotted for dotted, live in FIELDS.values() if live}
         assert preload(agent, 1, 1024) == 4
         assert agent.config.tiers.chunk_ttl_s is None and agent.config.handoff.budget_bytes_per_s > 0
         assert config_cli([*base, "set", "chunk_ttl_s=1", "handoff_budget_bytes_per_s=0", "chunk_size=512"]) == 0
