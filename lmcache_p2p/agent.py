@@ -78,6 +78,12 @@ RECENT_DROPS = 4096  # chunks remembered as dropped, for ``lookup --explain``
 
 
 class CacheAgent:
+    @classmethod
+    def of(cls, config: AgentConfig, **parts: Any) -> CacheAgent:
+        """An agent of ``config``'s own layout (outside vLLM: ``lmcache-p2p agent``, tools, tests): its
+        fingerprint and chunk size from ``config.layout``; ``parts`` as the constructor takes them."""
+        return cls(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size), **parts)
+
     def __init__(
         self,
         config: AgentConfig,

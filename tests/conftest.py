@@ -82,6 +82,15 @@ def open_index(loop: LoopThread, etcd: EtcdServer, cluster_name: str) -> Iterato
 
 
 @pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with random weights and the tiny byte-level tokenizer, built offline once per run (the
+    vLLM tests' engine model where the answers' meaning does not matter; ``trained_model`` where it does)."""
+    from lmcache_p2p.testing.tiny_model import create_tiny_model
+
+    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
 def trained_model() -> Path:
     """The tiny Llama trained on stdlib text: built once per machine (minutes) in the user's cache
     directory (``$LMCACHE_P2P_MODEL_CACHE`` to move it), reused by every later run."""

@@ -21,7 +21,6 @@ from typing import Any
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.config import cluster_secret, load_config
 from lmcache_p2p.index.etcd_index import EtcdBlockIndex
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.testing.synthetic import preload, synthetic_payload, synthetic_tokens
 
 TOKENS = 1024 + 100
@@ -69,8 +68,7 @@ def budgeted(agent: CacheAgent, seed: int, tokens: int, prefill_tokens_per_s: fl
 
 def main(argv: list[str]) -> int:
     config = load_config(argv[0])
-    agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                       secret=cluster_secret(config)).start()
+    agent = CacheAgent.of(config, secret=cluster_secret(config)).start()
     try:
         stored = sum(preload(agent, int(seed), TOKENS) for seed in argv[1:])
         print(json.dumps({"ready": True, "stored": stored, "metrics_port": agent.metrics_port}), flush=True)

@@ -19,7 +19,6 @@ from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.config import AgentConfig, TierConfig, TransferConfig
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
 from lmcache_p2p.testing.loopback import LoopbackNet, LoopbackStack
@@ -38,9 +37,8 @@ def fleet() -> Iterator[dict[str, object]]:
         # backoff long enough that a backed-off owner is still backed off when a test looks, however loaded
         tiers = TierConfig(cpu_capacity=cpu, disk_path=str(disk) if disk else None)
         config = AgentConfig(node_id=name, tiers=tiers, transfer=TransferConfig(backoff_s=60.0, **transfer))
-        agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                           index_factory=lambda _loop, record: MemoryIndex(mesh, record),
-                           transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
+        agent = CacheAgent.of(config, index_factory=lambda _loop, record: MemoryIndex(mesh, record),
+                              transfers=LoopbackStack.factory(net), metrics=AgentMetrics(CollectorRegistry()))
         agents.append(agent.start())
         return agent
 

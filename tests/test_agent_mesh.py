@@ -39,8 +39,7 @@ def requester(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: st
     cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints,
                             transfer=transfer, handoff=handoff, etcd_extra=etcd_extra))
     metrics = AgentMetrics(CollectorRegistry())
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=metrics).start()
+    return CacheAgent.of(cfg, metrics=metrics).start()
 
 
 def load_and_check(agent: CacheAgent, seed: int, num_tokens: int = TOKENS) -> tuple[list[bool], HitPlan]:

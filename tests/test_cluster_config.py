@@ -21,7 +21,6 @@ from lmcache_p2p.coordinator.store import ConfigStore, ConfigWatcher
 from lmcache_p2p.errors import ConfigError
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdServer
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.tiers.eviction import LFU, LRU
 
 
@@ -173,8 +172,7 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
     del data["transfer"]["backoff_s"]  # left to the cluster config
     path.write_text(yaml.safe_dump(data))
     cfg = load_config(path, env={})
-    agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                       metrics=AgentMetrics(CollectorRegistry())).start()
+    agent = CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
     base = ["--etcd", etcd.endpoint, "--cluster", cluster_name]
     try:
         from lmcache_p2p.coordinator.apply import FIELDS

@@ -29,7 +29,6 @@ from lmcache_p2p.config import (
     require_secret,
 )
 from lmcache_p2p.errors import ConfigError
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
 
@@ -126,9 +125,9 @@ def test_the_metrics_url_follows_where_the_metrics_server_binds():
 
 
 def agent(config: AgentConfig) -> CacheAgent:
-    return CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                      secret=SECRET.encode(), index_factory=lambda _loop, record: MemoryIndex(MemoryMesh(), record),
-                      metrics=AgentMetrics(CollectorRegistry()))
+    return CacheAgent.of(config, secret=SECRET.encode(),
+                         index_factory=lambda _loop, record: MemoryIndex(MemoryMesh(), record),
+                         metrics=AgentMetrics(CollectorRegistry()))
 
 
 def test_an_agent_warns_when_its_metrics_are_loopback_while_it_advertises_elsewhere(caplog):

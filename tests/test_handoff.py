@@ -20,7 +20,7 @@ from vllm_helpers import scrape
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.cli import status
 from lmcache_p2p.ids import NodeId
-from lmcache_p2p.keys import ChunkKey, Fingerprint
+from lmcache_p2p.keys import ChunkKey
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
 from lmcache_p2p.testing.synthetic import preload, synthetic_tokens
@@ -32,8 +32,7 @@ def agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, c
           **handoff: float) -> CacheAgent:
     cfg = config(agent_yaml(tmp_path / f"{name}.yaml", node=name, cluster=cluster, endpoints=endpoints, cpu=cpu,
                             handoff={"free_below": 0.5, "capacity_interval_s": 0.2, **handoff}))
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def cache_only(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, **handoff: float) -> AgentProcess:

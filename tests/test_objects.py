@@ -34,7 +34,7 @@ from lmcache_p2p.index.client import op_delete
 from lmcache_p2p.index.quarantine import QuarantineRecord
 from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta, tenant_digest
 from lmcache_p2p.invalidation import issue
-from lmcache_p2p.keys import ChunkKey, Fingerprint, FingerprintDigest
+from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.objects.format import PREAMBLE_SIZE, max_object_size, object_key, pack_object, unpack_object
 from lmcache_p2p.objects.seaweed import SeaweedServer
@@ -76,8 +76,7 @@ def objects_agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name
         **({"layout": {"tenant_salt": tenant_salt}} if tenant_salt else {}),
     }))
     cfg = config(path)
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def keys_of(a: CacheAgent, seed: int) -> list[ChunkKey]:

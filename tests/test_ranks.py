@@ -10,7 +10,6 @@ from prometheus_client import CollectorRegistry
 
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.config import rank_config
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.testing.synthetic import preload
 
@@ -18,8 +17,7 @@ TOKENS = 1024 + 100
 
 
 def agent(cfg) -> CacheAgent:  # type: ignore[no-untyped-def]
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def test_two_ranks_of_one_engine_keep_apart(etcd, cluster_name, tmp_path: Path):

@@ -40,7 +40,6 @@ from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.schema import Schema
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
@@ -99,8 +98,7 @@ class Attacker:
 
 def victim(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], transfer: dict[str, Any]) -> CacheAgent:
     cfg = config(agent_yaml(tmp_path / "c.yaml", node="c", cluster=cluster, endpoints=endpoints, transfer=transfer))
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def address_of(agent: CacheAgent, node: str) -> str | None:

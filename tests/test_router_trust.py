@@ -41,7 +41,6 @@ from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import free_port
 from lmcache_p2p.index.schema import NodeRecord, Schema
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.router.app import ENGINE_HEADER, Metrics, Router, RouterConfig, client_session
 from lmcache_p2p.router.engines import Fleet, FleetSource
@@ -249,8 +248,7 @@ def test_a_forged_engine_record_next_to_a_proven_one_gets_nothing(etcd, cluster_
 
 def start_agent(cfg: Path) -> CacheAgent:
     c = config(cfg)
-    return CacheAgent(c, Fingerprint.of(c.layout), c.layout.chunk_bytes(c.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(c, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def clean_env() -> dict[str, str]:

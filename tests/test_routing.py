@@ -32,7 +32,6 @@ from lmcache_p2p import score as score_module
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread
 from lmcache_p2p.index.reader import IndexReader
-from lmcache_p2p.keys import Fingerprint
 from lmcache_p2p.metrics import AgentMetrics
 from lmcache_p2p.plan import LOCAL
 from lmcache_p2p.testing.synthetic import preload, synthetic_tokens
@@ -48,8 +47,7 @@ def agent(tmp_path: Path, cluster: str, endpoints: tuple[str, ...], name: str, c
         data.update(yaml_extra)
         path.write_text(yaml.safe_dump(data))
     cfg = config(path)
-    return CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                      metrics=AgentMetrics(CollectorRegistry())).start()
+    return CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
 
 
 def post(a: CacheAgent, body: bytes | None, method: str = "POST",

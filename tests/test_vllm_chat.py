@@ -18,7 +18,6 @@ reference cache (``lmcache_p2p.testing.references``).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
@@ -29,16 +28,10 @@ from vllm_helpers import prompts, wait_announced, write_agent_config  # noqa: E4
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
-from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(900)]  # three engines start on a loaded host
 DTYPE = "float32"
 ANSWER = 300  # tokens generated per turn
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 def history_with_kv(prompt: list[int], answer: list[int]) -> list[int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -29,15 +28,9 @@ from vllm_helpers import node_records, prompts, write_agent_config  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.stopped_owner import StoppedOwner  # noqa: E402
-from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"  # see test_vllm_mesh: greedy comparisons in fp32
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 RUNS = 10

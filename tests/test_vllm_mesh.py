@@ -32,18 +32,12 @@ from lmcache_p2p.index.etcd_server import EtcdServer  # noqa: E402
 from lmcache_p2p.index.reader import IndexReader  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
-from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 # fp32: a random-weight model has near-ties in its logits; in bf16 the prefill and decode attention
 # kernels can round them apart. The KV bytes the mesh moves are exact either way.
 DTYPE = "float32"
 CORRUPT_PEER = Path(__file__).with_name("corrupt_peer_proc.py")
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, cluster_name, tmp_path):

@@ -36,7 +36,6 @@ from vllm_helpers import SECRET, node_records, prompts, write_agent_config  # no
 
 from lmcache_p2p.index.etcd_server import free_port  # noqa: E402
 from lmcache_p2p.router.proof import router_key  # noqa: E402
-from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 from lmcache_p2p.testing.vllm_server import VllmServer  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -45,11 +44,6 @@ ENGINE_HEADER = "X-LMCache-P2P-Engine"
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 REQUEST_BOUND_S = 60.0  # first-byte timeout 20 s + health checks + the answer itself, on a loaded 2-core box
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 class Fleet:

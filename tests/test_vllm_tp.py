@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -23,15 +22,9 @@ from vllm_helpers import node_records, prompts, registered, registered_chunks, s
 
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
-from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(600)]  # four engine starts on a loaded host
 DTYPE = "float32"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("model") / "tiny-llama")
 
 
 def pulls(record) -> dict[str, float]:

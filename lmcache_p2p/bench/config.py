@@ -29,7 +29,6 @@ from ..config import AgentConfig, EtcdConfig, TierConfig
 from ..coordinator.store import ConfigStore
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdServer
-from ..keys import Fingerprint
 from ..usage import HelpFormatter
 from .common import emit, progress, ratio
 
@@ -38,8 +37,7 @@ def _agent(endpoints: tuple[str, ...], i: int) -> CacheAgent:
     config = AgentConfig(node_id=f"bench-config-{i}", cluster="bench-config",
                          etcd=EtcdConfig(endpoints=endpoints, start_wait_s=10.0),
                          tiers=TierConfig(cpu_capacity=4 << 20), set_by_node=("tiers.cpu_capacity",))
-    return CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                      secret=os.urandom(32), role="cache").start()
+    return CacheAgent.of(config, secret=os.urandom(32), role="cache").start()
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:

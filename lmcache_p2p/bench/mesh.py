@@ -149,8 +149,7 @@ def _prompt(tokens: int, rounds: int, transport: str, work: Path, etcd: EtcdServ
         assert owner.stdout is not None
         info = json.loads(owner.stdout.readline())
         cfg = load_config(_config(work / "req.yaml", "requester", etcd.endpoints, transport, "512MiB"), env={})
-        agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                           metrics=AgentMetrics(CollectorRegistry())).start()
+        agent = CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
         try:
             return _measure(agent, synthetic_tokens(1, tokens), rounds, info["stored"], transport)
         finally:

@@ -44,7 +44,7 @@ from ..agent import CacheAgent
 from ..config import load_config
 from ..ids import OBJECTS, TIER_OBJECT
 from ..index.etcd_server import EtcdServer
-from ..keys import ChunkKey, Fingerprint
+from ..keys import ChunkKey
 from ..metrics import AgentMetrics
 from ..objects.format import max_object_size
 from ..objects.seaweed import SeaweedServer
@@ -74,8 +74,7 @@ def _agent_yaml(path: Path, node: str, endpoints: tuple[str, ...], url: str, buc
 def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str, bucket: str) -> dict[str, Any]:
     cfg = load_config(_agent_yaml(work / "store.yaml", "bench-store", etcd.endpoints, url, bucket, cpu="4GiB",
                                   inflight=args.inflight, prefix=f"bench-{os.getpid()}-{int(time.time())}"), env={})
-    agent = CacheAgent(cfg, Fingerprint.of(cfg.layout), cfg.layout.chunk_bytes(cfg.chunk_size),
-                       metrics=AgentMetrics(CollectorRegistry())).start()
+    agent = CacheAgent.of(cfg, metrics=AgentMetrics(CollectorRegistry())).start()
     try:
         assert agent.objects is not None
         tier = agent.objects

@@ -17,7 +17,6 @@ from ..agent import CacheAgent
 from ..config import cluster_secret, load_config, require_secret
 from ..coordinator.apply import read_at_start
 from ..errors import LMCacheP2PError
-from ..keys import Fingerprint
 from ..usage import HelpFormatter
 from .common import stop_on_signals
 
@@ -41,8 +40,7 @@ def main(argv: list[str]) -> int:
         print(f"lmcache-p2p agent: invalid configuration: {exc}", file=sys.stderr)
         return 2
     stop = stop_on_signals()
-    agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                       secret=cluster_secret(config), role="cache")
+    agent = CacheAgent.of(config, secret=cluster_secret(config), role="cache")
     try:
         agent.start()
     except LMCacheP2PError as exc:

@@ -20,7 +20,6 @@ import threading
 from ..agent import CacheAgent
 from ..config import cluster_secret, load_config
 from ..coordinator.apply import read_at_start
-from ..keys import Fingerprint
 from .synthetic import preload
 
 
@@ -38,8 +37,7 @@ def main(argv: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    agent = CacheAgent(config, Fingerprint.of(config.layout), config.layout.chunk_bytes(config.chunk_size),
-                       secret=cluster_secret(config), role="cache").start()
+    agent = CacheAgent.of(config, secret=cluster_secret(config), role="cache").start()
     try:
         stored = sum(preload(agent, seed, args.preload_tokens) for seed in args.preload_seed)
         gc.freeze()
