@@ -84,24 +84,6 @@ RESET_CHECK_WAIT_S = 2.0  # a request held at most this long after a cache reset
 BLEND_REFUSED = "blend"  # in a request's ``refused``: its blend was refused by this engine (counted once)
 
 
-@dataclasses.dataclass(slots=True)
-class _Active:
-    """A request being computed: its prompt is saved once complete, then every chunk its generated
-    tokens fill (so the next turn of a conversation, on any node, finds its history)."""
-
-    request: Any  # vLLM's Request: all_token_ids grows as tokens are generated
-    prompt: list[int]
-    keys: list[ChunkKey]
-    block_ids: list[int]
-    root: FingerprintDigest
-    mm_items: tuple[MultiModalItem, ...] = ()
-    prompt_saved: bool = False
-    full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
-    last_generated: ChunkKey | None = None  # the key of the last full chunk saved past the prompt's full ones
-    segments: list[SegmentChunks] | None = None  # declared segments, saved with the prompt
-    blended: bool = False  # its KV is blended (close to a prefill's, not equal): nothing of it is saved
-
-
 _UNREAD: Any = object()  # a field of _Request not read from the request yet
 
 
@@ -122,7 +104,18 @@ class _Request:
     blend: BlendPlan | None = None  # its hit offered as a blend, until its blocks are allocated
     blended: bool = False  # its KV is blended, until it finishes: never saved
     salted_from: int | None = None  # its vLLM block hashes from this block on were made its own
-    active: _Active | None = None  # being computed: what is saved of it
+    keys: list[ChunkKey] | None = None  # its prompt's chunk keys, keyed once
+    # From its allocation until it finishes (computing): what is saved of it. Its prompt is saved once
+    # complete, then every chunk its generated tokens fill (so the next turn of a conversation, on any
+    # node, finds its history).
+    computing: bool = False
+    request: Any = None  # vLLM's Request: all_token_ids grows as tokens are generated
+    prompt: list[int] = dataclasses.field(default_factory=list)
+    block_ids: list[int] = dataclasses.field(default_factory=list)
+    save_segments: list[SegmentChunks] | None = None  # declared segments, saved with the prompt
+    prompt_saved: bool = False
+    full_chunks_saved: int = 0  # leading full chunks of prompt + output already saved
+    last_generated: ChunkKey | None = None  # the key of the last full chunk saved past the prompt's full ones
     sources: dict[str, int] = dataclasses.field(default_factory=dict)  # the hit's tokens by where they are held
     sighted: bool = False  # its prompt's keys were counted (tiers.save_after_sightings): once, even if preempted
     missed: bool = False  # the tokens the cache could not give it were counted (miss_tokens_total): once
@@ -263,6 +256,13 @@ class P2PScheduler:
     def _keys(self, tokens: list[int], root: FingerprintDigest, mm_items: tuple[MultiModalItem, ...]) -> list[ChunkKey]:
         return chunk_keys(root, tokens, self._chunk, mm_items=mm_items)
 
+    def _prompt_keys(self, record: _Request, prompt: list[int],
+                     identity: tuple[FingerprintDigest, tuple[MultiModalItem, ...]]) -> list[ChunkKey]:
+        """The prompt's chunk keys: keyed at its first lookup, reused at every later one and at its allocation."""
+        if record.keys is None:
+            record.keys = self._keys(prompt, *identity)
+        return record.keys
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = list(request.prompt_token_ids or [])
         record = self._record(request)
@@ -281,7 +281,7 @@ class P2PScheduler:
         identity = self._identity(request, record)
         if identity is None:
             return 0, False
-        keys = self._keys(prompt, *identity)
+        keys = self._prompt_keys(record, prompt, identity)
         params = self._params(request, record)
         wanted = params.index_revision
         mirror = self._index.mirror
@@ -518,13 +518,15 @@ class P2PScheduler:
         local_hit, record.local_hit = record.local_hit, 0
         if identity is None or not prompt:
             return  # nothing loaded (no hit was offered), nothing saved
-        keys = self._keys(prompt, *identity)
-        state = _Active(request, prompt, keys, [], *identity)
+        keys = self._prompt_keys(record, prompt, identity)
+        # Called again once a pulled load is in place (with no external tokens), or when a preempted request is
+        # scheduled again: what is saved of it starts over (a blended request stays so).
+        record.request, record.prompt, record.block_ids = request, prompt, []
+        record.prompt_saved, record.full_chunks_saved, record.last_generated = False, 0, None
         blend, record.blend = record.blend, None
-        # Called again once a pulled load is in place (with no external tokens): a blended request stays so.
-        state.blended = record.blended
-        if blend is None and not state.blended and self._blend_refusal is None:
-            state.segments = self._declared(request, record, prompt, identity)  # saved once computed
+        record.save_segments = None
+        if blend is None and not record.blended and self._blend_refusal is None:
+            record.save_segments = self._declared(request, record, prompt, identity)  # saved once computed
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
@@ -545,13 +547,13 @@ class P2PScheduler:
                     index_revision=revision, deadline=deadline, selection=blend.selection,
                     question=prompt[blend.end:] if blend.selection == "question" else []))
                 self._admission.remember_saved(ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys)
-                state.blended = record.blended = True
+                record.blended = True
             else:
                 load = self._exact_load(request.request_id, record, prompt, keys, block_ids, start, end)
                 load.sync, load.index_revision, load.deadline = sync, revision, deadline
                 self._loads.append(load)
             record.loaded = True
-        record.active = state
+        record.computing = True
 
     def _exact_load(self, req_id: str, record: _Request, prompt: list[int], keys: list[ChunkKey], block_ids: list[int],
                     start: int, end: int) -> ChunkTransfer:
@@ -582,75 +584,76 @@ class P2PScheduler:
         meta.blends, self._blend_loads = self._blend_loads, []
         meta.saves, self._finished = self._finished, []  # finished requests' tails: vLLM holds their blocks
         for new in out.scheduled_new_reqs:
-            state = self._active(new.req_id)
-            if state is not None:
-                state.block_ids = list(new.block_ids[0])
+            record = self._computing(new.req_id)
+            if record is not None:
+                record.block_ids = list(new.block_ids[0])
         cached = out.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self._active(req_id)
+            record = self._computing(req_id)
             new_ids = cached.new_block_ids[i]
-            if state is not None and new_ids is not None:
+            if record is not None and new_ids is not None:
                 if req_id in getattr(cached, "resumed_req_ids", ()):
-                    state.block_ids = list(new_ids[0])
+                    record.block_ids = list(new_ids[0])
                 else:
-                    state.block_ids.extend(new_ids[0])
+                    record.block_ids.extend(new_ids[0])
         computed = _computed_after_step(out)
         for req_id, record in self._requests.items():
-            state = record.active
-            if state is None:
+            if not record.computing or record.keys is None:
                 continue
             done = computed.get(req_id)
-            if done is not None and done > len(state.prompt):
+            if done is not None and done > len(record.prompt):
                 # decoding: its prompt was computed in an earlier step (its load, if any, went through, or vLLM
                 # has recomputed what failed); were vLLM to preempt it now, its hit may be offered again when
                 # it is rescheduled (its KV freed, its chunks in the mesh)
                 record.loaded = False
-            if done is None or done < len(state.prompt) or state.blended:
+            if done is None or done < len(record.prompt) or record.blended:
                 continue
-            if not state.prompt_saved:
+            if not record.prompt_saved:
                 admission = self._admission
-                seen = admission.seen(state.keys) if record.sighted else admission.sighted(state.keys)
+                seen = admission.seen(record.keys) if record.sighted else admission.sighted(record.keys)
                 record.sighted = True
-                save = admission.admitted(self._transfer(req_id, state.prompt, state.keys, state.block_ids, 0,
-                                                         len(state.prompt)), seen)
+                save = admission.admitted(self._transfer(req_id, record.prompt, record.keys, record.block_ids, 0,
+                                                         len(record.prompt)), seen)
                 save.canary = record.canary
                 if save.keys:
                     meta.saves.append(save)
-                if state.segments:  # only the first: computed right after the base (the others are
+                if record.save_segments:  # only the first: computed right after the base (the others are
                     # computed after documents this client chose; a blend computes them fresh)
-                    meta.segment_saves.append(SegmentSave(req_id, state.segments[:1], list(state.block_ids)))
-                    self._admission.remember_saved(ChunkKey(k) for k in state.segments[0].keys)
-                state.prompt_saved, state.full_chunks_saved = True, len(state.prompt) // self._chunk
+                    meta.segment_saves.append(SegmentSave(req_id, record.save_segments[:1], list(record.block_ids)))
+                    self._admission.remember_saved(ChunkKey(k) for k in record.save_segments[0].keys)
+                record.prompt_saved, record.full_chunks_saved = True, len(record.prompt) // self._chunk
             # With asynchronous scheduling the newest sampled token may still be a placeholder: save
             # only chunks whose every token is known (a later step saves the rest).
-            full = min(done, len(state.request.all_token_ids)) // self._chunk
-            if full > state.full_chunks_saved:
-                generated = self._generated(state, full)
+            full = min(done, len(record.request.all_token_ids)) // self._chunk
+            if full > record.full_chunks_saved:
+                generated = self._generated(record, record.keys, full)
                 if generated.keys:
                     meta.saves.append(generated)
         return meta
 
-    def _active(self, req_id: str) -> _Active | None:
+    def _computing(self, req_id: str) -> _Request | None:
         record = self._requests.get(req_id)
-        return record.active if record is not None else None
+        return record if record is not None and record.computing else None
 
-    def _generated(self, state: _Active, full: int) -> ChunkTransfer:
-        """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's keys."""
-        first, chunk = state.full_chunks_saved, self._chunk
+    def _generated(self, record: _Request, keys: list[ChunkKey], full: int) -> ChunkTransfer:
+        """The full chunks ``[full_chunks_saved, full)`` of prompt + output, chained on the prompt's ``keys``."""
+        first, chunk = record.full_chunks_saved, self._chunk
+        assert record.identity is not None  # computing: keyed
+        root, mm_items = record.identity
         # chained from the chunk before: hashing only the new chunks (not the whole history at each one)
-        in_prompt = len(state.prompt) // chunk  # the prompt's full chunks, whose keys are state.keys
-        parent = (state.root if first == 0 else state.keys[first - 1] if first <= in_prompt
-                  else state.last_generated)
+        in_prompt = len(record.prompt) // chunk  # the prompt's full chunks, whose keys are ``keys``
+        parent = (root if first == 0 else keys[first - 1] if first <= in_prompt else record.last_generated)
+        tokens = record.request.all_token_ids
         if parent is None:  # not known here (never so far): the whole history keyed once more
-            new = self._keys(list(state.request.all_token_ids[: full * chunk]), state.root, state.mm_items)[first:]
+            new = self._keys(list(tokens[: full * chunk]), root, mm_items)[first:]
         else:
-            new = chunk_keys_from(bytes(parent), list(state.request.all_token_ids[first * chunk: full * chunk]),
-                                  chunk, first * chunk, state.mm_items)
+            new = chunk_keys_from(bytes(parent), list(tokens[first * chunk: full * chunk]), chunk, first * chunk,
+                                  mm_items)
         per = chunk // self._block
-        state.full_chunks_saved, state.last_generated = full, new[-1]
-        return self._admission.admitted(ChunkTransfer(state.request.request_id, [bytes(k) for k in new],
+        record.full_chunks_saved, record.last_generated = full, new[-1]
+        return self._admission.admitted(ChunkTransfer(record.request.request_id, [bytes(k) for k in new],
                                                       [chunk] * (full - first),
-                                                      [state.block_ids[i * per:(i + 1) * per]
+                                                      [record.block_ids[i * per:(i + 1) * per]
                                                        for i in range(first, full)],
                                                       generated=True), self._admission.seen(new))
 
@@ -659,10 +662,9 @@ class P2PScheduler:
         what vLLM holds for it) until the worker reports the request as sent (``get_finished``)."""
         record = self._requests.pop(request.request_id, None)  # a load already decided still runs: vLLM
         # holds the request's blocks until the worker reports it finished
-        state = record.active if record is not None else None
         self._freshness.forget(request.request_id)
         try:
-            tail = self._finished_tail(state, block_ids) if state is not None else None
+            tail = self._finished_tail(record, block_ids) if record is not None and record.computing else None
         except Exception:  # never into vLLM's scheduler: the tail is simply not saved
             log.exception("request %s: its tail could not be planned; not saved", request.request_id)
             tail = None
@@ -670,18 +672,19 @@ class P2PScheduler:
             self._finished.append(tail)
         return tail is not None
 
-    def _finished_tail(self, state: _Active, block_ids: list[int] | None) -> ChunkTransfer | None:
+    def _finished_tail(self, record: _Request, block_ids: list[int] | None) -> ChunkTransfer | None:
         """The chunks a finished request computed that no save covered: from its last saved full chunk
         to where its KV ends (the last token generated never had its KV computed), the last cut short."""
-        request = state.request
+        request = record.request
         tokens = list(request.all_token_ids)
         done = min(int(request.num_computed_tokens), len(tokens) - 1)
-        covered = max(len(state.prompt), state.full_chunks_saved * self._chunk)
-        if not state.prompt_saved or state.blended or done <= covered:
+        covered = max(len(record.prompt), record.full_chunks_saved * self._chunk)
+        if not record.prompt_saved or record.blended or done <= covered:
             return None
-        keys = self._keys(tokens[:done], state.root, state.mm_items)
-        blocks = list(block_ids) if block_ids else state.block_ids
-        save = chunk_transfer(request.request_id, done, keys, blocks, state.full_chunks_saved * self._chunk, done,
+        assert record.identity is not None  # computing: keyed
+        keys = self._keys(tokens[:done], *record.identity)
+        blocks = list(block_ids) if block_ids else record.block_ids
+        save = chunk_transfer(request.request_id, done, keys, blocks, record.full_chunks_saved * self._chunk, done,
                               self._chunk, self._block)
         if any(len(b) != -(-n // self._block) for b, n in zip(save.block_ids, save.num_tokens, strict=True)):
             log.warning("request %s: %d blocks known, fewer than its %d computed tokens; its tail is not saved",
