@@ -44,7 +44,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry
 
 from . import __version__, cputime
-from .aio import LoopThread
+from .aio import LoopThread, every
 from .chunk import ChunkHeader, make_header
 from .config import AdvertisedHosts, AgentConfig, advertised_hosts, cluster_secret, is_wildcard
 from .coordinator import apply as cluster_config_apply
@@ -658,12 +658,10 @@ class CacheAgent:
     async def _prune_peers_forever(self) -> None:
         """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)
         is kept only for the nodes in the index: checked every lease TTL, so churn never grows it."""
-        while True:
-            await asyncio.sleep(max(1.0, float(self.config.etcd.lease_ttl_s)))
-            try:
-                self._prune_peers()
-            except Exception:  # supervised: a failed pass is logged and the next one runs
-                log.exception("pruning per-peer state failed")
+        async def prune() -> None:
+            self._prune_peers()
+
+        await every(lambda: max(1.0, float(self.config.etcd.lease_ttl_s)), prune, "pruning per-peer state")
 
     def _prune_peers(self) -> None:
         index, stack, puller = self.index, self._stack, self.puller

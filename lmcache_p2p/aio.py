@@ -13,11 +13,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from . import cputime
-from .errors import PeerTimeout
+from .errors import LMCacheP2PError, PeerTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -26,6 +26,27 @@ T = TypeVar("T")
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (``time.monotonic()``, the clock of every deadline here), never negative."""
     return max(0.0, deadline - time.monotonic())
+
+
+async def every(interval_s: Callable[[], float | None], step: Callable[[], Awaitable[object]], what: str, *,
+                wake: asyncio.Event | None = None) -> None:
+    """Run ``step`` every ``interval_s()`` seconds (read before each wait: a live setting may change it;
+    None ends the loop), or as soon as ``wake`` is set, until cancelled. The supervision every periodic
+    task of an agent shares: a step that fails is logged (an expected failure, ``LMCacheP2PError`` or
+    ``OSError``, as a warning; anything else with its traceback) and the next one runs; none ends the loop."""
+    while (interval := interval_s()) is not None:
+        if wake is None:
+            await asyncio.sleep(interval)
+        else:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), interval)
+            wake.clear()
+        try:
+            await step()
+        except (LMCacheP2PError, OSError) as exc:
+            log.warning("%s failed: %s", what, exc)
+        except Exception:  # supervised: logged, and the next step runs
+            log.exception("%s failed", what)
 
 
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+from .aio import every
 from .backoff import TokenBucket
 from .config import AgentConfig, HandoffConfig
 from .ids import NodeId
@@ -157,13 +158,13 @@ class Handoff:
 
     # -- sender -------------------------------------------------------------------------------------------
     async def run_forever(self) -> None:
-        while True:
-            await asyncio.sleep(STEP_S)
+        async def counted() -> None:
             try:
                 await self.step()
-            except Exception:  # supervised: a failed step is logged, the next one runs
-                log.exception("hand-off step failed")
-            self.steps += 1
+            finally:
+                self.steps += 1
+
+        await every(lambda: STEP_S, counted, "hand-off step")
 
     async def step(self) -> None:
         now = time.monotonic()

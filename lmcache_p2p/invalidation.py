@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from .aio import LoopThread
+from .aio import LoopThread, every
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
@@ -363,12 +363,8 @@ class MeshInvalidation:
 
     # -- per-chunk TTL -----------------------------------------------------------------------------
     async def _sweep_forever(self) -> None:
-        while self._ttl_s is not None:
-            await asyncio.sleep(min(self._ttl_s / 4, MAX_SWEEP_INTERVAL_S))
-            try:
-                await asyncio.to_thread(self.sweep)
-            except (LMCacheP2PError, OSError) as exc:
-                log.warning("chunk TTL sweep failed: %s", exc)
+        await every(lambda: None if self._ttl_s is None else min(self._ttl_s / 4, MAX_SWEEP_INTERVAL_S),
+                    lambda: asyncio.to_thread(self.sweep), "chunk TTL sweep")
 
     def sweep(self) -> int:
         """Remove chunks older than ``tiers.chunk_ttl_s``; returns how many (blocking)."""

@@ -49,6 +49,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from ..aio import every
 from ..backoff import Backoff, TokenBucket
 from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
@@ -448,17 +449,7 @@ class ObjectTier:
             self._cleanup_soon.set()
 
     async def _cleanup_forever(self) -> None:
-        assert self._cleanup_soon is not None
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cleanup_soon.wait(), self.config.cleanup_interval_s)
-            self._cleanup_soon.clear()
-            try:
-                await self.cleanup()
-            except LMCacheP2PError as exc:
-                log.warning("object cleanup failed: %s", exc)
-            except Exception:  # supervised: logged, and the next pass runs
-                log.exception("object cleanup failed")
+        await every(lambda: self.config.cleanup_interval_s, self.cleanup, "object cleanup", wake=self._cleanup_soon)
 
     async def cleanup(self) -> int:
         """Delete the objects (of every fingerprint: a model nobody serves any more too) that an invalidation
