@@ -99,6 +99,7 @@ def main() -> None:
     from lmcache_p2p.config import AgentConfig, EtcdConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
+    from lmcache_p2p.testing.vllm_requests import fake_blocks, fake_request
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     block = 16
@@ -115,14 +116,12 @@ def main() -> None:
         whether its finished tail is saved (``generated`` tokens after the prompt, the last never computed);
         ``preempted``: times it is preempted after its prompt was computed, and computed again."""
         req_id = f"r{next(counter)}"
-        request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, kv_transfer_params=None,
-                                        lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
-                                        block_hashes=[], all_token_ids=list(prompt), num_computed_tokens=0)
+        request = fake_request(req_id, prompt)
         sched.get_num_new_matched_tokens(request, 0)  # a hit (of chunks saved before) is not taken: computed
         blocks = list(range(-(-(len(prompt) + generated) // block)))
         saves: list[int] = []
         for _ in range(1 + preempted):
-            sched.update_state_after_alloc(request, types.SimpleNamespace(get_block_ids=lambda: (blocks,)), 0)
+            sched.update_state_after_alloc(request, fake_blocks(blocks), 0)
             meta = sched.build_connector_meta(types.SimpleNamespace(
                 total_num_scheduled_tokens=len(prompt),
                 scheduled_new_reqs=[types.SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=0)],

@@ -41,6 +41,7 @@ def main() -> None:
     from lmcache_p2p.config import AgentConfig, EtcdConfig, TransferConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
+    from lmcache_p2p.testing.vllm_requests import fake_request
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     secret = "test-hit-sources-secret-" + "0123456789abcdef" * 2
@@ -61,9 +62,7 @@ def main() -> None:
         payloads = [memoryview(os.urandom(chunk_bytes)) for _ in range(4)]
         assert own.store_chunks(keys[:2], [256, 256], payloads[:2]).result(10) == 2
         assert peer.store_chunks(keys[2:4], [256, 256], payloads[2:]).result(10) == 2
-        request = types.SimpleNamespace(request_id="r", prompt_token_ids=prompt, kv_transfer_params=None,
-                                        lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
-                                        block_hashes=[])
+        request = fake_request("r", prompt)
         deadline = time.monotonic() + 30
         hit: tuple[int | None, bool] = (0, False)
         while time.monotonic() < deadline:  # until the scheduler's mirror has seen both agents publish

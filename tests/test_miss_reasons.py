@@ -117,10 +117,10 @@ def test_the_scheduler_side_counts_each_requests_miss_once_by_reason(etcd: Any, 
 def main() -> None:
     import dataclasses
     import time
-    import types
 
     from lmcache_p2p.config import EtcdConfig, TransferConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
+    from lmcache_p2p.testing.vllm_requests import fake_request
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     secret = "test-miss-reasons-secret-" + "0123456789abcdef" * 2
@@ -140,9 +140,7 @@ def main() -> None:
     out: dict[str, Any] = {}
 
     def ask(req_id: str) -> dict[str, int]:
-        request = types.SimpleNamespace(request_id=req_id, prompt_token_ids=[(7 * i) % 4000 + 3 for i in range(1025)],
-                                        kv_transfer_params=None, lora_request=None, mm_features=None,
-                                        cache_salt=None, prompt_embeds=None, block_hashes=[])
+        request = fake_request(req_id, [(7 * i) % 4000 + 3 for i in range(1025)])
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
         missed, sched._missed = sched._missed, {}  # what build_connector_meta hands the worker
         return missed

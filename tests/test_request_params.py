@@ -55,6 +55,7 @@ def main() -> None:
     from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig, TierConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
+    from lmcache_p2p.testing.vllm_requests import fake_request
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
@@ -64,9 +65,7 @@ def main() -> None:
     sched = P2PScheduler(config, fp, 16, blend_refusal=None)
 
     def request(req_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
-        return types.SimpleNamespace(request_id=req_id, prompt_token_ids=tokens, kv_transfer_params=params,
-                                     lora_request=None, mm_features=None, cache_salt=None, prompt_embeds=None,
-                                     block_hashes=[])
+        return fake_request(req_id, tokens, params)
 
     try:
         mirror = sched._index.mirror
