@@ -269,8 +269,8 @@ def test_pieces_that_land_after_their_load_gave_up_are_assembled_or_dropped(mesh
     assert wait_until(lambda: arrived_late() == 2 and len(mesh.pool) == 0, 5.0)
     time.sleep(0.1)
     assert len(mesh.pool) == 0 and mesh.announced == []
-    for owner, heads in (("f-r0", (0, 2)), ("f-r1", (2, HEADS))):  # every piece late: assembled once all are in
-        mesh.net.owner(mesh.owner(owner, KEYS[2:], heads=heads)).late_s = 0.1
+    for owner, heads, late_s in (("f-r0", (0, 2), 0.1), ("f-r1", (2, HEADS), 0.4)):  # every piece late, one
+        mesh.net.owner(mesh.owner(owner, KEYS[2:], heads=heads)).late_s = late_s  # later still: assembled once in
     chunks = mesh.plan(KEYS[2:])
     assert all({p.source for p in c.pieces} == {"f-r0", "f-r1"} for c in chunks), chunks
     mesh.puller.pull(chunks, time.monotonic() + 0.1)

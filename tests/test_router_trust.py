@@ -87,7 +87,8 @@ class Recorder:
         return [p for m, p, _, _ in self.seen if method is None or m == method]
 
     def headers_on(self, path: str) -> list[dict[str, str]]:
-        return [h for _, p, h, _ in self.seen if p == path]
+        """The headers of the calls made on ``path`` for clients' requests (not the router's own health checks)."""
+        return [h for _, p, h, _ in self.seen if p == path and "X-LMCache-P2P-Router" not in h]
 
     async def _any(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()

@@ -27,6 +27,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -42,6 +44,8 @@ POOLS = ("mixed", "prefill", "decode")
 DEFAULT_PREFILL_S_PER_TOKEN = 2e-4  # until the router has seen a first token (CPU engines run ~0.1-1 ms)
 KV_FULL = 0.95  # KV usage above which an engine's next request is likely to wait for or cause a preemption
 MAX_METRICS_BYTES = 4 << 20
+MODELS_EVERY_S = 60.0  # an engine's /v1/models is asked again this long after it did not say its max_model_len
+OWN_CALL = {"X-LMCache-P2P-Router": "health"}  # on the calls the router makes of its own (for no client's request)
 FORWARD_AUTHORIZATION = ("all-trusted", "static", "none")
 
 
@@ -60,6 +64,7 @@ class Engine:
     waiting: float = 0.0
     kv_usage: float = 0.0
     max_model_len: int | None = None  # from its /v1/models (None: not known yet, or it does not say)
+    models_asked_at: float = -math.inf  # when its /v1/models was last asked (time.monotonic())
     prefilling: dict[int, float] = dataclasses.field(default_factory=dict)  # request -> expected prefill s
     inflight: int = 0  # requests sent and not finished
     down: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)  # set while taken out
@@ -251,12 +256,12 @@ class Fleet:
 
     async def _check(self, engine: Engine) -> None:
         try:
-            async with self.session.get(engine.url + "/health", timeout=self._timeout()) as resp:
+            async with self.session.get(engine.url + "/health", timeout=self._timeout(), headers=OWN_CALL) as resp:
                 ok = resp.status == 200
                 await resp.read()
             if ok:
                 await self._read_load(engine)
-                if engine.max_model_len is None:
+                if engine.max_model_len is None and time.monotonic() - engine.models_asked_at >= MODELS_EVERY_S:
                     await self._read_max_model_len(engine)
         except (TimeoutError, aiohttp.ClientError, ValueError):
             ok = False
@@ -277,7 +282,7 @@ class Fleet:
     async def _read_load(self, engine: Engine) -> None:
         """vLLM's running/waiting gauges and KV usage; a scrape that fails leaves the last values."""
         try:
-            async with self.session.get(engine.url + "/metrics", timeout=self._timeout()) as resp:
+            async with self.session.get(engine.url + "/metrics", timeout=self._timeout(), headers=OWN_CALL) as resp:
                 if resp.status != 200:
                     return
                 body = bytearray()
@@ -303,9 +308,11 @@ class Fleet:
 
     async def _read_max_model_len(self, engine: Engine) -> None:
         """The longest context its models take (vLLM's ``/v1/models``: ``max_model_len`` of each model, its
-        adapters included); left unknown where the page is refused (an engine with an API key) or says nothing."""
+        adapters included); left unknown where the page is refused (an engine with an API key) or says nothing,
+        and asked again ``MODELS_EVERY_S`` later. Marked as the router's own call (``OWN_CALL``): no client's."""
+        engine.models_asked_at = time.monotonic()
         try:
-            async with self.session.get(engine.url + "/v1/models", timeout=self._timeout()) as resp:
+            async with self.session.get(engine.url + "/v1/models", timeout=self._timeout(), headers=OWN_CALL) as resp:
                 data = await resp.json() if resp.status == 200 else None
         except (TimeoutError, aiohttp.ClientError, ValueError):
             return

@@ -113,6 +113,9 @@ class Puller:
         # Being pulled now (on the loop): that pull's deadline, and whether the part landed.
         self._landing: dict[ChunkKey, tuple[float, asyncio.Future[bool]]] = {}
         self._piece_users: dict[ChunkKey, int] = {}  # piece key -> loads that will assemble from it
+        # (chunk key, nonce) -> pulls of its pieces still arriving past their deadline (on the loop): settled
+        # (assembled or dropped) once the last of them ended
+        self._late_pulls: dict[tuple[ChunkKey, bytes], int] = {}
         self._pieces_lock = threading.Lock()
 
     # -- which peers -------------------------------------------------------------------------------
@@ -273,6 +276,10 @@ class Puller:
             return [p for p in parts if p.chunk.key not in result.loaded]
         early = set(result.loaded)
         late = result.late
+        for part in parts:
+            if part.chunk.pieces:
+                ident = (part.chunk.key, part.chunk.nonce)
+                self._late_pulls[ident] = self._late_pulls.get(ident, 0) + 1
         late.add_done_callback(lambda done: self._arrived_late(transport.name, node, parts, early, done, t0))
         loaded = set(early)
         if MissReason.UNANSWERED in result.missed.values():
@@ -307,6 +314,16 @@ class Puller:
                       late: asyncio.Future[PullResult], t0: float) -> None:
         """The rest of a pull past its deadline: what arrived is in the pool (for its load, if it waited, or
         later requests; announced), and the whole pull's time teaches the peer's estimate how slow it was."""
+        settle = []  # chunks of pieces whose last late pull this was: off the loop (assembling pins and copies)
+        for part in parts:
+            ident = (part.chunk.key, part.chunk.nonce)
+            if part.chunk.pieces and ident in self._late_pulls:
+                self._late_pulls[ident] -= 1
+                if not self._late_pulls[ident]:
+                    del self._late_pulls[ident]
+                    settle.append(part.chunk)
+        if settle:
+            asyncio.get_running_loop().run_in_executor(None, self._settle_late_pieces, settle)
         if late.cancelled() or late.exception() is not None:
             return
         result = late.result()
@@ -323,14 +340,12 @@ class Puller:
             self._peer_error(node)
             log.warning("pull from %s: no answer in %.1f ms; the peer is backed off", node, 1e3 * seconds)
         self._announce(parts, result, skip=early)
-        pieced = {p.chunk.key: p.chunk for p in parts if p.chunk.pieces and p.chunk.key in arrived}
-        if pieced:  # off the loop: assembling pins and copies
-            asyncio.get_running_loop().run_in_executor(None, self._settle_late_pieces, list(pieced.values()))
 
     def _settle_late_pieces(self, chunks: list[PlannedChunk]) -> None:
-        """Pieces that landed after their load gave up: announced or dropped, never left in the pool unknown.
-        A chunk whose pieces are all there is assembled (and announced); the rest go, unless another load is
-        assembling them. A canary's copy (a chunk with a nonce) is only dropped: it is what the check doubts."""
+        """Pieces that landed after their load gave up (``chunks``: those whose pulls past the deadline have all
+        ended): announced or dropped, never left in the pool unknown. A chunk whose pieces are all there is
+        assembled (and announced); the rest go, unless another load is assembling them. A canary's copy (a
+        chunk with a nonce) is only dropped: it is what the check doubts."""
         for chunk in chunks:
             keys = [chunk.piece_key(p.heads) for p in chunk.pieces]
             with self._pieces_lock:
