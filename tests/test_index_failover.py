@@ -35,8 +35,10 @@ def test_sigkilled_agent_vanishes_within_ttl(etcd: EtcdServer, open_index: Index
         assert watcher.longest_prefix(fp, keys_for("victim", n)) == n
         proc.kill()
         t0 = time.monotonic()
-        assert m.wait_for(lambda m: len(m) == 0 and "victim" not in m.nodes(), ttl + 2.0)
-        assert time.monotonic() - t0 <= ttl + 2.0
+        # etcd revokes expired leases in its own passes (500 ms apart) and then deletes the 300 keys; beside a CPU
+        # hog and the suite's other lane that took over 2 s more once: 4 s of slack
+        assert m.wait_for(lambda m: len(m) == 0 and "victim" not in m.nodes(), ttl + 4.0)
+        assert time.monotonic() - t0 <= ttl + 4.0
     finally:
         proc.kill()
         proc.wait(10)

@@ -384,13 +384,13 @@ def test_concurrent_loads_of_the_same_chunks_pull_each_once(mesh: Mesh) -> None:
 
 def test_a_load_waiting_on_another_loads_pull_keeps_its_own_deadline(mesh: Mesh) -> None:
     owner = mesh.owner("a", KEYS)
-    mesh.net.owner(owner).delay_s = 0.5
+    mesh.net.owner(owner).delay_s = 1.5
     slow = threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), time.monotonic() + 3.0))
     slow.start()
-    time.sleep(0.05)
+    assert wait_until(lambda: len(mesh.puller._landing) == len(KEYS), 5.0)  # the first load's pull is under way
     t0 = time.monotonic()
     mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 0.1)  # gives up on the shared pull at its deadline
-    assert time.monotonic() - t0 < 0.4
+    assert time.monotonic() - t0 < 1.0  # the shared pull takes 1.5 s
     slow.join()
     assert all(mesh.held(k) == payload(k) for k in KEYS)  # the first load's pull landed them all
     assert mesh.net.owner(owner).served == 4
@@ -427,11 +427,11 @@ def test_two_loads_sharing_pieces_both_get_the_chunk_and_leave_no_pieces(mesh: M
     first to assemble must not drop pieces the second still needs; the last one drops them."""
     r0 = mesh.owner("r0", KEYS, heads=(0, 1))
     mesh.owner("r1", KEYS, heads=(1, HEADS))
-    mesh.net.owner(r0).delay_s = 0.2
-    deadline = time.monotonic() + 3.0
+    mesh.net.owner(r0).delay_s = 1.0
+    deadline = time.monotonic() + 5.0
     first = threading.Thread(target=mesh.puller.pull, args=(mesh.plan(KEYS), deadline))
     first.start()
-    time.sleep(0.05)
+    assert wait_until(lambda: len(mesh.puller._landing) >= len(KEYS), 5.0)  # r0's pieces' pulls under way
     mesh.puller.pull(mesh.plan(KEYS), deadline)
     first.join()
     for key in KEYS:
