@@ -32,7 +32,7 @@ import numpy as np
 from .aio import remaining
 from .chunk import verify
 from .config import TierConfig, TransferConfig
-from .errors import ChunkError
+from .errors import ChunkError, TierError
 from .estimates import PeerEstimates, PrefillRate
 from .ids import OBJECTS, NodeId
 from .index.protocol import BlockIndex
@@ -305,6 +305,15 @@ class Loader:
         if self.puller is not None:
             self.puller.pull(chunks, deadline, patience)
 
+    def _promoted(self, key: ChunkKey) -> bool:
+        """A disk chunk brought into the CPU pool now; False when it can't be (no slot free of pins and
+        reservations, a disk fault): a miss for this load, never its exception."""
+        try:
+            return self.tiers.ensure_in_cpu(key)
+        except (TierError, OSError) as exc:
+            log.info("chunk %s not brought in from disk for this load: %s", key.hex()[:16], exc)
+            return False
+
     def pin_chunk(self, chunk: PlannedChunk, *, remote: bool) -> Pin | None:
         """A pin on ``chunk``'s CPU slot, verified and admitted; None if it can't be had. With
         ``remote=False`` nothing is read from disk (a disk chunk is promoted in the background)."""
@@ -312,7 +321,7 @@ class Loader:
         pin = tiers.cpu.pin(chunk.key, self.pin_timeout_s)
         if pin is None and not remote:
             tiers.promote_later(chunk.key)  # no disk I/O on the caller's (the engine's) thread
-        elif pin is None and tiers.ensure_in_cpu(chunk.key):
+        elif pin is None and self._promoted(chunk.key):
             pin = tiers.cpu.pin(chunk.key, self.pin_timeout_s)
         if pin is not None and pin.header.heads != self.heads:  # another rank layout's, left on disk
             tiers.cpu.unpin(pin)

@@ -100,9 +100,34 @@ def test_without_remote_nothing_is_pulled_or_read_from_disk(tmp_path) -> None:
     assert on_disk
     plan = HitPlan(len(on_disk) * 256, tuple(on_disk))
     assert loader.load_pinned(plan, time.monotonic() + 5.0, remote=False) == [None] * len(on_disk)
+    # the promotions that asked for, and the write-backs, done in the background first: beside a CPU hog
+    # they still held both slots when the next load wanted one (a miss now, never an exception: load.py)
+    assert tiers.worker is None or tiers.worker.drain(10)
     pins = loader.load_pinned(plan, time.monotonic() + 5.0)  # the engine may wait: read from disk
     assert all(p is not None for p in pins)
     for p in pins:
         if p is not None:
             tiers.cpu.unpin(p)
     tiers.close()
+
+
+def test_a_disk_chunk_with_no_cpu_slot_to_come_into_is_a_miss_not_an_exception(tmp_path) -> None:
+    """Both CPU slots pinned (other loads' chunks, peers reading them): a chunk on disk can't be brought in
+    for this load. The engine's load gets None for it and goes on (it used to raise CapacityError)."""
+    tiers = TieredStore.from_config(TierConfig(cpu_capacity=2 * SLOT, disk_path=str(tmp_path)), SLOT)
+    loader = _loader(tiers)
+    chunks = [_chunk(i) for i in range(4)]
+    for c in chunks:
+        tiers.put(c.key, FP, memoryview(os.urandom(SLOT)), 256, heads=HEADS)
+    assert tiers.worker is None or tiers.worker.drain(10)
+    held = [tiers.cpu.pin(c.key, 1.0) for c in chunks if tiers.cpu.contains(c.key)]
+    on_disk = [c for c in chunks if not tiers.cpu.contains(c.key)]
+    try:
+        assert len(held) == 2 and all(p is not None for p in held) and on_disk
+        assert loader.load_pinned(HitPlan(len(on_disk) * 256, tuple(on_disk)), time.monotonic() + 5.0) == \
+            [None] * len(on_disk)
+    finally:
+        for p in held:
+            if p is not None:
+                tiers.cpu.unpin(p)
+        tiers.close()
