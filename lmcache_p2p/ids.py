@@ -64,8 +64,9 @@ def origin_of(node_id: str) -> NodeDigest:
 # and nodes pull only from owners that speak the same (peers.compatible).
 # 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
 # 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node);
-# 5: chunk format 4 (the computing node in the header)
-WIRE_VERSION = 5
+# 5: chunk format 4 (the computing node in the header);
+# 6: the payload MAC is GMAC (was keyed BLAKE3), the ids of gets and pins must grow
+WIRE_VERSION = 6
 
 
 class TierCode(enum.IntEnum):

@@ -49,6 +49,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# A load waits on an owner that acknowledges nothing (stopped, unreachable) for at most a 40th of what
+# recomputing its chunks costs, never less than the owner's own round trips allow (at least 10 ms: see
+# ``transfer.client.silence_allowed``): a hung owner costs the engine about a miss (the rest is vLLM's
+# round for the failed load, a step or two). An owner that is merely busy acknowledges sooner (10-17 ms
+# beside a CPU hog, where recomputes take longer too); one that does not costs one recompute, and what it
+# sends later still lands in the pool.
+SILENCE_SHARE = 40.0
+
 
 def keys_of(fp: FingerprintDigest, token_ids: Sequence[int] | np.ndarray,
             chunk_size: int) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
@@ -266,7 +274,10 @@ class Loader:
                 # long as the engine could not have computed the tokens sooner (nor past the load's deadline).
                 patience = load_deadline if budget.recompute_s is None else min(load_deadline,
                                                                                 started + budget.recompute_s)
-                self.pull(pulls, deadline, patience if patience > deadline else None)
+                # An owner that acknowledges nothing is given up on once that costs more than a small
+                # share of recomputing (a hung owner costs the engine about a miss, never its allowance).
+                silence_s = None if budget.recompute_s is None else budget.recompute_s / SILENCE_SHARE
+                self.pull(pulls, deadline, patience if patience > deadline else None, silence_s)
                 if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
                     self.metrics.estimate_ratio.labels("pull").observe(
                         (time.monotonic() - started) / budget.expected_s)
@@ -298,12 +309,14 @@ class Loader:
         """This node holds the chunk, in some tier, with the heads its engine needs."""
         return self.tiers.holds(key, self.heads)
 
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None,
+             silence_s: float | None = None) -> None:
         """Pull ``chunks`` into the CPU pool by ``deadline`` (a peer's answer still arriving then, until
-        ``patience``: see :meth:`Puller.pull`): from peers and the object store alike (the store is one more
-        owner behind its own transport), each missed chunk retried on its alternatives while time is left."""
+        ``patience``; an owner silent for ``silence_s`` given up on: see :meth:`Puller.pull`): from peers
+        and the object store alike (the store is one more owner behind its own transport), each missed
+        chunk retried on its alternatives while time is left."""
         if self.puller is not None:
-            self.puller.pull(chunks, deadline, patience)
+            self.puller.pull(chunks, deadline, patience, silence_s)
 
     def _promoted(self, key: ChunkKey) -> bool:
         """A disk chunk brought into the CPU pool now; False when it can't be (no slot free of pins and

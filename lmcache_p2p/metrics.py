@@ -131,6 +131,12 @@ class AgentMetrics:
                                       namespace=ns, registry=registry)
         self.pull_seconds = Histogram("pull_seconds", "Latency of one pull request to one peer", ["transport"],
                                       namespace=ns, registry=registry, buckets=_LATENCY_BUCKETS)
+        self.silent_owner_seconds = Histogram(
+            "silent_owner_seconds", "How long a pull waited on an owner that acknowledged nothing, or went "
+            "silent mid-answer (stopped, unreachable), before its chunks were recomputed: what a hung owner cost "
+            "the engine over a miss (pull_chunks_total{outcome=\"unanswered\"} and {outcome=\"stalled\"} count "
+            "its chunks)", ["transport"], namespace=ns,
+            registry=registry, buckets=_LATENCY_BUCKETS)
         self.load_queue_seconds = Histogram("load_queue_seconds", "Time an asynchronous load waited for a load "
                                             "thread (transfer.load_threads) before it started", namespace=ns,
                                             registry=registry, buckets=_LATENCY_BUCKETS)
@@ -141,7 +147,8 @@ class AgentMetrics:
         self.estimate_ratio = Histogram(
             "estimate_ratio", "What happened over what the planner expected: a load's pulls (pull: their time over "
             "the budget's expected time) and this engine's prefill steps (recompute: the step's time over what the "
-            "prefill rate the planner decides by predicted). Near 1: the planner's choices are right on average",
+            "step-cost fit the planner decides by predicted: a fixed cost plus a cost per token). Near 1: the "
+            "planner's choices are right on average",
             ["estimate"], namespace=ns, registry=registry, buckets=_RATIO_BUCKETS)
         self.served_chunks = Counter("served_chunks", "Chunks served to peers", namespace=ns, registry=registry)
         self.checksum_failures = Counter("checksum_failures", "Chunks dropped because their checksum did not match",

@@ -49,8 +49,9 @@ def main() -> None:
     import types
 
     from lmcache_p2p.config import AgentConfig, BlendConfig, EtcdConfig
+    from lmcache_p2p.integrations.vllm.blend_planning import BlendPlanning
     from lmcache_p2p.integrations.vllm.metadata import WorkerCapability
-    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler, _Request
+    from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
@@ -60,13 +61,13 @@ def main() -> None:
     fp = Fingerprint.of(config.layout)
     sched = P2PScheduler(config, fp, 16, blend_refusal=None)
     try:
-        out["before"] = sched._blend_refusal
+        out["before"] = sched._blending.refusal
         sched.workers_told({0: None, 1: None})
-        out["all_can"] = sched._blend_refusal
+        out["all_can"] = sched._blending.refusal
         sched.workers_told({0: None, 1: "rotary class YaRNScalingRotaryEmbedding"})
-        out["one_cannot"] = sched._blend_refusal
+        out["one_cannot"] = sched._blending.refusal
         sched.workers_told({})
-        out["none_told"] = sched._blend_refusal
+        out["none_told"] = sched._blending.refusal
         sched.workers_told({0: "vLLM's no-such-isa attention keeps K/V in an order this version can't place"})
         request = types.SimpleNamespace(
             request_id="r", prompt_token_ids=[(7 * i) % 4000 + 3 for i in range(1100)], lora_request=None,
@@ -76,23 +77,22 @@ def main() -> None:
         for _ in range(2):
             for _ in range(3):  # vLLM asks each step until it schedules the request
                 sched.get_num_new_matched_tokens(request, 0)
-            counted.append(sched._blend_refused)
-            sched._blend_refused = 0  # what build_connector_meta ships to the worker each step
+            counted.append(sched._blending.take_refused())  # what build_connector_meta ships to the worker
         out["refused_counted"] = counted
     finally:
         sched.shutdown()
     off = P2PScheduler(dataclasses.replace(config, blend=BlendConfig(enabled=False)), fp, 16, blend_refusal=None)
     try:
         off.workers_told({0: None})
-        out["config_first"] = off._blend_refusal
+        out["config_first"] = off._blending.refusal
     finally:
         off.shutdown()
     hashes = [bytes([i]) * 16 for i in range(8)]  # 8 blocks of 16 tokens
     blended = types.SimpleNamespace(request_id="b", block_hashes=hashes)
-    record, salted = _Request(), []
+    salted_from, salted = None, []
     for exact_end in (64, 32, 64):  # offered, offered again with a shorter exact prefix, and again
         before = list(hashes)
-        P2PScheduler._salt(types.SimpleNamespace(_block=16), blended, record, exact_end)  # type: ignore[arg-type]
+        salted_from = BlendPlanning.salt(types.SimpleNamespace(_block=16), blended, salted_from, exact_end)
         salted.append([i for i, (a, b) in enumerate(zip(before, hashes, strict=True)) if a != b])
     out["salted"] = salted
     out["pickled"] = dataclasses.asdict(pickle.loads(pickle.dumps(WorkerCapability(blend_refusal="x"))))

@@ -359,6 +359,7 @@ def test_nothing_is_asked_once_the_deadline_has_passed(mesh: Mesh) -> None:
     mesh.owner("a", KEYS)
     mesh.puller.pull(mesh.plan(KEYS), time.monotonic() - 0.001)
     assert mesh.transport.pulls == [] and not any(mesh.pool.contains(k) for k in KEYS)
+    assert mesh.value("pull_chunks_total", transport="none", outcome="expired") == len(KEYS)  # counted, not lost
     mesh.puller.pull(mesh.plan(KEYS), time.monotonic() + 2.0)
     assert all(mesh.pool.contains(k) for k in KEYS)  # the owner was not backed off
 

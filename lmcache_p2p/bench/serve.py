@@ -25,7 +25,12 @@ and pool pollution, and their ratios to the ungated mesh.
 each run's prompts, then engine 1 serves the same prompts; the row is engine 1's, with what it got
 from the cache layer (``connector_tokens``) against what engine 0 left there (each prefix's first
 computation: ``peer_held_tokens``), its greedy outputs against engine 0's, and (mesh) its agent's
-fetch decisions and load failures by reason: why a pull was not made or did not land.
+fetch decisions and load failures by reason: why a pull was not made or did not land, and how right the
+planner's two estimates were (``estimate_ratio``): ``pull_actual_over_expected_mean`` and
+``recompute_actual_over_expected_mean`` (what a load's pulls and each prefill step took over what was
+expected of them), each with the share that took 0.8x-1.25x of it (``..._within_1.25x_share``) and how
+many were measured (``..._measured``); ``first_engine_recompute``: the same for engine 0's prefill steps
+(it computed every prefix).
 """
 
 from __future__ import annotations
@@ -103,8 +108,8 @@ class Fleet:
                 elif fam.name == "lmcache_p2p_estimate_ratio":  # what happened over what the planner expected
                     for s in fam.samples:
                         part = {"_sum": "sum", "_count": "count"}.get(s.name.removeprefix(fam.name))
-                        if s.name.endswith("_bucket") and s.labels.get("le") == "1.25":
-                            part = "within_1.25"
+                        if s.name.endswith("_bucket") and s.labels.get("le") in ("0.8", "1.25"):
+                            part = f"le_{s.labels['le']}"
                         if part:
                             key = f"estimate_ratio_{part}:{s.labels['estimate']}"
                             out[key] = out.get(key, 0.0) + s.value
@@ -231,8 +236,10 @@ def join_run(fleet: Fleet, workload: Workload, rate: float, run: int, args: argp
     what engine 0 left there: each prefix's first computation (``peer_held_tokens``); the same
     engine's repeats are its own prefix cache's, whatever the system. Returns the row and both
     engines' outputs."""
+    first_before = fleet.counters([0])
     first = run_client(fleet, workload, rate, run, args, model, work, urls=fleet.urls[:1],
                        label=f"{fleet.system}-{run}-first")
+    first_after = fleet.counters([0])
     before = fleet.counters([1])
     joined = run_client(fleet, workload, rate, run, args, model, work, urls=fleet.urls[1:2],
                         label=f"{fleet.system}-{run}-join")
@@ -240,18 +247,35 @@ def join_run(fleet: Fleet, workload: Workload, rate: float, run: int, args: argp
     row = row_of(rate, joined, before, after, args.slo_ttft_ms)
     held = workload.num_prefixes * workload.prefix_len if workload.kind == "prefix" else 0
     connector = after.get("tokens_external_kv_transfer", 0.0) - before.get("tokens_external_kv_transfer", 0.0)
-    agent = {k: after[k] - before.get(k, 0.0) for k in sorted(after)
-             if not k.startswith(("tokens_", "cache_cpu_s")) and after[k] != before.get(k, 0.0)}
-    for estimate in ("pull", "recompute"):  # the planner's estimates against what happened, on engine 1
-        count = agent.pop(f"estimate_ratio_count:{estimate}", 0.0)
-        total, within = agent.pop(f"estimate_ratio_sum:{estimate}", 0.0), agent.pop(
-            f"estimate_ratio_within_1.25:{estimate}", 0.0)
-        if count:
-            agent[f"{estimate}_actual_over_expected_mean"] = round(total / count, 3)
-            agent[f"{estimate}_within_1.25x_share"] = round(within / count, 3)
+    agent = _estimates(_agent_delta(before, after))
+    first_agent = _estimates(_agent_delta(first_before, first_after))  # engine 0 computed every prefix
     row.update(ttft_mean_first_ms=round(first["mean_ttft_ms"], 1), connector_tokens=int(connector),
-               peer_held_tokens=held, join_share=round(connector / held, 4) if held else None, agent=agent)
+               peer_held_tokens=held, join_share=round(connector / held, 4) if held else None, agent=agent,
+               first_engine_recompute={k.removeprefix("recompute_"): v for k, v in first_agent.items()
+                                       if k.startswith("recompute_")})
     return row, list(first["generated_texts"]), list(joined["generated_texts"])
+
+
+def _agent_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The agent's counters that changed between two readings (``Fleet.counters``), by how much."""
+    return {k: after[k] - before.get(k, 0.0) for k in sorted(after)
+            if not k.startswith(("tokens_", "cache_cpu_s")) and after[k] != before.get(k, 0.0)}
+
+
+def _estimates(agent: dict[str, float]) -> dict[str, Any]:
+    """``agent`` with the planner's two estimates against what happened (``estimate_ratio``) summed up: per
+    estimate, the mean of actual over expected, the share that took 0.8x-1.25x of it, how many were measured."""
+    out: dict[str, Any] = dict(agent)
+    for estimate in ("pull", "recompute"):
+        count = out.pop(f"estimate_ratio_count:{estimate}", 0.0)
+        total = out.pop(f"estimate_ratio_sum:{estimate}", 0.0)
+        within = out.pop(f"estimate_ratio_le_1.25:{estimate}", 0.0) - out.pop(
+            f"estimate_ratio_le_0.8:{estimate}", 0.0)
+        if count:  # the mean, and the share of steps (loads) that took 0.8x-1.25x of what was expected
+            out[f"{estimate}_measured"] = int(count)
+            out[f"{estimate}_actual_over_expected_mean"] = round(total / count, 3)
+            out[f"{estimate}_within_1.25x_share"] = round(within / count, 3)
+    return out
 
 
 def goodput(rows: list[dict[str, Any]]) -> float | None:

@@ -4,7 +4,7 @@ Two processes on loopback: an owner (``peer_process``, a filled CpuPool behind a
 server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 
 - ``tcp``: :class:`TcpTransport` pulls (handshake done, protocol, verify, commit)
-- ``tcp_mac``: the same with ``transfer.payload_mac`` (a keyed BLAKE3 per chunk, computed by the
+- ``tcp_mac``: the same with ``transfer.payload_mac`` (a GMAC per chunk, computed by the
   owner and checked by the requester): ``tcp_mac_vs_tcp`` is its cost
 - ``tcp_tls``: the same over mutual TLS 1.3 (``transfer.tls_*``, a second owner process holding the
   same chunks, certificates from a throw-away CA): ``tcp_tls_vs_tcp`` is its cost

@@ -21,12 +21,17 @@ two of the stream's tokens is what the document cost every other request):
     decode_gap_ms_hung_owner the stream's longest gap while the hung owner's document was served
 
 With ``--stopped-runs N``, then N runs of a stopped owner in a row (``testing/stopped_owner.py``: each
-run resumes A, lets B pull from it, stops A, and serves A's document and a miss beside the same stream,
-both watched past the abandoned pull's liveness deadline, ``transfer.timeout_s``):
+run resumes A, lets B pull from it, stops A, and serves a miss, A's document and another miss beside the
+same stream, the document's watched past the abandoned pull's liveness deadline, ``transfer.timeout_s``):
 
-    stopped_runs             per run: ttft_ms, miss_ttft_ms, ttft_vs_miss, gap_ms, miss_gap_ms,
-                             gap_vs_miss, unanswered / timeout (chunks given up on for A's silence,
-                             after asking / in a new connection's handshake), late
+    stopped_runs             per run: ttft_ms, miss_ttft_ms (the mean of the misses before and after),
+                             ttft_vs_miss, gap_ms, miss_gap_ms, gap_vs_miss, unanswered / timeout
+                             (chunks given up on for A's silence, after asking / in a new connection's
+                             handshake), late, silence_ms (how long B waited on A's silence),
+                             healthy_pulls (B's pulls from A before the stop until one was all
+                             loaded: a give-up on A, just resumed, leaves B's silence allowed doubled)
+                             stalled: chunks given up on once A's answer began (``--stop-at mid-answer``:
+                             A stops itself after its first chunk frame, ``failpoints.MID_ANSWER``)
     stopped_ttft_vs_miss_max the worst run's document TTFT over its miss's (goal <= 1.1)
     stopped_gap_vs_miss_max  the worst run's decode gap over its miss's (goal <= 1.2)
 
@@ -46,6 +51,7 @@ from typing import Any
 
 import yaml
 
+from .. import failpoints
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.stopped_owner import StoppedOwner, metrics_url
@@ -55,6 +61,7 @@ from ..usage import HelpFormatter
 from .common import emit, progress, run_in_workdir
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
+SPARE_DOCS = 3  # documents of A's for --stopped-runs' healthy pulls again (StoppedOwner.pull_healthy)
 # tiny: 4 layers, hidden 256 (prefill ~0.2 s here); mid: 8 layers, hidden 1024, 105 M parameters.
 MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},
@@ -107,14 +114,17 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
             cold.stop()
             progress("vllm", "miss: engine A with the connector, nothing cached")
-            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
+            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype,
+                              env={failpoints.ENV: str(work / "failpoints")} if args.stop_at == "mid-answer" else None)
             engines.append(a)
             a.wait_ready()
             a.ttft([warm[1]])
             miss = a.ttft(prompts)
             out["ttft_miss_ms"] = median_ms(miss)
             a.ttft(hung_docs)  # A holds these too
-            stopped_docs = bench_prompts(2 * args.stopped_runs, args.tokens, seed=6000)
+            # two a run (a healthy pull, the stopped owner's), then spares for healthy pulls again
+            stopped_docs = bench_prompts(2 * args.stopped_runs + SPARE_DOCS if args.stopped_runs else 0, args.tokens,
+                                         seed=6000)
             if stopped_docs:
                 a.ttft(stopped_docs)
             progress("vllm", "peer hit: engine B pulls what A computed")
@@ -131,7 +141,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out.update(_stalls(a, b, fresh[0], hung_docs, stream))
             if args.stopped_runs:
                 progress("vllm", f"{args.stopped_runs} runs of a stopped owner beside a decode stream")
-                out.update(_stopped_runs(a, b, cfg_b, stopped_docs, args, stream))
+                out.update(_stopped_runs(a, b, cfg_b, stopped_docs, args, stream, work / "failpoints"))
         finally:
             for engine in engines:
                 with contextlib.suppress(ProcessLookupError):
@@ -176,22 +186,28 @@ def _stalls(a: EngineProcess, b: EngineProcess, fresh: list[int], hung_docs: lis
 
 
 def _stopped_runs(a: EngineProcess, b: EngineProcess, cfg_b: Path, docs: list[list[int]],
-                  args: argparse.Namespace, stream: list[int]) -> dict[str, Any]:
+                  args: argparse.Namespace, stream: list[int], failpoints_dir: Path) -> dict[str, Any]:
     """``--stopped-runs`` in a row, each against a miss served beside the same stream."""
     from ..config import load_config
 
-    owner = StoppedOwner(a, b, metrics_url(cfg_b, "bench-b"), a_node="bench-a")
+    url = metrics_url(cfg_b, "bench-b")
+    spares = docs[2 * args.stopped_runs:]
+    owner = (StoppedOwner.mid_answer(a, b, url, failpoints_dir, a_node="bench-a", spares=spares)
+             if args.stop_at == "mid-answer" else StoppedOwner(a, b, url, a_node="bench-a", spares=spares))
     watch_s = load_config(cfg_b).transfer.timeout_s + 1.0
-    misses = bench_prompts(args.stopped_runs, args.tokens, seed=6500)
+    misses = bench_prompts(2 * args.stopped_runs, args.tokens, seed=6500)  # one before, one after each
     runs = []
     for i in range(args.stopped_runs):
-        run_i = owner.run(docs[2 * i], docs[2 * i + 1], misses[i], stream, watch_s)
+        run_i = owner.run(docs[2 * i], docs[2 * i + 1], misses[2 * i + 1], stream, watch_s,
+                          miss_before=misses[2 * i])
         progress("vllm", run_i.line(i))
         stopped, miss = run_i.stopped, run_i.miss
-        runs.append({"ttft_ms": round(1e3 * stopped["ttft_s"], 1), "miss_ttft_ms": round(1e3 * miss["ttft_s"], 1),
+        runs.append({"ttft_ms": round(1e3 * stopped["ttft_s"], 1), "miss_ttft_ms": round(1e3 * run_i.miss_ttft_s, 1),
                      "ttft_vs_miss": round(run_i.ttft_ratio, 3), "gap_ms": round(1e3 * stopped["max_gap_s"], 1),
                      "miss_gap_ms": round(1e3 * miss["max_gap_s"], 1), "gap_vs_miss": round(run_i.gap_ratio, 3),
-                     "unanswered": run_i.unanswered, "timeout": run_i.timeout, "late": run_i.late})
+                     "unanswered": run_i.unanswered, "stalled": run_i.stalled, "timeout": run_i.timeout,
+                     "late": run_i.late, "healthy_pulls": run_i.healthy_pulls,
+                     "silence_ms": None if run_i.silence_s is None else round(1e3 * run_i.silence_s, 1)})
     return {"stopped_runs": runs, "stopped_ttft_vs_miss_max": max(r["ttft_vs_miss"] for r in runs),
             "stopped_gap_vs_miss_max": max(r["gap_vs_miss"] for r in runs)}
 
@@ -221,6 +237,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
     parser.add_argument("--stopped-runs", type=int, default=0,
                         help="then this many runs of a stopped owner in a row, each against a miss beside it")
+    parser.add_argument("--stop-at", default="ask", choices=["ask", "mid-answer"],
+                        help="when the owner of --stopped-runs stops: before B asks it (SIGSTOP), or once its "
+                             "answer began (it stops itself after its first chunk frame)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-")

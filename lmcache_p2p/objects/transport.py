@@ -71,7 +71,8 @@ class ObjectTransport:
         self.address = tier.address
 
     async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
-                   dst: CpuPool, deadline: float) -> PullResult:
+                   dst: CpuPool, deadline: float, silence_s: float | None = None) -> PullResult:
+        """``silence_s`` is not used: the store sends no acks (its requests' own timeouts bound them)."""
         wants = wants_of(keys)
         return await guarded_pull(self.tier.health, peer, wants,
                                   lambda result: self._pull(fingerprint, wants, dst, result, deadline))

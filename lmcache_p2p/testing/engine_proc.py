@@ -255,7 +255,8 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
                 ) -> dict[str, Any]:
     """Serve ``doc`` (one token) while a decode stream runs on the same engine.
 
-    Returns the document's TTFT, its token and cached-token count, and the longest gap between two
+    Returns the document's TTFT, its token and cached-token count, the duration of each engine step
+    until it was answered (``steps_s``), and the longest gap between two
     tokens of the stream from just before the document arrived to just after it was answered, or to
     ``watch_s`` after it arrived when that is later (what work the document left behind, an abandoned
     pull among it, cost the stream after its answer): what the document cost every other request.
@@ -267,12 +268,15 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
     engine.add_request("stream", TokensPrompt(prompt_token_ids=stream),
                        SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True))
     times: list[float] = []
+    steps: list[float] = []  # each step's duration while the document was in flight
     doc_out: Any = None
 
     def pump() -> float:
         nonlocal doc_out
+        began = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
+        steps.append(now - began)
         for o in outs:
             if o.request_id == "stream":
                 times.extend([now] * (len(o.outputs[0].token_ids) - len(times)))
@@ -283,11 +287,13 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
     while len(times) < 3:
         pump()
     t_doc = time.perf_counter()
+    del steps[:]
     engine.add_request("doc", TokensPrompt(prompt_token_ids=doc),
                        SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     t_done = t_doc
     while doc_out is None:
         t_done = pump()
+    doc_steps = list(steps)
     while (times[-1] <= t_done or times[-1] < t_doc + watch_s) and len(times) < stream_tokens:
         pump()
     engine.abort_request(["stream"])
@@ -301,7 +307,7 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
     gaps = [b - a for a, b in zip(window, window[1:], strict=False)]
     return {"ttft_s": t_done - t_doc, "tokens": list(doc_out.outputs[0].token_ids),
             "num_cached_tokens": int(doc_out.num_cached_tokens or 0), "max_gap_s": max(gaps, default=0.0),
-            "stream_tokens_during": sum(1 for t in times if t_doc <= t <= t_done)}
+            "stream_tokens_during": sum(1 for t in times if t_doc <= t <= t_done), "steps_s": doc_steps}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -70,11 +70,13 @@ class LoopbackTransport:
         self.health = health
         self.name = name
         self.pulls: list[tuple[PeerAddress, int]] = []  # (peer, chunks asked) per pull, in order
+        self.silences: list[float | None] = []  # the silence each pull allowed its owner (``silence_s``)
         self._connected: set[tuple[str, int]] = set()
 
     async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
-                   dst: CpuPool, deadline: float) -> PullResult:
+                   dst: CpuPool, deadline: float, silence_s: float | None = None) -> PullResult:
         wants = wants_of(keys)
+        self.silences.append(silence_s)
         self.pulls.append((peer, len(wants)))
         owner = self.net.owners.get((peer.host, peer.port))
         if owner is not None and owner.late_s > 0 and owner.fault is None:

@@ -44,10 +44,20 @@ class MissReason(enum.StrEnum):
     # the owner sent nothing (no ack of the get, no byte) for about a round trip: not serving now (stopped,
     # its host dropping packets); the engine recomputes at once, whatever arrives later the pool keeps
     UNANSWERED = "unanswered"
+    # the owner's answer stopped mid-way (acknowledged, some bytes, then none for as long as a silent owner
+    # is allowed: stopped or cut off while sending); recomputed at once like UNANSWERED, the rest kept if it comes
+    STALLED = "stalled"
     ABORTED = "aborted"  # cut short with its shared connection: no byte came on it for the liveness period
     PEER_ERROR = "peer_error"  # connection refused/lost, handshake or protocol failure
     BACKOFF = "backoff"  # the peer erred recently; not asked
     CAPACITY = "capacity"  # no free slot in the destination pool
+    # the load's deadline had passed when its pull was to start (the agent's loop, starved, reached it late):
+    # nothing asked, the engine computes it (counted with transport "none": no transport was chosen)
+    EXPIRED = "expired"
+
+
+# An owner not serving now (stopped, cut off): its load recomputes at once, not at its deadline.
+SILENT = frozenset({MissReason.UNANSWERED, MissReason.STALLED})
 
 
 @dataclasses.dataclass(slots=True)
@@ -90,10 +100,13 @@ class Transport(Protocol):
         keys: Sequence[ChunkKey | Want],
         dst: CpuPool,
         deadline: float,
+        silence_s: float | None = None,
     ) -> PullResult:
         """Pull ``keys`` into ``dst``; ``deadline`` is absolute (``time.monotonic()``): what has not
         landed by then is missed, ``TIMEOUT`` (the peer is backed off) or, where the transport lets a
-        slow answer finish, ``LATE`` (see ``PullResult.late``)."""
+        slow answer finish, ``LATE`` (see ``PullResult.late``). ``silence_s``: an owner that acknowledges
+        requests and stays silent longer than this (never less than its round trips allow) is taken for
+        not serving, ``UNANSWERED`` (see ``client.silence_allowed``; None: a third of the allowance)."""
 
     def forget_except(self, live: Collection[PeerAddress]) -> None:
         """Drop every per-peer state (connections, remote registrations) of peers not in ``live``."""

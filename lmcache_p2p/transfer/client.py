@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import ssl
 import time
 from collections.abc import Callable, Collection, Coroutine, Sequence
@@ -22,7 +23,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
 from .base import MissReason, PullResult, Want, wants_of
-from .connection import Connection, _Request
+from .connection import ACK_FLOOR_S, Connection, _Request
 from .health import PeerHealth
 from .netio import connect_tcp, set_keepalive
 from .tls import names_node, peer_binding, peer_nodes
@@ -33,6 +34,9 @@ log = logging.getLogger(__name__)
 # for its ack timeout is not serving; one that is merely busy acknowledges sooner than its pull was
 # expected to take (a canary's or a hand-off's seconds-long allowance waits that much longer).
 SILENT_SHARE = 3.0
+# An answer under way (its owner alive a moment ago, perhaps reading a chunk from its disk between frames)
+# may pause this many times that silence before its owner is taken for stopped mid-answer.
+STALL_SILENCES = 2.0
 
 
 def batch_size(max_frame_bytes: int) -> int:
@@ -109,7 +113,8 @@ class ConnectionPool:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
         set_keepalive(conn.transport_socket())
         if known is not None:
-            conn.srtt, conn.rttvar = known.srtt, known.rttvar
+            conn.srtt, conn.rttvar, conn.silence_backoff = known.srtt, known.rttvar, known.silence_backoff
+            conn.stall_backoff = known.stall_backoff
         try:
             await asyncio.wait_for(self._handshake(conn, peer, fp, timeout), timeout)
         except TimeoutError as exc:
@@ -133,7 +138,7 @@ class ConnectionPool:
         asked = time.monotonic()
         conn.send(hello)
         challenge = await _answer(conn, timeout, "hello")
-        conn.observe_rtt(time.monotonic() - asked)
+        hello_rtt = time.monotonic() - asked
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
         if challenge["t"] != "challenge":
@@ -151,7 +156,11 @@ class ConnectionPool:
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
             conn.mac_key = wire.session_key(self._secret, t)
         ready = await _answer(conn, timeout, "auth")
-        conn.observe_rtt(time.monotonic() - asked)
+        # One round-trip sample from the handshake, the faster of its two steps: each also measures both
+        # sides' proofs and key derivation, and this node's own loop when its engine holds the GIL (a
+        # first auth step took 17 ms): taken whole, the first pulls' ack timeout exceeded their allowance
+        # and a stopped owner was waited for to the deadline (two runs in ten), not given up on at silence.
+        conn.observe_rtt(min(hello_rtt, time.monotonic() - asked))
         if ready["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the connection: {ready.get('why')!r}")
         if ready["t"] != "ready":
@@ -188,14 +197,28 @@ class ConnectionPool:
         self._conns.clear()
 
 
+def silence_allowed(floor: float | None, allowance: float, silence_s: float | None) -> float | None:
+    """How long an owner that answers a request at once (a handshake step, an acknowledged get or pin)
+    may stay silent after it before it is taken for not serving: its silence timeout ``floor`` (from its
+    round trips; None: none measured, or it sends no acks: nothing is decided by silence), or longer,
+    a third of the request's ``allowance`` (the time the whole pull was expected to take: an owner busy
+    enough to be slower than that to acknowledge would not deliver in time either), or the caller's
+    ``silence_s`` where that is shorter (a load waits on a silent owner no longer than it can afford
+    beside recomputing: see ``Puller.pull``)."""
+    if floor is None:
+        return None
+    share = allowance / SILENT_SHARE
+    return max(floor, share if silence_s is None else min(share, silence_s))
+
+
 async def _answer(conn: Connection, timeout: float, asked: str) -> wire.Message:
-    """The owner's answer to a handshake step, within ``timeout``; when its round trips are known (a peer
-    reconnected to), within its silence timeout or a third of ``timeout`` if that is longer (as
-    :func:`silent_for`): a :class:`PeerTimeout` when nothing came."""
-    silence = conn.silence_timeout()
-    if silence is not None:
-        silence = max(silence, timeout / SILENT_SHARE)
-    if silence is None or silence >= timeout:
+    """The owner's answer to a handshake step, within ``timeout``, and within a third of it when that is
+    longer than its silence timeout (:func:`silence_allowed`; ``ACK_FLOOR_S`` for a peer never heard
+    from before: a stopped owner this node never connected to costs a third of the pull's allowance, not
+    all of it): a :class:`PeerTimeout` when nothing came. A load's own ``silence_s`` does not apply: a
+    first handshake of a serving owner was seen taking 17 ms (its answers carry proofs and keys)."""
+    silence = max(conn.silence_timeout() or ACK_FLOOR_S, timeout / SILENT_SHARE)
+    if silence >= timeout:
         return await conn.control(timeout)
     try:
         return await conn.control(silence)
@@ -216,7 +239,7 @@ class _Overdue(Exception):
         super().__init__(why)
         self.conn, self.futures, self.give_up = conn, futures, give_up
         self.allowance_s, self.hung_at, self.liveness_s = allowance_s, hung_at, liveness_s
-        self.reason = reason  # LATE: still arriving at the deadline; UNANSWERED: nothing heard at all
+        self.reason = reason  # LATE: still arriving at its deadline; UNANSWERED, STALLED: silent (see MissReason)
 
 
 async def guarded_pull(
@@ -300,20 +323,63 @@ def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
         overdue.give_up()
 
 
-async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float) -> float:
+async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float,
+                     silence_s: float | None = None) -> float:
     """How long the owner was silent after ``requests`` were sent (no ack, no byte on the connection) when
-    that passed both its ack timeout and a third of the pull's allowance (the time the whole pull was
-    expected to take: an owner busy enough to be slower than that to acknowledge would not deliver by the
-    deadline either); 0.0 when it was heard from (or sends no acks, or the deadline comes first)."""
-    wait = conn.ack_timeout()
-    if wait is None:
-        return 0.0
+    that passed the silence :func:`silence_allowed` (the pull's allowance runs to ``deadline``); 0.0 when
+    it was heard from (or sends no acks, or the deadline comes first)."""
     sent = min(r.sent_at for r in requests)
-    wait = max(wait, (deadline - sent) / SILENT_SHARE)
-    if wait >= remaining(deadline):
+    wait = silence_allowed(conn.ack_timeout(), deadline - sent, silence_s)
+    if wait is None or wait >= remaining(deadline):
         return 0.0
     _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()))
-    return time.monotonic() - sent if unheard and conn.last_progress < sent else 0.0
+    if unheard:
+        await reads_settled()
+    if conn.last_progress >= sent or all(r.heard.done() for r in requests):
+        return 0.0
+    return conn.silenced() - sent
+
+
+async def reads_settled() -> None:
+    """Let the loop run the reads that are ready now before a silence is decided: a timer that fired
+    while this thread waited for the GIL (the engine's forward pass holds it for milliseconds) comes
+    before the socket's readiness is polled, and the bytes already waiting there would be missed. Two
+    yields: the first polls the sockets and queues their reads after this task, the second runs after
+    them."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+async def stalled_for(conn: Connection, futures: Sequence[asyncio.Future[Any]], deadline: float,
+                      silence_s: float | None = None, *, since: float) -> float:
+    """Wait for ``futures`` (an answer the owner has begun) until ``deadline``; how long no byte came on the
+    connection when that passed ``STALL_SILENCES`` times the silence :func:`silent_for` allows, times the
+    connection's pause backoff (the owner stopped mid-answer; it was alive a moment ago, and may read a chunk
+    from its disk between frames); 0.0 when every future is done (the backoff back to 1), or the deadline
+    came with bytes still coming. Bytes of any pull on the connection count: an owner sending another answer
+    first is serving. The silence is counted from ``since`` at the earliest (when the requests were sent): a
+    connection's last byte may be older than the question (a pull whose ack wait the deadline cut short came
+    here and was taken for stalled at once, 544 ms after another pull's last byte). A requester starved
+    itself reads what waited in its socket before it looks (the loop runs ready reads before its timers'
+    callbacks)."""
+    allowed = silence_allowed(conn.ack_timeout(), remaining(deadline), silence_s)
+    wait = math.inf if allowed is None else STALL_SILENCES * allowed * conn.stall_backoff
+    while True:
+        pending = [f for f in futures if not f.done()]
+        if not pending:
+            conn.stall_backoff = 1.0
+            return 0.0
+        left = remaining(deadline)
+        if left <= 0:
+            return 0.0
+        quiet = time.monotonic() - max(conn.last_progress, since)
+        if quiet >= wait:
+            await reads_settled()
+            quiet = time.monotonic() - max(conn.last_progress, since)
+        if quiet >= wait:
+            conn.stalled()
+            return quiet
+        await asyncio.wait(pending, timeout=min(left, wait - quiet))
 
 
 class TcpTransport:
@@ -335,14 +401,14 @@ class TcpTransport:
 
     async def pull(
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        deadline: float,
+        deadline: float, silence_s: float | None = None,
     ) -> PullResult:
         wants = wants_of(keys)
-        return await guarded_pull(self.health, peer, wants,
-                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
+        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
+            peer, fingerprint, wants, dst, result, deadline, silence_s))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
-                    result: PullResult, deadline: float) -> None:
+                    result: PullResult, deadline: float, silence_s: float | None) -> None:
         started = time.monotonic()
         conn = await self._pool.get(peer, fp, remaining(deadline))
         result.setup_s = time.monotonic() - started
@@ -355,17 +421,23 @@ class TcpTransport:
                 conn.abandon(request)
 
         try:
-            silent_s = await silent_for(conn, requests, deadline)
-            pending = set(futures) if silent_s else (await asyncio.wait(futures, timeout=remaining(deadline)))[1]
+            silent_s = await silent_for(conn, requests, deadline, silence_s)
+            stalled_s = 0.0 if silent_s else await stalled_for(conn, futures, deadline, silence_s,
+                                                               since=min(r.sent_at for r in requests))
+            pending = [f for f in futures if not f.done()]
         except BaseException:  # cancelled
             give_up()
             raise
-        if silent_s:
-            # Nothing at all from an owner that acknowledges gets: it is not serving (stopped, unreachable).
-            # The load recomputes now, not at its deadline; the rest may still come until the liveness
-            # deadline (a stopped owner continued), held like any overdue answer (see guarded_pull).
-            raise _Overdue(conn, futures, give_up, silent_s, max(deadline, started + self._liveness_s),
-                           self._liveness_s, f"no ack nor byte in {1e3 * silent_s:.1f} ms", MissReason.UNANSWERED)
+        if silent_s or stalled_s:
+            # Nothing at all from an owner that acknowledges gets, or nothing more once its answer began: it
+            # is not serving (stopped, unreachable). The load recomputes now, not at its deadline; the rest
+            # may still come until the liveness deadline (a stopped owner continued), held like any overdue
+            # answer (see guarded_pull).
+            why, reason = ((f"no ack nor byte in {1e3 * silent_s:.1f} ms", MissReason.UNANSWERED) if silent_s else
+                           (f"no byte in {1e3 * stalled_s:.1f} ms mid-answer", MissReason.STALLED))
+            log.info("%s: %s (%s)", conn.peer, why, conn.rtt_text())
+            raise _Overdue(conn, futures, give_up, silent_s or stalled_s, max(deadline, started + self._liveness_s),
+                           self._liveness_s, why, reason)
         if pending:
             # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
             # (the answer then lands in the pool for later requests); see guarded_pull.

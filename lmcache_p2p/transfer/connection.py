@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # slower), a small part of any recompute worth a pull.
 ACK_FLOOR_S = 0.01
 ACK_RTTS = 2.0
+# An owner given up on for its silence that then answered was only scheduled late (a starved host): each
+# such give-up doubles the silence it is allowed, up to this many times, until an ack in time is measured
+# again (TCP's retransmission-timer backoff)
+MAX_SILENCE_BACKOFF = 16.0
 _DISCARD_BYTES = 1 << 18
 _STAGE_BYTES = 1 << 16
 _PREFIX, _BODY = range(2)
@@ -150,6 +154,16 @@ class Connection(asyncio.BufferedProtocol):
         # variation, what "no ack by now" is measured against (``ack_timeout``)
         self.srtt: float | None = None
         self.rttvar = 0.0
+        # When the owner was last given up on for its silence: an ack for a request sent before then
+        # measures how long the owner was stopped, not a round trip, and is no sample (Karn's rule: one
+        # such ack after a 5 s stop made the ack timeout seconds long, and every later pull from that
+        # owner waited out its deadline instead of its silence)
+        self.silenced_at = float("-inf")
+        self.silence_backoff = 1.0  # doubled at each give-up for silence, back to 1 at the next ack in time
+        # Doubled at each give-up on an answer that stopped mid-way, back to 1 when an answer arrives whole:
+        # an owner that paused mid-answer had acknowledged in time, so its pauses (a starved host: 40 ms
+        # beside the suite's other lane) widen the pause it is allowed, not the wait for its next ack
+        self.stall_backoff = 1.0
         self._max_frame = max_frame_bytes
         self._transport: asyncio.Transport | None = None
         self.last_progress = time.monotonic()  # when bytes last arrived (time.monotonic())
@@ -274,8 +288,9 @@ class Connection(asyncio.BufferedProtocol):
         request = self._pending.get(wire.field(msg, "id", int))
         target: memoryview | None = None
         if request is not None and not request.heard.done():
-            if kind == "ack":
+            if kind == "ack" and request.sent_at > self.silenced_at:
                 self.observe_rtt(time.monotonic() - request.sent_at)
+                self.silence_backoff = 1.0
             request.hear()
         if kind == "ack":
             pass
@@ -306,10 +321,29 @@ class Connection(asyncio.BufferedProtocol):
     def silence_timeout(self) -> float | None:
         """How long the owner may stay silent after a request it answers at once (a handshake step, an
         acknowledged get) before it is taken for not serving at all: twice its round trip plus four
-        variations, at least ``ACK_FLOOR_S`` (None: no round trip measured yet)."""
+        variations, at least ``ACK_FLOOR_S``, times the backoff of give-ups since the last ack in time (None:
+        no round trip measured yet)."""
         if self.srtt is None:
             return None
-        return max(ACK_FLOOR_S, ACK_RTTS * self.srtt + 4 * self.rttvar)
+        return max(ACK_FLOOR_S, ACK_RTTS * self.srtt + 4 * self.rttvar) * self.silence_backoff
+
+    def rtt_text(self) -> str:
+        """The estimate the silence allowed rests on, for the log: round trip, its variation, the backoff."""
+        if self.srtt is None:
+            return "no round trip measured"
+        return (f"round trip {1e3 * self.srtt:.2f} ms, variation {1e3 * self.rttvar:.2f} ms, "
+                f"backoff {self.silence_backoff:g}x, pause backoff {self.stall_backoff:g}x")
+
+    def silenced(self) -> float:
+        """The owner is given up on for its silence now: acks of requests sent before are no round-trip
+        samples, and the silence it is allowed doubles until an ack in time is measured again."""
+        self.silenced_at = time.monotonic()
+        self.silence_backoff = min(MAX_SILENCE_BACKOFF, 2 * self.silence_backoff)
+        return self.silenced_at
+
+    def stalled(self) -> None:
+        """An answer under way is given up on for a pause: the next answer may pause twice as long."""
+        self.stall_backoff = min(MAX_SILENCE_BACKOFF, 2 * self.stall_backoff)
 
     def ack_timeout(self) -> float | None:
         """:meth:`silence_timeout` after a get or pin, for an owner that acknowledges them (None: it does

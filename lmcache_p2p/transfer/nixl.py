@@ -10,10 +10,10 @@
 
 Handshake and control frames share the authenticated TCP connection of the TCP transport
 (``hello`` asks for the owner's NIXL agent metadata, loaded once per peer). With
-``transfer.payload_mac`` the owner computes each pinned chunk's session MAC (keyed BLAKE3 of the
-pin request id, index, header and the slot's bytes, as the TCP transport does) and sends it in the
+``transfer.payload_mac`` the owner computes each pinned chunk's session MAC (GMAC of the header and
+the slot's bytes, the pin request id and index its nonce, as the TCP transport does) and sends it in the
 pinned answer; the requester checks it over the bytes its READ brought in, so nothing on the
-fabric's path can change a chunk unnoticed. It costs the owner one BLAKE3 pass per chunk served.
+fabric's path can change a chunk unnoticed. It costs the owner one GMAC pass per chunk served.
 
 Verification overlaps the READ: each landed group (~16 MiB) is checked on a verifier thread while
 the next one is read; the last group, which nothing overlaps, is split across both verifier threads.
@@ -70,16 +70,16 @@ class NixlTransport:
 
     async def pull(
         self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        deadline: float,
+        deadline: float, silence_s: float | None = None,
     ) -> PullResult:
         if dst is not self.engine.pool:
             raise ValueError("NIXL pulls land only in the pool registered with the engine")
         wants = wants_of(keys)
-        return await guarded_pull(self.health, peer, wants,
-                                  lambda result: self._pull(peer, fingerprint, wants, dst, result, deadline))
+        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
+            peer, fingerprint, wants, dst, result, deadline, silence_s))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
-                    result: PullResult, deadline: float) -> None:
+                    result: PullResult, deadline: float, silence_s: float | None) -> None:
         t0 = time.perf_counter()
         conn = await self._pool.get(peer, fp, remaining(deadline))
         if conn.nixl is None:
@@ -92,7 +92,7 @@ class NixlTransport:
         requests = [conn.start_pin(batch) for batch in batches]
         finishing: list[asyncio.Task[None]] = []
         try:
-            silent_s = await silent_for(conn, requests, deadline)
+            silent_s = await silent_for(conn, requests, deadline, silence_s)
             if silent_s:  # an owner that acknowledges pins sent nothing: not serving (stopped, unreachable)
                 raise PeerTimeout(f"{conn.peer}: no ack nor byte in {1e3 * silent_s:.1f} ms")
             for request, batch in zip(requests, batches, strict=True):
@@ -245,7 +245,7 @@ class _Mac:
 
 
 def _verify_all(items: list[tuple[ChunkHeader, memoryview, _Mac | None]]) -> list[MissReason | None]:
-    """Runs on a verifier thread (xxhash and BLAKE3 release the GIL); None for a chunk that is intact."""
+    """Runs on a verifier thread (xxhash and OpenSSL's GMAC release the GIL); None for a chunk that is intact."""
     verdicts: list[MissReason | None] = []
     for header, view, mac in items:
         payload = view[: header.length]

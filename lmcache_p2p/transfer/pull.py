@@ -46,7 +46,7 @@ from ..metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from ..peers import PeerRecord, compatible
 from ..plan import Piece, PlannedChunk
 from ..tiers.cpu_pool import CpuPool, Pin
-from .base import MissReason, PullResult, Transport, Want
+from .base import SILENT, MissReason, PullResult, Transport, Want
 from .health import PeerHealth
 
 log = logging.getLogger(__name__)
@@ -142,14 +142,17 @@ class Puller:
             return {n: c for n, c in self._inflight.items() if c}
 
     # -- pulling -----------------------------------------------------------------------------------
-    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None,
+             silence_s: float | None = None) -> None:
         """Pull ``chunks`` into the pool by ``deadline`` (from any thread but the loop's); what
         misses is simply not in the pool afterwards: the caller recomputes it.
 
         ``patience`` (absolute, later than ``deadline``): an answer still arriving at ``deadline`` is
         waited for on, until ``patience``, as long as its bytes keep coming (a slow peer is not a hung
         one: one that sent nothing for the pull's own allowance, or a tenth of the patience, is given up
-        on; what it sends later still lands in the pool)."""
+        on; what it sends later still lands in the pool). ``silence_s``: how long an owner may leave a
+        request unacknowledged before it is taken for not serving and its chunks recomputed (see
+        ``Transport.pull``; None: a third of the pull's allowance)."""
         pieced = [c for c in chunks if c.pieces]
         pieces = [c.piece_key(p.heads) for c in pieced for p in c.pieces]
         with self._pieces_lock:  # another load may share them (a joined pull): dropped by the last one
@@ -158,7 +161,7 @@ class Puller:
         try:
             try:
                 until = max(deadline, patience or 0.0)
-                self.loop.run(self.pull_all(chunks, deadline, patience), remaining(until) + 1.0)
+                self.loop.run(self.pull_all(chunks, deadline, patience, silence_s), remaining(until) + 1.0)
             except LMCacheP2PError as exc:
                 log.warning("pull of %d chunks failed: %s", len(chunks), exc)
             for chunk in pieced:
@@ -166,17 +169,23 @@ class Puller:
         finally:
             self._drop_pieces(pieces)
 
-    async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None) -> None:
+    async def pull_all(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None,
+                       silence_s: float | None = None) -> None:
         """On the loop: one concurrent pull per owner, then retry rounds on the alternatives (peers, the
         object store), each part's next one per round, while the deadline allows. Nothing is asked once
-        ``deadline`` has passed (a late pull would only back a healthy peer off)."""
-        if remaining(deadline) <= 0:
+        ``deadline`` has passed (a late pull would only back a healthy peer off): its chunks are counted
+        ``expired``, and how late the loop reached it logged (a starved host)."""
+        late = time.monotonic() - deadline  # remaining() stops at 0
+        if late >= 0:
+            self.metrics.pull_chunks.labels("none", str(MissReason.EXPIRED)).inc(len(chunks))
+            log.info("pull of %d chunks not asked: the load's deadline had passed %.1f ms before this loop reached "
+                     "it; computed", len(chunks), 1e3 * late)
             return
         groups: dict[NodeId, list[Part]] = {}
         for c in chunks:
             for piece in c.parts():
                 groups.setdefault(piece.source, []).append(Part(c, piece))
-        results = await asyncio.gather(*(self._pull_parts(peer, group, deadline, patience)
+        results = await asyncio.gather(*(self._pull_parts(peer, group, deadline, patience, silence_s)
                                          for peer, group in groups.items()))
         missed = [part for result in results for part in result]
         for round_ in range(max((len(p.piece.alternatives) for p in missed), default=0)):
@@ -186,7 +195,8 @@ class Puller:
                     retry.setdefault(part.piece.alternatives[round_], []).append(part)
             if not retry or remaining(deadline) <= 0:
                 return
-            results = await asyncio.gather(*(self._pull_parts(peer, group, deadline) for peer, group in retry.items()))
+            results = await asyncio.gather(*(self._pull_parts(peer, group, deadline, silence_s=silence_s)
+                                             for peer, group in retry.items()))
             missed = [part for result in results for part in result]
 
     async def pull_from(self, node: NodeId, chunks: list[PlannedChunk], deadline: float) -> list[PlannedChunk]:
@@ -196,7 +206,7 @@ class Puller:
         return [p.chunk for p in missed]
 
     async def _pull_parts(self, node: NodeId, parts: list[Part], deadline: float,
-                          patience: float | None = None) -> list[Part]:
+                          patience: float | None = None, silence_s: float | None = None) -> list[Part]:
         """Pull ``parts`` from ``node``; returns those that missed. Never raises for the peer's failure.
 
         A part already being pulled into the pool by another load (concurrent requests sharing a prefix)
@@ -219,7 +229,7 @@ class Puller:
         missed: list[Part] = list(own)
         try:
             if own:
-                missed = await self._pull_own(node, own, deadline, patience)
+                missed = await self._pull_own(node, own, deadline, patience, silence_s)
         finally:
             lost = {p.pool_key for p in missed}
             for key, entry in mine.items():
@@ -240,11 +250,11 @@ class Puller:
                     # more ourselves while time is left (a peer it found dead is backed off: no wait).
                     (again if remaining(deadline) > 0 else missed).append(part)
             if again:
-                missed += await self._pull_own(node, again, deadline)
+                missed += await self._pull_own(node, again, deadline, silence_s=silence_s)
         return missed
 
     async def _pull_own(self, node: NodeId, parts: list[Part], deadline: float,
-                        patience: float | None = None) -> list[Part]:
+                        patience: float | None = None, silence_s: float | None = None) -> list[Part]:
         record = self.nodes().get(node)
         transport: Transport | None
         peer: PeerAddress | None
@@ -260,7 +270,7 @@ class Puller:
             self._inflight[node] = self._inflight.get(node, 0) + len(parts)
         t0, t_start = time.perf_counter(), time.monotonic()
         try:
-            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool, deadline)
+            result = await transport.pull(peer, self.fp, [p.want for p in parts], self.pool, deadline, silence_s)
         except (LMCacheP2PError, OSError, ValueError, OverflowError) as exc:
             # A transport should report failures in its result; whatever escapes is a miss, never the
             # caller's (the engine's) exception.
@@ -282,7 +292,7 @@ class Puller:
                 self._late_pulls[ident] = self._late_pulls.get(ident, 0) + 1
         late.add_done_callback(lambda done: self._arrived_late(transport.name, node, parts, early, done, t0))
         loaded = set(early)
-        if MissReason.UNANSWERED in result.missed.values():
+        if not SILENT.isdisjoint(result.missed.values()):
             return [p for p in parts if p.chunk.key not in loaded]  # the owner is not serving: recompute now
         # Bytes stalled for the pull's own allowance or a tenth of its patience (a first byte may take a
         # while; a hung peer then costs at most that much more than recomputing at once would)
@@ -492,6 +502,8 @@ class Puller:
             log.info("pull from %s: %d of %d chunks missed (%s) in %.1f ms", node, len(result.missed),
                      len(result.missed) + len(result.loaded), ", ".join(f"{n} {r}" for r, n in reasons.items()),
                      1e3 * seconds)
+        if not SILENT.isdisjoint(result.missed.values()):
+            m.silent_owner_seconds.labels(transport).observe(seconds)
         m.checksum_failures.inc(sum(1 for r in result.missed.values() if r == MissReason.CHECKSUM))
         if any(r in (MissReason.PEER_ERROR, MissReason.TIMEOUT) for r in result.missed.values()):
             self._peer_error(node)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Collection
 from typing import Any
 
+from .. import failpoints
 from ..chunk import ChunkHeader, slice_heads, verify
 from ..errors import ChunkError, HandshakeError, ProtocolError, TierError, TransferError
 from ..ids import WIRE_VERSION
@@ -71,6 +72,7 @@ class _Session:
     authenticated: bool = False
     mac_key: bytes | None = None
     acks: bool = False  # the client asked for an ack of each get (wire.py)
+    last_rid: int = 0  # gets and pins must raise it: their ids are the payload MAC's nonces (wire.chunk_mac)
     leases: dict[int, tuple[float, list[Pin]]] = dataclasses.field(default_factory=dict)
 
 
@@ -303,6 +305,9 @@ class TransferServer:
             keys = wire.key_list(msg)
             heads = wire.head_ranges(msg, len(keys))
             rid = wire.field(msg, "id", int)
+            if rid <= s.last_rid:
+                raise ProtocolError(f"request id {rid} does not exceed the last one's ({s.last_rid})")
+            s.last_rid = rid
             if s.acks:  # alive: before any pin or tier read (wire.py)
                 await self._send(s, {"t": "ack", "id": rid})
             serve = self._serve_get if kind == "get" else self._serve_pin
@@ -394,6 +399,10 @@ class TransferServer:
                     buffers.append(wire.encode(frame, length))
                     buffers.append(view)
                     pending += length
+                    if i == 0 and failpoints.armed(failpoints.MID_ANSWER):
+                        await self._flush(s, buffers, pins)  # a test's hung owner: one frame out, then stopped
+                        pending = 0
+                        failpoints.fire(failpoints.MID_ANSWER)
                 if pending >= _SEND_BATCH_BYTES or len(buffers) >= _SEND_BATCH_BUFFERS:
                     await self._flush(s, buffers, pins)
                     pending = 0

