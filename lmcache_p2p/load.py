@@ -49,14 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# A load waits on an owner that acknowledges nothing (stopped, unreachable) for at most a 40th of what
-# recomputing its chunks costs, never less than the owner's own round trips allow (at least 10 ms: see
-# ``transfer.client.silence_allowed``): a hung owner costs the engine about a miss (the rest is vLLM's
-# round for the failed load, a step or two). An owner that is merely busy acknowledges sooner (10-17 ms
-# beside a CPU hog, where recomputes take longer too); one that does not costs one recompute, and what it
-# sends later still lands in the pool.
-SILENCE_SHARE = 40.0
-
 
 def keys_of(fp: FingerprintDigest, token_ids: Sequence[int] | np.ndarray,
             chunk_size: int) -> tuple[list[ChunkKey], list[tuple[int, int]]]:
@@ -276,8 +268,7 @@ class Loader:
                                                                                 started + budget.recompute_s)
                 # An owner that acknowledges nothing is given up on once that costs more than a small
                 # share of recomputing (a hung owner costs the engine about a miss, never its allowance).
-                silence_s = None if budget.recompute_s is None else budget.recompute_s / SILENCE_SHARE
-                self.pull(pulls, deadline, patience if patience > deadline else None, silence_s)
+                self.pull(pulls, deadline, patience if patience > deadline else None, budget.silence_s)
                 if budget.expected_s > 0 and len(pulls) == sum(1 for c in kept.chunks if c.source != LOCAL):
                     self.metrics.estimate_ratio.labels("pull").observe(
                         (time.monotonic() - started) / budget.expected_s)

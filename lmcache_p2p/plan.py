@@ -174,6 +174,13 @@ DEADLINE_FACTOR = 3.0  # a pull may take this many times its expected time befor
 DEADLINE_SLACK_S = 0.005  # ... and at least this much more than expected (scheduling noise)
 DEVIATION_FACTOR = 4.0  # ... and this many of the peer's deviations (estimates.py) more than expected
 FIRST_CONTACT_S = 1.0  # a pull from a peer never measured gets at least this (it connects and handshakes too)
+# A load waits on a measured owner that acknowledges nothing (stopped, unreachable) for at most a 40th of
+# what recomputing its chunks costs, never less than the owner's own round trips allow (at least 10 ms: see
+# ``transfer.client.silence_allowed``): a hung owner costs the engine about a miss (the rest is vLLM's
+# round for the failed load, a step or two). An owner that is merely busy acknowledges sooner (10-17 ms
+# beside a CPU hog, where recomputes take longer too); one that does not costs one recompute, and what it
+# sends later still lands in the pool. A peer never measured is not cut short so (see ``fetch_budget``).
+SILENCE_SHARE = 40.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -187,6 +194,9 @@ class FetchBudget:
     late: int = 0  # chunks declined only because their pulls were not expected to finish in ``left_s``
     # The estimates at the first chunk declined as slower than recomputing (what the choice was made by)
     declined_at: tuple[float, float] | None = None  # (expected pull s, recompute s)
+    # How long an owner may acknowledge nothing before the pulls give up on it (None: only the transport's
+    # own rule, a third of the allowance: see ``transfer.client.silence_allowed``)
+    silence_s: float | None = None
 
 
 def fetch_budget(
@@ -216,7 +226,13 @@ def fetch_budget(
     a peer never measured (``known`` false: its first pull also pays for the connection and
     handshake, and a guess is no basis for a tight deadline) gets the recompute time but at least
     ``first_contact_s`` (``transfer.first_contact_s``): a hung peer costs at most that once, then it
-    is backed off and measured peers get deadlines from their estimates.
+    is backed off and measured peers get deadlines from their estimates. Its silence is not cut to a
+    share of the recompute time either (``silence_s`` None): one ack seen late on a first contact (a TP
+    rank of a loaded 2-core host not scheduled for a while) would otherwise turn a whole peer hit into a
+    recompute, and a hung peer costs at most a third of ``first_contact_s`` once.
+
+    A measured peer that acknowledges nothing is given up on after ``SILENCE_SHARE``-th of the recompute
+    time (``silence_s``; at least its own ack timeout).
 
     A measured peer's pulls get ``DEADLINE_FACTOR`` times their expected time, at least
     ``DEADLINE_SLACK_S`` and ``DEVIATION_FACTOR`` of the peer's deviation (``deviation_s``: how far its
@@ -267,9 +283,11 @@ def fetch_budget(
                            late, declined_at)
     spread = DEVIATION_FACTOR * max(deviation_s(source) for source in sources) if sources else 0.0
     deadline = min(max_s, max(DEADLINE_FACTOR * kept_expected, kept_expected + max(DEADLINE_SLACK_S, spread)))
+    silence_s = None
     if kept_recompute is not None:
         deadline = min(deadline, max(kept_recompute, kept_expected))
-    return FetchBudget(kept, deadline, kept_expected, kept_recompute, late, declined_at)
+        silence_s = kept_recompute / SILENCE_SHARE
+    return FetchBudget(kept, deadline, kept_expected, kept_recompute, late, declined_at, silence_s)
 
 
 def _with_local_tail(plan: HitPlan, keep: int) -> int:

@@ -7,7 +7,15 @@ import pytest
 from lmcache_p2p.estimates import FADE_HALF_LIFE_S, PRIOR_LATENCY_S, PeerEstimates, PrefillRate
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.keys import ChunkKey
-from lmcache_p2p.plan import DEADLINE_SLACK_S, FIRST_CONTACT_S, LOCAL, HitPlan, PlannedChunk, fetch_budget
+from lmcache_p2p.plan import (
+    DEADLINE_SLACK_S,
+    FIRST_CONTACT_S,
+    LOCAL,
+    SILENCE_SHARE,
+    HitPlan,
+    PlannedChunk,
+    fetch_budget,
+)
 
 MiB = 1 << 20
 
@@ -67,6 +75,8 @@ def test_a_peer_never_measured_gets_the_recompute_time() -> None:
     b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
                      recompute_s=lambda t: t / 1000, max_s=5.0, known=lambda peer: False)
     assert b.deadline_s == pytest.approx(FIRST_CONTACT_S)  # not 3 x a guess: its first pull also connects
+    # and its silence is not cut to a share of the recompute time: a late first ack is not a hung owner
+    assert b.silence_s is None
     b = fetch_budget(plan_of("new", "new", "new", "new", "new", "new"), chunk_bytes=lambda c: MiB,
                      expected_s=lambda peer, nbytes: 0.002, recompute_s=lambda t: t / 1000, max_s=5.0,
                      known=lambda peer: False)
@@ -74,6 +84,12 @@ def test_a_peer_never_measured_gets_the_recompute_time() -> None:
     b = fetch_budget(plan_of("new"), chunk_bytes=lambda c: MiB, expected_s=lambda peer, nbytes: 0.002,
                      recompute_s=lambda t: None, max_s=5.0, known=lambda peer: False)
     assert b.deadline_s == 5.0
+
+
+def test_a_measured_owner_may_stay_silent_for_a_share_of_the_recompute_time() -> None:
+    b = budget(plan_of(LOCAL, "a", "a"), {"a": 0.002}, 10_000.0)
+    assert b.silence_s == pytest.approx(512 / 10_000 / SILENCE_SHARE)
+    assert budget(plan_of("a"), {"a": 0.001}, None).silence_s is None  # no recompute to weigh against
 
 
 def test_the_deadline_never_exceeds_recompute() -> None:

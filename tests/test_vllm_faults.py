@@ -27,7 +27,7 @@ import yaml  # noqa: E402
 from vllm_helpers import node_records, prompts, write_agent_config  # noqa: E402
 
 from lmcache_p2p import failpoints  # noqa: E402
-from lmcache_p2p.load import SILENCE_SHARE  # noqa: E402
+from lmcache_p2p.plan import SILENCE_SHARE  # noqa: E402
 from lmcache_p2p.testing import netlab  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
@@ -120,7 +120,7 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         # the median run: 1.13x idle, 1.23x and 1.245x beside a CPU hog (measured); a give-up at the
         # liveness deadline in most runs would be 10x and more
         assert statistics.median(r.ttft_ratio for r in runs) <= 1.5, [r.line(i) for i, r in enumerate(runs)]
-        # What B waits on a silent A is its load's share of the recompute (load.SILENCE_SHARE), at least the
+        # What B waits on a silent A is its load's share of the recompute (plan.SILENCE_SHARE), at least the
         # ack floor: 10.4-12.3 ms idle. Waiting for the pull's expected time (a third of its allowance) was
         # 17-70 ms, median 26 ms: a hung owner cost its pull's estimate, not a small part of a miss.
         silences = [r.silence_s for r in runs if r.silence_s is not None]
