@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from lmcache_p2p.aio import LoopThread
@@ -137,3 +138,36 @@ def set_log_level(level: str | None) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [pid %(process)d]: %(message)s"))
         logger.addHandler(handler)
+
+
+Setter = Callable[[AgentConfig], None]
+
+
+class LiveConfig:
+    """A running node's config: its own, with the cluster config's live fields applied as they change, each
+    through the node's setter for it (``setters()``: field -> setter, None: read at every use; a test holds
+    them to :data:`FIELDS`); the revision applied, and where the node differs from the cluster config
+    (``config_deviations`` in its record). Fields that wait for a restart are logged when that list changes."""
+
+    def __init__(self, config: AgentConfig, setters: Callable[[], Mapping[str, Setter | None]]) -> None:
+        self.config = config
+        self.revision = 0  # of the cluster config applied
+        self.deviations: dict[str, str] = {}  # field -> "restart" | "node"
+        self._pending: list[str] = []  # fields that wait for a restart
+        self._setters = setters
+
+    def apply(self, cluster: Any, stored: set[str], revision: int) -> None:
+        """Apply the cluster config at ``revision`` (``stored``: the fields it sets)."""
+        new, pending = apply(self.config, cluster, stored, live_only=True)
+        if pending and pending != self._pending:
+            log.warning("cluster config (rev %d) changes %s: takes effect when this node restarts", revision,
+                        ", ".join(pending))
+        self._pending = pending
+        old, self.config = self.config, new
+        for dotted, setter in self._setters().items():
+            if setter is not None and field_value(new, dotted) != field_value(old, dotted):
+                setter(new)
+        if new != old:
+            log.info("cluster config rev %d applied", revision)
+        self.revision = revision
+        self.deviations = deviations(new, cluster, stored)

@@ -353,3 +353,43 @@ class Loader:
             log.error("chunk %s changed in memory after it was committed; dropped: %s", pin.key.hex()[:16], exc)
             self.metrics.checksum_failures.inc()
             return False
+
+
+class StoppedLoader:
+    """The load path of an agent not started, or stopping: what its own tiers hold is planned, nothing is
+    loaded (every load a miss) and nothing counted. The agent holds one until :class:`Loader` is up and again
+    from the moment it stops, so a load that comes across a stop needs no check of its own."""
+
+    def __init__(self, tiers: TieredStore, fp: FingerprintDigest, heads: HeadRange, chunk_size: int) -> None:
+        self.tiers, self.fp, self.heads, self.chunk_size = tiers, fp, heads, chunk_size
+
+    def lookup(self, token_ids: Sequence[int] | np.ndarray) -> HitPlan:
+        keys, spans = keys_of(self.fp, token_ids, self.chunk_size)
+        return self.plan(keys, spans, sum(e - s for s, e in spans))
+
+    def plan(self, keys: Sequence[ChunkKey], spans: Sequence[tuple[int, int]], num_tokens: int) -> HitPlan:
+        return local_plan(self.tiers, self.heads, keys, spans, num_tokens)
+
+    def count_hits(self, chunks: Sequence[PlannedChunk]) -> None:
+        pass
+
+    def usable(self, record: NodeRecord | None) -> bool:
+        return False
+
+    def wait_for_index(self, keys: Sequence[ChunkKey], revision: int, deadline: float) -> bool:
+        return False
+
+    def budget(self, plan: HitPlan, left_s: float | None = None) -> FetchBudget:
+        raise RuntimeError("the agent is not started: nothing can be loaded")
+
+    def load_pinned(self, plan: HitPlan, deadline: float, *, remote: bool = True, label: str = "") -> list[Pin | None]:
+        return [None] * len(plan.chunks)
+
+    def load(self, plan: HitPlan, dsts: Sequence[memoryview], deadline: float) -> list[bool]:
+        if len(dsts) != len(plan.chunks):
+            raise ValueError(f"need one destination per planned chunk: {len(dsts)} != {len(plan.chunks)}")
+        return [False] * len(plan.chunks)
+
+    def pull(self, chunks: Sequence[PlannedChunk], deadline: float, patience: float | None = None,
+             silence_s: float | None = None) -> None:
+        pass

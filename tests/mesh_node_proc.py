@@ -53,7 +53,7 @@ def budgeted(agent: CacheAgent, seed: int, tokens: int, prefill_tokens_per_s: fl
         agent.prefill.observe(int(prefill_tokens_per_s), 1.0)
     t0 = time.perf_counter()
     plan = agent.lookup(ids)
-    planned = len(agent.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
+    planned = len(agent.loader.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
     pins = agent.load_pinned(plan)
     exact = True
     layout = agent.config.layout
@@ -61,7 +61,7 @@ def budgeted(agent: CacheAgent, seed: int, tokens: int, prefill_tokens_per_s: fl
         if pin is not None:
             view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
             exact &= bytes(view) == synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
-            agent.unpin_chunk(pin)
+            agent.tiers.cpu.unpin(pin)
     return {"planned": planned, "loaded": sum(p is not None for p in pins), "exact": exact,
             "elapsed_s": time.perf_counter() - t0}
 

@@ -206,12 +206,12 @@ def test_a_chunk_changed_in_memory_after_commit_never_reaches_the_engine(etcd, c
         pin = c.tiers.cpu.pin(keys[2], 5.0)
         assert pin is not None
         c.tiers.cpu.slot_view(pin.slot, pin.header.length)[100] ^= 0x5A  # what a WRITE into the pool does
-        c.unpin_chunk(pin)
+        c.tiers.cpu.unpin(pin)
         pins = c.load_pinned(c.lookup(tokens), remote=False)
         assert [p is not None for p in pins] == [True, True, False, True, True]
         for p in pins:
             if p is not None:
-                c.unpin_chunk(p)
+                c.tiers.cpu.unpin(p)
         assert c.tiers.where(keys[2]) is None  # dropped, not served to anyone
         assert c.metrics.registry.get_sample_value("lmcache_p2p_checksum_failures_total") == 1
     finally:

@@ -186,22 +186,22 @@ def test_config_set_changes_what_a_running_agent_does(etcd: EtcdServer, cluster_
         assert agent.config.handoff.budget_bytes_per_s == 0  # live fields applied...
         assert agent.config.chunk_size == 256  # ...the chunk size waits for a restart (engines must agree)
         assert wait_until(lambda: not agent.tiers.cpu.keys(), 10)  # the new TTL expired the chunks
-        revision = agent.config_revision
+        revision = agent.live.revision
         assert revision > 0
         report = asyncio.run(collect(agent.config))
         assert [n["config_revision"] for n in report["nodes"]] == [revision]
         # where the node does not run the cluster's value, and why: in its record and in `status`
-        assert agent.config_deviations == {"chunk_size": "restart", "tiers.cpu_capacity": "node",
+        assert agent.live.deviations == {"chunk_size": "restart", "tiers.cpu_capacity": "node",
                                            "etcd.lease_ttl_s": "node"}  # the last two: set in its file
         assert wait_until(lambda: asyncio.run(collect(agent.config))["nodes"][0]["config_deviations"]
-                          == agent.config_deviations, 10)
+                          == agent.live.deviations, 10)
         report = asyncio.run(collect(agent.config))
         assert report["healthy"] and report["notes"] == [
             "config-restart: a applies chunk_size of the cluster config at its next start",
             "config-own: a keeps its own etcd.lease_ttl_s, tiers.cpu_capacity (set in its file, environment or "
             "overrides)"]
         assert config_cli([*base, "set", "chunk_ttl_s=none"]) == 0
-        assert wait_until(lambda: agent.config.tiers.chunk_ttl_s is None and agent.config_revision > revision, 10)
+        assert wait_until(lambda: agent.config.tiers.chunk_ttl_s is None and agent.live.revision > revision, 10)
         # eviction policy, peer backoff and log level: live too
         assert preload(agent, 2, 768) == 3
         pool = agent.tiers.cpu

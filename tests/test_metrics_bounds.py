@@ -43,11 +43,11 @@ def test_only_the_slowest_peers_pull_estimates_are_exposed() -> None:
         for i in range(PER_PEER_SERIES + 20):  # peer i: a chunk in (i + 1) ms
             for _ in range(3):
                 agent.peer_estimates.observe(f"n{i}", 4096, (i + 1) / 1000)
-        agent._planner_gauges()
+        agent.planner_gauges.refresh()
         shown = series(registry, "lmcache_p2p_pull_expected_seconds")
         assert len(shown) == PER_PEER_SERIES and "n0" not in shown and f"n{PER_PEER_SERIES + 19}" in shown
         agent.peer_estimates.observe("n0", 4096, 5.0)  # n0 turned slow: shown now, the fastest shown goes
-        agent._planner_gauges()
+        agent.planner_gauges.refresh()
         assert "n0" in series(registry, "lmcache_p2p_pull_expected_seconds")
         assert len(series(registry, "lmcache_p2p_pull_expected_seconds")) == PER_PEER_SERIES
     finally:

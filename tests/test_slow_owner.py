@@ -46,14 +46,14 @@ def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
     for key in agent.keys_for(tokens)[0]:
         agent.tiers.remove(key)
     plan = agent.lookup(tokens)
-    planned = len(agent.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
+    planned = len(agent.loader.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
     pins = agent.load_pinned(plan)
     layout = agent.config.layout
     for chunk, pin in zip(plan.chunks, pins, strict=True):
         if pin is not None:
             view = agent.tiers.cpu.slot_view(pin.slot, pin.header.length)
             assert bytes(view) == synthetic_payload(chunk.key, layout.chunk_bytes(chunk.end - chunk.start))
-            agent.unpin_chunk(pin)
+            agent.tiers.cpu.unpin(pin)
     return planned, sum(p is not None for p in pins)
 
 

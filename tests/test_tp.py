@@ -83,7 +83,7 @@ def load_and_check(agent: CacheAgent, seed: int, loader_seed: int) -> list[tuple
     finally:
         for pin in pins:
             if pin is not None:
-                agent.unpin_chunk(pin)
+                agent.tiers.cpu.unpin(pin)
     source = full_cache(layout, seed)
     for got, want in zip(mine, source, strict=True):
         for h in range(h0, h1):

@@ -96,7 +96,7 @@ def failed_gather() -> None:
         assert pool.free_slots == 4 and len(pool) == 0
         kv.failing = False
         worker.wait_for_save(LMCacheP2PMetadata(saves=[save(i) for i in range(8, 11)]))
-        worker.agent._writer.submit(lambda: None).result(10)  # the commits behind the saves are done
+        worker.agent.intake.drain(10)  # the commits behind the saves are done
         assert sorted(pool.keys()) == [ChunkKey(bytes([i]) * 16) for i in range(8, 11)]
     finally:
         worker.shutdown()
@@ -135,7 +135,7 @@ def failed_sync_load() -> None:
         worker.wait_for_save(meta)
         worker.step_finished()
         assert worker.agent is not None
-        worker.agent._writer.submit(lambda: None).result(10)  # the commits behind the saves are done
+        worker.agent.intake.drain(10)  # the commits behind the saves are done
         return worker.get_block_ids_with_load_errors()
 
     try:
@@ -234,7 +234,7 @@ def weights_checked() -> None:
         assert worker._weights.result(30) is not None
         step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))
         assert worker.agent is not None
-        worker.agent._writer.submit(lambda: None).result(10)
+        worker.agent.intake.drain(10)
         model.release.clear()  # the next read waits
         step(LMCacheP2PMetadata(reset_cache=True))  # drops the chunk; the check starts
         step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))  # not saved meanwhile
@@ -243,7 +243,7 @@ def weights_checked() -> None:
         model.release.set()
         assert settled(1) and worker.stopped_sharing is None  # the same weights: sharing goes on
         step(LMCacheP2PMetadata(saves=[ChunkTransfer("s", key, [chunk], blocks)]))
-        worker.agent._writer.submit(lambda: None).result(10)
+        worker.agent.intake.drain(10)
         assert step(load()) == set()  # held and loaded again
         model.weight[5] += 1.0  # updated in place
         step(LMCacheP2PMetadata(reset_cache=True))

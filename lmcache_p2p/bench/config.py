@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             apply_ms = measure_apply(loop, client, agents, args.rounds)
             progress("config", f"baseline: {args.rounds} puts through a bare watch")
             watch_ms = measure_watch(loop, client, args.rounds)
-            revisions = {a.config_revision for a in agents}
+            revisions = {a.live.revision for a in agents}
         finally:
             for agent in agents:
                 agent.stop()

@@ -191,7 +191,7 @@ def _measure(agent: CacheAgent, tokens: list[int], rounds: int, chunks: int, tra
         peer.append(t2 - t0)
         local.append(t3 - t2)
         memcpy.append(t4 - t3)
-    nbytes = sum(h.length for h in (agent.chunk_header(c.key) for c in plan.chunks) if h is not None)
+    nbytes = sum(h.length for h in (agent.tiers.header(c.key) for c in plan.chunks) if h is not None)
     med = statistics.median
     return {
         "prompt_tokens": len(tokens), "chunks": n, "bytes": nbytes, "transport": transport, "rounds": rounds,

@@ -124,7 +124,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
             for k in keys:
                 agent.tiers.remove(k)
             t0 = time.perf_counter()
-            agent.pull(planned, time.monotonic() + 120)
+            agent.loader.pull(planned, time.monotonic() + 120)
             keep("tier_load_mbps", total / (time.perf_counter() - t0) / 1e6)
             out["tier_loaded"] = sum(agent.holds(k) for k in keys)
             ones_raw, ones_tier = [], []
@@ -134,7 +134,7 @@ def _store_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: st
                 ones_raw.append(time.perf_counter() - t0)
                 agent.tiers.remove(chunk.key)
                 t0 = time.perf_counter()
-                agent.pull([chunk], time.monotonic() + 60)
+                agent.loader.pull([chunk], time.monotonic() + 60)
                 ones_tier.append(time.perf_counter() - t0)
             for name, ones in (("raw_get_one_ms", ones_raw), ("tier_load_one_ms", ones_tier)):
                 median = round(1e3 * statistics.median(ones), 2)

@@ -35,7 +35,7 @@ def load_deadline(agent: CacheAgent, t: ChunkTransfer | BlendTransfer) -> float:
 
 def wait_for_index(agent: CacheAgent, t: ChunkTransfer | BlendTransfer, keys: list[ChunkKey], deadline: float) -> None:
     """Give this rank's mirror (at most ``INDEX_WAIT_S``) to reach the revision its scheduler offered from."""
-    if not agent.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
+    if not agent.loader.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
         log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                  t.index_revision)
 
@@ -68,7 +68,7 @@ class ExactLoads:
         deadline = load_deadline(agent, t)
         if remote:
             wait_for_index(agent, t, keys, deadline)
-        plan = agent.plan(keys, spans, pos)
+        plan = agent.loader.plan(keys, spans, pos)
         sources = [_source_of(agent, c.key, c.source) for c in plan.chunks]  # before the load moves them
         t1 = time.perf_counter()
         pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
@@ -107,12 +107,12 @@ class ExactLoads:
         finally:
             for pin in pins:
                 if pin is not None:
-                    agent.unpin_chunk(pin)
+                    agent.tiers.cpu.unpin(pin)
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
                   len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
                   1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
         agent.metrics.lookups.inc()
-        agent.count_hits(plan.chunks[:loaded])  # chunks after a failed one are recomputed with it
+        agent.loader.count_hits(plan.chunks[:loaded])  # chunks after a failed one are recomputed with it
         outcome = "full" if loaded == len(keys) else "partial" if loaded else "none"
         agent.metrics.load_seconds.labels(outcome).observe(time.perf_counter() - t0)
         if loaded and sources:  # one line per request a hit served: that the mesh works shows in the engine's own log

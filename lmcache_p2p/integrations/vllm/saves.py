@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from ...agent import CacheAgent
 from ...blocks import ChunkTransfer
+from ...intake import Intake
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey
 from ...segments import SegmentChunks, SegmentSave
@@ -25,25 +25,25 @@ log = logging.getLogger(__name__)
 
 
 class Saves:
-    def __init__(self, agent: CacheAgent, kv: PagedKV | None, blender: Blender | None) -> None:
-        self.agent = agent
+    def __init__(self, intake: Intake, kv: PagedKV | None, blender: Blender | None) -> None:
+        self.intake = intake
         self.kv = kv
         self.blender = blender
 
     def save(self, t: ChunkTransfer, unloaded: set[int]) -> None:
         """Gather and store ``t``'s chunks not held yet; ``unloaded``: the request's blocks whose load failed
         this step (nothing from the first chunk touching them on is saved)."""
-        agent, kv = self.agent, self.kv
+        intake, kv = self.intake, self.kv
         assert kv is not None
         for key, ntok, blocks in zip(t.keys, t.num_tokens, t.block_ids, strict=True):
             if unloaded.intersection(blocks):
                 log.info("request %s: its load failed this step; its chunks from there on are not saved", t.req_id)
                 return
-            if agent.holds(ChunkKey(key)) or not blocks:
+            if intake.holds(ChunkKey(key)) or not blocks:
                 continue
             nbytes = kv.payload_nbytes(len(blocks))
             try:
-                res = agent.reserve_chunk()
+                res = intake.reserve()
             except Exception as exc:  # a full, pinned pool must not fail the forward pass
                 log.warning("request %s: no slot to save a chunk: %s", t.req_id, exc)
                 return
@@ -51,10 +51,10 @@ class Saves:
                 out = torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes)
                 kv.gather(torch.tensor(blocks, dtype=torch.int64), out)
             except Exception as exc:  # the slot goes back; the chunk is simply not cached
-                agent.release_chunk(res)
+                intake.release(res)
                 log.warning("request %s: gathering a chunk failed: %s", t.req_id, exc)
                 return
-            agent.commit_chunk(res, ChunkKey(key), ntok, nbytes)
+            intake.commit(res, ChunkKey(key), ntok, nbytes)
 
     def save_segments(self, t: SegmentSave) -> None:
         """The declared segments a request computed right after its base (``scheduler.py``: its first),
@@ -69,16 +69,16 @@ class Saves:
 
     def store_segment(self, req_id: str, seg: SegmentChunks, kv_of: Callable[[int, int], torch.Tensor]) -> None:
         """Store ``seg``'s chunks not held yet; ``kv_of(first, n)``: the KV of its tokens ``[first, first + n)``."""
-        agent = self.agent
+        intake = self.intake
         first = 0
         for key, n in zip(seg.keys, seg.num_tokens, strict=True):
             first += n
-            if agent.holds(ChunkKey(key)):
+            if intake.holds(ChunkKey(key)):
                 continue
             kv = kv_of(first - n, n)
             nbytes = kv.numel() * kv.element_size()
             try:
-                res = agent.reserve_chunk()
+                res = intake.reserve()
             except Exception as exc:  # a full, pinned pool must not fail the forward pass
                 log.warning("request %s: no slot to save a segment chunk: %s", req_id, exc)
                 return
@@ -86,6 +86,6 @@ class Saves:
                 torch.frombuffer(res.view, dtype=torch.uint8, count=nbytes).copy_(kv.contiguous().view(-1)
                                                                                     .view(torch.uint8))
             except Exception:
-                agent.release_chunk(res)
+                intake.release(res)
                 raise
-            agent.commit_chunk(res, ChunkKey(key), n, nbytes)
+            intake.commit(res, ChunkKey(key), n, nbytes)

@@ -123,7 +123,7 @@ class SegmentLoads:
         deadline = load_deadline(agent, t)
         if remote and keys:
             wait_for_index(agent, t, keys, deadline)
-        plan = agent.plan(keys, spans, pos)
+        plan = agent.loader.plan(keys, spans, pos)
         if len(plan.chunks) < len(keys):
             log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
                      len(plan.chunks) + 1, len(keys))
@@ -155,7 +155,7 @@ class SegmentLoads:
         finally:
             for pin in pins:
                 if pin is not None:
-                    agent.unpin_chunk(pin)
+                    agent.tiers.cpu.unpin(pin)
 
     def place(self, t: BlendTransfer, gathered: list[tuple[torch.Tensor, int, int]]) -> None:
         """The forward thread's part: fresh segments, every segment at its position, the recompute."""

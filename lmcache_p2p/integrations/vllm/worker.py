@@ -210,7 +210,7 @@ class P2PWorker:
         tests of the blend bookkeeping; nothing is then loaded into or saved from blocks)."""
         self.agent = agent
         self.exact = ExactLoads(agent, kv)
-        self.saves = Saves(agent, kv, blender)
+        self.saves = Saves(agent.intake, kv, blender)
         self.segments = SegmentLoads(agent, self.exact, self.saves, blender, self._block_size)
         if kv is not None:
             canary, metrics = self._config.canary, agent.metrics
@@ -218,7 +218,8 @@ class P2PWorker:
             mesh = MeshCopies(node_id=agent.node_id, heads=agent.heads, fp=agent.fp,
                               tiers=agent.tiers, puller=agent.puller, loop=agent.loop,
                               pin_timeout_s=self._config.tiers.pin_timeout_s, index=lambda: agent.index,
-                              usable=agent.usable, store=agent.store_chunks, quarantine=agent.quarantine_owner)
+                              usable=lambda record: agent.loader.usable(record), store=agent.store_chunks,
+                              quarantine=agent.quarantine_owner)
             self.canary = CanaryChecks(Canary(mesh, self._config.layout.kv_dtype, tolerance=canary.tolerance,
                                               max_owners=canary.max_owners, timeout_s=canary.timeout_s,
                                               count=lambda outcome: metrics.canary_checks.labels(outcome).inc()),
