@@ -94,12 +94,11 @@ def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, c
 
 
 def main() -> None:
-    import types
 
     from lmcache_p2p.config import AgentConfig, EtcdConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
-    from lmcache_p2p.testing.vllm_requests import fake_blocks, fake_request
+    from lmcache_p2p.testing.vllm_requests import fake_blocks, fake_request, prefill_step
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     block = 16
@@ -122,11 +121,7 @@ def main() -> None:
         saves: list[int] = []
         for _ in range(1 + preempted):
             sched.update_state_after_alloc(request, fake_blocks(blocks), 0)
-            meta = sched.build_connector_meta(types.SimpleNamespace(
-                total_num_scheduled_tokens=len(prompt),
-                scheduled_new_reqs=[types.SimpleNamespace(req_id=req_id, block_ids=(blocks,), num_computed_tokens=0)],
-                scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-                num_scheduled_tokens={req_id: len(prompt)}))
+            meta = sched.build_connector_meta(prefill_step((request, blocks, len(prompt))))
             saves += [n for save in meta.saves if save.req_id == req_id for n in save.num_tokens]
             counts = skipped.setdefault(sched is thrice, {})
             for reason, n in meta.skipped.items():

@@ -48,21 +48,21 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
 
 
 def main() -> None:
-    import time
     import types
 
     from lmcache_p2p.blocks import ChunkTransfer
     from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig, TierConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
-    from lmcache_p2p.testing.vllm_requests import fake_request
+    from lmcache_p2p.testing.vllm_requests import StepClock, empty_step, fake_request
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
                          canary=CanaryConfig(requested_per_minute=5), tiers=TierConfig(min_save_tokens=32))
     fp = Fingerprint.of(config.layout)
     out: dict[str, Any] = {}
-    sched = P2PScheduler(config, fp, 16, blend_refusal=None)
+    clock = StepClock()
+    sched = P2PScheduler(config, fp, 16, blend_refusal=None, clock=clock)
 
     def request(req_id: str, tokens: list[int], params: dict[str, Any] | None) -> Any:
         return fake_request(req_id, tokens, params)
@@ -82,18 +82,11 @@ def main() -> None:
         sched.get_num_new_matched_tokens(request("ok", prompt, {"lmcache_p2p_index_revision": 1}), 0)
         for i in range(3):
             sched.get_num_new_matched_tokens(request(f"c{i}", prompt, {"lmcache_p2p_canary": True}), 0)
-            time.sleep(0.01)
         out["canary"] = [sched._requests[f"c{i}"].canary for i in range(3)]
-        meta = sched.build_connector_meta(types.SimpleNamespace(
-            total_num_scheduled_tokens=0, scheduled_new_reqs=[],
-            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={}))
+        meta = sched.build_connector_meta(empty_step())
         out["refused"] = meta.refused
         out["reset"] = [sched.reset_cache(), meta.reset_cache]
-        empty = types.SimpleNamespace(
-            total_num_scheduled_tokens=0, scheduled_new_reqs=[],
-            scheduled_cached_reqs=types.SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={})
+        empty = empty_step()
         # admission (tiers.min_save_tokens): a partial chunk shorter than it is not saved, a longer one is
         short = ChunkTransfer("s", [b"a" * 16, b"b" * 16], [256, 20], [[0] * 16, [1, 2]])
         longer = ChunkTransfer("l", [b"a" * 16, b"c" * 16], [256, 40], [[0] * 16, [3, 4, 5]])
@@ -116,7 +109,7 @@ def main() -> None:
         out["after_reset"] = [asked("w0")]
         sched.build_connector_meta(empty)
         out["after_reset"].append(asked("w1"))
-        sched._reset_at -= RESET_CHECK_WAIT_S  # as long ago as a request is held
+        clock.advance(RESET_CHECK_WAIT_S)  # as long as a request is held
         out["after_reset"].append(asked("w2"))
         sched.workers_said(WorkerState(resets=1))  # the first reset's report came late: still one behind
         out["after_reset"].append(asked("w3"))

@@ -10,6 +10,7 @@ is drawn at ``canary.rate``.
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 
 from ...backoff import TokenBucket
@@ -17,11 +18,13 @@ from ...config import CanaryConfig
 
 
 class CanarySampling:
-    def __init__(self, config: CanaryConfig, *, rng: Callable[[], float] | None = None) -> None:
+    def __init__(self, config: CanaryConfig, *, rng: Callable[[], float] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._rate = config.rate
         self._random = rng if rng is not None else random.Random().random
         per_s = config.requested_per_minute / 60.0
-        self._asked = TokenBucket(per_s, max(1.0, config.requested_per_minute / 6.0) if per_s > 0 else 0.0)
+        self._asked = TokenBucket(per_s, max(1.0, config.requested_per_minute / 6.0) if per_s > 0 else 0.0,
+                                  clock=clock)
 
     def sampled(self, asked: bool, hit: int) -> tuple[bool, bool]:
         """Whether a request is a canary, and whether its ask was refused (over the asks' budget): asked

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...aio import LoopThread
@@ -82,17 +82,25 @@ BLEND_REFUSED = "blend"  # in a request's ``refused``: its blend was refused by 
 
 class P2PScheduler:
     def __init__(self, config: AgentConfig, fingerprint: Fingerprint, block_size: int, *,
-                 blend_refusal: str | None = "not checked", token_budget: int | None = None) -> None:
+                 blend_refusal: str | None = "not checked", token_budget: int | None = None,
+                 index: IndexReader | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``index``: the view of the index it plans by (default: one it opens on etcd, on a loop of its own,
+        and closes at shutdown; one given is the caller's to close); ``clock``: ``time.monotonic`` or a
+        test's."""
         self._config = config
         self._fp = fingerprint.digest
         self._chunk = config.chunk_size
         self._block = block_size
-        self._loop = LoopThread("lmcache-p2p-scheduler", role="scheduler")
-        try:
-            self._index = IndexReader.open(self._loop, config, self._fp)
-        except Exception:
-            self._loop.stop()
-            raise
+        self._clock = clock
+        self._loop: LoopThread | None = None
+        if index is None:
+            self._loop = LoopThread("lmcache-p2p-scheduler", role="scheduler")
+            try:
+                index = IndexReader.open(self._loop, config, self._fp)
+            except Exception:
+                self._loop.stop()
+                raise
+        self._index = index
         self._requests: dict[str, RequestRecord] = {}  # every request vLLM asked about and has not finished
         self._loads: list[ChunkTransfer] = []  # decided this step; handed to the worker in the next meta
         self._admission = Admission(config.chunk_size, save_after_sightings=config.tiers.save_after_sightings,
@@ -101,7 +109,7 @@ class P2PScheduler:
         self._saves = SavePlanning(config.chunk_size, block_size, self._admission)
         self._identities = Identities(self._fp)
         self._tls, self._transports = config.transfer.tls, config.transfer.transports
-        self._canaries = CanarySampling(config.canary)
+        self._canaries = CanarySampling(config.canary, clock=clock)
         self._refused: dict[str, int] = {}  # request parameters not honoured since the last step, by name
         self._missed: dict[str, int] = {}  # prompt tokens the cache could not give since the last step, by reason
         self._node_id, self._model_id = NodeId(config.node_id), fingerprint.model_id
@@ -109,8 +117,8 @@ class P2PScheduler:
         self._resets = 0  # cache resets asked of the workers; hits are offered once they checked them all
         self._workers_reset = 0  # ... the resets every worker has checked the weights at (WorkerState)
         self._stopped_sharing: str | None = None  # a worker's weights changed in place: no hit, ever
-        self._reset_at = 0.0  # when the last reset was asked (time.monotonic())
-        self._freshness = Freshness()  # requests waiting for the mirror to reach the revision they name
+        self._reset_at = 0.0  # when the last reset was asked (the clock)
+        self._freshness = Freshness(clock=clock)  # requests waiting for the mirror to reach the revision they name
         self._finished: list[ChunkTransfer] = []  # tails of finished requests, for the next step's worker
         self._blending = BlendPlanning(config, block_size, blend_refusal=blend_refusal, token_budget=token_budget)
         self._blend_loads: list[BlendTransfer] = []  # decided this step; handed to the worker in the next meta
@@ -186,7 +194,7 @@ class P2PScheduler:
             # Asked again next step, until every worker compared its weights with the start's (the reset goes
             # out with the next step, each reads its weights on a thread of its own, their word comes back
             # with a step's output); no hit past RESET_CHECK_WAIT_S (a large model read on CPU: seconds).
-            return (None, False) if time.monotonic() - self._reset_at < RESET_CHECK_WAIT_S else (0, False)
+            return (None, False) if self._clock() - self._reset_at < RESET_CHECK_WAIT_S else (0, False)
         if not prompt or record.loaded:
             # Asked again after a load for this request, before its prompt was computed: the load failed
             # (vLLM reset the request to recompute it). Offering the same hit again would loop; the engine
@@ -359,7 +367,7 @@ class P2PScheduler:
             load_async, record.load_async = record.load_async, None
             sync = load_async is False
             revision = self._index.mirror.revision  # the worker plans once its mirror saw as much
-            deadline = time.monotonic() + self._config.transfer.timeout_s  # one deadline, to the transport
+            deadline = self._clock() + self._config.transfer.timeout_s  # one deadline, to the transport
             if blend is not None:  # vLLM grants the whole hit or none: end == blend.end
                 exact = (self._exact_load(request.request_id, record, prompt, keys, block_ids, start,
                                           blend.exact_end) if blend.exact_end > start else None)
@@ -454,14 +462,15 @@ class P2PScheduler:
         its weights with those loaded at start (``WorkerState.resets``); if they changed, none again."""
         self._reset = True
         self._resets += 1
-        self._reset_at = time.monotonic()
+        self._reset_at = self._clock()
         self._saved.clear()
         log.info("lmcache-p2p: cache reset requested: this node's chunks are dropped at the next step")
         return True
 
     def shutdown(self) -> None:
-        self._index.close()
-        self._loop.stop()
+        if self._loop is not None:  # the index it opened itself
+            self._index.close()
+            self._loop.stop()
 
 
 def _computed_after_step(out: Any) -> dict[str, int]:
