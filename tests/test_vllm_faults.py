@@ -34,7 +34,8 @@ from lmcache_p2p.testing.references import reference_tokens  # noqa: E402
 from lmcache_p2p.testing.stopped_owner import StoppedOwner, StoppedRun  # noqa: E402
 from lmcache_p2p.transfer.connection import ACK_FLOOR_S  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# thirteen stop-and-resume runs of ~25-40 s each on a loaded 2-core host (300 s, the default, ran out at run 8)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(1200)]
 DTYPE = "float32"  # see test_vllm_mesh: greedy comparisons in fp32
 
 
