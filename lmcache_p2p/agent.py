@@ -215,14 +215,13 @@ class CacheAgent:
                               self.config.etcd.start_wait_s + self.config.etcd.timeout_s)
             if self.objects is not None:
                 self._start_objects(self.objects, client)
-            loader = self.loader = Loader(tiers=self.tiers, fp=self.fp, num_kv_heads=self.fingerprint.num_kv_heads,
-                                 heads=self.heads, node_id=self.node_id, chunk_size=self.config.chunk_size,
-                                 chunk_bytes=self.chunk_bytes, transfer=self.config.transfer,
-                                 tiers_config=self.config.tiers, index=self.index, puller=self.puller,
-                                 quarantine=self.gate.quarantine, objects=self.objects,
-                                 peer_estimates=self.peer_estimates, prefill=self.prefill, metrics=self.metrics,
-                                 on_hit=self.handoff.on_hit, model_id=self.fingerprint.model_id,
-                                 dropped=lambda key: self.drops.ago([key])[0] is not None)
+            loader = self.loader = Loader(
+                tiers=self.tiers, fp=self.fp, num_kv_heads=self.fingerprint.num_kv_heads, heads=self.heads,
+                node_id=self.node_id, chunk_size=self.config.chunk_size, chunk_bytes=self.chunk_bytes,
+                transfer=self.config.transfer, tiers_config=self.config.tiers, index=self.index, puller=self.puller,
+                quarantine=self.gate.quarantine, objects=self.objects, peer_estimates=self.peer_estimates,
+                prefill=self.prefill, metrics=self.metrics, on_hit=self.handoff.on_hit,
+                model_id=self.fingerprint.model_id, dropped=lambda key: self.drops.ago([key])[0] is not None)
             recovered = self.gate.drop(self.invalidation.vet_recovered(self.tiers.recover()))
             mine = [h.key for h in recovered if self._mine(h)]  # others stay on disk, unannounced
             if mine:
