@@ -409,7 +409,7 @@ def _agent_rows() -> list[str]:
 
 
 def metrics_page() -> str:
-    from .router.app import Metrics
+    from .router.metrics import Metrics
 
     head = ["| Name (as exposed) | Type | Labels | Help |", "|---|---|---|---|"]
     return "\n".join([

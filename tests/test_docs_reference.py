@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from lmcache_p2p import cli, docsgen
 from lmcache_p2p.config import AgentConfig
 from lmcache_p2p.metrics import AgentMetrics
-from lmcache_p2p.router.app import Metrics as RouterMetrics
+from lmcache_p2p.router.metrics import Metrics as RouterMetrics
 
 REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference"
 

@@ -43,7 +43,7 @@ from lmcache_p2p.config import load_config
 from lmcache_p2p.integrations.kv_order import DEFAULT_ORDER, LEGACY_ORDERS, layout_order
 from lmcache_p2p.keys import Fingerprint, is_head_major
 from lmcache_p2p.metrics import AgentMetrics, scrape
-from lmcache_p2p.router.app import Metrics as RouterMetrics
+from lmcache_p2p.router.metrics import Metrics as RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S, DOCKER = ROOT / "k8s", ROOT / "docker"

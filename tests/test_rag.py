@@ -18,7 +18,8 @@ from test_router import FakeEngine, post, run_router
 from lmcache_p2p.keys import FingerprintDigest
 from lmcache_p2p.rag import DOCUMENT_FLAG, MAX_DOCUMENTS, DocumentError, document_prompt, hf_tokenize, place_documents
 from lmcache_p2p.request_params import BLEND_PARAM, SEGMENTS_PARAM
-from lmcache_p2p.router.app import Router, RouterConfig
+from lmcache_p2p.router.app import Router
+from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.policy import Policy
 from lmcache_p2p.segments import segment_chunks
 from lmcache_p2p.testing.tiny_model import create_tiny_model

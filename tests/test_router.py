@@ -20,7 +20,8 @@ from aiohttp import web
 from lmcache_p2p.ids import NodeId
 from lmcache_p2p.index.schema import NodeRecord
 from lmcache_p2p.request_params import EXPECT_PARAM
-from lmcache_p2p.router.app import ENGINE_HEADER, Router, RouterConfig, client_session
+from lmcache_p2p.router.app import ENGINE_HEADER, Router, client_session
+from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.engines import Engine, Fleet, FleetSource
 from lmcache_p2p.router.policy import Pending, Policy
 from lmcache_p2p.router.proof import engine_proof

@@ -42,8 +42,10 @@ from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import free_port
 from lmcache_p2p.index.schema import NodeRecord, Schema
 from lmcache_p2p.metrics import AgentMetrics
-from lmcache_p2p.router.app import ENGINE_HEADER, Metrics, Router, RouterConfig, client_session
+from lmcache_p2p.router.app import ENGINE_HEADER, Router, client_session
+from lmcache_p2p.router.config import RouterConfig
 from lmcache_p2p.router.engines import Fleet, FleetSource
+from lmcache_p2p.router.metrics import Metrics
 from lmcache_p2p.router.proof import (
     engine_proof,
     load_transfer_ca,

@@ -134,8 +134,9 @@ async def serve(args: argparse.Namespace, config: Any, static: tuple[tuple[str, 
                 records: Any, key: bytes | None, cluster: str, cas: tuple[Any, ...] = ()) -> None:
     from aiohttp import web
 
-    from ..router.app import Metrics, Router, client_session
+    from ..router.app import Router, client_session
     from ..router.engines import Fleet, FleetSource
+    from ..router.metrics import Metrics
 
     async with client_session() as session:
         metrics = Metrics()
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> int:
     if args.disaggregated and args.engine:
         print(f"{PROG}: --disaggregated takes --prefill-engine and --decode-engine, not --engine", file=sys.stderr)
         return 2
-    from ..router.app import CHUNK_TOKENS, RouterConfig
+    from ..router.config import CHUNK_TOKENS, RouterConfig
 
     try:
         node_config = tool_config(args, PROG, require_endpoints=False) if args.config or args.etcd else None

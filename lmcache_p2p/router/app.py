@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import itertools
 import json
@@ -61,12 +60,14 @@ from typing import Any
 import aiohttp
 import xxhash
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..rag import DOCUMENTS_FIELD, DocumentError, place_documents
 from ..request_params import EXPECT_PARAM
+from .config import MEMORY_PER_BODY_BYTE, RouterConfig
 from .engines import Engine, Fleet
+from .metrics import Metrics
 from .policy import Choice, Pending, Policy
 from .prompts import BadPrompt, Prompts
 
@@ -76,49 +77,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 GET_PATHS = ("/v1/models", "/health", "/metrics", "/router/engines")
 OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers: no API key, never held back by the limit
-MAX_BODY_BYTES = 8 << 20
-# What a routed request's body may cost the router while it is handled, per byte: the body, its parsed JSON
-# (a token id list: a Python int and a list slot per ~6 bytes of text), the body re-encoded for the engine
-# and the tokens for the score. Measured: 62-67 MiB of resident memory per 8 MiB body of token ids (8x); 10x
-# leaves the allocator a fifth more.
-MEMORY_PER_BODY_BYTE = 10
-MAX_MEMORY_BYTES = 1 << 30
 PARSE_INLINE_BYTES = 256 << 10  # larger bodies are parsed off the event loop
-CHUNK_TOKENS = 256
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
 ENGINE_HEADER = "X-LMCache-P2P-Engine"  # on every routed answer: the engine that gave it
-
-
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    policy: str = "score_load"
-    disaggregated: bool = False
-    attempts: int = 3  # engines tried per request before the client gets an error
-    first_byte_timeout_s: float = 60.0  # an engine silent this long (before its first byte) is given up
-    request_timeout_s: float = 600.0  # a whole answer
-    route_timeout_s: float = 0.5  # tokenize + score, each
-    documents_timeout_s: float = 2.0  # placing a request's documents: its /tokenize calls together
-    chunk_tokens: int = CHUNK_TOKENS
-    max_body_bytes: int = MAX_BODY_BYTES  # a request body
-    read_timeout_s: float = 30.0  # a request's headers (and an idle connection), and its body, each
-    max_concurrent: int = 512  # requests in flight (routed and proxied); past it: 503
-    max_memory_bytes: int = MAX_MEMORY_BYTES  # bodies in flight, at MEMORY_PER_BODY_BYTE each; past it: 503
-    api_key: str | None = dataclasses.field(default=None, repr=False)  # clients must present it
-    score_key: str | None = dataclasses.field(default=None, repr=False)  # the agents' score_api_key
-
-    def __post_init__(self) -> None:
-        for name in ("first_byte_timeout_s", "request_timeout_s", "route_timeout_s", "documents_timeout_s",
-                     "read_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0")
-        for name in ("attempts", "max_body_bytes", "max_concurrent"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_memory_bytes < MEMORY_PER_BODY_BYTE * self.max_body_bytes:
-            raise ValueError(f"max_memory_bytes must hold one largest body: at least {MEMORY_PER_BODY_BYTE} x "
-                             f"max_body_bytes ({MEMORY_PER_BODY_BYTE * self.max_body_bytes} bytes)")
-        if self.api_key is not None and not self.api_key.strip():
-            raise ValueError("api_key must not be empty")
 
 
 def client_session() -> aiohttp.ClientSession:
@@ -134,35 +95,6 @@ class UpstreamFailed(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
         self.reason = reason
-
-
-class Metrics:
-    def __init__(self) -> None:
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("lmcache_p2p_router_requests", "requests answered, by engine and outcome",
-                                ["engine", "outcome"], registry=r)
-        self.retries = Counter("lmcache_p2p_router_retries", "requests sent to another engine after one failed "
-                               "before its first byte, by reason", ["reason"], registry=r)
-        self.route_seconds = Histogram("lmcache_p2p_router_route_seconds", "tokenize + score + choice, per "
-                                       "request", registry=r, buckets=(.001, .0025, .005, .01, .025, .05, .1, .25,
-                                                                       .5, 1))
-        self.ttft_seconds = Histogram("lmcache_p2p_router_first_byte_seconds", "request in to the engine's first "
-                                      "byte out (streaming: first token)", registry=r,
-                                      buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
-        self.prefill_seconds = Histogram("lmcache_p2p_router_disagg_prefill_seconds", "disaggregated: the "
-                                         "prefill engine's answer", registry=r,
-                                         buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
-        self.engines = Gauge("lmcache_p2p_router_engines", "engines known, by state", ["state"], registry=r)
-        self.score_failures = Counter("lmcache_p2p_router_score_failures", "tokenize or score calls that failed "
-                                      "or ran out of time (routed without)", ["call"], registry=r)
-        self.documents = Counter("lmcache_p2p_router_documents", "chat requests carrying documents, by outcome: "
-                                 "segments (their spans declared), else why not (prefix reuse only)", ["outcome"],
-                                 registry=r)
-        self.engines_refused = Counter("lmcache_p2p_router_engines_refused", "engines announced in node records "
-                                       "and never contacted, by reason (each record as it stands, once)",
-                                       ["reason"], registry=r)
-        self.refused = Counter("lmcache_p2p_router_refused", "client requests refused by the router's own limits, "
-                               "by reason", ["reason"], registry=r)
 
 
 class Router:

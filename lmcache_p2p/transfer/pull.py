@@ -12,7 +12,7 @@ ranges is one *part* per piece), every group is pulled concurrently over the fir
 pool; the parts that missed are tried on their planned alternative owners, one per round, while the
 deadline allows (peers, and the object store: one more owner, behind its own transport in
 ``sources``); pieces are then concatenated into their chunk, each checked again in the copy
-(a piece changed in memory since it landed is dropped, the chunk recomputed). Metrics (pull
+(a piece changed in memory since it landed is dropped, the chunk recomputed: ``assembly.py``). Metrics (pull
 latency, bytes, outcome per chunk, checksum failures, peer errors) and the per-peer latency
 model are fed here.
 A chunk another load is pulling into the pool already (requests sharing a prefix, arriving together)
@@ -37,15 +37,15 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 
 from ..aio import LoopThread, remaining
-from ..chunk import ChunkHeader, make_header, verify
-from ..errors import ChunkError, LMCacheP2PError, TierError
+from ..errors import LMCacheP2PError, TierError
 from ..estimates import PeerEstimates
 from ..ids import NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import OTHER_PEERS, PER_PEER_SERIES, AgentMetrics
 from ..peers import PeerRecord, compatible
 from ..plan import Piece, PlannedChunk
-from ..tiers.cpu_pool import CpuPool, Pin
+from ..tiers.cpu_pool import CpuPool
+from . import assembly
 from .base import SILENT, MissReason, PullResult, Transport, Want
 from .health import PeerHealth
 
@@ -381,22 +381,11 @@ class Puller:
         pins = [pool.pin(k, self.pin_timeout_s) for k in keys]
         try:
             got = [p for p in pins if p is not None]
-            if len(got) < len(pins):
-                return False
-            per_head = {p.header.length // (p.header.heads[1] - p.header.heads[0]) for p in got}
-            total = sum(p.header.length for p in got)
-            if len(per_head) != 1 or len({p.header.num_tokens for p in got}) != 1 or total > pool.slot_bytes:
-                log.warning("pieces of chunk %s do not fit together; recomputed", chunk.key.hex()[:16])
-                return False
-            if len({p.header.origin for p in got}) != 1:
-                # One engine's ranks share an origin (ids.origin_of); a chunk of several would name nobody,
-                # and the canary and `invalidate --node` would have nobody to hold to it.
-                log.warning("pieces of chunk %s were computed by different engines; recomputed", chunk.key.hex()[:16])
-                self.metrics.mixed_origin_chunks.inc()
+            if len(got) < len(pins) or not assembly.fit(chunk, got, pool.slot_bytes, self.metrics):
                 return False
             reservation = pool.reserve()
             try:
-                header = self._fill(chunk, got, reservation.view)
+                header = assembly.fill(pool, self.fp, chunk, got, reservation.view, self.metrics)
             except BaseException:
                 pool.release(reservation)
                 raise
@@ -432,37 +421,6 @@ class Puller:
                     gone.append(key)
         for key in gone:
             self.pool.remove(key)
-
-    def _fill(self, chunk: PlannedChunk, pieces: list[Pin], view: memoryview) -> ChunkHeader | None:
-        """Copy ``pieces`` into ``view`` and return the chunk's header, or None if a piece's copy does
-        not match that piece's checksum (changed in memory since it was committed; counted).
-
-        The new checksum is computed over the copy *before* the copy is checked against the pieces'
-        own: a byte changed before that check fails it, and one changed after it (the reservation is
-        registered memory too) no longer matches the new checksum, which every later reader checks.
-        Either way no changed byte is vouched for."""
-        starts, offset = [], 0
-        for piece in pieces:
-            n = piece.header.length
-            view[offset : offset + n] = self.pool.slot_view(piece.slot, n)
-            starts.append(offset)
-            offset += n
-        try:
-            header = make_header(chunk.key, self.fp, view[:offset], pieces[0].header.num_tokens,
-                                 min(p.header.epoch for p in pieces), heads=chunk.heads, origin=pieces[0].header.origin)
-        except ChunkError as exc:
-            log.warning("pieces of chunk %s do not make a chunk (%s); recomputed", chunk.key.hex()[:16], exc)
-            return None
-        bad = 0
-        for piece, start in zip(pieces, starts, strict=True):
-            try:
-                verify(piece.header, view[start : start + piece.header.length])
-            except ChunkError as exc:
-                bad += 1
-                log.error("piece %s of chunk %s changed in memory after it was committed; dropped: %s",
-                          piece.header.heads, chunk.key.hex()[:16], exc)
-        self.metrics.checksum_failures.inc(bad)
-        return None if bad else header
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def live_peers(self, nodes: Mapping[NodeId, PeerRecord]) -> set[PeerAddress]:
