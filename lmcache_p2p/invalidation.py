@@ -61,15 +61,8 @@ from .errors import LMCacheP2PError, MalformedRecord
 from .ids import NodeId, origin_of
 from .index.client import EtcdClient, KeyValue, WatchEvent
 from .index.generation import GenerationWatch, cap_epoch, epoch_generation, epoch_revision, make_epoch
-from .index.schema import (
-    INVALIDATION_KINDS,
-    MIN_FP_PREFIX,
-    Invalidation,
-    Rejects,
-    Schema,
-    decode_invalidation,
-    tenant_digest,
-)
+from .index.records import INVALIDATION_KINDS, MIN_FP_PREFIX, Invalidation, decode_invalidation
+from .index.schema import Rejects, Schema, tenant_digest
 from .index.watch import ResumableWatch
 from .keys import ChunkKey, Fingerprint, FingerprintDigest
 

@@ -29,7 +29,8 @@ from lmcache_p2p.config import EtcdConfig
 from lmcache_p2p.index.client import EtcdClient
 from lmcache_p2p.index.etcd_server import EtcdCluster, EtcdServer
 from lmcache_p2p.index.generation import epoch_generation, epoch_revision, make_epoch, settle
-from lmcache_p2p.index.schema import Schema, decode_generation, tenant_digest
+from lmcache_p2p.index.records import decode_generation
+from lmcache_p2p.index.schema import Schema, tenant_digest
 from lmcache_p2p.testing.synthetic import synthetic_payload, synthetic_tokens
 
 JUNK_WRITES = 300

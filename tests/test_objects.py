@@ -32,7 +32,8 @@ from lmcache_p2p.errors import ChunkError, ConfigError, MalformedRecord, ObjectM
 from lmcache_p2p.ids import OBJECTS, TIER_OBJECT, NodeId
 from lmcache_p2p.index.client import op_delete
 from lmcache_p2p.index.quarantine import QuarantineRecord
-from lmcache_p2p.index.schema import ObjectMeta, Schema, decode_object_meta, tenant_digest
+from lmcache_p2p.index.records import ObjectMeta, decode_object_meta
+from lmcache_p2p.index.schema import Schema, tenant_digest
 from lmcache_p2p.invalidation import issue
 from lmcache_p2p.keys import ChunkKey, FingerprintDigest
 from lmcache_p2p.metrics import AgentMetrics

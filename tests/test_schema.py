@@ -14,17 +14,13 @@ from lmcache_p2p.errors import MalformedRecord
 from lmcache_p2p.explain import explain
 from lmcache_p2p.ids import NODE_ID_RE, OBJECTS, TIER_CODES, NodeId, TierCode
 from lmcache_p2p.index.generation import MAX_REVISION, cap_epoch, epoch_generation, epoch_revision, make_epoch
+from lmcache_p2p.index.records import MAX_GENERATION, Generation, Invalidation, decode_generation, decode_invalidation
 from lmcache_p2p.index.schema import (
-    MAX_GENERATION,
-    Generation,
-    Invalidation,
     NodeRecord,
     Rejects,
     Schema,
     Served,
     decode_block_key,
-    decode_generation,
-    decode_invalidation,
     decode_node_key,
     decode_node_record,
     decode_tier,

@@ -35,7 +35,8 @@ from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedRecord
 from ..ids import OBJECTS, origin_of
 from ..index.client import EtcdClient, KeyValue
-from ..index.schema import ObjectMeta, Schema, decode_node_record, decode_object_meta, tenant_digest
+from ..index.records import ObjectMeta, decode_object_meta
+from ..index.schema import Schema, decode_node_record, tenant_digest
 from ..invalidation import Invalidation, issue
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config

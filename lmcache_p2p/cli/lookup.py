@@ -27,7 +27,8 @@ from ..explain import explain, recent_evictions
 from ..ids import NodeId
 from ..index.client import EtcdClient
 from ..index.reader import IndexReader
-from ..index.schema import Schema, decode_invalidation
+from ..index.records import decode_invalidation
+from ..index.schema import Schema
 from ..keys import FingerprintDigest, chunk_keys, chunk_spans
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, read_tokens, tool_config

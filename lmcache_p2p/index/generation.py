@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from ..backoff import jittered
 from ..errors import IndexError_, MalformedRecord
 from .client import EtcdClient, KeyValue, WatchEvent, compare_mod_revision, op_put
-from .schema import MAX_GENERATION, Generation, Rejects, Schema, decode_generation
+from .records import MAX_GENERATION, Generation, decode_generation
+from .schema import Rejects, Schema
 from .watch import ResumableWatch
 
 log = logging.getLogger(__name__)

@@ -56,7 +56,8 @@ from ..config import AgentConfig
 from ..errors import LMCacheP2PError, MalformedChunk, MalformedRecord, ObjectMissing, ObjectStoreError
 from ..ids import OBJECTS, TIER_OBJECT, NodeId, PeerAddress
 from ..index.client import EtcdClient, compare_mod_revision, op_delete, op_put
-from ..index.schema import ObjectMeta, Rejects, Schema, decode_object_meta, tenant_digest
+from ..index.records import ObjectMeta, decode_object_meta
+from ..index.schema import Rejects, Schema, tenant_digest
 from ..keys import ChunkKey, FingerprintDigest
 from ..metrics import AgentMetrics
 from ..transfer.health import PeerHealth

@@ -35,7 +35,7 @@ from ..errors import (
     TransferError,
 )
 from ..ids import NodeId, PeerAddress
-from ..index.schema import decode_object_meta
+from ..index.records import decode_object_meta
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import MissReason, PullResult, Want, wants_of
