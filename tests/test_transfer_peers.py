@@ -234,13 +234,15 @@ def test_an_owner_answering_as_another_node_gets_nothing(requester: Requester, o
 
 
 async def pull_then_signal(client: TcpTransport, o: OwnerProcess, keys: list[ChunkKey], pool: CpuPool,
-                           timeout: float, sig: int, silence_s: float | None = None) -> PullResult:
-    """Pull ``keys`` from ``o`` within ``timeout``, sending ``sig`` to the owner once two chunks landed."""
+                           timeout: float, sig: int, silence_s: float | None = None) -> tuple[PullResult, bool]:
+    """Pull ``keys`` from ``o`` within ``timeout``, sending ``sig`` to the owner once two chunks landed; and
+    whether the pull was still running then (False: it had ended first)."""
     task = asyncio.ensure_future(client.pull(peer_of(o), FP, keys, pool, time.monotonic() + timeout, silence_s))
     while len(pool) < 2 and not task.done():
         await asyncio.sleep(0)
+    under_way = not task.done()
     os.kill(o.pid, sig)
-    return await task
+    return await task, under_way
 
 
 @pytest.mark.parametrize("silence_s", [None, 0.0], ids=["no-share", "a-loads-share"])
@@ -251,26 +253,38 @@ def test_owner_stopped_mid_transfer_tcp(requester: Requester, silence_s: float |
     ``stalled`` (it may still come), not waiting to its deadline (3 s; ``late`` then); resumed, the owner
     finishes and the rest lands (within the 10 s liveness period)."""
     big = 2 << 20
-    pool = CpuPool(big * 66, big)
-    client = TcpTransport(SECRET.encode(), 10.0)
-    with OwnerProcess(SECRET, FP, 64, big, seed=10, transports="tcp") as o:
-        keys = [o.key(i) for i in range(64)]
+    for _ in range(3):
+        pool = CpuPool(big * 66, big)
+        client = TcpTransport(SECRET.encode(), 10.0)
+        with OwnerProcess(SECRET, FP, 64, big, seed=10, transports="tcp") as o:
+            keys = [o.key(i) for i in range(64)]
 
-        start = time.monotonic()
-        result = requester.loop.run(pull_then_signal(client, o, keys, pool, 3.0, signal.SIGSTOP, silence_s), 10)
-        elapsed = time.monotonic() - start
-        assert set(result.missed.values()) == {MissReason.STALLED} and result.late is not None  # not at 3 s
-        # a load's share: twice the ack floor or more; no share: twice a third of the time left (~2 s)
-        assert (2 * ACK_FLOOR_S <= elapsed < 1.0) if silence_s == 0.0 else (1.8 <= elapsed < 3.0), elapsed
-        assert len(result.loaded) + len(result.missed) == 64 and 2 <= len(result.loaded) < 64
-        for key in result.loaded:
-            assert_exact(pool, o, keys.index(key), big)
-        os.kill(o.pid, signal.SIGCONT)
-        late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 10), 15)
-        assert set(result.loaded) | set(late.loaded) == set(keys)
-        for key in late.loaded:
-            assert_exact(pool, o, keys.index(key), big)
-    requester.loop.run(client.close(), 10)
+            start = time.monotonic()
+            result, under_way = requester.loop.run(
+                pull_then_signal(client, o, keys, pool, 3.0, signal.SIGSTOP, silence_s), 10)
+            elapsed = time.monotonic() - start
+            if not under_way:
+                # The owner sent nothing within the silence a load allows (10 ms at a load's share: seen beside
+                # a CPU hog and the suite's other lane, `unanswered` before any chunk landed): its answer never
+                # began, which is the other test's case. Asked again of a fresh owner.
+                assert set(result.missed.values()) == {MissReason.UNANSWERED}, result.missed
+                os.kill(o.pid, signal.SIGCONT)
+                requester.loop.run(client.close(), 10)
+                continue
+            assert set(result.missed.values()) == {MissReason.STALLED} and result.late is not None  # not at 3 s
+            # a load's share: twice the ack floor or more; no share: twice a third of the time left (~2 s)
+            assert (2 * ACK_FLOOR_S <= elapsed < 1.0) if silence_s == 0.0 else (1.8 <= elapsed < 3.0), elapsed
+            assert len(result.loaded) + len(result.missed) == 64 and 2 <= len(result.loaded) < 64
+            for key in result.loaded:
+                assert_exact(pool, o, keys.index(key), big)
+            os.kill(o.pid, signal.SIGCONT)
+            late = requester.loop.run(asyncio.wait_for(asyncio.shield(result.late), 10), 15)
+            assert set(result.loaded) | set(late.loaded) == set(keys)
+            for key in late.loaded:
+                assert_exact(pool, o, keys.index(key), big)
+        requester.loop.run(client.close(), 10)
+        return
+    pytest.fail("three owners in a row sent nothing before the load's silence ran out")
 
 
 def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
@@ -281,7 +295,7 @@ def test_owner_killed_mid_transfer_tcp(requester: Requester) -> None:
         keys = [o.key(i) for i in range(64)]
 
         start = time.monotonic()
-        result = requester.loop.run(pull_then_signal(client, o, keys, pool, 3.0, signal.SIGKILL), 10)
+        result, _ = requester.loop.run(pull_then_signal(client, o, keys, pool, 3.0, signal.SIGKILL), 10)
         assert time.monotonic() - start < 4.0
         # The peer is backed off now (about 2 s): the next pull returns at once, asking nobody. Asked before
         # the checks below: verifying 128 MiB beside the suite's other lane once took longer than the backoff.
