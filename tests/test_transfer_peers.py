@@ -245,6 +245,16 @@ async def pull_then_signal(client: TcpTransport, o: OwnerProcess, keys: list[Chu
     return await task, under_way
 
 
+def stopped_after_a_pull(requester: Requester, transport: str, o: OwnerProcess, n: int) -> list[ChunkKey]:
+    """``o``'s first ``n`` keys, once a pull of the first over ``transport`` opened the connection (and
+    measured the owner), the requester's pool was emptied and ``o`` stopped."""
+    keys = [o.key(i) for i in range(n)]
+    assert requester.pull(transport, peer_of(o), keys[:1]).complete
+    requester.clear()
+    stop_process(o.pid)
+    return keys
+
+
 @pytest.mark.parametrize("silence_s", [None, 0.0], ids=["no-share", "a-loads-share"])
 def test_owner_stopped_mid_transfer_tcp(requester: Requester, silence_s: float | None) -> None:
     """An owner SIGSTOPped once its answer is under way (it acknowledged: alive, then silent): once the
@@ -318,10 +328,7 @@ def test_a_load_gives_up_on_a_stopped_owner_after_its_own_share_of_silence(reque
     third of the time left, not all of it (nor the load's share: a first handshake is slower)."""
     o = owner(12)
     try:
-        keys = [o.key(i) for i in range(N)]
-        assert requester.pull(transport, peer_of(o), keys[:1]).complete  # connection established
-        requester.clear()
-        stop_process(o.pid)
+        keys = stopped_after_a_pull(requester, transport, o, N)
         start = time.monotonic()
         result = requester.pull(transport, peer_of(o), keys, timeout=3.0, silence_s=0.0)
         elapsed = time.monotonic() - start
@@ -369,10 +376,7 @@ def test_hung_then_dead_owner_times_out_cleanly(requester: Requester, transport:
     ends it at once and is backed off. NIXL gives up at the deadline (``timeout``)."""
     o = owner(11)
     try:
-        keys = [o.key(i) for i in range(N)]
-        assert requester.pull(transport, peer_of(o), keys[:1]).complete  # connection established
-        requester.clear()
-        stop_process(o.pid)
+        keys = stopped_after_a_pull(requester, transport, o, N)
         start = time.monotonic()
         result = requester.pull(transport, peer_of(o), keys, timeout=1.0)
         elapsed = time.monotonic() - start
@@ -409,10 +413,7 @@ def test_a_slow_answer_arrives_after_its_load_gave_up_and_the_owner_is_not_backe
     o = owner(13)
     health = requester.clients["tcp"].health
     try:
-        keys = [o.key(i) for i in range(4)]
-        assert requester.pull("tcp", peer_of(o), keys[:1]).complete
-        requester.clear()
-        stop_process(o.pid)
+        keys = stopped_after_a_pull(requester, "tcp", o, 4)
         threading.Timer(0.6, lambda: os.kill(o.pid, signal.SIGCONT)).start()
         result = requester.pull("tcp", peer_of(o), keys, timeout=0.1)
         assert set(result.missed.values()) == {MissReason.UNANSWERED} and result.late is not None
@@ -437,10 +438,7 @@ def test_one_overrun_charges_the_peer_once_not_once_per_pull_on_its_connection(r
     o = owner(12)
     health = requester.clients["tcp"].health
     try:
-        keys = [o.key(i) for i in range(N)]
-        assert requester.pull("tcp", peer_of(o), keys[:1]).complete  # the shared connection is open
-        requester.clear()
-        stop_process(o.pid)
+        keys = stopped_after_a_pull(requester, "tcp", o, N)
         client, now = requester.clients["tcp"], time.monotonic()
 
         async def second() -> PullResult:
