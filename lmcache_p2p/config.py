@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .request_params import SELECTIONS
 
 ENV_PREFIX = "LMCACHE_P2P_"
 CONFIG_ENV = ENV_PREFIX + "CONFIG"  # the config file every process and tool reads when given none
@@ -233,7 +234,9 @@ class BlendConfig:
     blended context (0: plain concatenation; 1: every token, a full prefill's KV), chosen by
     ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
     when recomputed in this context, CacheBlend's; "question": the tokens the rest of the prompt reads
-    most over the blended cache, ProphetKV's and A³'s); ``max_recompute_tokens`` bounds what one blend runs
+    most over the blended cache, ProphetKV's and A³'s; "deviation-gradual", "question-gradual": the same
+    in two rounds, the second scored over the cache the first refreshed, CacheBlend's gradual filtering);
+    ``max_recompute_tokens`` bounds what one blend runs
     through the model (recompute and fresh segments; also never more than vLLM's token budget per
     step): a blend over it is refused and the request is served prefix-only, whatever it asks."""
 
@@ -245,8 +248,7 @@ class BlendConfig:
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.recompute_fraction <= 1.0, "blend.recompute_fraction", "must be in [0, 1]")
-        _check(self.selection in ("first", "deviation", "question"), "blend.selection",
-               "must be 'first', 'deviation' or 'question'")
+        _check(self.selection in SELECTIONS, "blend.selection", "must be one of " + ", ".join(SELECTIONS))
         _check(self.max_recompute_tokens >= 0, "blend.max_recompute_tokens", "must be >= 0")
 
 

@@ -28,7 +28,9 @@ REVISION_PARAM = "lmcache_p2p_index_revision"
 EXPECT_PARAM = "lmcache_p2p_expect_chunks"
 
 MAX_SEGMENTS = 256
-SELECTIONS = ("first", "deviation", "question")  # how a blend picks the tokens it recomputes (segments.py)
+# how a blend picks the tokens it recomputes (segments.py); "-gradual": in two rounds, the second scored over
+# the cache the first refreshed (CacheBlend's gradual filtering)
+SELECTIONS = ("first", "deviation", "question", "deviation-gradual", "question-gradual")
 
 Span = tuple[int, int]
 

@@ -152,12 +152,37 @@ def selection_pass(selection: str, select: int, segments: Sequence[SegmentChunks
                    glue: Sequence[tuple[int, int]], num_layers: int) -> int:
     """What choosing ``select`` of the placed ``segments``' tokens runs through the model, in tokens through
     all of it: nothing when every placed token is selected; the question's ``question`` tokens and the
-    ``glue`` runs once more for "question"; :func:`probe_cost` of the blend's ``span`` for "deviation"."""
+    ``glue`` runs once more for "question"; :func:`probe_cost` of the blend's ``span`` for "deviation".
+    The gradual selections add their second round: "question-gradual" runs the question (and the glue)
+    again after recomputing the first half of its picks, which the final recompute runs once more;
+    "deviation-gradual" runs the first round's ``GRADUAL_WIDEN`` x ``select`` survivors (and the glue)
+    through the first ``gradual_layer`` layers."""
     if not select or select >= sum(seg.end - seg.start - seg.skip for seg in segments):
         return 0
+    glued = sum(e - s for s, e in glue)
     if selection == "question":
-        return question + sum(e - s for s, e in glue)
+        return question + glued
+    if selection == "question-gradual":
+        return 2 * (question + glued) + select // 2
+    if selection == "deviation-gradual":
+        survivors = GRADUAL_WIDEN * select + glued
+        second = math.ceil(survivors * (gradual_layer(num_layers) + 1) / num_layers) if num_layers > 0 else survivors
+        return probe_cost(span, num_layers) + second
     return probe_cost(span, num_layers)
+
+
+GRADUAL_WIDEN = 2  # "deviation-gradual": the first round keeps this many times the budget for the second
+
+
+def gradual_layer(num_layers: int) -> int:
+    """The layer whose keys "deviation-gradual"'s second round compares: a third of the way down (CacheBlend
+    filters layer by layer; one deeper layer is where a token's deviation has had context to build up)."""
+    return max(min(max(DEVIATION_LAYER + 1, num_layers // 3), num_layers - 1), 0)
+
+
+def reads_question(selection: str) -> bool:
+    """Whether ``selection`` runs the rest of the prompt (the question) over the blended cache."""
+    return selection.startswith("question")
 
 
 def probe_cost(span: int, num_layers: int) -> int:
@@ -212,7 +237,7 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
     if not any_held:
         return None
     recompute = merge_runs([(s, min(e, end)) for s, e in runs if s < end])
-    question = prompt_len - end if selection == "question" else 0
+    question = prompt_len - end if reads_question(selection) else 0
     return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers, selection, question)
 
 

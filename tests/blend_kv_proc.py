@@ -114,12 +114,24 @@ def main() -> int:
     # ``count`` positions of the candidates, and layers 0..1 of the span recomputed on the way
     blender.recompute(moved_toks, [(0, 200)], free[3])
     blender.write(seg.clone(), free[3], 200, 200)
-    picked = blender.deviating(moved_toks, free[3], (200, 380), [(200, 380)], 18)
+    picked = blender.deviating(moved_toks, free[3], [(200, 380)], [(200, 380)], 18)
     out["picked"] = sum(e - s for s, e in picked)
     out["picked_inside"] = all(200 <= s < e <= 380 for s, e in picked)
     after = blender.read(free[3], 200, 380, 0)
     out["deviation_layer1_vs_prefill"] = diff(after[1], fresh[1])
     out["deviation_layer2_untouched"] = diff(after[2], moved[2])
+    # CacheBlend's gradual filtering, its second round: the 18 survivors alone through layers 0..2, the 6 whose
+    # layer-2 keys moved most kept; the positions that did not survive and every layer past 2 untouched
+    kept = blender.deviating(moved_toks, free[3], picked, picked, 6, layer=2)
+    again = blender.read(free[3], 200, 380, 0)
+    survived = torch.zeros(180, dtype=torch.bool)
+    for s, e in picked:
+        survived[s - 200:e - 200] = True
+    out["gradual_kept"] = sum(e - s for s, e in kept)
+    out["gradual_inside"] = all(bool(survived[s - 200:e - 200].all()) for s, e in kept)
+    out["gradual_survivors_layer2_moved"] = diff(again[2][:, survived], after[2][:, survived])
+    out["gradual_others_untouched"] = diff(again[:, :, ~survived], after[:, :, ~survived])
+    out["gradual_deeper_untouched"] = diff(again[3:], after[3:])
     print("BLEND_KV " + json.dumps(out), flush=True)
     return 0
 

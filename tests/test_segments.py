@@ -7,7 +7,8 @@ import math
 import pytest
 
 from lmcache_p2p.keys import FingerprintDigest, chunk_keys
-from lmcache_p2p.segments import plan_blend, segment_chunks
+from lmcache_p2p.request_params import SELECTIONS
+from lmcache_p2p.segments import gradual_layer, plan_blend, segment_chunks
 
 ROOT = FingerprintDigest(b"r" * 16)
 C = 256
@@ -86,6 +87,16 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     asked = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question", num_layers=30)
     assert asked is not None and asked.select == picked.select and asked.selection == "question"
     assert asked.question == len(prompt) - asked.end and asked.probe_tokens == asked.question + 256
+    # the gradual selections' second round is charged too: the question (and the glue) asked again after half
+    # the picks are recomputed, those picks recomputed once more at the end ...
+    twice = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question-gradual", num_layers=30)
+    assert twice is not None and twice.select == picked.select and twice.question == asked.question
+    assert twice.probe_tokens == 2 * (asked.question + 256) + picked.select // 2
+    # ... and CacheBlend's: twice the budget (with the glue) through the first third of the layers (0..10)
+    layered = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="deviation-gradual", num_layers=30)
+    assert layered is not None and layered.question == 0
+    assert layered.probe_tokens == picked30.probe_tokens + math.ceil((2 * picked.select + 256) * 11 / 30)
+    assert [gradual_layer(n) for n in (30, 4, 2, 1)] == [10, 2, 1, 0]
     with pytest.raises(ValueError, match="selection"):
         plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="random")
 
@@ -114,6 +125,6 @@ def test_a_selection_of_every_segment_token_runs_no_pass():
     """Fraction 1 selects every placed token: nothing to choose between, so no selection pass is run or charged."""
     prompt, spans = rag(BASE, DOCS)
     segs = segment_chunks(ROOT, prompt, spans, C)
-    for selection in ("deviation", "question"):
+    for selection in SELECTIONS[1:]:
         every = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0, selection=selection, num_layers=30)
         assert every is not None and every.select == spans[-1][1] - 256 and every.probe_tokens == 0

@@ -164,8 +164,9 @@ def test_blending_machinery_against_the_engines_own_prefill():
     run or several; keys turned to position 0 and back are the bytes they were; a segment moved to another
     position equals a prefill there at layer 0 (nothing attends before its K/V); a fresh segment computed
     after the base alone has the same bytes whatever text preceded it in the request (a prefill of base +
-    segment's); CacheBlend's selection picks what it is asked, recomputing layers 0..1 on the way; the
-    question selection's probe is a recompute of the question that writes nothing."""
+    segment's); CacheBlend's selection picks what it is asked, recomputing layers 0..1 on the way (its gradual
+    round: the survivors alone, to a deeper layer); the question selection's probe is a recompute of the
+    question that writes nothing."""
     proc = subprocess.run([sys.executable, str(BLEND_KV), str(trained_model_path())], capture_output=True,
                           text=True, timeout=600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("BLEND_KV ")), None)
@@ -177,6 +178,10 @@ def test_blending_machinery_against_the_engines_own_prefill():
     assert got["fresh_same_bytes"] and got["fresh_vs_prefill"] <= 1e-4 * got["scale"]
     assert got["picked"] == 18 and got["picked_inside"]
     assert got["deviation_layer1_vs_prefill"] <= 1e-4 * got["scale"] and got["deviation_layer2_untouched"] == 0.0
+    # gradual filtering's second round: picks among the survivors only, its pass through their layers 0..2 alone
+    assert got["gradual_kept"] == 6 and got["gradual_inside"], got
+    assert got["gradual_survivors_layer2_moved"] > 0.0 and got["gradual_others_untouched"] == 0.0
+    assert got["gradual_deeper_untouched"] == 0.0
     assert got["split_vs_one_run"] <= 1e-4 and got["three_runs_vs_one_run"] <= 1e-4
     assert got["next_token"][0] == got["next_token"][1] and got["next_logprob_diff"] < 1e-3
     assert got["round_trip"] <= 1e-4 * got["scale"]

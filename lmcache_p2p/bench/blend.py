@@ -11,7 +11,9 @@ alone, and save them). Engine B (same mesh) then gets the same document sets, ea
 
     blend f=F [deviation]  segments declared, recompute fraction F (each of ``--fractions``; 0 is plain
                    concatenation, the lower bound that shows what the recompute buys), its tokens chosen
-                   by each of ``--selections`` (first: each document's first tokens; deviation: CacheBlend's)
+                   by each of ``--selections`` (first: each document's first tokens; deviation: CacheBlend's;
+                   question: what the question reads over the blended cache; ``-gradual``: in two rounds,
+                   the second scored over the cache the first refreshed, CacheBlend's gradual filtering)
     prefix-only    no segments declared: today's reuse, the exact prefix (the base)
 
 and a plain vLLM engine (no connector) computes the same prompts: ``full`` prefill, the reference.

@@ -216,10 +216,11 @@ class Blender:
         self.recompute(token_ids, [(base_end, len(token_ids))], scratch)
         return self.read(scratch, base_end, len(token_ids), base_end)
 
-    def deviating(self, token_ids: list[int], block_ids: list[int], span: tuple[int, int],
+    def deviating(self, token_ids: list[int], block_ids: list[int], passes: list[tuple[int, int]],
                   candidates: list[tuple[int, int]], count: int, layer: int = DEVIATION_LAYER) -> list[tuple[int, int]]:
         """CacheBlend's selection: the ``count`` positions of ``candidates`` whose layer-``layer`` keys move
-        most when recomputed over the blended cache. Layers ``0..layer`` of every position in ``span``
+        most when recomputed over the blended cache. Layers ``0..layer`` of every position in ``passes``
+        (sorted runs covering the candidates: the blend's span, or a first round's survivors with the glue)
         are recomputed on the way (layer 0's keys never depend on context: the first that can move is
         layer 1), and keep their new KV. Returns the picked positions as sorted runs."""
         inner = getattr(self._runner.model, "model", None)
@@ -227,12 +228,14 @@ class Blender:
             raise ValueError("the model exposes no end_layer: deviation selection can't stop after a layer")
         if count <= 0 or not candidates:
             return []
+        if not 0 < layer < self.num_layers:
+            raise ValueError(f"deviation at layer {layer}: the model has {self.num_layers}")
         pos = torch.cat([torch.arange(s, e) for s, e in candidates])
         before = self._keys_at(layer, block_ids, pos).float()
         end_layer = inner.end_layer
         inner.end_layer = inner.start_layer + layer + 1
         try:
-            self.recompute(token_ids, [span], block_ids)
+            self.recompute(token_ids, passes, block_ids)
         finally:
             inner.end_layer = end_layer
         moved = torch.zeros(max(e for _, e in candidates))

@@ -64,7 +64,7 @@ from ...keys import (
 from ...peers import compatible
 from ...plan import miss_reason
 from ...request_params import CANARY_PARAM, REVISION_PARAM, RequestParams
-from ...segments import BlendPlan, BlendTransfer, SegmentChunks
+from ...segments import BlendPlan, BlendTransfer, SegmentChunks, reads_question
 from ..freshness import Freshness
 from .admission import Admission
 from .blend_planning import BlendPlanning
@@ -378,7 +378,7 @@ class P2PScheduler:
                         [blend.end] + [seg.start + seg.length for seg in blend.segments if seg.fresh])], block_ids,
                     max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
                     index_revision=revision, deadline=deadline, selection=blend.selection,
-                    question=prompt[blend.end:] if blend.selection == "question" else []))
+                    question=prompt[blend.end:] if reads_question(blend.selection) else []))
                 self._admission.remember_saved(ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys)
                 record.blended = True
             else:
