@@ -23,6 +23,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "chat"): ("lmcache_p2p.bench.chat:main", "a chat across 2 vLLM engines: reuse, TTFT per turn"),
     ("bench", "blend"): ("lmcache_p2p.bench.blend:main",
                          "RAG documents in another order on 2 vLLM engines: reuse, TTFT, quality"),
+    ("bench", "selection"): ("lmcache_p2p.bench.selection:main",
+                             "the blend's selections on one engine in-process: graded answers, KL, many prompts"),
     ("bench", "serve"): ("lmcache_p2p.bench.serve:main",
                          "a fleet of vLLM engines under load from vLLM's own client: mesh, vLLM alone, LMCache"),
     ("bench", "scale"): ("lmcache_p2p.bench.scale:main",

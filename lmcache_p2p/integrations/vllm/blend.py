@@ -36,8 +36,8 @@ from typing import Any
 import torch
 
 from ...kernels.rope import RopeSpec, rerotate_, rope_spec
-from ...segments import DEVIATION_LAYER
-from ...selection import top_runs
+from ...segments import DEVIATION_LAYER, GRADUAL_WIDEN, gradual_layer, merge_runs, reads_question, subtract_runs
+from ...selection import question_runs, top_runs
 from .key_layout import TokenOrder, find_token_order, self_test
 from .probe import engine_isa
 
@@ -347,3 +347,33 @@ class Blender:
                 {n: metadata for n in self._names}, runner.vllm_config, num_tokens=len(pos),
                 slot_mapping={n: slots for n in self._names}, skip_compiled=True):
             return runner.model(input_ids=ids, positions=pos)
+
+
+def select(blender: Blender, selection: str, token_ids: list[int], block_ids: list[int], span: tuple[int, int],
+           glue: list[tuple[int, int]], candidates: list[tuple[int, int]], count: int,
+           question: list[int]) -> list[tuple[int, int]]:
+    """``count`` of the ``candidates`` (placed segment tokens of the blend's ``span``), picked by ``selection``
+    over the blended cache (``glue``: the runs recomputed anyway; ``question``: the prompt after the span).
+    The gradual selections pick in two rounds, the second scored over the cache the first refreshed:
+    "question-gradual" recomputes the question's first half of picks and asks the question again;
+    "deviation-gradual" (CacheBlend's gradual filtering) keeps ``GRADUAL_WIDEN`` x ``count`` by layer-1
+    deviation, runs those (with the glue) through the first :func:`~lmcache_p2p.segments.gradual_layer`
+    layers and keeps the ``count`` whose keys moved most there. The worker's blends and ``bench selection``
+    both pick here."""
+    if reads_question(selection):
+        rounds = 2 if selection.endswith("-gradual") else 1
+        picked: list[tuple[int, int]] = []
+        for r in range(rounds):
+            # the glue (and earlier picks) in place: the question reads them
+            blender.recompute(token_ids, merge_runs(glue + picked), block_ids)
+            read, _ = blender.question_attention(question, span[1], block_ids)
+            want = (count - sum(e - s for s, e in picked)) // (rounds - r)
+            picked = merge_runs(picked + question_runs(read, subtract_runs(candidates, picked), want))
+        return picked
+    if selection == "deviation-gradual":
+        wide = blender.deviating(token_ids, block_ids, [span], candidates, GRADUAL_WIDEN * count)
+        layer = gradual_layer(blender.num_layers)
+        return blender.deviating(token_ids, block_ids, merge_runs(glue + wide), wide, count, layer)
+    if selection != "deviation":
+        raise ValueError(f"selection {selection!r}: the worker picks for deviation and question selections only")
+    return blender.deviating(token_ids, block_ids, [span], candidates, count)

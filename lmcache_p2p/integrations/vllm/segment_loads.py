@@ -24,19 +24,8 @@ from ...agent import CacheAgent
 from ...aio import remaining
 from ...blocks import blocks_from
 from ...keys import ChunkKey
-from ...segments import (
-    GRADUAL_WIDEN,
-    KV_ERROR_ENV,
-    BlendTransfer,
-    SegmentChunks,
-    gradual_layer,
-    merge_runs,
-    reads_question,
-    selection_pass,
-    subtract_runs,
-)
-from ...selection import question_runs
-from .blend import Blender
+from ...segments import KV_ERROR_ENV, BlendTransfer, SegmentChunks, merge_runs, selection_pass, subtract_runs
+from .blend import Blender, select
 from .exact_loads import ExactLoads, load_deadline, wait_for_index
 from .saves import Saves
 
@@ -189,7 +178,8 @@ class SegmentLoads:
             if t.select >= sum(e - s for s, e in candidates):
                 runs += candidates  # every candidate: nothing to select between (no pass run)
             else:
-                runs += self._select(t, merge_runs(runs), candidates)
+                runs += select(blender, t.selection, t.token_ids, t.block_ids, (t.exact_end, t.end), merge_runs(runs),
+                               candidates, t.select, t.question)
         runs = merge_runs(runs)
         blender.recompute(t.token_ids, runs, t.block_ids)
         path = os.environ.get(KV_ERROR_ENV)
@@ -198,33 +188,6 @@ class SegmentLoads:
             with open(path, "a") as f:
                 f.write(json.dumps({"request": t.req_id, "span": [t.exact_end, t.end], "selection": t.selection,
                                     "recomputed": sum(e - s for s, e in runs), "runs": runs, **error}) + "\n")
-
-    def _select(self, t: BlendTransfer, glue: list[tuple[int, int]],
-                candidates: list[tuple[int, int]]) -> list[tuple[int, int]]:
-        """``t.select`` of the ``candidates`` (placed segment tokens), picked by ``t.selection`` over the blended
-        cache (``glue``: the runs recomputed anyway). The gradual selections pick in two rounds, the second
-        scored over the cache the first refreshed: "question-gradual" recomputes the question's first half
-        of picks and asks the question again; "deviation-gradual" (CacheBlend's gradual filtering) keeps
-        ``GRADUAL_WIDEN`` x the budget by layer-1 deviation, runs those (with the glue) through the first
-        :func:`~lmcache_p2p.segments.gradual_layer` layers and keeps the budget whose keys moved most there."""
-        assert self.blender is not None
-        blender = self.blender
-        if reads_question(t.selection):
-            rounds = 2 if t.selection.endswith("-gradual") else 1
-            picked: list[tuple[int, int]] = []
-            for r in range(rounds):
-                # the glue (and earlier picks) in place: the question reads them
-                blender.recompute(t.token_ids, merge_runs(glue + picked), t.block_ids)
-                read, _ = blender.question_attention(t.question, t.end, t.block_ids)
-                want = (t.select - sum(e - s for s, e in picked)) // (rounds - r)
-                picked = merge_runs(picked + question_runs(read, subtract_runs(candidates, picked), want))
-            return picked
-        span = [(t.exact_end, t.end)]
-        if t.selection == "deviation-gradual":
-            wide = blender.deviating(t.token_ids, t.block_ids, span, candidates, GRADUAL_WIDEN * t.select)
-            layer = gradual_layer(blender.num_layers)
-            return blender.deviating(t.token_ids, t.block_ids, merge_runs(glue + wide), wide, t.select, layer)
-        return blender.deviating(t.token_ids, t.block_ids, span, candidates, t.select)
 
     def _fresh(self, t: BlendTransfer, fresh: list[SegmentChunks]) -> tuple[list[tuple[torch.Tensor, int, int]],
                                                                                list[tuple[int, int]]]:
