@@ -235,7 +235,8 @@ class BlendConfig:
     ``selection`` ("first": each segment's first tokens; "deviation": the tokens whose keys move most
     when recomputed in this context, CacheBlend's; "question": the tokens the rest of the prompt reads
     most over the blended cache, ProphetKV's and A³'s; "deviation-gradual", "question-gradual": the same
-    in two rounds, the second scored over the cache the first refreshed, CacheBlend's gradual filtering);
+    in two rounds, the second scored over the cache the first refreshed, CacheBlend's gradual filtering;
+    "question-heads": the question's reads per head, a position scored by its largest share of any head's);
     ``max_recompute_tokens`` bounds what one blend runs
     through the model (recompute and fresh segments; also never more than vLLM's token budget per
     step): a blend over it is refused and the request is served prefix-only, whatever it asks."""

@@ -29,8 +29,9 @@ EXPECT_PARAM = "lmcache_p2p_expect_chunks"
 
 MAX_SEGMENTS = 256
 # how a blend picks the tokens it recomputes (segments.py); "-gradual": in two rounds, the second scored over
-# the cache the first refreshed (CacheBlend's gradual filtering)
-SELECTIONS = ("first", "deviation", "question", "deviation-gradual", "question-gradual")
+# the cache the first refreshed (CacheBlend's gradual filtering); "question-heads": the question's reads per
+# head, a position scored by its largest share of any head's
+SELECTIONS = ("first", "deviation", "question", "deviation-gradual", "question-gradual", "question-heads")
 
 Span = tuple[int, int]
 

@@ -160,7 +160,7 @@ def selection_pass(selection: str, select: int, segments: Sequence[SegmentChunks
     if not select or select >= sum(seg.end - seg.start - seg.skip for seg in segments):
         return 0
     glued = sum(e - s for s, e in glue)
-    if selection == "question":
+    if selection in ("question", "question-heads"):
         return question + glued
     if selection == "question-gradual":
         return 2 * (question + glued) + select // 2

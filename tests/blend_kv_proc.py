@@ -65,6 +65,9 @@ def main() -> int:
     computed = blender.recompute(toks + question, [(300, 320)], free[1])
     out["probe_vs_recompute"] = diff(probed, computed)
     out["probe_read"] = [float(read.sum()), float(read.min()), len(read)]
+    # read per head (question-heads): each head's share of what it reads in [100, 300), the largest per position
+    heads, _ = blender.question_attention(question, 300, free[1], heads_from=100)
+    out["probe_heads"] = [float(heads[100:].max()), float(heads[100:].min()), float(heads[100:].sum())]
     out["probe_bound"] = 20 * layers[next(iter(caches))].num_heads * (len(caches) - 2)
     # the blend diagnostic: a cache against its own full prefill is no error, and is given back as it was
     errors = blender.kv_error(toks, free[1], (100, 300), [(100, 150)])

@@ -87,6 +87,8 @@ def test_plan_blend_extends_the_exact_prefix_over_held_segments():
     asked = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question", num_layers=30)
     assert asked is not None and asked.select == picked.select and asked.selection == "question"
     assert asked.question == len(prompt) - asked.end and asked.probe_tokens == asked.question + 256
+    heads = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question-heads", num_layers=30)
+    assert heads is not None and heads.question == asked.question and heads.probe_tokens == asked.probe_tokens
     # the gradual selections' second round is charged too: the question (and the glue) asked again after half
     # the picks are recomputed, those picks recomputed once more at the end ...
     twice = plan_blend(segs, 0, len(prompt), lambda keys: True, 0.1, selection="question-gradual", num_layers=30)

@@ -192,5 +192,9 @@ def test_blending_machinery_against_the_engines_own_prefill():
     assert got["probe_wrote_nothing"] == 0.0 and got["probe_vs_recompute"] <= 1e-3, got
     total, least, positions = got["probe_read"]
     assert positions == 300 and least >= 0.0 and 0.0 < total <= got["probe_bound"]
+    # per head: shares of each head's reads over [100, 300), so each position's largest share is in (0, 1], and
+    # together they cover at least one head's whole read (a share of 1 spread over the positions)
+    most, fewest, summed = got["probe_heads"]
+    assert 0.0 < most <= 1.0 + 1e-5 and fewest >= 0.0 and summed >= 1.0 - 1e-5, got["probe_heads"]
     # the KV diagnostic of bench blend --kv-error: a full prefill against itself, and the cache given back
     assert got["kv_error_self"] <= 1e-5 and got["kv_error_restored"] == 0.0

@@ -271,13 +271,17 @@ class Blender:
         return out
 
     def question_attention(self, question: list[int], start: int, block_ids: list[int],
-                           first_layer: int = QUESTION_FIRST_LAYER) -> tuple[torch.Tensor, Any]:
+                           first_layer: int = QUESTION_FIRST_LAYER,
+                           heads_from: int | None = None) -> tuple[torch.Tensor, Any]:
         """How much the question (``question``, at positions ``start ..``) reads each position ``[0, start)`` of
         the blended cache: its attention probabilities there, summed over its tokens, its heads and the layers
         from ``first_layer`` on, ``(start,)`` float32. The question runs through the engine's own model over
         the blended cache with each attention layer's call answered here (the cache read, the question's own
         keys and values appended under a causal mask, softmax in float32): nothing is written to the cache,
         and the question needs no blocks of its own. ProphetKV's and A³'s signal for what to recompute.
+        With ``heads_from``, each head's reads (summed over the question's tokens) are taken as shares of what
+        it reads in ``[heads_from, start)`` and a position scores its largest share in any head of those
+        layers: a head that looks things up counts as much as one that reads the nearest words.
         Returns that and the model's output for the question (what :meth:`recompute` of it would return)."""
         from vllm.forward_context import set_forward_context
 
@@ -301,8 +305,12 @@ class Blender:
             scores = torch.einsum("thd,shd->hts", q, keys.repeat_interleave(group, dim=1)) * scale
             scores[:, :, start:].masked_fill_(~causal, float("-inf"))
             probs = scores.softmax(dim=-1)
-            if i >= first_layer:
+            if i >= first_layer and heads_from is None:
                 read.add_(probs[:, :, :start].sum(dim=(0, 1)))
+            elif i >= first_layer:
+                per_head = probs[:, :, :start].sum(dim=1)
+                per_head /= per_head[:, heads_from:].sum(dim=1, keepdim=True).clamp_min(1e-12)
+                torch.maximum(read, per_head.max(dim=0).values, out=read)
             out = torch.einsum("hts,shd->thd", probs, values.repeat_interleave(group, dim=1))
             return out.reshape(n, heads * size).to(query.dtype)
 
@@ -356,17 +364,19 @@ def select(blender: Blender, selection: str, token_ids: list[int], block_ids: li
     over the blended cache (``glue``: the runs recomputed anyway; ``question``: the prompt after the span).
     The gradual selections pick in two rounds, the second scored over the cache the first refreshed:
     "question-gradual" recomputes the question's first half of picks and asks the question again;
+    "question-heads" scores a position by its largest share of any head's reads over the span;
     "deviation-gradual" (CacheBlend's gradual filtering) keeps ``GRADUAL_WIDEN`` x ``count`` by layer-1
     deviation, runs those (with the glue) through the first :func:`~lmcache_p2p.segments.gradual_layer`
     layers and keeps the ``count`` whose keys moved most there. The worker's blends and ``bench selection``
     both pick here."""
     if reads_question(selection):
         rounds = 2 if selection.endswith("-gradual") else 1
+        heads_from = span[0] if selection == "question-heads" else None
         picked: list[tuple[int, int]] = []
         for r in range(rounds):
             # the glue (and earlier picks) in place: the question reads them
             blender.recompute(token_ids, merge_runs(glue + picked), block_ids)
-            read, _ = blender.question_attention(question, span[1], block_ids)
+            read, _ = blender.question_attention(question, span[1], block_ids, heads_from=heads_from)
             want = (count - sum(e - s for s, e in picked)) // (rounds - r)
             picked = merge_runs(picked + question_runs(read, subtract_runs(candidates, picked), want))
         return picked
