@@ -244,7 +244,7 @@ class BlendConfig:
     enabled: bool = True
     by_default: bool = False
     recompute_fraction: float = 0.3
-    selection: str = "question"
+    selection: str = "question-heads"
     max_recompute_tokens: int = 4096
 
     def __post_init__(self) -> None:

@@ -10,8 +10,8 @@ saves its first document; the others are computed fresh by the next blend, after
 then another order with a blend at fraction 1 (the base computed first, every document token
 recomputed over the blended cache), whose answer must equal the same engine's answer to that prompt
 without segments (a prefill, or an exact prefix of one). Then each second order with the question
-selection at 10 % (in a third order): 10 % of each document recomputed, inside the documents (the blend
-diagnostic of ``bench blend --kv-error`` names the runs recomputed).
+selection at 10 % (in a third order; the default, ``question-heads``): 10 % of each document recomputed, inside
+the documents (the blend diagnostic of ``bench blend --kv-error`` names the runs recomputed).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ if importlib.util.find_spec("vllm") is None:
 from vllm_helpers import node_records, scrape, write_agent_config  # noqa: E402
 
 from lmcache_p2p.bench.rag_task import RagTask  # noqa: E402
+from lmcache_p2p.config import BlendConfig  # noqa: E402
 from lmcache_p2p.segments import KV_ERROR_ENV  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
 from lmcache_p2p.testing.instruct_model import instruct_model_path  # noqa: E402
@@ -65,7 +66,7 @@ def test_a_blend_at_fraction_one_answers_as_a_full_prefill_on_the_real_model(etc
             full = ask(second.tokens, None)  # a prefill (at most an exact prefix of one another set computed)
             assert blended["tokens"] == full["tokens"], (tokenizer.decode(blended["tokens"]),
                                                          tokenizer.decode(full["tokens"]))
-        # the question selection at 10 %, each set in a third order (the second's was computed in full above: an
+        # the default selection at 10 %, each set in a third order (the second's was computed in full above: an
         # exact prefix now, nothing to blend): the question runs over the blended cache and the positions it
         # reads most are recomputed, 10 % of each document's tokens, all inside the documents (the diagnostic
         # file names the runs: KV_ERROR_ENV). Where they fall is not asserted: on these three prompts the one-
@@ -77,11 +78,11 @@ def test_a_blend_at_fraction_one_answers_as_a_full_prefill_on_the_real_model(etc
             third = task.prompt(order, second.question)
             lines = len(kv_file.read_text().splitlines())
             ask(third.tokens, {"lmcache_p2p_segments": third.spans, "lmcache_p2p_blend": True,
-                               "lmcache_p2p_recompute_fraction": 0.1, "lmcache_p2p_blend_selection": "question"})
+                               "lmcache_p2p_recompute_fraction": 0.1})
             written = kv_file.read_text().splitlines()
             assert len(written) == lines + 1  # this prompt was blended
             line = json.loads(written[-1])
-            assert line["selection"] == "question"
+            assert line["selection"] == BlendConfig().selection == "question-heads"  # the default
             candidates = {p for a, b in third.spans for p in range(max(a, line["span"][0]), b)}
             recomputed = [p for s, e in line["runs"] for p in range(s, e) if p >= line["span"][0]]
             picked = [p for p in recomputed if p in candidates]
