@@ -363,7 +363,9 @@ def test_a_load_gives_up_on_a_stopped_owner_after_its_own_share_of_silence(reque
                                                 0.0), 10)
         elapsed = time.monotonic() - start
         assert set(result.missed.values()) == {MissReason.TIMEOUT}
-        assert 0.9 <= elapsed < 1.8, elapsed  # a third of the time left; the whole deadline before
+        # a third of the time left (1 s), not the whole 3 s deadline as before. The room above the third is a
+        # loaded host's: beside a CPU hog and the engine lane this took 2.47 s once (AVX2 host, December 7)
+        assert 0.9 <= elapsed < 2.9, elapsed
     finally:
         o.kill()
 
