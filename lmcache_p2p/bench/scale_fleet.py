@@ -159,11 +159,7 @@ class Watchers:
                     self.events += len(batch.events)
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                task.result(10)
+        cancel_all(self._tasks)
 
 
 class Lookups:
@@ -202,11 +198,16 @@ class Lookups:
                 await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(BaseException):
-                task.result(10)
+        cancel_all(self._tasks)
+
+
+def cancel_all(tasks: list[Any]) -> None:
+    """Cancel the loop-thread tasks (concurrent futures) of a phase and wait for each to end."""
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            task.result(10)
 
 
 class Workers:
