@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -95,3 +95,29 @@ def trained_model() -> Path:
     """The tiny Llama trained on stdlib text: built once per machine (minutes) in the user's cache
     directory (``$LMCACHE_P2P_MODEL_CACHE`` to move it), reused by every later run."""
     return trained_model_path()
+
+
+ENGINE_LOG_LINES = 60  # of each log's lmcache-p2p lines, attached to a failed test's report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item,
+                               call: pytest.CallInfo[None]) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries the last lmcache-p2p lines of every ``*.log`` under this run's temporary
+    directory written while it ran (the engines' and agents' logs): CI keeps only what pytest prints, and a
+    failure beside a busy engine lane is seldom reproduced on demand."""
+    report = yield
+    if not report.failed or call.when == "teardown":
+        return report
+    base = item.config._tmp_path_factory.getbasetemp()  # type: ignore[attr-defined]
+    for log in sorted(base.rglob("*.log")):
+        try:
+            if log.stat().st_mtime < call.start:
+                continue
+            lines = [line for line in log.read_text(errors="replace").splitlines() if "lmcache" in line]
+        except OSError:
+            continue
+        if lines:
+            report.sections.append((f"lmcache-p2p lines of {log.relative_to(base)}",
+                                    "\n".join(lines[-ENGINE_LOG_LINES:])))
+    return report
