@@ -35,7 +35,6 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from .blocks import ChunkTransfer
 from .keys import FingerprintDigest, chunk_keys, chunk_spans, segment_root
 from .request_params import SELECTIONS
 
@@ -55,41 +54,6 @@ class SegmentChunks:
     @property
     def length(self) -> int:
         return sum(self.num_tokens)
-
-
-@dataclasses.dataclass(slots=True)
-class SegmentSave:
-    """Save the segments of a request that computed its prompt (from its blocks)."""
-
-    req_id: str
-    segments: list[SegmentChunks]
-    block_ids: list[int]
-
-
-@dataclasses.dataclass(slots=True)
-class BlendTransfer:
-    """A blended load: the exact prefix chunks, then segment chunks moved into place, then the
-    recompute runs; the worker reports blocks of ``[exact_end, end)`` (all of them) when any part fails."""
-
-    req_id: str
-    exact: ChunkTransfer | None
-    segments: list[SegmentChunks]
-    recompute: list[tuple[int, int]]
-    token_ids: list[int]  # the prompt up to ``end`` (the recompute runs' inputs)
-    block_ids: list[int]  # the request's blocks
-    exact_end: int
-    end: int
-    base_end: int = 0  # where the first declared segment starts (fresh segments are computed after the base)
-    select: int = 0  # selection "deviation" or "question": segment tokens the worker picks
-    sync: bool = False
-    index_revision: int = 0
-    deadline: float = 0.0
-    selection: str = "first"  # how the worker picks ``select`` tokens: "deviation" or "question"
-    question: list[int] = dataclasses.field(default_factory=list)  # the prompt after ``end`` ("question")
-
-    def blocks(self, block_size: int) -> set[int]:
-        """The blocks the blend fills (recomputed by the engine when it fails)."""
-        return set(self.block_ids[self.exact_end // block_size: -(-self.end // block_size)])
 
 
 @dataclasses.dataclass(slots=True)

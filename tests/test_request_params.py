@@ -50,11 +50,11 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
 def main() -> None:
     import types
 
-    from lmcache_p2p.blocks import ChunkTransfer
     from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig, TierConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
     from lmcache_p2p.testing.vllm_requests import StepClock, empty_step, fake_request
+    from lmcache_p2p.transfers import ChunkTransfer
 
     cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from lmcache_p2p.blocks import blocks_from, chunk_transfer
 from lmcache_p2p.keys import ChunkKey
+from lmcache_p2p.transfers import blocks_from, chunk_transfer
 
 KEYS = [ChunkKey(bytes([i]) * 16) for i in range(5)]
 BLOCKS = list(range(100, 109))  # 1,100 tokens in blocks of 128: 9 blocks

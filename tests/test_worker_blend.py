@@ -75,7 +75,8 @@ def test_blends_are_counted_and_reported_by_how_far_their_segments_loaded() -> N
 def main() -> None:
     from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
     from lmcache_p2p.integrations.vllm.worker import P2PWorker
-    from lmcache_p2p.segments import BlendTransfer, SegmentChunks
+    from lmcache_p2p.segments import SegmentChunks
+    from lmcache_p2p.transfers import BlendTransfer
 
     config = load_config(env={}, overrides={"tiers.cpu_capacity": 8 * 16 * BLOCK_BYTES, "node_id": "w"})
     chunk, per = config.chunk_size, config.chunk_size // BLOCK
@@ -151,7 +152,7 @@ def main() -> None:
 
         # a blend with an exact prefix that fails before that prefix is in place (no blender on this
         # worker; the exact load raising) reports the prefix's blocks too: nothing claimed goes unreported
-        from lmcache_p2p.blocks import chunk_transfer
+        from lmcache_p2p.transfers import chunk_transfer
 
         prefix_blocks = list(range(100, 100 + per))
         for case in ("no-blender", "exact-raises"):

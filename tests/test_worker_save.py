@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from lmcache_p2p.agent import CacheAgent
-from lmcache_p2p.blocks import ChunkTransfer
 from lmcache_p2p.config import load_config
 from lmcache_p2p.keys import ChunkKey, Fingerprint
 from lmcache_p2p.testing.memory_index import MemoryIndex, MemoryMesh
+from lmcache_p2p.transfers import ChunkTransfer
 
 BLOCK, BLOCK_BYTES = 16, 64
 
@@ -160,9 +160,9 @@ def failed_sync_load() -> None:
 
 
 def layout_refused() -> None:
-    from lmcache_p2p.blocks import blocks_from
     from lmcache_p2p.integrations.vllm.metadata import LMCacheP2PMetadata
     from lmcache_p2p.integrations.vllm.worker import P2PWorker
+    from lmcache_p2p.transfers import blocks_from
 
     config = load_config(env={}, overrides={"node_id": "w"})  # layout vllm-cpu: head-major blocks
     worker = P2PWorker(config, Fingerprint.of(config.layout), BLOCK)

@@ -20,8 +20,8 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterable
 
-from ...blocks import ChunkTransfer
 from ...keys import ChunkKey
+from ...transfers import ChunkTransfer
 
 SAVED_KEYS_MAX = 65536  # chunks this engine saved, remembered for lookups while etcd is unreachable
 SIGHTINGS_MAX = 65536  # chunk keys whose prompt sightings are counted (tiers.save_after_sightings > 1)

@@ -16,10 +16,10 @@ import torch
 
 from ... import cputime
 from ...aio import unpin_thread
-from ...blocks import ChunkTransfer
 from ...canary import Canary
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey
+from ...transfers import ChunkTransfer
 
 log = logging.getLogger(__name__)
 CANARY_MAX_PENDING = 4  # canary checks waiting for the canary thread (the references are held in memory)

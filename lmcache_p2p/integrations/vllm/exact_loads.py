@@ -1,7 +1,7 @@
 """Exact prefix loads on the worker side: a hit's chunks into the request's blocks.
 
-    plan (this rank's mirror) -> the agent's Loader (budget, pulls until the deadline, pinned verified
-    slots) -> a private verified copy of each -> scattered into the engine's blocks
+    the load skeleton (``staged_loads.py``: plan, the agent's Loader, a private verified copy of each
+    chunk) -> scattered into the engine's blocks
 
 A chunk that fails, and every later one, is returned by block id: vLLM recomputes them (fail closed).
 """
@@ -14,37 +14,13 @@ import time
 import torch
 
 from ...agent import CacheAgent
-from ...blocks import ChunkTransfer, blocks_from
-from ...ids import OBJECTS
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey
 from ...plan import LOCAL
-from ...segments import BlendTransfer
+from ...transfers import ChunkTransfer, blocks_from
+from .staged_loads import staged_chunks
 
 log = logging.getLogger(__name__)
-INDEX_WAIT_S = 0.5  # at most, per load, for this rank's mirror to reach the scheduler's (one event behind)
-
-
-def load_deadline(agent: CacheAgent, t: ChunkTransfer | BlendTransfer) -> float:
-    """The load's absolute deadline, set by the scheduler side when it offered the hit (one host, one
-    monotonic clock); never more than ``transfer.timeout_s`` from now (a rank on another host, whose
-    clock differs, or a transfer from an older scheduler without one)."""
-    latest = time.monotonic() + agent.config.transfer.timeout_s
-    return latest if t.deadline <= 0 else min(t.deadline, latest)
-
-
-def wait_for_index(agent: CacheAgent, t: ChunkTransfer | BlendTransfer, keys: list[ChunkKey], deadline: float) -> None:
-    """Give this rank's mirror (at most ``INDEX_WAIT_S``) to reach the revision its scheduler offered from."""
-    if not agent.loader.wait_for_index(keys, t.index_revision, min(deadline, time.monotonic() + INDEX_WAIT_S)):
-        log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
-                 t.index_revision)
-
-
-def _source_of(agent: CacheAgent, key: ChunkKey, source: str) -> str:
-    """Where a planned chunk comes from, for the log: ``local cpu``, ``local disk``, ``peer <node>``, ``objects``."""
-    if source == LOCAL:
-        return f"local {agent.tiers.where(key) or 'cpu'}"
-    return "objects" if source == OBJECTS else f"peer {source}"
 
 
 class ExactLoads:
@@ -65,24 +41,19 @@ class ExactLoads:
         for n in t.num_tokens:
             spans.append((pos, pos + n))
             pos += n
-        deadline = load_deadline(agent, t)
-        if remote:
-            wait_for_index(agent, t, keys, deadline)
-        plan = agent.loader.plan(keys, spans, pos)
-        sources = [_source_of(agent, c.key, c.source) for c in plan.chunks]  # before the load moves them
-        t1 = time.perf_counter()
-        pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
-        t2 = time.perf_counter()
         failed: set[int] = set()
         loaded = len(t.block_ids)  # chunks in place: all, or those before the first that failed
-        try:
+        with staged_chunks(agent, t, keys, spans, remote) as load:
+            plan, sources = load.plan, load.sources
+            t2 = time.perf_counter()
             for i, blocks in enumerate(t.block_ids):
-                pin = pins[i] if i < len(pins) else None
+                pin = load.pin(i)
                 if pin is not None and pin.header.length != kv.payload_nbytes(len(blocks)):
                     log.error("request %s: chunk %d is %d bytes, its %d blocks need %d: layout mismatch", t.req_id,
                               i, pin.header.length, len(blocks), kv.payload_nbytes(len(blocks)))
                     agent.metrics.count_misses("load_failed", t.num_tokens[i])
-                    pin = None
+                    failed, loaded = blocks_from(t, i), i
+                    break
                 if pin is None:
                     failed, loaded = blocks_from(t, i), i
                     if i >= len(plan.chunks):  # offered by the scheduler side, but no owner this worker may ask
@@ -95,22 +66,16 @@ class ExactLoads:
                     break
                 # Scattered from a private copy verified there: pool slots are registered memory a peer
                 # may write to, so bytes checked in a slot are not the bytes the engine would read.
-                staged = agent.tiers.cpu.stage(pin)
+                staged = load.stage(i)
                 if staged is None:
-                    agent.metrics.checksum_failures.inc()
                     agent.metrics.count_misses("load_failed", t.num_tokens[i])
                     failed, loaded = blocks_from(t, i), i
-                    log.warning("request %s: chunk %d changed in memory after it was stored; %d blocks recomputed",
-                                t.req_id, i, len(failed))
+                    log.info("request %s: %d blocks recomputed from chunk %d on", t.req_id, len(failed), i)
                     break
                 self._scatter(staged, blocks, t.skip_blocks if i == 0 else 0)
-        finally:
-            for pin in pins:
-                if pin is not None:
-                    agent.tiers.cpu.unpin(pin)
         log.debug("request %s: %d chunks (%d from peers) plan %.2f ms, load %.2f ms, scatter %.2f ms", t.req_id,
-                  len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * (t1 - t0),
-                  1e3 * (t2 - t1), 1e3 * (time.perf_counter() - t2))
+                  len(keys), len(plan.chunks) - len(plan.by_source().get(LOCAL, [])), 1e3 * load.plan_s,
+                  1e3 * load.load_s, 1e3 * (time.perf_counter() - t2))
         agent.metrics.lookups.inc()
         agent.loader.count_hits(plan.chunks[:loaded])  # chunks after a failed one are recomputed with it
         outcome = "full" if loaded == len(keys) else "partial" if loaded else "none"

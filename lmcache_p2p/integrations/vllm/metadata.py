@@ -1,5 +1,5 @@
 """What the scheduler-side connector tells the worker-side connector each step: the loads and saves
-(``ChunkTransfer``, see ``blocks.py`` for how chunks map to engine blocks); what each worker tells
+(``ChunkTransfer``, see ``transfers.py`` for how chunks map to engine blocks); what each worker tells
 the scheduler once at start (``WorkerCapability``), and after each step (``WorkerState``)."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from ...blocks import ChunkTransfer
-from ...segments import BlendTransfer, SegmentSave
+from ...transfers import BlendTransfer, ChunkTransfer, SegmentSave
 
 __all__ = ["BlendTransfer", "ChunkTransfer", "LMCacheP2PMetadata", "SegmentSave", "WorkerCapability", "WorkerState"]
 

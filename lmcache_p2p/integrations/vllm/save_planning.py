@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from ...blocks import ChunkTransfer, chunk_transfer
 from ...keys import ChunkKey, chunk_keys, chunk_keys_from
-from ...segments import SegmentSave
+from ...transfers import ChunkTransfer, SegmentSave, chunk_transfer
 from .admission import Admission
 from .metadata import LMCacheP2PMetadata
 from .request_record import RequestRecord

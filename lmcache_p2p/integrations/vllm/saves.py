@@ -14,11 +14,11 @@ from collections.abc import Callable
 
 import torch
 
-from ...blocks import ChunkTransfer
 from ...intake import Intake
 from ...kernels.paged import PagedKV
 from ...keys import ChunkKey
-from ...segments import SegmentChunks, SegmentSave
+from ...segments import SegmentChunks
+from ...transfers import ChunkTransfer, SegmentSave
 from .blend import Blender
 
 log = logging.getLogger(__name__)

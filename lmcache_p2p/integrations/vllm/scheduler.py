@@ -48,7 +48,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from ...aio import LoopThread
-from ...blocks import ChunkTransfer, chunk_transfer
 from ...config import AgentConfig
 from ...ids import NodeId
 from ...index.reader import IndexReader
@@ -64,7 +63,8 @@ from ...keys import (
 from ...peers import compatible
 from ...plan import miss_reason
 from ...request_params import CANARY_PARAM, REVISION_PARAM, RequestParams
-from ...segments import BlendPlan, BlendTransfer, SegmentChunks, reads_question
+from ...segments import BlendPlan, SegmentChunks, reads_question
+from ...transfers import BlendTransfer, ChunkTransfer, chunk_transfer
 from ..freshness import Freshness
 from .admission import Admission
 from .blend_planning import BlendPlanning

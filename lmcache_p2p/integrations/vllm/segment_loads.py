@@ -22,12 +22,13 @@ import torch
 
 from ...agent import CacheAgent
 from ...aio import remaining
-from ...blocks import blocks_from
 from ...keys import ChunkKey
-from ...segments import KV_ERROR_ENV, BlendTransfer, SegmentChunks, merge_runs, selection_pass, subtract_runs
+from ...segments import KV_ERROR_ENV, SegmentChunks, merge_runs, selection_pass, subtract_runs
+from ...transfers import BlendTransfer, blocks_from
 from .blend import Blender, select
-from .exact_loads import ExactLoads, load_deadline, wait_for_index
+from .exact_loads import ExactLoads
 from .saves import Saves
+from .staged_loads import load_deadline, staged_chunks
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class SegmentLoads:
         to the first chunk not loaded. Returns where that is (``t.end``: everything) and the pieces:
         ``(kv, first position, segment start)``."""
         assert self.blender is not None
-        agent, blender = self.agent, self.blender
+        blender = self.blender
         held = [seg for seg in t.segments if not seg.fresh]
         keys, spans, pos = [], [], 0
         for seg in held:
@@ -119,42 +120,30 @@ class SegmentLoads:
                 keys.append(ChunkKey(k))
                 spans.append((pos, pos + n))
                 pos += n
-        deadline = load_deadline(agent, t)
-        if remote and keys:
-            wait_for_index(agent, t, keys, deadline)
-        plan = agent.loader.plan(keys, spans, pos)
-        if len(plan.chunks) < len(keys):
-            log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
-                     len(plan.chunks) + 1, len(keys))
-        pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
         gathered: list[tuple[torch.Tensor, int, int]] = []
-        try:
+        with staged_chunks(self.agent, t, keys, spans, remote) as load:
+            planned = len(load.plan.chunks)
+            if planned < len(keys):
+                log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
+                         planned + 1, len(keys))
             i = 0
             for seg in held:
                 first = 0  # the chunk's first token in its segment
                 for n in seg.num_tokens:
                     lo = max(seg.start + first, seg.start + seg.skip)
                     hi = min(seg.start + first + n, seg.end)
-                    pin = pins[i] if i < len(pins) else None
-                    staged = agent.tiers.cpu.stage(pin) if pin is not None else None
-                    if pin is not None and staged is None:
-                        agent.metrics.checksum_failures.inc()
-                        log.warning("request %s: segment chunk %d changed in memory after it was stored", t.req_id, i)
+                    staged = load.stage(i)
                     if staged is None:
-                        if i < len(plan.chunks):
+                        if i < planned:
                             log.info("request %s: segment chunk %d of %d (from %s) not loaded", t.req_id, i + 1,
-                                     len(keys), plan.chunks[i].source)
+                                     len(keys), load.sources[i])
                         return min(lo, t.end), gathered
                     if lo < hi:
                         kv = blender.decode(staged, n)[:, :, lo - seg.start - first: hi - seg.start - first]
                         gathered.append((kv, lo, seg.start))
                     first += n
                     i += 1
-            return t.end, gathered
-        finally:
-            for pin in pins:
-                if pin is not None:
-                    agent.tiers.cpu.unpin(pin)
+        return t.end, gathered
 
     def place(self, t: BlendTransfer, gathered: list[tuple[torch.Tensor, int, int]]) -> None:
         """The forward thread's part: fresh segments, every segment at its position, the recompute."""

@@ -44,7 +44,6 @@ import torch
 from ... import cputime
 from ...agent import CacheAgent
 from ...aio import unpin_thread
-from ...blocks import ChunkTransfer, blocks_from
 from ...canary import Canary, MeshCopies
 from ...config import AgentConfig, cluster_secret
 from ...estimates import MIN_PREFILL_TOKENS
@@ -52,7 +51,7 @@ from ...identity import loaded_weights_digest
 from ...kernels.layout import physical_view
 from ...kernels.paged import PagedKV
 from ...keys import Fingerprint, HeadRange, is_head_major
-from ...segments import BlendTransfer
+from ...transfers import BlendTransfer, ChunkTransfer, blocks_from
 from ..kv_order import layout_order, observed_order, orders_agree
 from .blend import Blender, blend_refusal, find_runner
 from .canary_checks import CanaryChecks

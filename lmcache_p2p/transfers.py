@@ -1,4 +1,6 @@
-"""Chunks and engine blocks: what a load or save covers (no vLLM import: unit-testable anywhere).
+"""What the scheduler side hands its workers each step (``integrations/vllm/metadata.py``): a request's chunks to
+load or save (:class:`ChunkTransfer`), a blended load (:class:`BlendTransfer`) and a segment save
+(:class:`SegmentSave`), and how chunks map to engine blocks. No vLLM import: unit-testable anywhere.
 
 Chunk ``i`` of a prompt covers tokens ``[i*C, min((i+1)*C, n))`` and so the engine blocks
 ``[i*C/B, ceil(min((i+1)*C, n)/B))`` of the request's block list (C = chunk size, B = block
@@ -6,8 +8,8 @@ size, C a multiple of B)::
 
     tokens:   |<----- chunk 0 (256) ----->|<----- chunk 1 (256) ----->|<- tail (90) ->|
     blocks:   |  b0 (128)   |  b1 (128)   |  b2 (128)   |  b3 (128)   |  b4 (128)    |
-    LoadSpec.block_ids = [[b0, b1], [b2, b3], [b4]]   skip_blocks: leading blocks already
-                                                      filled by vLLM's own prefix cache
+    ChunkTransfer.block_ids = [[b0, b1], [b2, b3], [b4]]   skip_blocks: leading blocks already
+                                                         filled by vLLM's own prefix cache
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from .keys import ChunkKey, chunk_spans
+from .segments import SegmentChunks
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,3 +57,38 @@ def blocks_from(t: ChunkTransfer, chunk: int) -> set[int]:
     blocks = [b for i, later in enumerate(t.block_ids[chunk:], chunk)
               for b in (later[t.skip_blocks:] if i == 0 else later)]
     return set(blocks)
+
+
+@dataclasses.dataclass(slots=True)
+class SegmentSave:
+    """Save the segments of a request that computed its prompt (from its blocks)."""
+
+    req_id: str
+    segments: list[SegmentChunks]
+    block_ids: list[int]
+
+
+@dataclasses.dataclass(slots=True)
+class BlendTransfer:
+    """A blended load: the exact prefix chunks, then segment chunks moved into place, then the
+    recompute runs; the worker reports blocks of ``[exact_end, end)`` (all of them) when any part fails."""
+
+    req_id: str
+    exact: ChunkTransfer | None
+    segments: list[SegmentChunks]
+    recompute: list[tuple[int, int]]
+    token_ids: list[int]  # the prompt up to ``end`` (the recompute runs' inputs)
+    block_ids: list[int]  # the request's blocks
+    exact_end: int
+    end: int
+    base_end: int = 0  # where the first declared segment starts (fresh segments are computed after the base)
+    select: int = 0  # selection "deviation" or "question": segment tokens the worker picks
+    sync: bool = False
+    index_revision: int = 0
+    deadline: float = 0.0
+    selection: str = "first"  # how the worker picks ``select`` tokens: "deviation" or "question"
+    question: list[int] = dataclasses.field(default_factory=list)  # the prompt after ``end`` ("question")
+
+    def blocks(self, block_size: int) -> set[int]:
+        """The blocks the blend fills (recomputed by the engine when it fails)."""
+        return set(self.block_ids[self.exact_end // block_size: -(-self.end // block_size)])
