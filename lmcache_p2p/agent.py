@@ -63,7 +63,8 @@ from .intake import Intake
 from .invalidation import MeshInvalidation
 from .keys import ChunkKey, Fingerprint, HeadRange
 from .load import Loader, StoppedLoader, keys_of
-from .metrics import AgentMetrics, MetricsServer
+from .metrics import AgentMetrics
+from .metrics_http import MetricsServer
 from .plan import HitPlan
 from .planner_gauges import PlannerGauges
 from .quarantine_gate import QuarantineGate

@@ -31,7 +31,7 @@ from .errors import LMCacheP2PError
 from .ids import TIER_NAMES, NodeId
 from .index.schema import NodeRecord
 from .keys import ChunkKey, FingerprintDigest, chunk_keys
-from .metrics import scrape
+from .metrics_http import scrape
 from .transfer.client import ConnectionPool
 
 IDENTITY_FIELDS = ("model_id", "kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_size", "kv_layout",

@@ -42,7 +42,8 @@ from lmcache_p2p.cli import COMMANDS
 from lmcache_p2p.config import load_config
 from lmcache_p2p.integrations.kv_order import DEFAULT_ORDER, LEGACY_ORDERS, layout_order
 from lmcache_p2p.keys import Fingerprint, is_head_major
-from lmcache_p2p.metrics import AgentMetrics, scrape
+from lmcache_p2p.metrics import AgentMetrics
+from lmcache_p2p.metrics_http import scrape
 from lmcache_p2p.router.metrics import Metrics as RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,7 @@ from agent_helpers import AgentProcess, agent_yaml, config, stop_process, wait_u
 from prometheus_client import CollectorRegistry
 from test_agent_mesh import TOKENS, load_and_check
 
-from lmcache_p2p import metrics as metrics_module
+from lmcache_p2p import metrics_http as metrics_module
 from lmcache_p2p import score as score_module
 from lmcache_p2p.agent import CacheAgent
 from lmcache_p2p.aio import LoopThread

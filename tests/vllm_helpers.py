@@ -6,7 +6,7 @@ from pathlib import Path
 
 import yaml
 
-from lmcache_p2p.metrics import scrape as status_scrape
+from lmcache_p2p.metrics_http import scrape as status_scrape
 from lmcache_p2p.testing.synthetic import synthetic_tokens
 
 SECRET = "test-cluster-secret-7f3a9c1e5b2d80461c9e4a7b"

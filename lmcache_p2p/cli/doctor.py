@@ -46,7 +46,7 @@ from ..errors import ConfigError, LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient
 from ..index.schema import NodeRecord, Schema, decode_node_key, decode_node_record
 from ..keys import FingerprintDigest
-from ..metrics import scrape
+from ..metrics_http import scrape
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 

@@ -37,7 +37,8 @@ from ..index.client import EtcdClient, translate
 from ..index.quarantine import read_all as read_quarantine
 from ..index.records import decode_object_meta
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
-from ..metrics import RECENT_S, SCRAPE_TIMEOUT_S, scrape
+from ..metrics import RECENT_S
+from ..metrics_http import SCRAPE_TIMEOUT_S, scrape
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, tool_config
 

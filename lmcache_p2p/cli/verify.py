@@ -29,7 +29,7 @@ from ..errors import LMCacheP2PError, MalformedRecord
 from ..index.client import EtcdClient
 from ..index.quarantine import QuarantineRecord, read_all, release
 from ..index.schema import NodeRecord, Schema, decode_node_record
-from ..metrics import scrape
+from ..metrics_http import scrape
 from ..usage import HelpFormatter
 from .common import add_etcd_arguments, read_tokens, tool_config
 

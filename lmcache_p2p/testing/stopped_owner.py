@@ -26,7 +26,7 @@ from typing import Any
 from .. import failpoints
 from ..ids import NodeId
 from ..keys import FingerprintDigest
-from ..metrics import scrape
+from ..metrics_http import scrape
 from .engine_client import EngineProcess, group_states
 
 
