@@ -29,6 +29,10 @@ The agent composes the parts; each concern lives in its own module:
 Every side effect is injected: the config, the Prometheus registry, the index (an
 ``index_factory`` building a :class:`BlockIndex` once the node record is known) and the
 transports. The network side runs on one asyncio loop in a background thread (:class:`LoopThread`).
+
+Why one file of this size: the agent composes its parts (index, tiers, transports, Loader, Intake, advert, gate,
+object tier) and starts and stops them in one order, with the API an engine and the CLI call; the parts themselves
+are rooms of their own.
 """
 
 from __future__ import annotations

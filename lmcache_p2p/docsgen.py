@@ -16,6 +16,9 @@ Regenerate them with::
 ``tests/test_docs_reference.py`` fails when the committed pages differ from what this writes.
 :func:`parse_error` parses a command line with the parser the command itself builds, without running the
 command (``tests/test_docs_commands.py`` holds every command the docs show to it).
+
+Why one file of this size: one generator per reference page (the CLI, the configuration, the metrics, the request
+parameters) over the Markdown helpers at its top, so that every generated page is written one way.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ next, so a dead or partitioned member costs one failed call. A member refusing c
 skipped within the same call.
 
 Runs on one asyncio loop (the agent's :class:`~lmcache_p2p.aio.LoopThread`); not thread-safe.
+
+Why one file of this size: it is the one boundary where gRPC and etcd3aio errors become ours; every etcd call
+(reads, pages, transactions, leases, keep-alives, watches) goes through its endpoint failover and ``translate``
+here, and a call moved out could leave that boundary.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ records beside the index's: ``records.py``'s :func:`~.records.decode_invalidatio
 :class:`~lmcache_p2p.errors.MalformedRecord`, and readers count the reject in a :class:`Rejects` and
 skip the record: nothing written into etcd by anyone
 can crash an agent or reach an engine as an exception.
+
+Why one file of this size: the etcd layout of version 1 (keys, and the records on the node's lease) in one place, so
+that a change to what etcd holds is one diff and one version bump; the standing records (invalidations, object
+metas, the generation) are in ``records.py``.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ for the rest), an error is a miss and backs the store off (the peers' rule,
 :class:`~lmcache_p2p.transfer.health.PeerHealth`) but is never remembered as "absent"; only a 404 removes
 the index entries. Saves never wait on the store: an offer only enqueues, and past ``objects.spill_bytes``
 of bytes waiting it drops the chunk (counted). Retry loops wait a jittered backoff (``backoff.py``).
+
+Why one file of this size: the tier's reads, uploads and upload claims share the store's sealing keys, one upload
+queue and the index entries they keep true; the transport (``transport.py``), the object format (``format.py``) and
+a node's upload policy (``node.py``) are rooms of their own.
 """
 
 from __future__ import annotations

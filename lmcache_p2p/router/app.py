@@ -43,6 +43,10 @@ Disaggregated prefill (``--disaggregated``): the request first goes to a prefill
 ``max_tokens`` 1 (its chunks land in the mesh), then to a decode-pool engine with
 ``kv_transfer_params.lmcache_p2p_expect_chunks``: that engine's scheduler waits, bounded, until its
 index shows those chunks (the prefill engine's saves announced) before planning the load.
+
+Why one file of this size: the Router is one aiohttp application whose routes share one engine table, one client
+session and one bounded request path, read top to bottom; its configuration and metrics are rooms of their own
+(``router/config.py``, ``router/metrics.py``), the choice of engine too (``router/policy.py``).
 """
 
 from __future__ import annotations

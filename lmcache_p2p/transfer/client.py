@@ -4,6 +4,10 @@ One connection per (peer, fingerprint), opened on first use, handshaken (the ser
 the cluster secret too, *as the node the peer address names*: ``PeerAddress.node_id``, from the
 node record the pull was planned from), then shared by every concurrent pull to that peer. With
 TLS the owner's certificate must name that node too, or, unless ``require_node_name``, no node.
+
+Why one file of this size: the requester's side of a pull, the pooled authenticated connections, the TCP transport
+over them and the pull's guard (the peer's health, overdue answers finished late), which the NIXL and object
+transports share too; the frames of one connection are ``connection.py``'s.
 """
 
 from __future__ import annotations

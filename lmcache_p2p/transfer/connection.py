@@ -12,6 +12,9 @@ released, the connection and the other requests on it go on) or its connection i
 (``abort``: a peer that sent no byte for the liveness period); either way no byte lands in a slot
 of a request after it was given up. A frame that breaks the protocol closes the connection and
 fails every request on it.
+
+Why one file of this size: one protocol's receive states and the table of requests they fill share one rule, that no
+byte lands in a slot after its request was given up; split, that rule would span two files.
 """
 
 from __future__ import annotations

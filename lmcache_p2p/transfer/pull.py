@@ -23,6 +23,10 @@ chunks each is already sending us (``inflight``, for the planner) are answered h
 Nothing in this module knows about etcd or the engine: the index comes in as ``nodes()`` (the
 mirror's live node records), the transports as a mapping by name, so the unit tests drive it with
 the loopback transport and in-memory records (``lmcache_p2p.testing``).
+
+Why one file of this size: one pass of one pull (owners grouped, transports chosen, alternatives tried, the deadline
+kept, metrics counted) read as one algorithm; how pieces of a chunk from several owners are assembled is
+``assembly.py``'s.
 """
 
 from __future__ import annotations

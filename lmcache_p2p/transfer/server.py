@@ -9,6 +9,10 @@ connections are independent.
 A connection that fails the handshake or sends a malformed, oversized or truncated frame is
 logged and closed; nothing else is affected and no payload was sent on it. The server answers
 as ``node_id`` (this node's id, bound in its proof): requesters refuse it under any other name.
+
+Why one file of this size: a connection's whole life on the owner, from accept and the handshake to its last frame,
+in the order it is lived, with every limit an unauthenticated or hostile peer meets (pre-auth budget, frame sizes,
+pins, sends) enforced in that one path.
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ of it is saved each step (``save_planning.py``) and which computed chunks a save
 remembered as saved while the mirror does not follow etcd (``admission.py``); which requests are canaries
 (``canary_sampling.py``); whether and how declared segments are blended (``blend_planning.py``); where a
 hit's tokens are held, for vLLM's counters (``hit_sources.py``).
+
+Why one file of this size: ``P2PScheduler`` is vLLM's scheduler-side hooks in the order vLLM calls them, each
+handing to the rooms named above; what stays is the bookkeeping they share across steps (the requests' records, the
+step's loads, the reset and the counters shipped to the workers).
 """
 
 from __future__ import annotations

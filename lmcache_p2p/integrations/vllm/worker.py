@@ -27,6 +27,10 @@ The worker composes one part per concern, each the only owner of its state:
                     closed) and nothing is loaded or saved until a restart derives the new weights'
                     fingerprint. Every load planned or in flight meanwhile is reported failed
                     (recomputed); the scheduler hears the outcome through WorkerState.
+
+Why one file of this size: ``P2PWorker`` is the worker side's composition root: vLLM's worker-side hooks in the
+order vLLM calls them, each handing to ExactLoads, SegmentLoads, Saves or CanaryChecks; what stays is the
+bookkeeping they share across a step (loads in flight, completions, errors, cache resets and the weight check).
 """
 
 from __future__ import annotations
