@@ -30,9 +30,9 @@ is back in etcd. The no-connector engine's TTFTs are the cold baseline of the sa
 
     lmcache-p2p bench chaos --json                          # the long run (10 min)
     lmcache-p2p bench chaos --duration 120 --fault-every 8  # CI-sized
-
-Why one file of this size: the schedule of faults, the fleet it hits and the report are one experiment, read as one.
 """
+# Why one file of this size (not in the docstring: it is this command's --help): the schedule of faults, the fleet it
+# hits and the report are one experiment, read as one.
 
 from __future__ import annotations
 

@@ -31,10 +31,10 @@ planner's two estimates were (``estimate_ratio``): ``pull_actual_over_expected_m
 expected of them), each with the share that took 0.8x-1.25x of it (``..._within_1.25x_share``) and how
 many were measured (``..._measured``); ``first_engine_recompute``: the same for engine 0's prefill steps
 (it computed every prefix).
-
-Why one file of this size: one experiment (the systems' fleets started alike, one client per rate, the rows and the
-goodput), read as one; the workloads are ``workloads.py``'s and the plot ``plot.py``'s.
 """
+# Why one file of this size (not in the docstring: it is this command's --help): one experiment (the systems' fleets
+# started alike, one client per rate, the rows and the goodput), read as one; the workloads are ``workloads.py``'s and
+# the plot ``plot.py``'s.
 
 from __future__ import annotations
 

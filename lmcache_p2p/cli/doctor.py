@@ -20,10 +20,9 @@ Exit 0 when nothing failed (warnings allowed), 1 when a check failed, 2 on a usa
 
 Every network check is bounded by ``--timeout``; the blending check (it imports vLLM) by a minute.
 None may hang.
-
-Why one file of this size: a checklist, one function per check, each independent of the others, read in the order it
-prints.
 """
+# Why one file of this size (not in the docstring: it is this command's --help): a checklist, one function per check,
+# each independent of the others, read in the order it prints.
 
 from __future__ import annotations
 
