@@ -54,6 +54,18 @@ def test_the_ideal_hit_rate_is_one_lru_cache_of_the_fleets_capacity(tmp_path):
     assert Workload("random", num_prompts=4, output_len=8).ideal_hit_rate(10) == 0.0
 
 
+def test_the_prompt_tokens_split_sums_to_vllms_counts():
+    from lmcache_p2p.bench.serve import token_split
+
+    delta = {"tokens_local_compute": 100.0, "tokens_local_cache_hit": 50.0, "tokens_external_kv_transfer": 1020.0,
+             "hit_tokens:local:cpu": 256.0, "hit_tokens:local:disk": 256.0, "hit_tokens:peer:peer": 512.0,
+             "load_failures:deadline": 3.0}
+    assert token_split(delta) == {"computed": 100, "engine_cache": 50, "own_tier": 512, "peer": 512, "objects": 0,
+                                  "connector_residual": -4}  # whole chunks counted where vLLM computed a last token
+    assert token_split({"tokens_local_compute": 7.0, "tokens_external_kv_transfer": 9.0}) == {
+        "computed": 7, "engine_cache": 0, "own_tier": 0, "peer": 0, "objects": 0, "connector_residual": 9}
+
+
 def test_a_workload_it_cannot_run_is_refused_with_the_field_named(tmp_path):
     with pytest.raises(ValueError, match="--trace"):
         Workload("trace", num_prompts=4, output_len=8)
@@ -93,3 +105,7 @@ def test_a_joining_engine_gets_what_its_peer_computed_under_vllms_own_client(tra
     assert row["join_share"] >= 0.75, row  # most of what A computed came to B from the mesh
     assert row["agent"].get("fetch_decisions:pull", 0) > 0, row
     assert row["cache_cpu_s_per_request"] > 0, row  # the agents' threads were measured
+    split = row["prompt_tokens"]  # B's prompt tokens by where they came from
+    assert split["peer"] >= 0.75 * 4 * 1024 and split["objects"] == 0, split
+    connector = split["own_tier"] + split["peer"] + split["objects"] + split["connector_residual"]
+    assert connector == row["connector_tokens"], (split, row["connector_tokens"])

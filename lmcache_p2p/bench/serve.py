@@ -15,7 +15,9 @@ prefix cache and the connector's tokens) next to the ideal for one cache of the 
 cache's CPU seconds per request (mesh: the agents' own threads, ``lmcache_p2p_cpu_seconds_total``;
 lmcache: its server process; the connector threads inside its engines are not separable). Goodput: the
 highest rate of the sweep at which >= 99 % of requests met the SLO. ``outputs_match_vllm``: the mesh's
-greedy outputs equal vLLM alone's, request by request (the same prompts at the same rate).
+greedy outputs equal vLLM alone's, request by request (the same prompts at the same rate). ``prompt_tokens``:
+where the prompt tokens came from (computed, the engines' prefix cache, and the connector's by the agents' own
+count: own tier, peer, object store, and the residual against vLLM's count: ``token_split``).
 
 ``--workload mix`` (short and long prompts, ``--mix`` short:long) runs the mesh once per admission
 setting (``--admit-min-tokens``, ``--admit-sightings``: ``bench/admission.py``), each with its hit rate
@@ -64,7 +66,8 @@ from .vllm import MODEL_SIZES, SECRET, bench_prompts
 from .workloads import KINDS, Workload
 
 SYSTEMS = ("mesh", "vllm", "lmcache")
-AGENT_COUNTERS = ("lmcache_p2p_load_failures", "lmcache_p2p_fetch_decisions", "lmcache_p2p_loaded_chunks")
+AGENT_COUNTERS = ("lmcache_p2p_load_failures", "lmcache_p2p_fetch_decisions", "lmcache_p2p_loaded_chunks",
+                  "lmcache_p2p_hit_tokens")
 SETTLE_S = 10.0  # at most this long for the agents to publish what a run saved
 SLO_SHARE = 0.99
 CLIENT_TIMEOUT_S = 3600.0
@@ -229,7 +232,27 @@ def row_of(rate: float, res: dict[str, Any], before: dict[str, float], after: di
         "hit_rate": round((prompt - delta.get("tokens_local_compute", 0.0)) / prompt, 4) if prompt else 0.0,
         "hit_rate_connector": round(delta.get("tokens_external_kv_transfer", 0.0) / prompt, 4) if prompt else 0.0,
         "cache_cpu_s_per_request": round(delta["cache_cpu_s"] / max(1, done), 4),
+        "prompt_tokens": token_split(delta),
     }
+
+
+def token_split(delta: dict[str, float]) -> dict[str, int]:
+    """Where the run's prompt tokens came from: ``computed`` by the engines, their own prefix cache
+    (``engine_cache``) and the connector, whose tokens are split by the mesh agents' count of what they loaded
+    (``own_tier``: this node's CPU or disk tier; ``peer``; ``objects``: the object store). ``connector_residual``:
+    vLLM's connector count less the agents' (the three sum to vLLM's count): another system's connector, a blend's
+    segment tokens or a load recomputed after it failed count there, and the agents count whole chunks, so a
+    loaded chunk's tokens that vLLM took from its own prefix cache or computed itself (a prompt's last token)
+    make it negative."""
+    split = {"computed": delta.get("tokens_local_compute", 0.0),
+             "engine_cache": delta.get("tokens_local_cache_hit", 0.0), "own_tier": 0.0, "peer": 0.0, "objects": 0.0}
+    for key, tokens in delta.items():
+        if key.startswith("hit_tokens:"):
+            source = key.split(":")[1]
+            split["own_tier" if source == "local" else source] += tokens
+    split["connector_residual"] = delta.get("tokens_external_kv_transfer", 0.0) - (
+        split["own_tier"] + split["peer"] + split["objects"])
+    return {name: int(round(tokens)) for name, tokens in split.items()}
 
 
 def join_run(fleet: Fleet, workload: Workload, rate: float, run: int, args: argparse.Namespace, model: Path,
@@ -403,6 +426,8 @@ def print_table(result: dict[str, Any]) -> None:
             continue
         for r in res["rows"]:
             print("  " + " ".join(f"{v!s:>12}" for v in [system, *(r.get(c, "-") for c in cols)]))
+            split = r.get("prompt_tokens", {})
+            print(f"  {'':>12} prompt tokens: " + ", ".join(f"{name} {n}" for name, n in split.items()))
         print(f"  {system:>12} goodput (>= 99 % within SLO): {res['goodput_rps']} req/s")
     for key in ("outputs_match_vllm", "ttft_p50_vs_vllm"):
         if key in result:
