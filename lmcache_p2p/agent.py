@@ -210,7 +210,7 @@ class CacheAgent:
                 self.index = EtcdBlockIndex.open(self.loop, self.config, record, [self.fp], rejects=self.rejects,
                                                  on_new_lease=lambda _session: self.invalidation.recheck())
             # Standing invalidations first, so nothing they cover is recovered or published.
-            client = self.index.client if isinstance(self.index, EtcdBlockIndex) else None
+            client = self.index.client
             self.invalidation.start(self.loop, client)
             if client is not None:  # the cluster config in etcd: live fields apply as they change
                 self._config_watch = ConfigWatcher(client, self.config.cluster, self._on_cluster_config,
@@ -247,7 +247,7 @@ class CacheAgent:
         self._started = True
         log.info("agent %s started: %d chunks recovered from disk (%d of this fingerprint), serving %s%s",
                  self.node_id, len(recovered), len(mine), self.node_record().addresses,
-                 "" if getattr(self.index, "online", True) else " (degraded: etcd not reachable yet)")
+                 "" if self.index is None or self.index.online else " (degraded: etcd not reachable yet)")
         return self
 
     def _start_objects(self, objects: ObjectTier, client: Any) -> None:

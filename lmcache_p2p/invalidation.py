@@ -46,7 +46,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -378,9 +377,7 @@ class MeshInvalidation:
     def _birth_times(self, now: float) -> dict[ChunkKey, float]:
         """Held chunk -> wall time of its oldest copy (remembered across sweeps, so tier moves keep it)."""
         cpu, disk = self._store.cpu, self._store.disk
-        with cpu._lock:  # stored_at is the pool's own record of when a chunk arrived
-            cpu_now = cpu._clock()
-            cpu_born = {k: now - (cpu_now - e.stored_at) for k, e in cpu._entries.items()}
+        cpu_born = {key: now - age for key, age in cpu.ages().items()}
         old = self._born
         born: dict[ChunkKey, float] = {}
         for key, t in cpu_born.items():
@@ -390,9 +387,8 @@ class MeshInvalidation:
         for key in disk.keys():
             seen = old.get(key)
             if seen is None:
-                try:
-                    seen = os.stat(disk._file(key)).st_mtime  # the file's mtime is its stored time
-                except OSError:
+                seen = disk.stored_time(key)
+                if seen is None:
                     continue  # removed meanwhile
             born[key] = min(seen, born.get(key, seen))
         return born

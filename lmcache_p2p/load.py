@@ -174,10 +174,9 @@ class Loader:
         """Wait (until ``deadline``, on ``time.monotonic()``) until this node's mirror has seen what a
         scheduler side saw at ``revision`` (it offered a hit from there), or holds an owner with a node
         record for every key: a TP rank's mirror may lag its scheduler's by an event. True when it has."""
-        mirror = getattr(self.index, "mirror", None)
-        if mirror is None or revision <= 0:
+        m = self.index.mirror(self.fp) if self.index is not None and revision > 0 else None
+        if m is None:
             return True
-        m = mirror(self.fp)
         if not m.connected:  # etcd unreachable: neither mirror moves; plan with what is here
             return False
         m.prefetch(keys, revision)  # etcd.index lookup: read them as of that revision or later

@@ -236,15 +236,10 @@ class AgentMetrics:
         if index is None:
             return
         self.index_nodes.set(len(index.nodes()))
-        stats = getattr(index, "stats", None)
-        if not callable(stats):
-            return
-        faults = getattr(index, "faults", None)
-        if callable(faults):
-            self._counts.etcd_faults = faults()
+        self._counts.etcd_faults = index.faults()
         gauges = {"index_chunks": self.index_chunks, "publish_pending": self.publish_pending,
                   "publish_lag_s": self.publish_lag, "lease_up": self.lease_up, "degraded": self.degraded}
-        for name, value in stats().items():
+        for name, value in index.stats().items():
             gauge = gauges.get(name)
             if gauge is not None:
                 gauge.set(value)

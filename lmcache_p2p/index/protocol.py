@@ -12,11 +12,15 @@ confirms with the owner.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..ids import NodeId
 from ..keys import ChunkKey, FingerprintDigest
 from .schema import NodeRecord
+
+if TYPE_CHECKING:
+    from .client import EtcdClient
+    from .mirror import Mirror
 
 
 class BlockIndex(Protocol):
@@ -47,3 +51,22 @@ class BlockIndex(Protocol):
 
     def close(self) -> None:
         """Withdraw everything this node announced, at once, and stop."""
+
+    # What an agent reads of the index's health and its etcd side (an in-memory index: always online, no etcd)
+    @property
+    def online(self) -> bool:
+        """Registered under a live lease and every mirror synced: the node is part of the mesh."""
+
+    @property
+    def client(self) -> EtcdClient | None:
+        """The etcd connection, where there is one: invalidations, the cluster config and the gate watch it."""
+
+    def mirror(self, fp: FingerprintDigest) -> Mirror | None:
+        """The watch-fed mirror of ``fp``'s block entries (None: nothing to wait for, e.g. in memory)."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges for the agent's metrics (``index_chunks``, ``publish_pending``, ``publish_lag_s``, ``lease_up``,
+        ``degraded``, ...); an index without etcd may return none."""
+
+    def faults(self) -> dict[str, int]:
+        """Control-plane faults met and recovered from so far, by kind (running totals)."""

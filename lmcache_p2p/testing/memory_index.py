@@ -99,3 +99,16 @@ class MemoryIndex:
 
     def close(self) -> None:
         self._mesh.expire(self._node)
+
+    # no etcd: always part of the mesh, nothing to wait for, nothing to count
+    online = True
+    client = None
+
+    def mirror(self, fp: FingerprintDigest) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def faults(self) -> dict[str, int]:
+        return {}

@@ -149,6 +149,16 @@ class CpuPool:
         with self._lock:
             return list(self._entries)
 
+    def ages(self) -> dict[ChunkKey, float]:
+        """Each held chunk's seconds since it was stored (the pool's own record; the TTL sweep reads it)."""
+        with self._lock:
+            now = self._clock()
+            return {key: now - entry.stored_at for key, entry in self._entries.items()}
+
+    def listen_evictions(self, on_evict: EvictCallback) -> None:
+        """``on_evict(header, payload)`` hears each victim, under the pool lock (dict probes and copies only)."""
+        self._on_evict = on_evict
+
     @property
     def free_slots(self) -> int:
         return len(self._free)

@@ -85,6 +85,17 @@ class DiskTier:
         with self._lock:
             return list(self._headers)
 
+    def stored_time(self, key: ChunkKey) -> float | None:
+        """When ``key``'s file was written (wall time: its mtime); None when it is not held."""
+        try:
+            return os.stat(self._file(key)).st_mtime
+        except OSError:
+            return None
+
+    def listen_evictions(self, on_evict: EvictCallback) -> None:
+        """``on_evict(header, None)`` hears each victim, under the tier's lock."""
+        self._on_evict = on_evict
+
     def __len__(self) -> int:
         return len(self._headers)
 

@@ -52,9 +52,9 @@ class TieredStore:
         self._staged_bytes = 0
         self._staging_lock = threading.Lock()
         self._spill = spill
-        cpu._on_evict = self._on_cpu_evict  # the store owns both tiers' wiring
+        cpu.listen_evictions(self._on_cpu_evict)  # the store owns both tiers' wiring
         if disk is not None:
-            disk._on_evict = self._on_disk_evict
+            disk.listen_evictions(self._on_disk_evict)
             self.worker = TierWorker(self._write_back_now, self.ensure_in_cpu)
             if spill is not None:  # a disk victim the CPU pool still holds has not left this node
                 disk.spill = lambda header, path: not self.cpu.contains(header.key) and spill(header, path)
