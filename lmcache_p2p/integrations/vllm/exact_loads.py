@@ -37,13 +37,9 @@ class ExactLoads:
         assert kv is not None
         t0 = time.perf_counter()
         keys = [ChunkKey(k) for k in t.keys]
-        spans, pos = [], 0
-        for n in t.num_tokens:
-            spans.append((pos, pos + n))
-            pos += n
         failed: set[int] = set()
         loaded = len(t.block_ids)  # chunks in place: all, or those before the first that failed
-        with staged_chunks(agent, t, keys, spans, remote) as load:
+        with staged_chunks(agent, t, keys, t.num_tokens, remote) as load:
             plan, sources = load.plan, load.sources
             t2 = time.perf_counter()
             for i, blocks in enumerate(t.block_ids):

@@ -114,14 +114,10 @@ class SegmentLoads:
         assert self.blender is not None
         blender = self.blender
         held = [seg for seg in t.segments if not seg.fresh]
-        keys, spans, pos = [], [], 0
-        for seg in held:
-            for k, n in zip(seg.keys, seg.num_tokens, strict=True):
-                keys.append(ChunkKey(k))
-                spans.append((pos, pos + n))
-                pos += n
+        keys = [ChunkKey(k) for seg in held for k in seg.keys]
+        num_tokens = [n for seg in held for n in seg.num_tokens]
         gathered: list[tuple[torch.Tensor, int, int]] = []
-        with staged_chunks(self.agent, t, keys, spans, remote) as load:
+        with staged_chunks(self.agent, t, keys, num_tokens, remote) as load:
             planned = len(load.plan.chunks)
             if planned < len(keys):
                 log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,

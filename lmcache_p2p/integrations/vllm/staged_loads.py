@@ -66,16 +66,21 @@ class StagedChunks:
 
 @contextlib.contextmanager
 def staged_chunks(agent: CacheAgent, t: ChunkTransfer | BlendTransfer, keys: Sequence[ChunkKey],
-                  spans: Sequence[tuple[int, int]], remote: bool) -> Iterator[StagedChunks]:
-    """Plan and load ``keys`` (token ``spans`` of one run) for ``t``'s request: ``remote``, what peers and the
-    object store hold too (a load thread); else only what this node holds now (the forward thread)."""
+                  num_tokens: Sequence[int], remote: bool) -> Iterator[StagedChunks]:
+    """Plan and load ``keys`` (chunks of ``num_tokens`` tokens each, one run) for ``t``'s request: ``remote``,
+    what peers and the object store hold too (a load thread); else only what this node holds now (the forward
+    thread)."""
     started = time.perf_counter()
+    spans, end = [], 0
+    for n in num_tokens:
+        spans.append((end, end + n))
+        end += n
     deadline = load_deadline(agent, t)
     if remote and keys and not agent.loader.wait_for_index(keys, t.index_revision,
                                                             min(deadline, time.monotonic() + INDEX_WAIT_S)):
         log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                  t.index_revision)
-    plan = agent.loader.plan(keys, spans, spans[-1][1] if spans else 0)
+    plan = agent.loader.plan(keys, spans, end)
     sources = [_source_of(agent, c.key, c.source) for c in plan.chunks]  # before the load moves them
     planned = time.perf_counter()
     pins = agent.load_pinned(plan, deadline, remote=remote, label=f"request {t.req_id}: ") if plan.chunks else []
