@@ -65,8 +65,9 @@ def origin_of(node_id: str) -> NodeDigest:
 # 2: proofs carry a channel binding (TLS); 3: chunk format 3 (head ranges), heads in get/pin, offer, recent;
 # 4: proofs and the MAC key bind the owner's node id (challenge.node) and the requester's (hello.node);
 # 5: chunk format 4 (the computing node in the header);
-# 6: the payload MAC is GMAC (was keyed BLAKE3), the ids of gets and pins must grow
-WIRE_VERSION = 6
+# 6: the payload MAC is GMAC (was keyed BLAKE3), the ids of gets and pins must grow;
+# 7: with TLS, X25519 shares in hello and challenge, and every frame after ready sealed (transfer/seal.py)
+WIRE_VERSION = 7
 
 
 class TierCode(enum.IntEnum):

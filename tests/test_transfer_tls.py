@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from lmcache_p2p.testing.peer_process import OwnerProcess, demo_chunk
 from lmcache_p2p.tiers.cpu_pool import CpuPool
 from lmcache_p2p.transfer.base import MissReason, PullResult
 from lmcache_p2p.transfer.client import ConnectionPool, TcpTransport
+from lmcache_p2p.transfer.seal import TAG
 from lmcache_p2p.transfer.stack import TransferStack
 from lmcache_p2p.transfer.tls import client_context, server_context
 
@@ -73,11 +75,13 @@ def pull(loop: LoopThread, client: TcpTransport, port: int, keys: list[ChunkKey]
         loop.run(client.close(), 10)
 
 
-def test_tls_pulls_are_byte_exact(owner: OwnerProcess, pki: Path, loop: LoopThread) -> None:
+@pytest.mark.parametrize("payload_mac", [None, True])
+def test_tls_pulls_are_byte_exact(owner: OwnerProcess, pki: Path, loop: LoopThread, payload_mac: bool | None) -> None:
     pool = CpuPool(SIZE * (N + 2), SIZE)
     keys = [owner.key(i) for i in range(N)]
-    result = pull(loop, TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester"))),
-                  owner.port, keys, pool)
+    client = TcpTransport(SECRET.encode(), 3.0, tls=client_context(tls_config(pki, "requester")),
+                          payload_mac=payload_mac)  # with the MAC asked for too (one certificate shared by all)
+    result = pull(loop, client, owner.port, keys, pool)
     assert len(result.loaded) == N and not result.missed
     for i, key in enumerate(keys):
         out = np.empty(SIZE, np.uint8)
@@ -217,6 +221,41 @@ def test_bytes_changed_on_the_path_never_land(owner: OwnerProcess, pki: Path, lo
         result = pull(loop, client, relay.port, keys, pool)
         assert not result.loaded and set(result.missed.values()) == {MissReason.PEER_ERROR}
         assert len(pool) == 0  # TLS broke the connection at the changed record: nothing committed
+    finally:
+        relay.close()
+
+
+class RecordingRelay(Relay):
+    """Keeps every byte the owner sends."""
+
+    def __init__(self, target_port: int) -> None:
+        self.recorded = bytearray()
+        super().__init__(target_port)
+
+    def downstream(self, owner: socket.socket, requester: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := owner.recv(16384):
+                self.recorded += data
+                requester.sendall(data)
+
+
+def test_after_the_tls_handshake_every_chunk_crosses_sealed(owner: OwnerProcess, pki: Path, loop: LoopThread) -> None:
+    relay = RecordingRelay(owner.port)
+    try:
+        pool = CpuPool(SIZE * (N + 2), SIZE)
+        keys = [owner.key(i) for i in range(N)]
+        client = TcpTransport(SECRET.encode(), 5.0, tls=client_context(tls_config(pki, "requester")))
+        result = pull(loop, client, relay.port, keys, pool)
+        assert len(result.loaded) == N and not result.missed
+        for i, key in enumerate(keys):
+            out = np.empty(SIZE, np.uint8)
+            assert pool.read_into(key, out.data) is not None
+            sent = demo_chunk(owner.seed, i, SIZE, FP)[1]
+            np.testing.assert_array_equal(out, sent)
+            assert sent[1000:1064].tobytes() not in relay.recorded  # nothing in the clear
+        # TLS carried the handshake, then stepped aside: each chunk's frame prefix is on the wire as it is,
+        # announcing the payload sealed with its tag (inside TLS records it would be encrypted too)
+        assert relay.recorded.count(struct.pack("<I", SIZE + TAG)) >= N
     finally:
         relay.close()
 

@@ -1,7 +1,8 @@
-"""Where a TLS pull's time goes, in one process (``bench transfer``'s ``tls_pipeline``): each step a chunk takes
-through Python's ``ssl`` with the transport's own contexts (mutual TLS 1.3, memory BIOs as the owner's
-``TlsChannel`` and asyncio's TLS transport drive them), beside what the same bytes cost as one AES-256-GCM
-operation per chunk (``cryptography``, the library of the payload MAC) and as one copy.
+"""Where a pull's time would go in TLS records, in one process (``bench transfer``'s ``tls_pipeline``): each step a
+chunk takes through Python's ``ssl`` with the transport's own contexts (mutual TLS 1.3, memory BIOs as
+``TlsChannel`` drives them), beside what the same bytes cost as one AES-256-GCM operation per chunk
+(``cryptography``, the library of the payload MAC and the seal) and as one copy. Since wire version 7 TLS
+carries the handshake only and chunks travel sealed (``transfer/seal.py``): this is the measure of why.
 
     owner:      SSLObject.write (encrypt into the outgoing BIO)   BIO.read (the copy out, then the socket's)
     requester:  BIO.write (the socket's bytes in)                  SSLObject.read (decrypt; one TLS record,

@@ -6,8 +6,9 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 - ``tcp``: :class:`TcpTransport` pulls (handshake done, protocol, verify, commit)
 - ``tcp_mac``: the same with ``transfer.payload_mac`` (a GMAC per chunk, computed by the
   owner and checked by the requester): ``tcp_mac_vs_tcp`` is its cost
-- ``tcp_tls``: the same over mutual TLS 1.3 (``transfer.tls_*``, a second owner process holding the
-  same chunks, certificates from a throw-away CA): ``tcp_tls_vs_tcp`` is its cost
+- ``tcp_tls``: the same with TLS (``transfer.tls_*``: a mutual TLS 1.3 handshake, then every frame sealed
+  with AES-256-GCM, ``transfer/seal.py``; a second owner process holding the same chunks, certificates from
+  a throw-away CA): ``tcp_tls_vs_tcp`` is its cost
 - ``raw_socket``: the same bytes from the same owner process over one plain socket,
   blocking ``recv_into`` into a preallocated buffer (no protocol, no checks)
 - ``nixl``: :class:`NixlTransport` pulls (pin round trip, one READ, verify, commit, release)
@@ -18,7 +19,10 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 - ``tls_pipeline``: where a TLS pull's time goes, in one process (``tls_pipeline.py``): each step of a
   2 MiB chunk through Python's ``ssl`` on each side, beside one AES-256-GCM operation a chunk and one copy
 
-Ratios are medians of ``--repeat`` runs. The last line of ``--json`` output is one JSON object.
+Ratios are medians of ``--repeat`` runs. ``tcp``, ``tcp_mac`` and ``tcp_tls`` run in turn, one pull each a
+round, and their ratios are the medians of each round's ratio (paired: this shared host's speed drifts
+between rounds, 2.0-4.4 GB/s for plain TCP in one minute). The last line of ``--json`` output is one JSON
+object.
 """
 
 from __future__ import annotations
@@ -128,17 +132,7 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
         peer = owner.peer
         keys = [owner.key(i) for i in range(n)]
         dst = CpuPool(size * (n + 2), size)
-        tcp = TcpTransport(SECRET.encode(), 10.0, payload_mac=False)
-        out["tcp_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp, peer, keys, dst, size))
-        out["raw_socket_gbps"] = statistics.median(
-            [_raw_socket_gbps(owner, n, size, dst) for _ in range(repeat + 1)][1:])
-        out["tcp_vs_raw"] = out["tcp_gbps"] / out["raw_socket_gbps"]
-        await tcp.close()
-        tcp_mac = TcpTransport(SECRET.encode(), 10.0, payload_mac=True)
-        out["tcp_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(tcp_mac, peer, keys, dst, size))
-        out["tcp_mac_vs_tcp"] = out["tcp_mac_gbps"] / out["tcp_gbps"]
-        await tcp_mac.close()
-        out.update(await _tls_gbps(n, size, repeat, keys, dst, out["tcp_gbps"]))
+        out.update(await _tcp_paired(owner, n, size, repeat, keys, dst))
         if use_nixl:
             engine = NixlEngine(f"bench-{os.getpid()}", dst)
             nixl = NixlTransport(engine, SECRET.encode(), 10.0)
@@ -158,19 +152,34 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
     return out
 
 
-async def _tls_gbps(n: int, size: int, repeat: int, keys: list[ChunkKey], dst: CpuPool,
-                    tcp_gbps: float) -> dict[str, float]:
+async def _tcp_paired(owner: OwnerProcess, n: int, size: int, repeat: int, keys: list[ChunkKey],
+                      dst: CpuPool) -> dict[str, float]:
+    """Plain TCP, the raw socket, TCP with the payload MAC and TCP with TLS, one pull each a round."""
     with tempfile.TemporaryDirectory() as pki:
         made = make_certs(pki, ["owner", "requester"], days=1)
         ca = f"{pki}/ca.crt"
         tc = TransferConfig(tls_ca_cert=ca, tls_cert=str(made["requester"][0]), tls_key=str(made["requester"][1]))
         tls_owner = (ca, str(made["owner"][0]), str(made["owner"][1]))
-        with OwnerProcess(SECRET, FP, n, size, timeout_s=5.0, tls=tls_owner) as owner:
-            tcp_tls = TcpTransport(SECRET.encode(), 10.0, tls=client_context(tc))
-            peer = owner.peer
-            gbps = await _median(repeat, lambda: _pull_gbps(tcp_tls, peer, keys, dst, size))
-            await tcp_tls.close()
-    return {"tcp_tls_gbps": gbps, "tcp_tls_vs_tcp": gbps / tcp_gbps}
+        with OwnerProcess(SECRET, FP, n, size, timeout_s=5.0, tls=tls_owner) as secure:
+            clients = {"tcp": (TcpTransport(SECRET.encode(), 10.0, payload_mac=False), owner.peer),
+                       "tcp_mac": (TcpTransport(SECRET.encode(), 10.0, payload_mac=True), owner.peer),
+                       "tcp_tls": (TcpTransport(SECRET.encode(), 10.0, tls=client_context(tc)), secure.peer)}
+            rounds: dict[str, list[float]] = {name: [] for name in (*clients, "raw_socket")}
+            for r in range(repeat + 1):  # round 0 warms up (connections, handshakes, page faults)
+                for name, (client, peer) in clients.items():
+                    gbps = await _pull_gbps(client, peer, keys, dst, size)
+                    if r:
+                        rounds[name].append(gbps)
+                raw = _raw_socket_gbps(owner, n, size, dst)
+                if r:
+                    rounds["raw_socket"].append(raw)
+            for client, _ in clients.values():
+                await client.close()
+    out = {f"{name}_gbps": statistics.median(values) for name, values in rounds.items()}
+    for name, base in (("tcp", "raw"), ("tcp_mac", "tcp"), ("tcp_tls", "tcp")):
+        baseline = rounds["raw_socket" if base == "raw" else base]
+        out[f"{name}_vs_{base}"] = statistics.median(x / y for x, y in zip(rounds[name], baseline, strict=True))
+    return out
 
 
 async def _latency(repeat: int, use_nixl: bool) -> dict[str, Any]:
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=HelpFormatter)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--workload", action="append", help="NxSIZE, e.g. 64x2MiB (repeatable)")
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--latency-samples", type=int, default=100)
     p.add_argument("--no-nixl", action="store_true")
     args = p.parse_args(argv)

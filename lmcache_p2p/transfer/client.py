@@ -15,13 +15,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 import ssl
 import time
 from collections.abc import Callable, Collection, Coroutine, Sequence
 from typing import Any
 
 from ..aio import remaining
-from ..errors import HandshakeError, PeerIdentityError, PeerTimeout, SharedConnectionAborted, TransferError
+from ..errors import (
+    HandshakeError,
+    PeerIdentityError,
+    PeerTimeout,
+    ProtocolError,
+    SharedConnectionAborted,
+    TransferError,
+)
 from ..ids import WIRE_VERSION, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
@@ -29,8 +37,9 @@ from . import wire
 from .base import MissReason, PullResult, Want, wants_of
 from .connection import ACK_FLOOR_S, Connection, _Request
 from .health import PeerHealth
-from .netio import connect_tcp, set_keepalive
-from .tls import names_node, peer_binding, peer_nodes
+from .netio import PlainChannel, connect_tcp, recv_frame, set_keepalive
+from .seal import Exchange, Seal
+from .tls import TlsChannel, names_node, peer_binding, peer_nodes
 
 log = logging.getLogger(__name__)
 
@@ -97,58 +106,73 @@ class ConnectionPool:
 
     async def _connect(self, peer: PeerAddress, fp: FingerprintDigest, timeout: float,
                        known: Connection | None = None) -> Connection:
-        loop = asyncio.get_running_loop()
+        """A connection handshaken on the raw socket (through TLS, when on), then handed to asyncio as a
+        :class:`Connection`: sealed after a TLS handshake (``seal.py``), plain otherwise."""
         try:
             async with asyncio.timeout(timeout):
                 sock = await connect_tcp(peer.host, peer.port, timeout)
-                try:
-                    _, conn = await loop.create_connection(
-                        lambda: Connection(str(peer), self.max_frame_bytes), sock=sock, ssl=self._tls,
-                        server_hostname=peer.host if self._tls else None,
-                        ssl_handshake_timeout=timeout if self._tls else None)
-                except BaseException:
-                    sock.close()
-                    raise
         except TimeoutError as exc:
             raise PeerTimeout(f"{peer}: connect timed out") from exc
-        except ssl.SSLError as exc:
-            raise HandshakeError(f"{peer}: TLS handshake failed: {exc.reason or exc}") from exc
         except OSError as exc:
             raise TransferError(f"{peer}: connect failed: {exc}") from exc
-        set_keepalive(conn.transport_socket())
+        conn = Connection(str(peer), self.max_frame_bytes)
         if known is not None:
             conn.srtt, conn.rttvar, conn.silence_backoff = known.srtt, known.rttvar, known.silence_backoff
             conn.stall_backoff = known.stall_backoff
         try:
-            await asyncio.wait_for(self._handshake(conn, peer, fp, timeout), timeout)
-        except TimeoutError as exc:
-            conn.abort(PeerTimeout("handshake timed out"))
-            raise PeerTimeout(f"{peer}: handshake timed out") from exc
-        except BaseException as exc:
-            conn.abort(exc)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_keepalive(sock)
+            try:
+                await asyncio.wait_for(self._handshake(sock, conn, peer, fp, timeout), timeout)
+            except TimeoutError as exc:
+                raise PeerTimeout(f"{peer}: handshake timed out") from exc
+            await asyncio.get_running_loop().create_connection(lambda: conn, sock=sock)
+        except BaseException:
+            sock.close()
             raise
         return conn
 
-    async def _handshake(self, conn: Connection, peer: PeerAddress, fp: FingerprintDigest, timeout: float) -> None:
+    async def _handshake(self, sock: socket.socket, conn: Connection, peer: PeerAddress, fp: FingerprintDigest,
+                         timeout: float) -> None:
         binding = b""
+        exchange: Exchange | None = None
+        chan = PlainChannel(sock)
         if self._tls is not None:
-            binding = peer_binding(conn.ssl_object())
-            self._check_owner_certificate(peer, peer_nodes(conn.ssl_object()))
+            chan = tls_chan = TlsChannel(sock, self._tls, server_side=False)
+            try:
+                await tls_chan.handshake(timeout)
+            except ssl.SSLError as exc:
+                raise HandshakeError(f"{peer}: TLS handshake failed: {exc.reason or exc}") from exc
+            except PeerTimeout as exc:
+                raise PeerTimeout(f"{peer}: TLS handshake timed out") from exc
+            except OSError as exc:
+                raise TransferError(f"{peer}: connection lost in the TLS handshake: {exc}") from exc
+            binding = peer_binding(tls_chan.ssl_object)
+            self._check_owner_certificate(peer, peer_nodes(tls_chan.ssl_object))
+            exchange = Exchange()  # TLS carries this handshake only: the frames after it are sealed (seal.py)
         nonce_c = wire.nonce()
         hello: wire.Message = {"t": "hello", "v": WIRE_VERSION, "fp": bytes(fp), "nc": nonce_c,
                                "nixl": self._want_nixl, "mac": self._payload_mac, "ack": True}
         if self._node_id is not None:
             hello["node"] = self._node_id
+        if exchange is not None:
+            hello["x"] = exchange.share
         asked = time.monotonic()
-        conn.send(hello)
-        challenge = await _answer(conn, timeout, "hello")
+        await _say(chan, conn, hello, timeout)
+        challenge = await _answer(chan, conn, timeout, "hello")
         hello_rtt = time.monotonic() - asked
         if challenge["t"] == "error":
             raise HandshakeError(f"{conn.peer} refused the handshake: {challenge.get('why')!r}")
         if challenge["t"] != "challenge":
             raise HandshakeError(f"{conn.peer} did not answer hello with a challenge ({challenge['t']!r})")
+        shares = b""
+        if exchange is not None:
+            theirs = challenge.get("x")
+            if not isinstance(theirs, bytes):
+                raise HandshakeError(f"{conn.peer} sent no key share over TLS")
+            shares = exchange.share + theirs
         t = wire.Transcript(bytes(fp), nonce_c, wire.field(challenge, "ns", bytes), binding,
-                            wire.field(challenge, "node", str), self._node_id or "")
+                            wire.field(challenge, "node", str), self._node_id or "", shares)
         if not wire.proof_ok(wire.proof(self._secret, b"S", t), challenge.get("proof")):
             raise HandshakeError(f"{conn.peer} failed to prove the cluster secret"
                                  + (" over this TLS channel" if binding else ""))
@@ -156,10 +180,10 @@ class ConnectionPool:
             raise PeerIdentityError(f"{peer}: answered as node {t.owner!r}, not the node {peer.node_id!r} this pull "
                                     "was planned from (its record points at another node's address, or a relay)")
         asked = time.monotonic()
-        conn.send({"t": "auth", "proof": wire.proof(self._secret, b"C", t)})
+        await _say(chan, conn, {"t": "auth", "proof": wire.proof(self._secret, b"C", t)}, timeout)
         if self._payload_mac:  # every chunk must carry a valid MAC under this session's key
             conn.mac_key = wire.session_key(self._secret, t)
-        ready = await _answer(conn, timeout, "auth")
+        ready = await _answer(chan, conn, timeout, "auth")
         # One round-trip sample from the handshake, the faster of its two steps: each also measures both
         # sides' proofs and key derivation, and this node's own loop when its engine holds the GIL (a
         # first auth step took 17 ms): taken whole, the first pulls' ack timeout exceeded their allowance
@@ -172,6 +196,11 @@ class ConnectionPool:
         nixl = ready.get("nixl")
         conn.nixl = nixl if isinstance(nixl, dict) else None
         conn.acks = ready.get("ack") is True
+        if exchange is not None:
+            assert isinstance(chan, TlsChannel)
+            if not chan.drained():  # the owner sends nothing after ready until asked
+                raise ProtocolError(f"{conn.peer}: bytes after ready")
+            conn.seal = Seal(exchange.key(challenge.get("x"), wire.seal_bound(self._secret, t)), owner=False)
 
     def _check_owner_certificate(self, peer: PeerAddress, named: frozenset[str]) -> None:
         """The owner's certificate may serve as ``peer.node_id``: it names that node (or its engine), or
@@ -215,21 +244,34 @@ def silence_allowed(floor: float | None, allowance: float, silence_s: float | No
     return max(floor, share if silence_s is None else min(share, silence_s))
 
 
-async def _answer(conn: Connection, timeout: float, asked: str) -> wire.Message:
-    """The owner's answer to a handshake step, within ``timeout``, and within a third of it when that is
-    longer than its silence timeout (:func:`silence_allowed`; ``ACK_FLOOR_S`` for a peer never heard
-    from before: a stopped owner this node never connected to costs a third of the pull's allowance, not
-    all of it): a :class:`PeerTimeout` when nothing came. A load's own ``silence_s`` does not apply: a
-    first handshake of a serving owner was seen taking 17 ms (its answers carry proofs and keys)."""
-    silence = max(conn.silence_timeout() or ACK_FLOOR_S, timeout / SILENT_SHARE)
-    if silence >= timeout:
-        return await conn.control(timeout)
+async def _say(chan: PlainChannel, conn: Connection, msg: wire.Message, timeout: float) -> None:
+    """Send one handshake frame."""
     try:
-        return await conn.control(silence)
-    except TransferError as exc:
-        if conn.closed:
-            raise
+        await chan.send_all(chan.frame(msg), timeout)
+    except ssl.SSLError as exc:
+        raise HandshakeError(f"{conn.peer}: TLS failed during the handshake: {exc.reason or exc}") from exc
+    except PeerTimeout as exc:
+        raise PeerTimeout(f"{conn.peer}: the owner stopped reading during the handshake") from exc
+    except OSError as exc:
+        raise TransferError(f"{conn.peer}: connection lost during the handshake: {exc}") from exc
+
+
+async def _answer(chan: PlainChannel, conn: Connection, timeout: float, asked: str) -> wire.Message:
+    """The owner's answer to a handshake step, within ``timeout``, and its first byte within a third of it
+    when that is longer than its silence timeout (:func:`silence_allowed`; ``ACK_FLOOR_S`` for a peer never
+    heard from before: a stopped owner this node never connected to costs a third of the pull's allowance,
+    not all of it): a :class:`PeerTimeout` when nothing came. A load's own ``silence_s`` does not apply: a
+    first handshake of a serving owner was seen taking 17 ms (its answers carry proofs and keys)."""
+    silence = min(timeout, max(conn.silence_timeout() or ACK_FLOOR_S, timeout / SILENT_SHARE))
+    try:
+        msg, _ = await recv_frame(chan, silence, timeout, conn.max_frame_bytes)
+    except PeerTimeout as exc:
         raise PeerTimeout(f"{conn.peer}: nothing heard in {1e3 * silence:.1f} ms after {asked}") from exc
+    except ssl.SSLError as exc:  # a TLS alert: the owner refused this node's certificate, ...
+        raise HandshakeError(f"{conn.peer}: TLS failed during the handshake: {exc.reason or exc}") from exc
+    except OSError as exc:
+        raise TransferError(f"{conn.peer}: connection lost during the handshake: {exc}") from exc
+    return msg
 
 
 class _Overdue(Exception):

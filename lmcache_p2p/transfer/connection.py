@@ -4,7 +4,8 @@ Receive states (one frame at a time, each buffer handed to the kernel is exactly
 
     PREFIX (8 bytes) -> BODY (header_len) -> [PAYLOAD: straight into a reserved pool slot] -> PREFIX
 
-A chunk's payload lands in ``dst.reserve().view`` with no intermediate copy, is verified
+A chunk's payload lands in ``dst.reserve().view`` with no intermediate copy (on a sealed connection,
+``seal.py``: in a scratch buffer, opened from there into the slot), is verified
 against its header and only then committed; a mismatch releases the slot and counts as a miss.
 Many requests are in flight at once, told apart by id. A request given up on is *abandoned*
 (``abandon``: its remaining frames are read into scratch and dropped, the slot it was filling is
@@ -25,7 +26,6 @@ import hmac
 import itertools
 import logging
 import socket
-import ssl
 import time
 from collections.abc import Sequence
 
@@ -35,6 +35,7 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
 from .base import MissReason, PullResult, Want
+from .seal import TAG, Seal
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +153,7 @@ class Connection(asyncio.BufferedProtocol):
         self.peer = peer
         self.nixl: wire.Message | None = None  # the owner's NIXL info from the handshake
         self.mac_key: bytes | None = None  # the session's payload MAC key, when asked for
+        self.seal: Seal | None = None  # set: every frame is sealed (after a TLS handshake, seal.py)
         self.acks = False  # the owner acknowledges each get (agreed in the handshake, wire.py)
         # Round trips to the owner's loop (handshake steps, then acks): RFC 6298's smoothed time and
         # variation, what "no ack by now" is measured against (``ack_timeout``)
@@ -167,12 +169,11 @@ class Connection(asyncio.BufferedProtocol):
         # an owner that paused mid-answer had acknowledged in time, so its pauses (a starved host: 40 ms
         # beside the suite's other lane) widen the pause it is allowed, not the wait for its next ack
         self.stall_backoff = 1.0
-        self._max_frame = max_frame_bytes
+        self.max_frame_bytes = max_frame_bytes
         self._transport: asyncio.Transport | None = None
         self.last_progress = time.monotonic()  # when bytes last arrived (time.monotonic())
         self._ids = itertools.count(1)
         self._pending: dict[int, _Request] = {}
-        self._control: asyncio.Queue[wire.Message | BaseException] = asyncio.Queue()
         # Frames are parsed out of a small staging buffer; a payload (or a body too big for the
         # stage) becomes the *target* and the kernel writes straight into it.
         self._stage = bytearray(_STAGE_BYTES)
@@ -186,6 +187,9 @@ class Connection(asyncio.BufferedProtocol):
         self._skip = 0
         self._scratch = memoryview(bytearray(_DISCARD_BYTES))
         self._receiver: _GetRequest | None = None  # whose payload is the target now
+        self._prefix = b""  # the prefix of the frame being read: a sealed body's associated data
+        self._sealed = memoryview(bytearray(0))  # a sealed payload lands here, then opens into ...
+        self._open_into: memoryview | None = None  # ... its pool slot
         self.closed = False
 
     # -- asyncio callbacks ---------------------------------------------------------------------
@@ -253,8 +257,8 @@ class Connection(asyncio.BufferedProtocol):
             elif self._state == _PREFIX:
                 if avail < wire.PREFIX_SIZE:
                     return
-                self._header_len, self._payload_len = wire.decode_prefix(
-                    self._stage_mv[self._start : self._start + wire.PREFIX_SIZE], self._max_frame)
+                self._prefix = bytes(self._stage_mv[self._start : self._start + wire.PREFIX_SIZE])
+                self._header_len, self._payload_len = wire.decode_prefix(self._prefix, self.max_frame_bytes)
                 self._start += wire.PREFIX_SIZE
                 self._state = _BODY
                 if self._header_len > len(self._stage) // 2:
@@ -265,7 +269,7 @@ class Connection(asyncio.BufferedProtocol):
                 body = self._stage_mv[self._start : self._start + self._header_len]
                 self._start += self._header_len
                 self._state = _PREFIX
-                self._on_message(wire.decode(body), self._payload_len)
+                self._on_message(self._decode(body), self._payload_len)
 
     def _set_target(self, target: memoryview, is_body: bool = False) -> None:
         self._target, self._tpos, self._target_is_body = target, 0, is_body
@@ -275,21 +279,33 @@ class Connection(asyncio.BufferedProtocol):
         assert target is not None
         if self._target_is_body:
             self._state = _PREFIX
-            self._on_message(wire.decode(target), self._payload_len)
+            self._on_message(self._decode(target), self._payload_len)
             return
-        receiver, self._receiver = self._receiver, None
+        receiver = self._receiver
+        if self._open_into is not None:
+            dst, self._open_into = self._open_into, None
+            assert self.seal is not None
+            self.seal.open_payload(target, dst)  # a failed tag closes the connection; abort drops the slot
+        self._receiver = None
         if receiver is not None:
             receiver.on_payload()
+
+    def _decode(self, body: memoryview) -> wire.Message:
+        return wire.decode(body if self.seal is None else self.seal.open_body(self._prefix, body))
 
     def _on_message(self, msg: wire.Message, payload_len: int) -> None:
         kind = msg["t"]
         if payload_len and kind != "chunk":
             raise ProtocolError(f"{kind!r} frame with a payload")
         if kind not in ("chunk", "miss", "end", "pinned", "offered", "recent", "ack"):
-            self._control.put_nowait(msg)
-            return
+            raise ProtocolError(f"unexpected {kind!r} frame after the handshake")
         request = self._pending.get(wire.field(msg, "id", int))
         target: memoryview | None = None
+        plain_len = payload_len
+        if self.seal is not None and payload_len:
+            if payload_len < TAG:
+                raise ProtocolError("sealed payload shorter than its tag")
+            plain_len = payload_len - TAG
         if request is not None and not request.heard.done():
             if kind == "ack" and request.sent_at > self.silenced_at:
                 self.observe_rtt(time.monotonic() - request.sent_at)
@@ -299,7 +315,7 @@ class Connection(asyncio.BufferedProtocol):
             pass
         elif kind == "chunk":
             if isinstance(request, _GetRequest):
-                target = request.on_chunk(msg, payload_len)
+                target = request.on_chunk(msg, plain_len)
         elif kind == "miss" and isinstance(request, _GetRequest):
             request.on_miss(msg)
         elif request is not None:
@@ -308,6 +324,11 @@ class Connection(asyncio.BufferedProtocol):
                 request.future.set_result(msg)
         if target is not None:
             self._receiver = request if isinstance(request, _GetRequest) else None
+            if self.seal is not None:
+                self._open_into = target
+                if len(self._sealed) < payload_len:
+                    self._sealed = memoryview(bytearray(payload_len))
+                target = self._sealed[:payload_len]
             self._set_target(target)
         else:
             self._skip = payload_len
@@ -357,22 +378,15 @@ class Connection(asyncio.BufferedProtocol):
     def send(self, msg: wire.Message) -> None:
         if self.closed or self._transport is None:
             raise TransferError(f"connection to {self.peer} is closed")
-        self._transport.write(wire.encode(msg))
-
-    async def control(self, timeout: float) -> wire.Message:
-        """The next handshake frame (``challenge``, ``ready`` or ``error``)."""
-        try:
-            item = await asyncio.wait_for(self._control.get(), timeout)
-        except TimeoutError as exc:
-            raise TransferError(f"{self.peer}: handshake timed out") from exc
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        if self.seal is None:
+            self._transport.write(wire.encode(msg))
+        else:
+            self._transport.writelines(self.seal.seal_frame(msg, None, None))
 
     def start_get(self, wants: Sequence[Want], fp: FingerprintDigest, dst: CpuPool,
                   result: PullResult) -> _GetRequest:
         request = _GetRequest(next(self._ids), wants, fp, dst, result)
-        request.mac_key = self.mac_key
+        request.mac_key = self.mac_key if self.seal is None else None  # a seal authenticates each chunk
         self._pending[request.rid] = request
         self.send(_request("get", request.rid, wants))
         return request
@@ -396,9 +410,6 @@ class Connection(asyncio.BufferedProtocol):
     def transport_socket(self) -> socket.socket | None:
         return self._transport.get_extra_info("socket") if self._transport is not None else None
 
-    def ssl_object(self) -> ssl.SSLObject | None:
-        return self._transport.get_extra_info("ssl_object") if self._transport is not None else None
-
     def abandon(self, request: _Request) -> None:
         """Stop caring about ``request``: its remaining frames are read and dropped."""
         self._pending.pop(request.rid, None)
@@ -408,6 +419,7 @@ class Connection(asyncio.BufferedProtocol):
             request.drop_current()
             self._skip = len(self._target) - self._tpos
             self._target = None
+            self._open_into = None
 
     def abort(self, exc: BaseException) -> None:
         self._fail_all(exc)
@@ -419,10 +431,10 @@ class Connection(asyncio.BufferedProtocol):
         if self._receiver is not None:
             self._receiver.drop_current()
             self._receiver = None
+        self._open_into = None
         for request in self._pending.values():
             request.fail(exc)
         self._pending.clear()
-        self._control.put_nowait(exc)
 
 
 def _request(kind: str, rid: int, wants: Sequence[Want]) -> wire.Message:

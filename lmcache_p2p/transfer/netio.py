@@ -8,7 +8,8 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from ..errors import PeerTimeout
+from ..errors import PeerTimeout, ProtocolError
+from . import wire
 
 T = TypeVar("T")
 
@@ -72,7 +73,8 @@ async def _writable(loop: asyncio.AbstractEventLoop, sock: socket.socket, deadli
 
 
 class PlainChannel:
-    """The owner's side of one plain TCP connection (see :class:`~.tls.TlsChannel` for TLS)."""
+    """One plain TCP connection as the owner serves it and either side runs its handshake on (see
+    :class:`~.tls.TlsChannel` for TLS, :class:`~.seal.SealedChannel` for what follows a TLS handshake)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -82,6 +84,31 @@ class PlainChannel:
 
     async def send_all(self, buffers: Sequence[bytes | memoryview], timeout: float) -> None:
         await send_all(self.sock, buffers, timeout)
+
+    def frame(self, msg: wire.Message, payload: memoryview | None = None) -> list[bytes | memoryview]:
+        """The buffers of one frame, to pass to :meth:`send_all` in order (the payload is not copied)."""
+        head = wire.encode(msg, 0 if payload is None else len(payload))
+        return [head] if payload is None else [head, payload]
+
+    def open(self, prefix: bytes | memoryview, body: bytes | memoryview) -> bytes | memoryview:
+        """A received frame's body as sent (a sealed channel opens it here)."""
+        return body
+
+
+async def recv_frame(chan: PlainChannel, first_byte_timeout: float, timeout: float, max_frame_bytes: int,
+                     payload: bool = False) -> tuple[wire.Message, int]:
+    """The next frame's message and payload length (the payload is left unread; ``payload`` False: a frame
+    that announces one is a :class:`ProtocolError`). Its first byte within ``first_byte_timeout``, the rest
+    within ``timeout`` each."""
+    prefix = bytearray(wire.PREFIX_SIZE)
+    await chan.recv_exact(memoryview(prefix)[:1], first_byte_timeout)
+    await chan.recv_exact(memoryview(prefix)[1:], timeout)
+    header_len, payload_len = wire.decode_prefix(prefix, max_frame_bytes)
+    if payload_len and not payload:
+        raise ProtocolError(f"peer sent a {payload_len}-byte payload where none is due")
+    body = bytearray(header_len)
+    await chan.recv_exact(memoryview(body), timeout)
+    return wire.decode(chan.open(bytes(prefix), memoryview(body))), payload_len
 
 
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3

@@ -4,7 +4,8 @@ One task per connection, on raw non-blocking sockets: requests are read with
 ``sock_recv_into`` and every chunk leaves as ``sendmsg([frame, slot view])`` straight out of
 the pinned slot (no payload copy; asyncio 3.11 transports would copy what the kernel does not
 take at once). With TLS (``transfer.tls_*``) the same socket carries a :class:`~.tls.TlsChannel`
-and each slot is encrypted from its pinned view. Requests of one connection are served in order;
+through the handshake, then a :class:`~.seal.SealedChannel`: each slot is sealed from its pinned view
+into a reused send buffer. Requests of one connection are served in order;
 connections are independent.
 A connection that fails the handshake or sends a malformed, oversized or truncated frame is
 logged and closed; nothing else is affected and no payload was sent on it. The server answers
@@ -35,8 +36,9 @@ from ..ids import WIRE_VERSION
 from ..keys import ChunkKey, FingerprintDigest, HeadRange
 from ..tiers.cpu_pool import CpuPool, Pin
 from . import wire
-from .netio import PlainChannel, set_keepalive
+from .netio import PlainChannel, recv_frame, set_keepalive
 from .nixl_engine import NixlEngine
+from .seal import Exchange, Seal, SealedChannel
 from .tls import TlsChannel
 
 log = logging.getLogger(__name__)
@@ -71,7 +73,7 @@ class _Session:
     sock: socket.socket
     peer: str
     source: str = ""
-    chan: PlainChannel | TlsChannel | None = None  # set once the connection is accepted (TLS: handshaken)
+    chan: PlainChannel | None = None  # set once the connection is accepted (TLS: handshaken; then sealed)
     fingerprint: FingerprintDigest = FingerprintDigest(b"")
     authenticated: bool = False
     mac_key: bytes | None = None
@@ -236,19 +238,12 @@ class TransferServer:
     # -- framing ---------------------------------------------------------------------------------
     async def _recv(self, s: _Session, first_byte_timeout: float) -> wire.Message:
         assert s.chan is not None
-        prefix = bytearray(wire.PREFIX_SIZE)
-        await s.chan.recv_exact(memoryview(prefix)[:1], first_byte_timeout)
-        await s.chan.recv_exact(memoryview(prefix)[1:], self._timeout)
-        header_len, payload_len = wire.decode_prefix(prefix, self._max_frame)
-        if payload_len:
-            raise ProtocolError(f"peer sent a {payload_len}-byte payload; requests carry none")
-        body = bytearray(header_len)
-        await s.chan.recv_exact(memoryview(body), self._timeout)
-        return wire.decode(body)
+        msg, _ = await recv_frame(s.chan, first_byte_timeout, self._timeout, self._max_frame)
+        return msg
 
     async def _send(self, s: _Session, msg: wire.Message) -> None:
         assert s.chan is not None
-        await s.chan.send_all([wire.encode(msg)], self._timeout)
+        await s.chan.send_all(s.chan.frame(msg), self._timeout)
 
     # -- handshake -------------------------------------------------------------------------------
     async def _handshake(self, s: _Session) -> None:
@@ -263,6 +258,12 @@ class TransferServer:
             except ssl.SSLError as exc:  # no cluster certificate, not TLS at all, ...
                 raise HandshakeError(f"TLS handshake failed: {exc.reason or exc}") from exc
             s.chan, binding = chan, self._tls[1]
+        try:
+            await self._authenticate(s, step, binding)
+        except ssl.SSLError as exc:  # a TLS alert, a record that fails its MAC
+            raise HandshakeError(f"TLS failed during the handshake: {exc.reason or exc}") from exc
+
+    async def _authenticate(self, s: _Session, step: float, binding: bytes) -> None:
         hello = await self._recv(s, step)
         if hello["t"] != "hello":
             raise ProtocolError(f"expected hello, got {hello['t']!r}")
@@ -274,9 +275,19 @@ class TransferServer:
         if len(nonce_c) != wire.NONCE_BYTES:
             raise ProtocolError("bad client nonce")
         requester = wire.node_id(hello) if "node" in hello else ""
-        t = wire.Transcript(bytes(fingerprint), nonce_c, wire.nonce(), binding, self.node_id, requester)
-        await self._send(s, {"t": "challenge", "ns": t.nonce_s, "node": self.node_id,
-                             "proof": wire.proof(self._secret, b"S", t)})
+        exchange = Exchange() if self._tls is not None else None
+        shares = b""
+        if exchange is not None:  # TLS carries this handshake only: the frames after it are sealed (seal.py)
+            theirs = hello.get("x")
+            if not isinstance(theirs, bytes):
+                raise ProtocolError("a TLS hello without a key share")
+            shares = theirs + exchange.share
+        t = wire.Transcript(bytes(fingerprint), nonce_c, wire.nonce(), binding, self.node_id, requester, shares)
+        challenge: wire.Message = {"t": "challenge", "ns": t.nonce_s, "node": self.node_id,
+                                   "proof": wire.proof(self._secret, b"S", t)}
+        if exchange is not None:
+            challenge["x"] = exchange.share
+        await self._send(s, challenge)
         auth = await self._recv(s, step)
         if auth["t"] != "auth" or not wire.proof_ok(wire.proof(self._secret, b"C", t), auth.get("proof")):
             raise HandshakeError("client failed to prove the cluster secret")
@@ -296,7 +307,15 @@ class TransferServer:
             nixl = {"name": self._nixl.name, "md": self._nixl.agent_metadata()}
             self._nixl.keep_progress(max(10.0, 2 * self._timeout))  # the peer wires up now
         s.acks = hello.get("ack") is True
+        seal = None
+        if exchange is not None:
+            seal = Seal(exchange.key(hello.get("x"), wire.seal_bound(self._secret, t)), owner=True)
         await self._send(s, {"t": "ready", "nixl": nixl, "ack": s.acks})
+        if seal is not None:
+            assert isinstance(s.chan, TlsChannel)
+            if not s.chan.drained():  # the requester sends nothing between auth and ready
+                raise ProtocolError("bytes after auth before ready")
+            s.chan = SealedChannel(s.sock, seal)
 
     async def _refuse(self, s: _Session, why: str) -> None:
         with contextlib.suppress(TransferError, OSError):
@@ -383,6 +402,7 @@ class TransferServer:
 
     async def _serve_get(self, s: _Session, rid: int, keys: list[bytes], heads: list[HeadRange | None]) -> None:
         """Stream the chunks, several per ``sendmsg`` (frames and pinned slot views, no copies)."""
+        assert s.chan is not None
         pins: list[Pin] = []
         buffers: list[bytes | memoryview] = []
         pending = 0
@@ -390,7 +410,7 @@ class TransferServer:
             for i, key in enumerate(keys):
                 pinned = await self._pin(s, key, heads[i])
                 if pinned is None:
-                    buffers.append(wire.encode({"t": "miss", "id": rid, "i": i, "why": "absent"}))
+                    buffers += s.chan.frame({"t": "miss", "id": rid, "i": i, "why": "absent"})
                 else:
                     pin, sent, offset = pinned
                     pins.append(pin)
@@ -398,10 +418,9 @@ class TransferServer:
                     header = sent.pack()
                     view = self.pool.slot_view(pin.slot, offset + length)[offset:]
                     frame: wire.Message = {"t": "chunk", "id": rid, "i": i, "h": header}
-                    if s.mac_key is not None:
+                    if s.mac_key is not None and not isinstance(s.chan, SealedChannel):  # a seal authenticates
                         frame["m"] = wire.chunk_mac(s.mac_key, rid, i, header, view)
-                    buffers.append(wire.encode(frame, length))
-                    buffers.append(view)
+                    buffers += s.chan.frame(frame, view)
                     pending += length
                     if i == 0 and failpoints.armed(failpoints.MID_ANSWER):
                         await self._flush(s, buffers, pins)  # a test's hung owner: one frame out, then stopped
@@ -410,7 +429,7 @@ class TransferServer:
                 if pending >= _SEND_BATCH_BYTES or len(buffers) >= _SEND_BATCH_BUFFERS:
                     await self._flush(s, buffers, pins)
                     pending = 0
-            buffers.append(wire.encode({"t": "end", "id": rid}))
+            buffers += s.chan.frame({"t": "end", "id": rid})
             await self._flush(s, buffers, pins)
         finally:
             self._unpin_all(pins)

@@ -10,9 +10,9 @@ that breaks any rule is a :class:`ProtocolError` and closes that connection only
 
 Handshake (client C, server S, secret K, ``v`` = ``ids.WIRE_VERSION``, ``fp`` = fingerprint digest)::
 
-    C -> S  hello     {v, fp, nc, node?, nixl, mac, ack?} S checks v (error frame + close)
-    S -> C  challenge {ns, node, proof = HMAC(K, "S" v fp nc ns cb owner requester)}
-    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns cb owner requester)}   S checks before serving
+    C -> S  hello     {v, fp, nc, node?, nixl, mac, ack?, x?} S checks v (error frame + close)
+    S -> C  challenge {ns, node, x?, proof = HMAC(K, "S" v fp nc ns cb owner requester xs)}
+    C -> S  auth      {proof = HMAC(K, "C" v fp nc ns cb owner requester xs)}   S checks before serving
                                                         anything, then fp
     S -> C  ready     {nixl: {name, md} | None, ack?}
 
@@ -23,17 +23,21 @@ C goes on only if ``owner`` is the node whose record it planned the pull from
 come from that node. A relay that forwards the handshake to some real node therefore fails it
 unless it is pointed at by that very node's record; only the payload MAC (or TLS) stops that one.
 
-With TLS (``transfer.tls_*``) all of this runs inside mutual TLS; ``cb`` is SHA-256 of the owner's
+With TLS (``transfer.tls_*``) the handshake runs inside mutual TLS; ``cb`` is SHA-256 of the owner's
 certificate (channel binding, see ``tls.py``; empty without TLS), and a certificate that names
-nodes must name the planned one.
+nodes must name the planned one. ``x`` (TLS only, both required) are ephemeral X25519 key shares,
+``xs`` both of them (empty without TLS): after ``ready`` TLS steps aside and every frame is sealed
+with AES-256-GCM under a key from that exchange and the secret (``seal.py``).
 
 With ``mac`` (``transfer.payload_mac``), both sides derive a session key
-``HMAC(K, "M" v fp nc ns cb owner requester)`` and every chunk frame carries ``m``, a GMAC of its
+``HMAC(K, "M" v fp nc ns cb owner requester xs)`` and every chunk frame carries ``m``, a GMAC of its
 header and payload under that key, the request id and index its nonce (ids must grow: a get or pin
 whose id does not exceed the last one's is refused, so no nonce repeats under a key): a relay on the
 path that passed the handshake still cannot change a chunk (xxh3 in the header is a checksum, not a
 MAC). A client that asked for it rejects any chunk without a valid ``m``, so stripping the flag from
-``hello`` gains nothing; a server that requires it refuses clients that did not ask.
+``hello`` gains nothing; a server that requires it refuses clients that did not ask. On a sealed
+connection a chunk's seal already authenticates it under a key of that session: ``get`` answers carry
+no ``m``; ``pin`` answers (NIXL READs bypass the seal) still do.
 
 Requests after ``ready`` (``id`` chosen by the client; many may be in flight)::
 
@@ -81,8 +85,12 @@ MAX_KEYS_PER_REQUEST = 4096
 Message = dict[str, Any]
 
 
+def encode_body(msg: Message) -> bytes:
+    return msgpack.packb(msg, use_bin_type=True)  # type: ignore[no-any-return]
+
+
 def encode(msg: Message, payload_len: int = 0) -> bytes:
-    body = msgpack.packb(msg, use_bin_type=True)
+    body = encode_body(msg)
     return PREFIX.pack(len(body), payload_len) + body
 
 
@@ -161,10 +169,11 @@ class Transcript:
     binding: bytes  # SHA-256 of the owner's certificate with TLS (``tls.py``), empty without
     owner: str  # the node id the owner answers as
     requester: str  # the node id the requester claims ("" for a tool)
+    shares: bytes = b""  # both X25519 key shares, the requester's first, with TLS (``seal.py``); empty without
 
     def encode(self) -> bytes:
         out = bytearray(self.fingerprint + self.nonce_c + self.nonce_s)
-        for part in (self.binding, self.owner.encode(), self.requester.encode()):
+        for part in (self.binding, self.owner.encode(), self.requester.encode(), self.shares):
             if len(part) > 255:
                 raise ProtocolError("handshake field over 255 bytes")
             out += struct.pack("<B", len(part)) + part
@@ -180,6 +189,11 @@ def proof(secret: bytes, role: bytes, t: Transcript) -> bytes:
 def session_key(secret: bytes, t: Transcript) -> bytes:
     """The per-session payload MAC key: both nonces make it fresh for every connection."""
     return proof(secret, b"M", t)
+
+
+def seal_bound(secret: bytes, t: Transcript) -> bytes:
+    """What keys the sealing key's derivation from the X25519 secret (``seal.Exchange.key``)."""
+    return proof(secret, b"E", t)
 
 
 def mac_on(payload_mac: bool | None, tls: bool) -> bool:
