@@ -38,8 +38,8 @@ from ..ids import NodeId, PeerAddress
 from ..index.records import decode_object_meta
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
-from ..transfer.base import MissReason, PullResult, Want, wants_of
-from ..transfer.client import guarded_pull
+from ..transfer.base import MissReason, PullResult, Want
+from ..transfer.client import GuardedTransport
 from .format import max_object_size, unpack_object
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ FETCH_PARALLEL = 8  # object reads in flight per load
 META_BATCH = 64  # metas read per etcd txn (etcd's default --max-txn-ops is 128)
 
 
-class ObjectTransport:
+class ObjectTransport(GuardedTransport):
     """The object store as one more transport (``objects``): the :class:`~lmcache_p2p.transfer.pull.Puller`
     pulls from it like from a slow peer (the node ``@objects``), through the same retry round and backoff
     rule (:func:`~lmcache_p2p.transfer.client.guarded_pull`, :class:`PeerHealth`).
@@ -68,17 +68,12 @@ class ObjectTransport:
 
     def __init__(self, tier: ObjectTier) -> None:
         self.tier = tier
+        self.health = tier.health
         self.address = tier.address
 
-    async def pull(self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want],
-                   dst: CpuPool, deadline: float, silence_s: float | None = None) -> PullResult:
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
+                    result: PullResult, deadline: float, silence_s: float | None) -> None:
         """``silence_s`` is not used: the store sends no acks (its requests' own timeouts bound them)."""
-        wants = wants_of(keys)
-        return await guarded_pull(self.tier.health, peer, wants,
-                                  lambda result: self._pull(fingerprint, wants, dst, result, deadline))
-
-    async def _pull(self, fp: FingerprintDigest, wants: list[Want], dst: CpuPool, result: PullResult,
-                    deadline: float) -> None:
         if fp != self.tier.fp:  # only this fingerprint's tenant key is known here: never read (nor delete) others
             result.miss_rest(wants, MissReason.ABSENT)
             return

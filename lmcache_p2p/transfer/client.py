@@ -13,12 +13,13 @@ transports share too; the frames of one connection are ``connection.py``'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import socket
 import ssl
 import time
-from collections.abc import Callable, Collection, Coroutine, Sequence
+from collections.abc import Callable, Collection, Coroutine, Iterator, Sequence
 from typing import Any
 
 from ..aio import remaining
@@ -139,14 +140,8 @@ class ConnectionPool:
         chan = PlainChannel(sock)
         if self._tls is not None:
             chan = tls_chan = TlsChannel(sock, self._tls, server_side=False)
-            try:
+            with _handshake_step(conn.peer, "TLS handshake timed out"):
                 await tls_chan.handshake(timeout)
-            except ssl.SSLError as exc:
-                raise HandshakeError(f"{peer}: TLS handshake failed: {exc.reason or exc}") from exc
-            except PeerTimeout as exc:
-                raise PeerTimeout(f"{peer}: TLS handshake timed out") from exc
-            except OSError as exc:
-                raise TransferError(f"{peer}: connection lost in the TLS handshake: {exc}") from exc
             binding = peer_binding(tls_chan.ssl_object)
             self._check_owner_certificate(peer, peer_nodes(tls_chan.ssl_object))
             exchange = Exchange()  # TLS carries this handshake only: the frames after it are sealed (seal.py)
@@ -244,16 +239,23 @@ def silence_allowed(floor: float | None, allowance: float, silence_s: float | No
     return max(floor, share if silence_s is None else min(share, silence_s))
 
 
+@contextlib.contextmanager
+def _handshake_step(peer: str, silent: str) -> Iterator[None]:
+    """What a handshake step's socket and TLS errors mean: ``silent`` names a timeout."""
+    try:
+        yield
+    except PeerTimeout as exc:
+        raise PeerTimeout(f"{peer}: {silent}") from exc
+    except ssl.SSLError as exc:  # a TLS alert: the owner refused this node's certificate, ...
+        raise HandshakeError(f"{peer}: TLS failed during the handshake: {exc.reason or exc}") from exc
+    except OSError as exc:
+        raise TransferError(f"{peer}: connection lost during the handshake: {exc}") from exc
+
+
 async def _say(chan: PlainChannel, conn: Connection, msg: wire.Message, timeout: float) -> None:
     """Send one handshake frame."""
-    try:
+    with _handshake_step(conn.peer, "the owner stopped reading during the handshake"):
         await chan.send_all(chan.frame(msg), timeout)
-    except ssl.SSLError as exc:
-        raise HandshakeError(f"{conn.peer}: TLS failed during the handshake: {exc.reason or exc}") from exc
-    except PeerTimeout as exc:
-        raise PeerTimeout(f"{conn.peer}: the owner stopped reading during the handshake") from exc
-    except OSError as exc:
-        raise TransferError(f"{conn.peer}: connection lost during the handshake: {exc}") from exc
 
 
 async def _answer(chan: PlainChannel, conn: Connection, timeout: float, asked: str) -> wire.Message:
@@ -263,14 +265,8 @@ async def _answer(chan: PlainChannel, conn: Connection, timeout: float, asked: s
     not all of it): a :class:`PeerTimeout` when nothing came. A load's own ``silence_s`` does not apply: a
     first handshake of a serving owner was seen taking 17 ms (its answers carry proofs and keys)."""
     silence = min(timeout, max(conn.silence_timeout() or ACK_FLOOR_S, timeout / SILENT_SHARE))
-    try:
+    with _handshake_step(conn.peer, f"nothing heard in {1e3 * silence:.1f} ms after {asked}"):
         msg, _ = await recv_frame(chan, silence, timeout, conn.max_frame_bytes)
-    except PeerTimeout as exc:
-        raise PeerTimeout(f"{conn.peer}: nothing heard in {1e3 * silence:.1f} ms after {asked}") from exc
-    except ssl.SSLError as exc:  # a TLS alert: the owner refused this node's certificate, ...
-        raise HandshakeError(f"{conn.peer}: TLS failed during the handshake: {exc.reason or exc}") from exc
-    except OSError as exc:
-        raise TransferError(f"{conn.peer}: connection lost during the handshake: {exc}") from exc
     return msg
 
 
@@ -329,6 +325,29 @@ async def guarded_pull(
     else:
         health.record_success(peer)
     return result
+
+
+class GuardedTransport:
+    """What every transport's ``pull`` does around its own ``_pull``: the wants, then :func:`guarded_pull`
+    (nothing to do, a backed-off peer, failures mapped to misses and to the peer's health)."""
+
+    health: PeerHealth
+
+    async def pull(
+        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
+        deadline: float, silence_s: float | None = None,
+    ) -> PullResult:
+        self._accepts(dst)
+        wants = wants_of(keys)
+        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
+            peer, fingerprint, wants, dst, result, deadline, silence_s))
+
+    def _accepts(self, dst: CpuPool) -> None:
+        """Raise ``ValueError`` for a pool this transport cannot fill."""
+
+    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
+                    result: PullResult, deadline: float, silence_s: float | None) -> None:
+        raise NotImplementedError
 
 
 async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Want], result: PullResult,
@@ -428,7 +447,7 @@ async def stalled_for(conn: Connection, futures: Sequence[asyncio.Future[Any]], 
         await asyncio.wait(pending, timeout=min(left, wait - quiet))
 
 
-class TcpTransport:
+class TcpTransport(GuardedTransport):
     """Pulls chunk payloads over the authenticated TCP connection itself."""
 
     name = "tcp"
@@ -444,14 +463,6 @@ class TcpTransport:
                                     node_id=node_id, require_node_name=require_node_name)
         self._liveness_s = timeout_s
         self.health = health if health is not None else PeerHealth(2.0)
-
-    async def pull(
-        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        deadline: float, silence_s: float | None = None,
-    ) -> PullResult:
-        wants = wants_of(keys)
-        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
-            peer, fingerprint, wants, dst, result, deadline, silence_s))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float, silence_s: float | None) -> None:

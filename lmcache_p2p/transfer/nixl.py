@@ -39,8 +39,8 @@ from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
-from .base import MissReason, PullResult, Want, wants_of
-from .client import ConnectionPool, batch_size, guarded_pull, silent_for
+from .base import MissReason, PullResult, Want
+from .client import ConnectionPool, GuardedTransport, batch_size, silent_for
 from .connection import Connection, answers
 from .health import PeerHealth
 from .nixl_engine import NixlEngine
@@ -53,7 +53,7 @@ FIRST_PIN_BATCH = 32
 PIN_BATCH = 512
 
 
-class NixlTransport:
+class NixlTransport(GuardedTransport):
     name = "nixl"
 
     def __init__(self, engine: NixlEngine, secret: bytes, timeout_s: float = 5.0,
@@ -68,15 +68,9 @@ class NixlTransport:
                                                                initializer=cputime.initializer("verify"))
         self._remote_of: dict[PeerAddress, str] = {}  # the NIXL agent name registered for each peer
 
-    async def pull(
-        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        deadline: float, silence_s: float | None = None,
-    ) -> PullResult:
+    def _accepts(self, dst: CpuPool) -> None:
         if dst is not self.engine.pool:
             raise ValueError("NIXL pulls land only in the pool registered with the engine")
-        wants = wants_of(keys)
-        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
-            peer, fingerprint, wants, dst, result, deadline, silence_s))
 
     async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
                     result: PullResult, deadline: float, silence_s: float | None) -> None:
