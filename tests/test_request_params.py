@@ -1,8 +1,8 @@
 """Per-request parameters are policy, not commands (issue 40): what a client of the engine's API may ask
 through ``kv_transfer_params`` is honoured only within the operator's limits, and each refusal is counted.
 
-A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd) in a process of its own
-(vLLM's modules stay out of the test runner), asked about requests as vLLM asks:
+A real scheduler side (real etcd, ``etcd.index: lookup``: each plan reads etcd), in the test's process
+(P2PScheduler as vLLM builds it), asked about requests as vLLM asks:
 - ``lmcache_p2p_index_revision`` far beyond etcd's revision: one linearizable read finds etcd below it,
   then the request is planned at once and never costs another read (it would have held the request and
   read etcd on the scheduler thread every step for 2 s);
@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -28,10 +26,7 @@ if importlib.util.find_spec("vllm") is None:
 
 
 def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster_name: str) -> None:
-    r = subprocess.run([sys.executable, __file__, cluster_name, ",".join(etcd.endpoints)], capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = json.loads(json.dumps(scheduler_run(cluster_name, tuple(etcd.endpoints))))  # as its process once said
     # a revision from the future: one read, then planned at once (not held: None), later steps without a read
     assert got["future_first"] == [0, False] and got["future_reads"] >= 1, got  # (the tail's probes read too)
     assert got["future_again_reads"] == 0, got
@@ -47,7 +42,7 @@ def test_expensive_request_parameters_are_bounded_and_counted(etcd: Any, cluster
     assert got["after_reset"] == [[None, False], [None, False], [0, False], [0, False], [0, True], [0, False]], got
 
 
-def main() -> None:
+def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
     import types
 
     from lmcache_p2p.config import AgentConfig, CanaryConfig, EtcdConfig, TierConfig
@@ -56,7 +51,6 @@ def main() -> None:
     from lmcache_p2p.testing.vllm_requests import StepClock, empty_step, fake_request
     from lmcache_p2p.transfers import ChunkTransfer
 
-    cluster, endpoints = sys.argv[1], tuple(sys.argv[2].split(","))
     config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
                          canary=CanaryConfig(requested_per_minute=5), tiers=TierConfig(min_save_tokens=32))
     fp = Fingerprint.of(config.layout)
@@ -132,8 +126,5 @@ def main() -> None:
         out["adapter"] = [first is not None and first == again, adapter_of(lora), adapter_of(lora)]
     finally:
         sched.shutdown()
-    print(json.dumps(out))
+    return out
 
-
-if __name__ == "__main__":
-    main()
