@@ -39,7 +39,7 @@ from ..index.records import decode_object_meta
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import MissReason, PullResult, Want
-from ..transfer.client import GuardedTransport
+from ..transfer.guard import GuardedTransport
 from .format import max_object_size, unpack_object
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ META_BATCH = 64  # metas read per etcd txn (etcd's default --max-txn-ops is 128)
 class ObjectTransport(GuardedTransport):
     """The object store as one more transport (``objects``): the :class:`~lmcache_p2p.transfer.pull.Puller`
     pulls from it like from a slow peer (the node ``@objects``), through the same retry round and backoff
-    rule (:func:`~lmcache_p2p.transfer.client.guarded_pull`, :class:`PeerHealth`).
+    rule (:func:`~lmcache_p2p.transfer.guard.guarded_pull`, :class:`PeerHealth`).
 
     A read is bounded, authenticated and checked against its meta's epoch (the module docstring), cut to
     the heads wanted and committed into the pool (the pool's admission gate applies); an object that is not

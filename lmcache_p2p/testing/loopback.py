@@ -6,7 +6,7 @@ verifies them again on arrival, as the TCP and NIXL transports do. Faults are se
 ``dead`` (connection refused), ``hang`` (answers nothing until the deadline), ``corrupt`` (one
 byte flipped on the way), ``delay_s`` (answers late), ``connect_s`` (the first pull of each transport
 from it takes that long more: a connection and handshake, reported as the pull's ``setup_s``). Peer
-health (backoff) is shared with the real transports' :func:`~lmcache_p2p.transfer.client.guarded_pull`.
+health (backoff) is shared with the real transports' :func:`~lmcache_p2p.transfer.guard.guarded_pull`.
 
 Never instead of the integration tests: those pull over real sockets and NIXL agents in other
 processes.
@@ -29,7 +29,7 @@ from ..ids import WIRE_VERSION, NodeId, PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from ..transfer.base import MissReason, PullResult, Transport, Want, wants_of
-from ..transfer.client import guarded_pull
+from ..transfer.guard import guarded_pull
 from ..transfer.health import PeerHealth
 from ..transfer.stack import ServerHooks, TransfersFactory
 
@@ -87,7 +87,7 @@ class LoopbackTransport:
     def _late(self, peer: PeerAddress, fp: FingerprintDigest, wants: Sequence[Want], dst: CpuPool,
               deadline: float, late_s: float) -> PullResult:
         """An owner that answers ``late_s`` past the deadline: what a TCP pull still arriving at its load's
-        deadline returns (``client.guarded_pull``), its rest landing in the background."""
+        deadline returns (``guard.guarded_pull``), its rest landing in the background."""
         early = PullResult(peer)
         early.miss_rest(wants, MissReason.LATE)
 

@@ -5,9 +5,10 @@ the cluster secret too, *as the node the peer address names*: ``PeerAddress.node
 node record the pull was planned from), then shared by every concurrent pull to that peer. With
 TLS the owner's certificate must name that node too, or, unless ``require_node_name``, no node.
 
-Why one file of this size: the requester's side of a pull, the pooled authenticated connections, the TCP transport
-over them and the pull's guard (the peer's health, overdue answers finished late), which the NIXL and object
-transports share too; the frames of one connection are ``connection.py``'s.
+The handshake runs on the raw socket (through TLS when on: ``tls.py``), then the connection is handed to asyncio,
+sealed after a TLS handshake (``seal.py``). A pull waits on an owner's silence and pauses here (``silent_for``,
+``stalled_for``); the guard around every transport's pull (backoff, overdue answers) is ``guard.py``'s, the
+frames of one connection ``connection.py``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import socket
 import ssl
 import time
-from collections.abc import Callable, Collection, Coroutine, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 from ..aio import remaining
@@ -28,15 +29,15 @@ from ..errors import (
     PeerIdentityError,
     PeerTimeout,
     ProtocolError,
-    SharedConnectionAborted,
     TransferError,
 )
 from ..ids import WIRE_VERSION, PeerAddress
-from ..keys import ChunkKey, FingerprintDigest
+from ..keys import FingerprintDigest
 from ..tiers.cpu_pool import CpuPool
 from . import wire
-from .base import MissReason, PullResult, Want, wants_of
+from .base import MissReason, PullResult, Want
 from .connection import ACK_FLOOR_S, Connection, _Request
+from .guard import GuardedTransport, Overdue
 from .health import PeerHealth
 from .netio import PlainChannel, connect_tcp, recv_frame, set_keepalive
 from .seal import Exchange, Seal
@@ -270,124 +271,6 @@ async def _answer(chan: PlainChannel, conn: Connection, timeout: float, asked: s
     return msg
 
 
-class _Overdue(Exception):
-    """Raised inside a pull whose answer is still arriving at its load's deadline: the rest may arrive
-    until ``hung_at`` (absolute); then the pull gives up (``give_up``: its requests' remaining frames are
-    read and dropped), and the connection is closed if no byte came on it for ``liveness_s``."""
-
-    def __init__(self, conn: Connection, futures: list[asyncio.Future[Any]], give_up: Callable[[], None],
-                 allowance_s: float, hung_at: float, liveness_s: float, why: str,
-                 reason: MissReason = MissReason.LATE) -> None:
-        super().__init__(why)
-        self.conn, self.futures, self.give_up = conn, futures, give_up
-        self.allowance_s, self.hung_at, self.liveness_s = allowance_s, hung_at, liveness_s
-        self.reason = reason  # LATE: still arriving at its deadline; UNANSWERED, STALLED: silent (see MissReason)
-
-
-async def guarded_pull(
-    health: PeerHealth, peer: PeerAddress, keys: Sequence[Want],
-    run: Callable[[PullResult], Coroutine[Any, Any, None]],
-) -> PullResult:
-    """Run ``run(result)`` unless there is nothing to do or the peer is backed off or held; map its
-    failures to misses and the peer's health. Never raises TransferError.
-
-    A pull still arriving at its load's deadline (``_Overdue``) returns what is in, the rest missed
-    ``LATE``, and the rest goes on arriving in the background (``PullResult.late``). Meanwhile the peer
-    is held (``PeerHealth.hold``: no new pulls once a grace as long as the pull's allowance has passed
-    with no byte from it). If everything arrives, the peer is released, healthy; if not by its liveness
-    deadline, the pull gives up on its own requests and the peer is backed off, as for a timeout. Other
-    pulls on the connection go on: it is closed (and they fail ``ABORTED``) only if no byte at all came
-    on it for the liveness period."""
-    result = PullResult(peer)
-    if not keys:
-        return result
-    if not health.available(peer):
-        result.miss_rest(keys, MissReason.BACKOFF)
-        return result
-    try:
-        await asyncio.ensure_future(run(result))
-    except _Overdue as overdue:
-        early = result.snapshot()
-        early.miss_rest(keys, overdue.reason)
-        conn = overdue.conn
-        early.progress_at = lambda: conn.last_progress
-        token = health.hold(peer, overdue.allowance_s, early.progress_at)
-        early.late = asyncio.ensure_future(_finish_late(health, peer, keys, result, overdue, token))
-        return early
-    except SharedConnectionAborted:
-        result.miss_rest(keys, MissReason.ABORTED)
-    except PeerTimeout as exc:
-        result.miss_rest(keys, MissReason.TIMEOUT)
-        health.record_failure(peer, exc)
-    except TransferError as exc:
-        result.miss_rest(keys, MissReason.PEER_ERROR)
-        health.record_failure(peer, exc)
-    else:
-        health.record_success(peer)
-    return result
-
-
-class GuardedTransport:
-    """What every transport's ``pull`` does around its own ``_pull``: the wants, then :func:`guarded_pull`
-    (nothing to do, a backed-off peer, failures mapped to misses and to the peer's health)."""
-
-    health: PeerHealth
-
-    async def pull(
-        self, peer: PeerAddress, fingerprint: FingerprintDigest, keys: Sequence[ChunkKey | Want], dst: CpuPool,
-        deadline: float, silence_s: float | None = None,
-    ) -> PullResult:
-        self._accepts(dst)
-        wants = wants_of(keys)
-        return await guarded_pull(self.health, peer, wants, lambda result: self._pull(
-            peer, fingerprint, wants, dst, result, deadline, silence_s))
-
-    def _accepts(self, dst: CpuPool) -> None:
-        """Raise ``ValueError`` for a pool this transport cannot fill."""
-
-    async def _pull(self, peer: PeerAddress, fp: FingerprintDigest, keys: Sequence[Want], dst: CpuPool,
-                    result: PullResult, deadline: float, silence_s: float | None) -> None:
-        raise NotImplementedError
-
-
-async def _finish_late(health: PeerHealth, peer: PeerAddress, keys: Sequence[Want], result: PullResult,
-                       overdue: _Overdue, token: int) -> PullResult:
-    """The rest of an overdue pull: wait for it until the peer's liveness deadline, then settle its health."""
-    try:
-        _, pending = await asyncio.wait(overdue.futures, timeout=remaining(overdue.hung_at))
-        if pending and overdue.conn.closed:  # another pull's overrun closed it and charged the peer
-            result.miss_rest(keys, MissReason.ABORTED)
-            return result
-        if pending:
-            _give_up(overdue, peer)
-            result.miss_rest(keys, MissReason.TIMEOUT)
-            health.record_failure(peer, PeerTimeout(f"{peer}: {overdue} and was not all in by its liveness deadline"))
-            return result
-        errors = [e for f in overdue.futures if (e := f.exception()) is not None]
-        own = [e for e in errors if not isinstance(e, SharedConnectionAborted)]
-        if own:
-            result.miss_rest(keys, MissReason.PEER_ERROR)
-            health.record_failure(peer, own[0])
-        elif errors:  # closed by another pull's overrun, which charged the peer
-            result.miss_rest(keys, MissReason.ABORTED)
-        else:
-            health.record_success(peer)
-        return result
-    finally:
-        health.release(peer, token)
-
-
-def _give_up(overdue: _Overdue, peer: PeerAddress) -> None:
-    """Stop waiting for an overdue pull. Either way nothing more lands in its slots: its requests are
-    abandoned (the rest of their frames is read into scratch and dropped) or the connection is closed."""
-    if overdue.conn.last_progress <= overdue.hung_at - overdue.liveness_s:
-        # No byte at all for the liveness period: the peer is hung; every pull sharing it fails with it.
-        overdue.conn.abort(SharedConnectionAborted(f"{peer}: no byte on this connection for "
-                                                   f"{overdue.liveness_s:.1f}s"))
-    else:  # the connection is alive (this answer or others' still arriving): only this pull gives up
-        overdue.give_up()
-
-
 async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float,
                      silence_s: float | None = None) -> float:
     """How long the owner was silent after ``requests`` were sent (no ack, no byte on the connection) when
@@ -458,7 +341,7 @@ class TcpTransport(GuardedTransport):
                  require_node_name: bool = False) -> None:
         """``timeout_s``: connecting, and the liveness period: how long from its start a pull may still
         arrive after its load's deadline before it gives up, and how long a connection with a pull overdue
-        may go without a byte before it is closed (see :func:`guarded_pull`)."""
+        may go without a byte before it is closed (see :func:`~.guard.guarded_pull`)."""
         self._pool = ConnectionPool(secret, timeout_s, max_frame_bytes, payload_mac=payload_mac, tls=tls,
                                     node_id=node_id, require_node_name=require_node_name)
         self._liveness_s = timeout_s
@@ -489,16 +372,16 @@ class TcpTransport(GuardedTransport):
             # Nothing at all from an owner that acknowledges gets, or nothing more once its answer began: it
             # is not serving (stopped, unreachable). The load recomputes now, not at its deadline; the rest
             # may still come until the liveness deadline (a stopped owner continued), held like any overdue
-            # answer (see guarded_pull).
+            # answer (see guard.guarded_pull).
             why, reason = ((f"no ack nor byte in {1e3 * silent_s:.1f} ms", MissReason.UNANSWERED) if silent_s else
                            (f"no byte in {1e3 * stalled_s:.1f} ms mid-answer", MissReason.STALLED))
             log.info("%s: %s (%s)", conn.peer, why, conn.rtt_text())
-            raise _Overdue(conn, futures, give_up, silent_s or stalled_s, max(deadline, started + self._liveness_s),
+            raise Overdue(conn, futures, give_up, silent_s or stalled_s, max(deadline, started + self._liveness_s),
                            self._liveness_s, why, reason)
         if pending:
             # Still arriving: a slow peer, or a hung one. The rest may take until the liveness deadline
-            # (the answer then lands in the pool for later requests); see guarded_pull.
-            raise _Overdue(conn, futures, give_up, deadline - started, max(deadline, started + self._liveness_s),
+            # (the answer then lands in the pool for later requests); see guard.guarded_pull.
+            raise Overdue(conn, futures, give_up, deadline - started, max(deadline, started + self._liveness_s),
                            self._liveness_s, f"pull of {len(keys)} chunks ran past its deadline")
         for future in futures:
             exc = future.exception()

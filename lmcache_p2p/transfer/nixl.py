@@ -40,8 +40,9 @@ from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
 from .base import MissReason, PullResult, Want
-from .client import ConnectionPool, GuardedTransport, batch_size, silent_for
+from .client import ConnectionPool, batch_size, silent_for
 from .connection import Connection, answers
+from .guard import GuardedTransport
 from .health import PeerHealth
 from .nixl_engine import NixlEngine
 
