@@ -51,7 +51,10 @@ def scheduler_run(cluster: str, endpoints: tuple[str, ...]) -> dict[str, Any]:
     from lmcache_p2p.testing.vllm_requests import StepClock, empty_step, fake_request
     from lmcache_p2p.transfers import ChunkTransfer
 
-    config = AgentConfig(node_id="sched", cluster=cluster, etcd=EtcdConfig(endpoints=endpoints, index="lookup"),
+    # lookup_timeout_s: a read beside CPU hogs took over the default 0.25 s, and a failed read leaves the mirror
+    # quiet (no read) for a second: the plan after the workers' word then read nothing (the reads tell plans apart)
+    config = AgentConfig(node_id="sched", cluster=cluster,
+                         etcd=EtcdConfig(endpoints=endpoints, index="lookup", lookup_timeout_s=30.0),
                          canary=CanaryConfig(requested_per_minute=5), tiers=TierConfig(min_save_tokens=32))
     fp = Fingerprint.of(config.layout)
     out: dict[str, Any] = {}

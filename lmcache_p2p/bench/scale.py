@@ -248,13 +248,15 @@ def _churn_phase(args: argparse.Namespace, loop: LoopThread, eps: tuple[str, ...
     obs_cpu1, d1 = cputime.seconds().get("scale-observer", 0.0), deliveries()
     # Per event, every delivery counted once the last events arrived (on a busy host they trail the churn):
     # a ratio the host's speed does not change, unlike deliveries per second.
-    settled, deadline = d1, time.monotonic() + 10.0
-    while True:
+    # Settled: no new delivery in three reads half a second apart (beside CPU hogs one quiet read came while
+    # the bare watchers still trailed by a quarter of the events).
+    settled, quiet, deadline = d1, 0, time.monotonic() + 30.0
+    while quiet < 3 and time.monotonic() < deadline:
         time.sleep(0.5)  # also the last probes' sightings
         now = deliveries()
-        if now == settled or time.monotonic() > deadline:
-            break
+        quiet = quiet + 1 if now == settled else 0
         settled = now
+    now = settled
     workers.drain()
     return {"seconds": elapsed, "writes_per_s": (rev1 - rev0) / elapsed, "events": sum(churned),
             "events_per_s": sum(churned) / elapsed, "probes": probes, "etcd_cpu_per_s": (cpu1 - cpu0) / elapsed,
