@@ -267,8 +267,7 @@ async def _answer(chan: PlainChannel, conn: Connection, timeout: float, asked: s
     first handshake of a serving owner was seen taking 17 ms (its answers carry proofs and keys)."""
     silence = min(timeout, max(conn.silence_timeout() or ACK_FLOOR_S, timeout / SILENT_SHARE))
     with _handshake_step(conn.peer, f"nothing heard in {1e3 * silence:.1f} ms after {asked}"):
-        msg, _ = await recv_frame(chan, silence, timeout, conn.max_frame_bytes)
-    return msg
+        return await recv_frame(chan, silence, timeout, conn.max_frame_bytes)
 
 
 async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: float,

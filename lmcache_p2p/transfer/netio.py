@@ -95,20 +95,20 @@ class PlainChannel:
         return body
 
 
-async def recv_frame(chan: PlainChannel, first_byte_timeout: float, timeout: float, max_frame_bytes: int,
-                     payload: bool = False) -> tuple[wire.Message, int]:
-    """The next frame's message and payload length (the payload is left unread; ``payload`` False: a frame
-    that announces one is a :class:`ProtocolError`). Its first byte within ``first_byte_timeout``, the rest
-    within ``timeout`` each."""
+async def recv_frame(chan: PlainChannel, first_byte_timeout: float, timeout: float,
+                     max_frame_bytes: int) -> wire.Message:
+    """The next frame's message; a frame with a payload is a :class:`ProtocolError` (only the owner's chunk
+    frames carry one, and those are read by ``connection.py``). Its first byte within ``first_byte_timeout``,
+    the rest within ``timeout`` each."""
     prefix = bytearray(wire.PREFIX_SIZE)
     await chan.recv_exact(memoryview(prefix)[:1], first_byte_timeout)
     await chan.recv_exact(memoryview(prefix)[1:], timeout)
     header_len, payload_len = wire.decode_prefix(prefix, max_frame_bytes)
-    if payload_len and not payload:
+    if payload_len:
         raise ProtocolError(f"peer sent a {payload_len}-byte payload where none is due")
     body = bytearray(header_len)
     await chan.recv_exact(memoryview(body), timeout)
-    return wire.decode(chan.open(bytes(prefix), memoryview(body))), payload_len
+    return wire.decode(chan.open(bytes(prefix), memoryview(body)))
 
 
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3

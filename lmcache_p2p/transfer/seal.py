@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import socket
 import struct
 from collections.abc import Sequence
 
@@ -120,8 +121,8 @@ class SealedChannel(PlainChannel):
     """The owner's side of a sealed connection: frames out sealed from the pinned slots into send buffers it
     reuses once each batch is sent, frames in opened."""
 
-    def __init__(self, sock: object, seal: Seal) -> None:
-        super().__init__(sock)  # type: ignore[arg-type]
+    def __init__(self, sock: socket.socket, seal: Seal) -> None:
+        super().__init__(sock)
         self.seal = seal
         self._free: list[bytearray] = []
         self._busy: list[bytearray] = []

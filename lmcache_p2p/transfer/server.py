@@ -238,8 +238,7 @@ class TransferServer:
     # -- framing ---------------------------------------------------------------------------------
     async def _recv(self, s: _Session, first_byte_timeout: float) -> wire.Message:
         assert s.chan is not None
-        msg, _ = await recv_frame(s.chan, first_byte_timeout, self._timeout, self._max_frame)
-        return msg
+        return await recv_frame(s.chan, first_byte_timeout, self._timeout, self._max_frame)
 
     async def _send(self, s: _Session, msg: wire.Message) -> None:
         assert s.chan is not None
