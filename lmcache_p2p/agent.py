@@ -1,12 +1,11 @@
 """The cache agent: tiers + mesh index + transports, behind a small synchronous API.
 
     lookup(token_ids) -> HitPlan          dict probes only: local store, then the index mirror
-    load_pinned(plan, deadline) -> [Pin | None]   budget, pull, pin verified CPU slots (load.py; the
-                                          engine's path)
-    load(plan, dsts)  -> [loaded?]        the same, then a verified copy into each destination
+    load(plan, dsts)  -> [loaded?]        budget, pull, a verified copy into each destination
     store(token_ids, chunks) -> Future    returns at once; checksum, copy and publish run behind
     intake.reserve / intake.commit        fill a CPU slot in place (a gather), publish it behind
-    loader                                the load path itself (plan, budget, pull; a stopped one
+    loader                                the load path itself (plan, budget, pull; ``load_pinned``:
+                                          pinned verified CPU slots, the engine's path; a stopped one
                                           before start and after stop: local plans, every load a miss)
 
 The agent composes the parts; each concern lives in its own module:
@@ -37,7 +36,6 @@ are rooms of their own.
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import contextlib
 import logging
@@ -50,7 +48,7 @@ from prometheus_client import CollectorRegistry
 
 from . import __version__
 from .advert import Advert, Live
-from .aio import LoopThread, every
+from .aio import LoopThread, TaskSet, every
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .coordinator.apply import LiveConfig, set_log_level
@@ -73,7 +71,7 @@ from .plan import HitPlan
 from .planner_gauges import PlannerGauges
 from .quarantine_gate import QuarantineGate
 from .score import Scorer, http_app
-from .tiers import Pin, TieredStore
+from .tiers import TieredStore
 from .tiers.recent import RecentDrops
 from .transfer.pull import Puller
 from .transfer.stack import ServerHooks, Transfers, TransfersFactory, TransferStack
@@ -151,8 +149,9 @@ class CacheAgent:
             config, self.tiers, {self.fp: fingerprint}, self.metrics.registry, rejects=self.rejects,
             listeners=[self.objects.cleanup_soon] if self.objects is not None else [])
         # chunks of owners the canary found wrong: never admitted, dropped, not recovered
+        self._tasks = TaskSet("background")  # on the loop
         self.gate = QuarantineGate(self.origin, self.tiers, lambda: self.invalidation.removed.labels("quarantine"),
-                                   self.background)
+                                   self._tasks)
         self.metrics.watch_rejects(self.rejects)
         self.loop: LoopThread | None = None
         self.index: BlockIndex | None = None
@@ -164,7 +163,6 @@ class CacheAgent:
         self.puller: Puller | None = None  # once the transports are up
         self._prune: concurrent.futures.Future[None] | None = None
         self._handoff_task: concurrent.futures.Future[None] | None = None
-        self._tasks: set[asyncio.Task[object]] = set()  # background tasks on the loop, kept referenced
         self.handoff = Handoff(settings=lambda: self.config, fp=self.fp, num_kv_heads=fingerprint.num_kv_heads,
                                node_id=self.node_id, heads=self.heads, chunk_bytes=chunk_bytes, tiers=self.tiers,
                                metrics=self.metrics)
@@ -292,14 +290,16 @@ class CacheAgent:
         the two to each other) while this node runs, given the new config; None: read at every use. A new
         live field: its row there, its setter here."""
         return {
-            "tiers.chunk_ttl_s": lambda c: self.background(
-                asyncio.get_running_loop().create_task(self.invalidation.set_ttl(c.tiers.chunk_ttl_s))),
+            "tiers.chunk_ttl_s": self._set_chunk_ttl,
             "tiers.eviction": lambda c: self.tiers.set_eviction(c.tiers.eviction),
             "transfer.backoff_s": self._set_backoff,
             "log_level": lambda c: set_log_level(c.log_level),
             "handoff.budget_bytes_per_s": None,
             "handoff.replicate_after": None,
         }
+
+    def _set_chunk_ttl(self, config: AgentConfig) -> None:
+        self._tasks.spawn(self.invalidation.set_ttl(config.tiers.chunk_ttl_s), "set-chunk-ttl")
 
     def _set_backoff(self, config: AgentConfig) -> None:
         if self._stack is not None:
@@ -322,16 +322,6 @@ class CacheAgent:
     def _nodes(self) -> dict[NodeId, NodeRecord]:
         index = self.index
         return index.nodes() if index is not None else {}
-
-    def background(self, task: asyncio.Task[object]) -> None:
-        """Keep a loop task referenced until it ends (and log what it raised)."""
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[object]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task failed: %r", task.exception())
 
     @property
     def metrics_port(self) -> int | None:
@@ -452,28 +442,15 @@ class CacheAgent:
             log.error("canary: writing the quarantine of %s failed: %s", record.node, exc)
 
     def load(self, plan: HitPlan, dsts: Sequence[memoryview], timeout: float | None = None) -> list[bool]:
-        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]``; returns which were loaded (see :meth:`Loader.load`)."""
-        return self.loader.load(plan, dsts, self.deadline(timeout))
-
-    def deadline(self, timeout: float | None = None) -> float:
-        """An absolute load deadline ``timeout`` (default ``transfer.timeout_s``) from now."""
-        return time.monotonic() + (timeout if timeout is not None else self.config.transfer.timeout_s)
+        """Fill ``dsts[i]`` with chunk ``plan.chunks[i]`` within ``timeout`` (default ``transfer.timeout_s``);
+        returns which were loaded (see :meth:`Loader.load`; the engine's path is the Loader's
+        ``load_pinned``)."""
+        return self.loader.load(plan, dsts, time.monotonic() + (timeout if timeout is not None
+                                                                 else self.config.transfer.timeout_s))
 
     def unavailable_peers(self) -> frozenset[str]:
         """Peers this node's pulls do not ask now (held: an answer overdue; or backed off), by node id."""
         return self._stack.health.unavailable() if self._stack is not None else frozenset()
-
-    def load_pinned(self, plan: HitPlan, deadline: float | None = None, *, remote: bool = True,
-                    label: str = "") -> list[Pin | None]:
-        """Pins on CPU-pool slots holding ``plan``'s chunks, verified (see :mod:`lmcache_p2p.load`).
-
-        The caller reads ``tiers.cpu.stage(pin)`` (a private verified copy; e.g. scatters it into the
-        engine's blocks) and must ``tiers.cpu.unpin`` every pin it got; pins expire anyway after
-        ``tiers.pin_timeout_s``. ``deadline`` is absolute (``time.monotonic()``; default
-        ``transfer.timeout_s`` from now).
-        """
-        return self.loader.load_pinned(plan, deadline if deadline is not None else self.deadline(), remote=remote,
-                                       label=label)
 
     async def _prune_peers_forever(self) -> None:
         """Per-peer state (connections, NIXL registrations, backoff, in-flight counts, metric labels)

@@ -49,6 +49,42 @@ async def every(interval_s: Callable[[], float | None], step: Callable[[], Await
             log.exception("%s failed", what)
 
 
+class TaskSet:
+    """Loop tasks kept referenced until they end (the loop holds only weak references), each one's failure
+    logged as ``whose`` task's; :meth:`cancel_all` ends them on a stop."""
+
+    def __init__(self, whose: str) -> None:
+        self._whose = whose
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str | None = None) -> asyncio.Task[Any]:
+        """``coro`` as a task on the running loop, kept until it ends."""
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def named(self, name: str) -> list[asyncio.Task[Any]]:
+        return [task for task in self._tasks if task.get_name() == name]
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("%s task %s failed", self._whose, task.get_name(), exc_info=task.exception())
+
+    async def cancel_all(self) -> None:
+        """Cancel every task and wait until each has ended (what they raised is swallowed: logged above)."""
+        tasks, self._tasks = list(self._tasks), set()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
 async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
     """Cancel a background task and wait until it has finished (its cancellation is swallowed).
 

@@ -34,14 +34,20 @@ def jittered(delay_s: float, rng: Callable[[], float] = random.random) -> float:
     return delay_s * (0.5 + 0.5 * rng())
 
 
+def doubling(first_s: float, max_s: float, n: int) -> float:
+    """The nominal delay before the ``n``-th retry (from 1): ``first_s`` doubled ``n - 1`` times, at most
+    ``max_s``. Raises ValueError unless ``0 <= first_s <= max_s``."""
+    if first_s < 0 or max_s < first_s:
+        raise ValueError(f"need 0 <= first <= max, got {first_s}, {max_s}")
+    return min(max_s, first_s * 2.0 ** min(n - 1, 62))  # past max_s long before; 2.0**1024 would overflow
+
+
 class Backoff:
     def __init__(self, first_s: float, max_s: float, *, rng: Callable[[], float] = random.random) -> None:
-        if first_s < 0 or max_s < first_s:
-            raise ValueError(f"need 0 <= first_s <= max_s, got {first_s}, {max_s}")
+        self._nominal = doubling(first_s, max_s, 1)
         self.first_s = first_s
         self.max_s = max_s
         self._rng = rng
-        self._nominal = first_s
 
     @property
     def nominal_s(self) -> float:

@@ -23,13 +23,12 @@ most every ``capacity_interval_s``, and only when it moved by a chunk or more.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
 from typing import NamedTuple
 
-from .aio import every
+from .aio import TaskSet, every
 from .backoff import TokenBucket
 from .config import AgentConfig, HandoffConfig
 from .ids import NodeId
@@ -88,7 +87,7 @@ class Handoff:
         self._arriving = 0  # chunks accepted from peers, pull not finished
         self._published_free: dict[str, int] | None = None
         self._published_at = 0.0
-        self._tasks: set[asyncio.Task[None]] = set()  # receivers' pulls, kept referenced
+        self._tasks = TaskSet("hand-off")  # receivers' pulls
         self.steps = 0  # sender steps run (observable: "N steps ran and offered nothing")
 
     def start(self, *, index: BlockIndex, puller: Puller | None, transfers: Transfers,
@@ -275,15 +274,8 @@ class Handoff:
         taken = [k for k, a in zip(keys, accepted, strict=True) if a]
         if taken:
             self._arriving += len(taken)
-            task = asyncio.get_running_loop().create_task(self._receive(NodeId(node), taken))
-            self._tasks.add(task)
-            task.add_done_callback(self._received)
+            self._tasks.spawn(self._receive(NodeId(node), taken), f"receive-from-{node}")
         return accepted
-
-    def _received(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("receiving handed-off chunks failed: %r", task.exception())
 
     async def _receive(self, node: NodeId, keys: list[ChunkKey]) -> None:
         puller = self._mesh.puller if self._mesh is not None else None

@@ -48,12 +48,12 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter
 
-from .aio import LoopThread, every
+from .aio import LoopThread, TaskSet, every
 from .chunk import ChunkHeader
 from .config import AgentConfig
 from .errors import LMCacheP2PError, MalformedRecord
@@ -128,7 +128,7 @@ class MeshInvalidation:
         self._born: dict[ChunkKey, float] = {}  # wall time of the oldest copy seen, for the TTL
         self._watch: ResumableWatch | None = None
         self._generation: GenerationWatch | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("invalidation")
         self._loop: LoopThread | None = None
         # Called on the loop when standing invalidations are new to this node (the object tier cleans up).
         self.listeners = tuple(listeners)
@@ -216,19 +216,19 @@ class MeshInvalidation:
         watches = [self._generation.watch if self._generation is not None else None, self._watch]
         for watch in watches:
             if watch is not None:
-                self._spawn(watch.resync(), f"resync-{watch.name}")
+                self._tasks.spawn(watch.resync(), f"resync-{watch.name}")
 
     async def set_ttl(self, ttl_s: float | None) -> None:
         """On the loop: change ``tiers.chunk_ttl_s`` while running (the cluster config); the sweep follows."""
         self._ttl_s = ttl_s
-        for task in [t for t in self._tasks if t.get_name() == "chunk-ttl-sweeper"]:
+        for task in self._tasks.named("chunk-ttl-sweeper"):
             task.cancel()
         if ttl_s is not None:
-            self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
+            self._tasks.spawn(self._sweep_forever(), "chunk-ttl-sweeper")
 
     async def _start(self, client: EtcdClient | None) -> bool:
         if self._ttl_s is not None:
-            self._spawn(self._sweep_forever(), "chunk-ttl-sweeper")
+            self._tasks.spawn(self._sweep_forever(), "chunk-ttl-sweeper")
         if client is None:
             return True
         self._generation = GenerationWatch(client, self._schema, on_change=self._generation_changed,
@@ -236,7 +236,7 @@ class MeshInvalidation:
         self._watch = ResumableWatch(client, self._schema.invalidations, load=self._load, apply=self._apply,
                                      name="invalidations", on_rewind=self._rewound)
         self._generation.start()
-        self._spawn(self._follow_invalidations(), "invalidations-start")
+        self._tasks.spawn(self._follow_invalidations(), "invalidations-start")
         return await self._watch.wait_synced(self._wait_s)
 
     async def _follow_invalidations(self) -> None:
@@ -250,23 +250,7 @@ class MeshInvalidation:
             await self._generation.stop()
         if self._watch is not None:
             await self._watch.stop()
-        tasks, self._tasks = self._tasks, set()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("invalidation task %s failed", task.get_name(), exc_info=task.exception())
+        await self._tasks.cancel_all()
 
     def _rewound(self, seen: int, now: int, clear: bool = True) -> None:
         """On the loop: etcd's revision went back (this watch's sync, or chunks recovered from disk)."""
@@ -281,7 +265,7 @@ class MeshInvalidation:
         if watch is not None and watch.synced.is_set():
             log.warning("etcd generation is now %d (was %d): standing invalidations are applied again", new, old)
             self._applied.clear()
-            self._spawn(watch.resync(), "resync-invalidations")
+            self._tasks.spawn(watch.resync(), "resync-invalidations")
 
     # -- records (loop callbacks: no blocking) ---------------------------------------------------
     def _decode(self, key: bytes, value: bytes, revision: int) -> Invalidation | None:
@@ -319,7 +303,7 @@ class MeshInvalidation:
         todo = [inv for inv in invalidations if (inv.id, inv.revision) not in self._applied]
         if todo:
             self._applied.update((inv.id, inv.revision) for inv in todo)
-            self._spawn(asyncio.to_thread(self._apply_many, todo), "invalidation-apply")
+            self._tasks.spawn(asyncio.to_thread(self._apply_many, todo), "invalidation-apply")
             for listener in self.listeners:
                 try:
                     listener()

@@ -16,6 +16,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
+from .aio import TaskSet
 from .chunk import ChunkHeader
 from .ids import NodeDigest
 from .index.client import EtcdClient
@@ -28,13 +29,13 @@ log = logging.getLogger(__name__)
 
 class QuarantineGate:
     def __init__(self, origin: NodeDigest, tiers: TieredStore, removed: Callable[[], Any],
-                 background: Callable[[asyncio.Task[Any]], None]) -> None:
+                 tasks: TaskSet) -> None:
         """``origin``: this node's engine's; ``removed()``: the counter of chunks removed for a quarantine
-        (``invalidation_removed_chunks_total{reason="quarantine"}``); ``background``: keeps a loop task."""
+        (``invalidation_removed_chunks_total{reason="quarantine"}``); ``tasks``: where its loop tasks are kept."""
         self._origin = origin
         self._tiers = tiers
         self._removed = removed
-        self._background = background
+        self._tasks = tasks
         self.quarantine: Quarantine | None = None  # the records, once etcd is there (:meth:`start`)
 
     def blocks(self, header: ChunkHeader) -> bool:
@@ -84,5 +85,5 @@ class QuarantineGate:
     def _on_quarantined(self, _origins: frozenset[bytes]) -> None:
         """(on the loop) A node was quarantined: drop the copies this node holds of chunks it computed."""
         tiers = self._tiers
-        self._background(asyncio.get_running_loop().create_task(asyncio.to_thread(
-            lambda: self.drop([h for h in map(tiers.header, tiers.inventory()) if h is not None]))))
+        self._tasks.spawn(asyncio.to_thread(
+            lambda: self.drop([h for h in map(tiers.header, tiers.inventory()) if h is not None])), "quarantine-drop")

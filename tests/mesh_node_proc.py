@@ -54,7 +54,7 @@ def budgeted(agent: CacheAgent, seed: int, tokens: int, prefill_tokens_per_s: fl
     t0 = time.perf_counter()
     plan = agent.lookup(ids)
     planned = len(agent.loader.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
-    pins = agent.load_pinned(plan)
+    pins = agent.loader.load_pinned(plan, time.monotonic() + agent.config.transfer.timeout_s)
     exact = True
     layout = agent.config.layout
     for chunk, pin in zip(plan.chunks, pins, strict=True):

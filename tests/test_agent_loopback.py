@@ -111,7 +111,7 @@ def test_a_load_past_its_deadline_asks_no_peer_and_blames_none(fleet) -> None:
     a, b = fleet["make"]("a"), fleet["make"]("b")
     tokens = store(a, 8)
     transport = b.transfer_stack.transports["loopback"]
-    assert b.load_pinned(b.lookup(tokens), time.monotonic() - 0.001) == [None] * 5
+    assert b.loader.load_pinned(b.lookup(tokens), time.monotonic() - 0.001) == [None] * 5
     assert transport.pulls == [] and b.metrics.load_failures.labels("deadline")._value.get() == 5
     assert b.metrics.load_failures.labels("missing")._value.get() == 0  # each chunk counted once
     assert load(b, tokens)[0] == [True] * 5  # a was not backed off
@@ -126,7 +126,7 @@ def test_a_load_with_less_time_left_than_its_pulls_need_asks_no_peer(fleet) -> N
     transport = b.transfer_stack.transports["loopback"]
     pulls = len(transport.pulls)
     tokens = store(a, 10)
-    assert b.load_pinned(b.lookup(tokens), time.monotonic() + 0.02) == [None] * 5
+    assert b.loader.load_pinned(b.lookup(tokens), time.monotonic() + 0.02) == [None] * 5
     assert len(transport.pulls) == pulls and b.metrics.load_failures.labels("deadline")._value.get() == 5
     assert load(b, tokens)[0] == [True] * 5  # a was not backed off
 
@@ -142,7 +142,7 @@ def test_a_load_past_its_deadline_reads_no_disk_and_promotes_in_the_background(f
     keys = a.keys_for(first)[0]
     assert a.tiers.worker is not None and a.tiers.worker.drain(30)
     assert not any(a.tiers.cpu.contains(k) for k in keys) and all(a.tiers.disk.contains(k) for k in keys)
-    assert a.load_pinned(a.lookup(first), time.monotonic() - 0.001) == [None] * 5
+    assert a.loader.load_pinned(a.lookup(first), time.monotonic() - 0.001) == [None] * 5
     assert wait_until(lambda: all(a.tiers.cpu.contains(k) for k in keys), 30)  # promoted in the background
     assert load(a, first)[0] == [True] * 5
 
@@ -163,7 +163,7 @@ def test_with_a_prefill_rate_a_pull_slower_than_recompute_is_declined(fleet) -> 
     for _ in range(20):
         b.prefill.observe(10_000_000, 1.0)  # an engine that recomputes 10M tokens/s: no pull beats it
     tokens = store(a, 7)
-    assert b.load_pinned(b.lookup(tokens)) == [None] * 5
+    assert b.loader.load_pinned(b.lookup(tokens), time.monotonic() + b.config.transfer.timeout_s) == [None] * 5
     assert b.metrics.load_failures.labels("recompute_faster")._value.get() == 5
     decisions = b.metrics.fetch_decisions
     assert decisions.labels("recompute_faster")._value.get() == 5

@@ -207,7 +207,7 @@ def test_a_chunk_changed_in_memory_after_commit_never_reaches_the_engine(etcd, c
         assert pin is not None
         c.tiers.cpu.slot_view(pin.slot, pin.header.length)[100] ^= 0x5A  # what a WRITE into the pool does
         c.tiers.cpu.unpin(pin)
-        pins = c.load_pinned(c.lookup(tokens), remote=False)
+        pins = c.loader.load_pinned(c.lookup(tokens), time.monotonic() + c.config.transfer.timeout_s, remote=False)
         assert [p is not None for p in pins] == [True, True, False, True, True]
         for p in pins:
             if p is not None:

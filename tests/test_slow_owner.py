@@ -47,7 +47,7 @@ def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
         agent.tiers.remove(key)
     plan = agent.lookup(tokens)
     planned = len(agent.loader.budget(plan).plan.chunks)  # what load_pinned's own budget keeps
-    pins = agent.load_pinned(plan)
+    pins = agent.loader.load_pinned(plan, time.monotonic() + agent.config.transfer.timeout_s)
     layout = agent.config.layout
     for chunk, pin in zip(plan.chunks, pins, strict=True):
         if pin is not None:

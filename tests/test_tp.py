@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import time
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,7 @@ def load_and_check(agent: CacheAgent, seed: int, loader_seed: int) -> list[tuple
     kv = PagedKV(mine, heads=h1 - h0)
     n_blocks = -(-TOKENS // layout.block_size)
     dst_ids, src_ids = block_ids(loader_seed, n_blocks), block_ids(seed, n_blocks)
-    pins = agent.load_pinned(plan, agent.deadline(10.0))
+    pins = agent.loader.load_pinned(plan, time.monotonic() + 10.0)
     try:
         for pin, chunk, blocks in zip(pins, plan.chunks, chunk_blocks(layout, agent.config.chunk_size, dst_ids, TOKENS),
                                       strict=True):

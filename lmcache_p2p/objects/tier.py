@@ -49,11 +49,10 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from ..aio import every
+from ..aio import TaskSet, every
 from ..backoff import Backoff, TokenBucket
 from ..chunk import HEADER_SIZE, ChunkHeader, verify
 from ..config import AgentConfig
@@ -131,7 +130,7 @@ class ObjectTier:
         budget = float(self.config.budget_bytes_per_s)
         self._bucket = TokenBucket(budget, budget)  # upload bytes (objects.budget_bytes_per_s)
         self._inflight = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet("object tier")
         self._unannounced: collections.deque[ObjectMeta] = collections.deque(maxlen=MAX_UNANNOUNCED)
         self._claim_lease: tuple[int, float] | None = None  # (lease id, monotonic time granted)
         self._announce_wake: asyncio.Event | None = None
@@ -174,12 +173,12 @@ class ObjectTier:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._announce_wake = asyncio.Event()
-        self._spawn(self._upload_forever(), "object-uploads")
+        self._tasks.spawn(self._upload_forever(), "object-uploads")
         if self.client is not None:
-            self._spawn(self._announce_forever(), "object-announce")
+            self._tasks.spawn(self._announce_forever(), "object-announce")
         if self.config.cleanup_interval_s > 0 and self.client is not None:
             self._cleanup_soon = asyncio.Event()
-            self._spawn(self._cleanup_forever(), "object-cleanup")
+            self._tasks.spawn(self._cleanup_forever(), "object-cleanup")
 
     async def stop(self) -> None:
         """Stop uploading; what was uploaded and not yet announced is announced now (bounded by
@@ -189,26 +188,11 @@ class ObjectTier:
                 async with asyncio.timeout(self.config.timeout_s):
                     while self._unannounced:
                         await self._announce_batch()
-        tasks, self._tasks = list(self._tasks), set()
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await self._tasks.cancel_all()
         for item in list(self._queue):
             self._release(item)
         self._queue.clear()
         self._loop = None
-
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
-
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("object tier task %s failed: %r", task.get_name(), task.exception())
 
     # -- uploads -----------------------------------------------------------------------------------------
     def offer(self, header: ChunkHeader, data: memoryview | Path) -> bool:
@@ -295,7 +279,7 @@ class ObjectTier:
                     self._release(item)
                     slots.release()
 
-            self._spawn(upload(), "object-upload")
+            self._tasks.spawn(upload(), "object-upload")
 
     async def _take_tokens(self, size: int) -> None:
         """Wait until ``objects.budget_bytes_per_s`` allows ``size`` more bytes (a burst of one second, or of
@@ -430,7 +414,7 @@ class ObjectTier:
 
     def forget_soon(self, key: ChunkKey, fp: FingerprintDigest, *, delete_object: bool) -> None:
         """On the loop: :meth:`_forget` in the background."""
-        self._spawn(self._forget(key, delete_object=delete_object, fp=fp), "object-forget")
+        self._tasks.spawn(self._forget(key, delete_object=delete_object, fp=fp), "object-forget")
 
     async def _forget(self, key: ChunkKey, *, delete_object: bool, fp: FingerprintDigest | None = None) -> None:
         """Delete an object (when asked) and its etcd entries; failures are logged, the next cleanup retries."""

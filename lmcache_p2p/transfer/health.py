@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Callable, Collection
 
-from ..backoff import jittered
+from ..backoff import doubling, jittered
 from ..ids import PeerAddress
 
 log = logging.getLogger(__name__)
@@ -34,8 +34,7 @@ class PeerHealth:
 
     def __init__(self, base_s: float, max_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  rng: Callable[[], float] = random.random) -> None:
-        if base_s < 0 or max_s < base_s:
-            raise ValueError(f"need 0 <= base_s <= max_s, got {base_s}, {max_s}")
+        doubling(base_s, max_s, 1)  # raises for bounds out of order
         self._base = base_s
         self._max = max_s
         self._clock = clock
@@ -115,7 +114,6 @@ class PeerHealth:
     def record_failure(self, peer: PeerAddress, why: object) -> None:
         state = self._peers.setdefault(peer, _State())
         state.failures += 1
-        doublings = min(state.failures - 1, 62)  # past max_s long before; 2.0**1024 would overflow
-        delay = jittered(min(self._max, self._base * 2.0**doublings), self._rng)
+        delay = jittered(doubling(self._base, self._max, state.failures), self._rng)
         state.until = self._clock() + delay
         log.warning("peer %s failed (%s); backing off %.1fs (failure %d)", peer, why, delay, state.failures)

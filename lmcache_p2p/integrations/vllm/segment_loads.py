@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from ...agent import CacheAgent
 from ...aio import remaining
 from ...keys import ChunkKey
 from ...segments import KV_ERROR_ENV, SegmentChunks, merge_runs, selection_pass, subtract_runs
@@ -28,7 +27,7 @@ from ...transfers import BlendTransfer, blocks_from
 from .blend import Blender, select
 from .exact_loads import ExactLoads
 from .saves import Saves
-from .staged_loads import load_deadline, staged_chunks
+from .staged_loads import LoadParts, staged_chunks
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +35,9 @@ log = logging.getLogger(__name__)
 class SegmentLoads:
     """``blender`` None: this engine can't blend (every blend fails, back to vLLM)."""
 
-    def __init__(self, agent: CacheAgent, exact: ExactLoads, saves: Saves, blender: Blender | None,
+    def __init__(self, parts: LoadParts, exact: ExactLoads, saves: Saves, blender: Blender | None,
                  block_size: int) -> None:
-        self.agent = agent
+        self.parts = parts
         self.exact = exact
         self.saves = saves
         self.blender = blender
@@ -48,7 +47,7 @@ class SegmentLoads:
         """Gather ``t`` (and, ``place``: place it, here on the forward thread). Returns what is to be
         blended (``t`` cut where its segments stopped loading), the blocks vLLM must recompute (from
         the cut on; all of them when anything else fails) and the gathered segment KV (to place)."""
-        metrics = self.agent.metrics
+        metrics = self.parts.metrics
         # the exact prefix's blocks count as not filled until its load says otherwise: a blend that fails
         # before or inside that load reports them too (vLLM must never run over blocks nobody filled)
         exact_failed: set[int] = blocks_from(t.exact, 0) if t.exact is not None else set()
@@ -93,16 +92,16 @@ class SegmentLoads:
         tokens = (sum(e - s for s, e in t.recompute) + t.select + sum(seg.length for seg in t.segments if seg.fresh)
                   + selection_pass(t.selection, t.select, t.segments, t.end - t.exact_end, len(t.question),
                                    t.recompute, layers))
-        expected = self.agent.prefill.recompute_s(tokens)
-        left = remaining(load_deadline(self.agent, t))
+        expected = self.parts.prefill.recompute_s(tokens)
+        left = remaining(self.parts.deadline(t))
         if expected is not None and expected > left:
-            self.agent.metrics.load_failures.labels("deadline").inc()
+            self.parts.metrics.load_failures.labels("deadline").inc()
             raise ValueError(f"its model work ({tokens} tokens) is expected to take {expected:.2f} s, "
                              f"more than the {max(left, 0.0):.2f} s left before its deadline")
 
     def count(self, t: BlendTransfer, partial: bool) -> None:
         recomputed = sum(e - s for s, e in t.recompute) + t.select
-        metrics = self.agent.metrics
+        metrics = self.parts.metrics
         metrics.blend_requests.labels("partial" if partial else "loaded").inc()
         metrics.blend_tokens.labels("recomputed").inc(recomputed)
         metrics.blend_tokens.labels("segment").inc(max(t.end - t.exact_end - recomputed, 0))
@@ -117,7 +116,7 @@ class SegmentLoads:
         keys = [ChunkKey(k) for seg in held for k in seg.keys]
         num_tokens = [n for seg in held for n in seg.num_tokens]
         gathered: list[tuple[torch.Tensor, int, int]] = []
-        with staged_chunks(self.agent, t, keys, num_tokens, remote) as load:
+        with staged_chunks(self.parts, t, keys, num_tokens, remote) as load:
             planned = len(load.plan.chunks)
             if planned < len(keys):
                 log.info("request %s: segment chunk %d of %d has no usable owner in this node's mirror", t.req_id,
@@ -201,7 +200,7 @@ class SegmentLoads:
             self.saves.store_segment(t.req_id, seg, _slicer(kv))
             pieces.append((kv[:, :, lo - seg.start: hi - seg.start], lo, seg.start))
         if pieces:
-            self.agent.metrics.blend_tokens.labels("fresh").inc(sum(kv.shape[2] for kv, _, _ in pieces))
+            self.parts.metrics.blend_tokens.labels("fresh").inc(sum(kv.shape[2] for kv, _, _ in pieces))
         return pieces, unplaced
 
 

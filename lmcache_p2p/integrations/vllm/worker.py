@@ -63,6 +63,7 @@ from .exact_loads import ExactLoads
 from .metadata import LMCacheP2PMetadata, WorkerState
 from .saves import Saves
 from .segment_loads import SegmentLoads
+from .staged_loads import LoadParts
 
 log = logging.getLogger(__name__)
 IDLE_STEP_WAIT_S = 0.005  # see get_finished
@@ -212,9 +213,11 @@ class P2PWorker:
         """Build the parts over a started ``agent`` and the engine's paged KV (``kv`` None: no engine, as in
         tests of the blend bookkeeping; nothing is then loaded into or saved from blocks)."""
         self.agent = agent
-        self.exact = ExactLoads(agent, kv)
+        parts = LoadParts(loader=lambda: agent.loader, metrics=agent.metrics, prefill=agent.prefill,
+                          timeout_s=self._config.transfer.timeout_s)
+        self.exact = ExactLoads(parts, kv, self._config.layout.num_layers)
         self.saves = Saves(agent.intake, kv, blender)
-        self.segments = SegmentLoads(agent, self.exact, self.saves, blender, self._block_size)
+        self.segments = SegmentLoads(parts, self.exact, self.saves, blender, self._block_size)
         if kv is not None:
             canary, metrics = self._config.canary, agent.metrics
             assert agent.puller is not None and agent.loop is not None  # started
