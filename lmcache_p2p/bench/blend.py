@@ -44,11 +44,10 @@ from ..segments import KV_ERROR_ENV
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
-from ..usage import HelpFormatter
 from . import plot
-from .common import emit, progress, run_in_workdir
+from .common import bench_parser, emit, progress, run_in_workdir
 from .rag_task import RagTask
-from .vllm import agent_config
+from .vllm import add_engine_arguments, agent_config
 
 
 def pool(model: Path, args: argparse.Namespace) -> tuple[list[int], list[list[int]], list[list[int]]]:
@@ -277,8 +276,7 @@ def report(args: argparse.Namespace, prompts: list[tuple[list[int], list[list[in
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench blend", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("blend", __doc__)
     parser.add_argument("--task", default="continuation", choices=["continuation", "facts"],
                         help="continuation: held-out text scored (perplexity, agreement) on the trained tiny model; "
                         "facts: the graded RAG task (answers right) on a real instruct model")
@@ -303,12 +301,8 @@ def main(argv: list[str]) -> int:
                         "reports the blended cache's K/V error against it, per layer (a diagnostic: it costs a full "
                         "prefill per blend; TTFT is then not comparable)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model", help="model directory (default: the tests' trained tiny Llama; facts: 'instruct', "
-                        "SmolLM2-135M-Instruct built from PyPI once per machine)")
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
+    add_engine_arguments(parser, dtype="float32", model="model directory (default: the tests' trained tiny Llama; "
+                         "facts: 'instruct', SmolLM2-135M-Instruct built from PyPI once per machine)")
     plot.add_argument(parser)
     args = parser.parse_args(argv)
     if args.plot:

@@ -64,8 +64,7 @@ from ..testing.netlab import NetLab, available
 from ..testing.references import reference_tokens
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
-from ..usage import HelpFormatter
-from .common import progress
+from .common import bench_parser, progress
 
 CLUSTER = "chaos"
 ETCD_HOSTS = (0, 1, 2)
@@ -379,10 +378,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p bench chaos", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter,
-                                epilog="\n".join(__doc__.splitlines()[2:]))
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p = bench_parser("chaos", __doc__.splitlines()[0], keeps="configs and logs",
+                     epilog="\n".join(__doc__.splitlines()[2:]))
     p.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
     p.add_argument("--fault-every", type=float, default=15.0, help="seconds between faults")
     p.add_argument("--fault-len", type=float, nargs=2, default=(3.0, 10.0), metavar=("MIN", "MAX"))
@@ -398,7 +395,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cached-reference", action="store_true",
                    help="take the no-connector answers from this machine's reference cache (computed once per "
                         "model, vLLM, torch and CPU) instead of a plain engine of this run; no cold TTFT is measured")
-    p.add_argument("--workdir", help="keep configs and logs here (default: a temp dir)")
     args = p.parse_args(argv)
     why = available()
     if why is not None:

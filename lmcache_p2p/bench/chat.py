@@ -31,12 +31,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from ..usage import HelpFormatter
-from .common import emit, progress, run_in_workdir
-from .vllm import MODEL_SIZES, agent_config, bench_prompts
+from .common import bench_parser, emit, progress, run_in_workdir
+from .vllm import MODEL_SIZES, add_engine_arguments, bench_prompts, started, two_agents
 
 
 def conversation(first: int, message: int, turns: int, seed: int) -> tuple[list[int], list[list[int]]]:
@@ -57,32 +55,23 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts: list[list[int]] = [first]
     answers: list[list[int]] = []
     rows: list[dict[str, Any]] = []
-    with EtcdServer(base_dir=str(work)) as etcd:
-        cfg_a = agent_config(work / "a.yaml", "chat-a", etcd.endpoints, args.transport)
-        cfg_b = agent_config(work / "b.yaml", "chat-b", etcd.endpoints, args.transport)
-        engines: list[EngineProcess] = []
-        try:
-            progress("chat", "starting engines A and B (the mesh)")
-            for name, cfg in (("chat-a", cfg_a), ("chat-b", cfg_b)):
-                engine = EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype)
-                engines.append(engine)
-                engine.wait_ready()
-            for engine, prompt in zip(engines, warm, strict=True):
-                engine.serve(prompt, max_tokens=args.answer)
-            for turn in range(args.turns):
-                if turn:
-                    time.sleep(args.think_s)
-                    prompts.append(prompts[-1] + answers[-1] + messages[turn - 1])
-                progress("chat", f"turn {turn + 1}/{args.turns} on {engines[turn % 2].name}")
-                got = engines[turn % 2].serve(prompts[turn], max_tokens=args.answer)
-                answers.append(got["tokens"])
-                history = len(prompts[turn - 1]) + len(answers[turn - 1]) - 1 if turn else 0
-                rows.append({"turn": turn + 1, "engine": engines[turn % 2].name, "prompt_tokens": len(prompts[turn]),
-                             "history_with_kv": history, "reused_tokens": got["num_cached_tokens"],
-                             "ttft_mesh_ms": round(1000 * got["ttft_s"], 1)})
-        finally:
-            for engine in engines:
-                engine.stop()
+    with two_agents(work, "chat", args.transport) as (cfg_a, cfg_b, engines):
+        progress("chat", "starting engines A and B (the mesh)")
+        for name, cfg in (("chat-a", cfg_a), ("chat-b", cfg_b)):
+            started(engines, model, cfg, name, work / f"{name}.log", args.dtype)
+        for engine, prompt in zip(engines, warm, strict=True):
+            engine.serve(prompt, max_tokens=args.answer)
+        for turn in range(args.turns):
+            if turn:
+                time.sleep(args.think_s)
+                prompts.append(prompts[-1] + answers[-1] + messages[turn - 1])
+            progress("chat", f"turn {turn + 1}/{args.turns} on {engines[turn % 2].name}")
+            got = engines[turn % 2].serve(prompts[turn], max_tokens=args.answer)
+            answers.append(got["tokens"])
+            history = len(prompts[turn - 1]) + len(answers[turn - 1]) - 1 if turn else 0
+            rows.append({"turn": turn + 1, "engine": engines[turn % 2].name, "prompt_tokens": len(prompts[turn]),
+                         "history_with_kv": history, "reused_tokens": got["num_cached_tokens"],
+                         "ttft_mesh_ms": round(1000 * got["ttft_s"], 1)})
     progress("chat", "plain vLLM: the same prompts (the reference)")
     cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
     matches = []
@@ -112,19 +101,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench chat", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("chat", __doc__)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--first", type=int, default=1184, help="tokens of the first prompt")
     parser.add_argument("--answer", type=int, default=96, help="tokens generated per turn")
     parser.add_argument("--message", type=int, default=160, help="tokens of each later user message")
     parser.add_argument("--think-s", type=float, default=1.0, help="pause between an answer and the next turn")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model", help="model directory (default: a test model created in the work dir)")
-    parser.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
+    add_engine_arguments(parser, dtype="bfloat16", model_size="tiny")
     args = parser.parse_args(argv)
     if args.turns < 1 or args.answer < 1 or args.first < 1 or args.message < 1:
         parser.error("--turns, --answer, --first and --message must be >= 1")

@@ -1,4 +1,4 @@
-"""Shared helpers for the ``bench`` commands: timing, medians, output."""
+"""Shared helpers for the ``bench`` commands: their parser, timing, medians, output."""
 
 from __future__ import annotations
 
@@ -11,6 +11,32 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ..usage import HelpFormatter
+
+DTYPES = ("bfloat16", "float32")
+
+
+def bench_parser(name: str, description: str | None, keeps: str | None = "logs and configs",
+                 **kwargs: Any) -> argparse.ArgumentParser:
+    """The parser of ``lmcache-p2p bench <name>``, with what every bench takes: ``--json`` and (``keeps``:
+    what the bench writes to its work dir) ``--workdir``."""
+    parser = argparse.ArgumentParser(prog=f"lmcache-p2p bench {name}", description=description,
+                                     formatter_class=HelpFormatter, **kwargs)
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    if keeps is not None:
+        parser.add_argument("--workdir", help=f"keep {keeps} here (default: a temp dir)")
+    return parser
+
+
+def add_prefix_workload(parser: argparse.ArgumentParser, num_prompts: int) -> None:
+    """The shared-prefix workload of ``vllm bench serve`` (prefix_repetition) and its TTFT objective."""
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--num-prompts", type=int, default=num_prompts)
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--suffix-len", type=int, default=64)
+    parser.add_argument("--num-prefixes", type=int, default=8)
 
 
 def best_of(fn: Callable[[], None], rounds: int) -> float:

@@ -29,8 +29,7 @@ from ..config import AgentConfig, EtcdConfig, TierConfig
 from ..coordinator.store import ConfigStore
 from ..index.client import EtcdClient
 from ..index.etcd_server import EtcdServer
-from ..usage import HelpFormatter
-from .common import emit, progress, ratio
+from .common import bench_parser, emit, progress, ratio
 
 
 def _agent(endpoints: tuple[str, ...], i: int) -> CacheAgent:
@@ -108,11 +107,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench config", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("config", __doc__, keeps=None)
     parser.add_argument("--agents", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=50)
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.agents < 1 or args.rounds < 1:
         parser.error("--agents and --rounds must be >= 1")

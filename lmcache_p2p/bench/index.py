@@ -28,7 +28,6 @@ The last line of output is one JSON object; without ``--json`` a table precedes 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -47,8 +46,7 @@ from ..index.etcd_index import EtcdBlockIndex
 from ..index.etcd_server import EtcdServer
 from ..index.schema import NodeRecord, Schema
 from ..keys import ChunkKey, FingerprintDigest
-from ..usage import HelpFormatter
-from .common import progress
+from .common import bench_parser, progress
 
 GOALS = {"publish_chunks_per_s": (">=", 20_000.0), "lookup_us_per_chunk": ("<=", 5.0),
          "etcd_bytes_per_chunk": ("<=", 200.0)}
@@ -212,9 +210,7 @@ def _met(value: float, op: str, goal: float) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench index", description=__doc__.split("\n")[0],
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    parser = bench_parser("index", __doc__.split("\n")[0], keeps=None)
     parser.add_argument("--chunks", type=int, default=100_000)
     parser.add_argument("--fault-chunks", type=int, default=10_000, help="chunks of the node under etcd faults")
     parser.add_argument("--unsafe-no-fsync", action="store_true", help="not for headline numbers")

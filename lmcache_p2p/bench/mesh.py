@@ -21,7 +21,6 @@ after a warm-up pass) is measured three ways in the same run::
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -42,9 +41,8 @@ from ..index.etcd_server import EtcdServer
 from ..keys import Fingerprint
 from ..metrics import AgentMetrics
 from ..testing.synthetic import synthetic_payload, synthetic_tokens
-from ..usage import HelpFormatter
 from . import plot
-from .common import emit, gbps, progress
+from .common import bench_parser, emit, gbps, progress
 
 SECRET = "bench-mesh-secret-7f3a9c1e5b2d80461c9e4a7b"
 
@@ -204,15 +202,13 @@ def _measure(agent: CacheAgent, tokens: list[int], rounds: int, chunks: int, tra
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench mesh", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("mesh", __doc__, keeps=None)
     parser.add_argument("--tokens", type=int, default=128 * 256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
     parser.add_argument("--working-set-docs", type=int, default=24, help="documents of 4 chunks (0: skip)")
     parser.add_argument("--working-set-requests", type=int, default=240)
     parser.add_argument("--working-set-rate", type=float, default=40.0, help="requests per second")
-    parser.add_argument("--json", action="store_true")
     plot.add_argument(parser)
     args = parser.parse_args(argv)
     if args.plot:

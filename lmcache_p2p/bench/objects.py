@@ -51,9 +51,8 @@ from ..objects.seaweed import SeaweedServer
 from ..objects.store import ObjectStore
 from ..plan import PlannedChunk
 from ..testing.synthetic import synthetic_payload
-from ..usage import HelpFormatter
-from .common import emit, progress, ratio, run_in_workdir
-from .vllm import bench_prompts, median_ms
+from .common import bench_parser, emit, progress, ratio, run_in_workdir
+from .vllm import add_engine_arguments, bench_prompts, cold_ttft_ms, median_ms, started
 
 SECRET = "bench-objects-secret-7f3a9c1e5b2d80461c9e4a7b"
 
@@ -164,18 +163,10 @@ def _vllm_phase(args: argparse.Namespace, work: Path, etcd: EtcdServer, url: str
     cfg_b = _agent_yaml(work / "b.yaml", "bench-b", etcd.endpoints, url, bucket, cpu="512MiB",
                         inflight=args.inflight, prefix=prefix)
     out: dict[str, Any] = {"engine_mode": "eager", "prompts": args.prompts, "prompt_tokens": args.tokens}
-    engines: list[Any] = []
+    engines: list[EngineProcess] = []
     try:
-        cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
-        engines.append(cold)
-        cold.wait_ready()
-        cold.ttft([warm[0]])
-        out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
-        cold.stop()
-        a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype)
-        engines.append(a)
-        a.wait_ready()
-        a.ttft([warm[1]])
+        out["ttft_cold_ms"] = cold_ttft_ms(engines, model, work, args.dtype, warm[0], prompts)
+        a = started(engines, model, cfg_a, "bench-a", work / "a.log", args.dtype, warm[1])
         miss = a.ttft(prompts)
         out["ttft_miss_ms"] = median_ms(miss)
         hung_docs = bench_prompts(3, args.tokens, seed=33000)
@@ -250,8 +241,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench objects", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("objects", __doc__)
     parser.add_argument("--chunks", type=int, default=64, help="chunks moved in the store phase")
     parser.add_argument("--inflight", type=int, default=8, help="requests in flight, raw and ours")
     parser.add_argument("--rounds", type=int, default=3, help="store-phase rounds (raw and ours alternate)")
@@ -259,11 +249,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--bucket", default="lmcache-p2p-bench")
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--model", help="model directory (default: a tiny test model created in the work dir)")
+    add_engine_arguments(parser, dtype="bfloat16", transport=False,
+                         model="model directory (default: a tiny test model created in the work dir)")
     parser.add_argument("--no-vllm", action="store_true", help="the store phase only")
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-objects-")
     emit(result, args.json, "bench objects (object tier vs the raw client; vLLM eager: a hit from the store vs cold)")

@@ -30,9 +30,8 @@ import yaml
 
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.vllm_server import VllmServer, http_get
-from ..usage import HelpFormatter
-from .common import emit, progress, ratio, run_in_workdir
-from .vllm import bench_prompts
+from .common import bench_parser, emit, progress, ratio, run_in_workdir
+from .vllm import add_engine_arguments, bench_prompts
 
 SECRET = "bench-params-" + "0123456789abcdef" * 3
 HOSTILE = {"lmcache_p2p_canary": True, "lmcache_p2p_index_revision": 2**60}
@@ -155,17 +154,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench params", description=__doc__,
-                                     formatter_class=HelpFormatter)
-    parser.add_argument("--model", help="a model directory (default: the tiny test model, created)")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser = bench_parser("params", __doc__)
+    add_engine_arguments(parser, dtype="bfloat16", transport=False,
+                         model="a model directory (default: the tiny test model, created)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--stream-tokens", type=int, default=200)
     parser.add_argument("--flood-clients", type=int, default=2)
     parser.add_argument("--flood-tokens", type=int, default=512, help="prompt tokens of each flood request")
     parser.add_argument("--canary-per-minute", type=float, default=30.0, help="canary.requested_per_minute")
-    parser.add_argument("--workdir", help="keep logs and configs here")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.stream_tokens < 3 or args.flood_clients < 1:
         parser.error("--rounds >= 1, --stream-tokens >= 3, --flood-clients >= 1")

@@ -36,11 +36,10 @@ from typing import Any
 from ..index.etcd_server import free_port
 from ..router.proof import router_key
 from ..testing.tiny_model import create_tiny_model
-from ..usage import HelpFormatter
 from . import plot
-from .common import emit, progress, run_in_workdir
+from .common import add_prefix_workload, bench_parser, emit, progress, run_in_workdir
 from .serve import REPO, Fleet, _chunk_bytes, goodput, row_of, run_client, start_fleet
-from .vllm import MODEL_SIZES, SECRET, bench_prompts
+from .vllm import MODEL_SIZES, SECRET, add_engine_arguments, bench_prompts
 from .workloads import Workload
 
 MODES = ("round_robin", "score", "score_load", "disaggregated")
@@ -205,27 +204,18 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p bench route", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = bench_parser("route", __doc__, keeps="logs, configs and vLLM's result JSONs")
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--prefill-engines", type=int, default=0, help="disaggregated: engines in the prefill pool "
                    "(default: half, rounded up)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated: " + ", ".join(MODES))
     p.add_argument("--rates", default="0.5,1", help="requests/s, comma-separated")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--prefix-len", type=int, default=2048)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=8)
+    add_prefix_workload(p, num_prompts=32)
     p.add_argument("--capacity", default="512MiB", help="each agent's CPU tier")
     p.add_argument("--load-threads", type=int, default=1)
     p.add_argument("--max-concurrency", type=int, default=0)
-    p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
-    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
-    p.add_argument("--json", action="store_true")
+    add_engine_arguments(p, dtype="bfloat16", transport=False, model_size="tiny",
+                         model="model directory (default: a random-weight test model made in the work dir)")
     plot.add_argument(p)
     args = p.parse_args(argv)
     if args.engines < 2:

@@ -52,8 +52,7 @@ from ..index.etcd_server import EtcdCluster
 from ..index.mirror import Mirror
 from ..index.schema import Schema
 from ..keys import FingerprintDigest
-from ..usage import HelpFormatter
-from .common import emit, progress, run_in_workdir
+from .common import bench_parser, emit, progress, run_in_workdir
 from .scale_fleet import CLUSTER, LOOKUP_KEYS, Lookups, Watchers, Workers, cpu_seconds, open_index, probe_key, worker
 
 PROBE_EVERY_S = 0.5
@@ -367,8 +366,7 @@ def extrapolate(m: dict[str, Any], nodes: int, chunks: int, member_cores: float 
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p bench scale", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = bench_parser("scale", __doc__, keeps="etcd's data and logs")
     p.add_argument("--processes", type=int, default=4)
     p.add_argument("--agents", type=int, default=50, help="simulated agents per process")
     p.add_argument("--mirrors", type=int, default=2, help="agents per process that also follow the mirror")
@@ -385,8 +383,6 @@ def main(argv: list[str]) -> int:
                    help="a third churn phase with this many owner lookups a second (the no-watch alternative); 0: none")
     p.add_argument("--target-lookups-per-node-s", type=float, default=10.0,
                    help="requests a node looks up a second, for the alternative's extrapolation")
-    p.add_argument("--workdir", help="keep etcd's data and logs here (default: a temp dir)")
-    p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-scale-")
     emit(result, args.json, "bench scale (3-member etcd, simulated agents; extrapolation under 'at')")

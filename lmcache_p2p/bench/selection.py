@@ -32,10 +32,10 @@ from typing import Any
 
 from ..request_params import SELECTIONS
 from ..testing.instruct_model import instruct_model_path
-from ..usage import HelpFormatter
 from .blend import paired
-from .common import emit, progress
+from .common import bench_parser, emit, progress
 from .rag_task import RagPrompt, RagTask
+from .vllm import add_engine_arguments
 
 SPAN_BLOCKS = 4096  # tokens of blocks per region (a prompt with its answer; the documents' scratch)
 
@@ -184,8 +184,7 @@ def report(args: argparse.Namespace, model: str, rows: dict[str, list[dict[str, 
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench selection", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("selection", __doc__, keeps=None)
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--docs", type=int, default=8, help="documents in the pool")
     parser.add_argument("--pick", type=int, default=4, help="documents per prompt")
@@ -195,10 +194,8 @@ def main(argv: list[str]) -> int:
                         help="recompute fractions (0 and 1 run once, with the first selection)")
     parser.add_argument("--selections", nargs="+", default=["question"], choices=list(SELECTIONS))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    parser.add_argument("--model", help="model directory (default: SmolLM2-135M-Instruct, built from PyPI once per "
-                        "machine)")
-    parser.add_argument("--json", action="store_true")
+    add_engine_arguments(parser, dtype="float32", transport=False,
+                         model="model directory (default: SmolLM2-135M-Instruct, built from PyPI once per machine)")
     args = parser.parse_args(argv)
     if not 2 <= args.pick <= args.docs or args.prompts < 1:
         parser.error("need 2 <= --pick <= --docs and --prompts >= 1")

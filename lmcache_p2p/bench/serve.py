@@ -58,11 +58,10 @@ from ..config import parse_size
 from ..index.etcd_server import EtcdServer, free_port
 from ..testing.tiny_model import create_tiny_model
 from ..testing.vllm_server import VllmServer, http_get, session_cpu_seconds
-from ..usage import HelpFormatter
 from . import admission, plot
-from .common import progress, run_in_workdir
+from .common import add_prefix_workload, bench_parser, progress, run_in_workdir
 from .lmcache_ref import LMCacheServer, lmcache_available, lmcache_env, mp_connector_config, venv_python
-from .vllm import MODEL_SIZES, SECRET, bench_prompts
+from .vllm import MODEL_SIZES, SECRET, add_engine_arguments, bench_prompts
 from .workloads import KINDS, Workload
 
 SYSTEMS = ("mesh", "vllm", "lmcache")
@@ -444,19 +443,13 @@ def _mix(text: str) -> tuple[int, int]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p bench serve", description=__doc__,
-                                formatter_class=HelpFormatter)
+    p = bench_parser("serve", __doc__, keeps="logs, configs and vLLM's result JSONs")
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated: mesh, vllm, lmcache")
     p.add_argument("--workload", default="prefix", choices=list(KINDS))
     p.add_argument("--rates", default="0.5,1,2", help="requests/s (trace: speed-ups of its clock), comma-separated; "
                    "inf: every request at once (bounded by --max-concurrency)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--num-prompts", type=int, default=48)
-    p.add_argument("--output-len", type=int, default=16)
-    p.add_argument("--prefix-len", type=int, default=2048)
-    p.add_argument("--suffix-len", type=int, default=64)
-    p.add_argument("--num-prefixes", type=int, default=8)
+    add_prefix_workload(p, num_prompts=48)
     p.add_argument("--input-len", type=int, default=2048, help="random: prompt tokens")
     p.add_argument("--trace", help="a Mooncake-format JSONL trace (e.g. ../shared/traces/mooncake-fast25/...)")
     p.add_argument("--trace-start", type=int, default=0, help="first row of the trace replayed")
@@ -470,13 +463,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
     p.add_argument("--load-threads", type=int, default=1, help="mesh: transfer.load_threads of every agent")
     p.add_argument("--index", default="watch", choices=["watch", "lookup"], help="mesh: etcd.index of every agent")
-    p.add_argument("--model", help="model directory (default: a random-weight test model made in the work dir)")
-    p.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES))
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--workdir", help="keep logs, configs and vLLM's result JSONs here (default: a temp dir)")
+    add_engine_arguments(p, dtype="bfloat16", transport=False, model_size="tiny",
+                         model="model directory (default: a random-weight test model made in the work dir)")
     p.add_argument("--join", action="store_true", help="engine 0 serves each run's prompts, then engine 1 serves "
                    "them again; engine 1's row (a node joining a fleet whose cache already holds the prompts)")
-    p.add_argument("--json", action="store_true")
     plot.add_argument(p)
     args = p.parse_args(argv)
     if args.join and args.engines != 2:

@@ -7,7 +7,6 @@ verify the checksum) with a raw ``readinto`` of the same files.
 
 from __future__ import annotations
 
-import argparse
 import os
 import tempfile
 
@@ -17,8 +16,7 @@ import torch
 from ..chunk import make_header
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers import CpuPool, DiskTier
-from ..usage import HelpFormatter
-from .common import best_of, emit, gbps, progress, ratio
+from .common import bench_parser, best_of, emit, gbps, progress, ratio
 
 
 def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) -> dict[str, object]:
@@ -111,12 +109,11 @@ def run(num_chunks: int, chunk_bytes: int, rounds: int, disk_dir: str | None) ->
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench tiers", description=__doc__, formatter_class=HelpFormatter)
+    parser = bench_parser("tiers", __doc__, keeps=None)
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--chunk-bytes", type=int, default=2 << 20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", default=None, help="directory for the disk tier (default: system temp)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     args = parser.parse_args(argv)
     result = run(args.chunks, args.chunk_bytes, args.rounds, args.dir)
     emit(result, args.json, "bench tiers (median of rounds; GB/s = 1e9 bytes/s)")

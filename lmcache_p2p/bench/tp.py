@@ -21,9 +21,8 @@ from typing import Any
 from ..index.etcd_server import EtcdServer
 from ..testing.engine_client import EngineProcess
 from ..testing.tiny_model import create_tiny_model
-from ..usage import HelpFormatter
-from .common import emit, progress, run_in_workdir
-from .vllm import MODEL_SIZES, agent_config, bench_prompts, median_ms
+from .common import bench_parser, emit, progress, run_in_workdir
+from .vllm import MODEL_SIZES, add_engine_arguments, agent_config, bench_prompts, median_ms
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -70,16 +69,11 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench tp", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("tp", __doc__)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model-size", default="mid", choices=sorted(MODEL_SIZES),
-                        help="size of the random-weight test model to create (both have 2 KV heads)")
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
-    parser.add_argument("--json", action="store_true")
+    add_engine_arguments(parser, dtype="float32", model=None, model_size="mid",
+                         model_size_help="size of the random-weight test model to create (both have 2 KV heads)")
     args = parser.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-tp-")
     emit(result, args.json, "bench tp (median TTFT over prompts; one warm-up per engine)")

@@ -53,8 +53,7 @@ from ..transfer.client import TcpTransport
 from ..transfer.nixl import NixlTransport
 from ..transfer.nixl_engine import NixlEngine, nixl_available
 from ..transfer.tls import client_context
-from ..usage import HelpFormatter
-from .common import progress
+from .common import bench_parser, progress
 from .tls_pipeline import describe, tls_pipeline
 
 SECRET = "bench-secret-7f3a9c1e5b2d80461c9e4a7b"
@@ -262,9 +261,7 @@ def _table(summary: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="lmcache-p2p bench transfer", description=__doc__.splitlines()[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p = bench_parser("transfer", __doc__.splitlines()[0], keeps=None)
     p.add_argument("--workload", action="append", help="NxSIZE, e.g. 64x2MiB (repeatable)")
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--latency-samples", type=int, default=100)

@@ -46,6 +46,7 @@ import contextlib
 import os
 import signal
 import statistics
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,8 +58,7 @@ from ..testing.engine_client import EngineProcess
 from ..testing.stopped_owner import StoppedOwner, metrics_url
 from ..testing.synthetic import synthetic_tokens
 from ..testing.tiny_model import create_tiny_model
-from ..usage import HelpFormatter
-from .common import emit, progress, run_in_workdir
+from .common import DTYPES, bench_parser, emit, progress, run_in_workdir
 
 SECRET = "bench-vllm-secret-7f3a9c1e5b2d80461c9e4a7b"
 SPARE_DOCS = 3  # documents of A's for --stopped-runs' healthy pulls again (StoppedOwner.pull_healthy)
@@ -67,6 +67,60 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     "tiny": {},
     "mid": {"num_layers": 8, "hidden": 1024, "heads": 8, "kv_heads": 2, "head_dim": 128, "intermediate": 2816},
 }
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, dtype: str, transport: bool = True,
+                         model: str | None = "model directory (default: a test model created in the work dir)",
+                         model_size: str | None = None, model_size_help: str | None = None) -> None:
+    """The engines' arguments of a vLLM bench: ``--dtype`` (default ``dtype``), ``--transport`` (tcp or
+    nixl), ``--model`` (help ``model``; None: not taken) and ``--model-size`` (default ``model_size``; None:
+    not taken) of the random-weight model created when no ``--model`` is given."""
+    parser.add_argument("--dtype", default=dtype, choices=DTYPES)
+    if transport:
+        parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
+    if model is not None:
+        parser.add_argument("--model", help=model)
+    if model_size is not None:
+        parser.add_argument("--model-size", default=model_size, choices=sorted(MODEL_SIZES), help=model_size_help)
+
+
+@contextlib.contextmanager
+def two_agents(work: Path, prefix: str, transport: str) -> Iterator[tuple[Path, Path, list[EngineProcess]]]:
+    """A private etcd, the configs of two agents (``<prefix>-a``, ``<prefix>-b``) and the list of engines
+    started over them: each is resumed (an owner a bench SIGSTOPped) and stopped on the way out."""
+    with EtcdServer(base_dir=str(work)) as etcd:
+        cfg_a = agent_config(work / "a.yaml", f"{prefix}-a", etcd.endpoints, transport)
+        cfg_b = agent_config(work / "b.yaml", f"{prefix}-b", etcd.endpoints, transport)
+        engines: list[EngineProcess] = []
+        try:
+            yield cfg_a, cfg_b, engines
+        finally:
+            for engine in engines:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(engine.pid, signal.SIGCONT)
+                engine.stop()
+
+
+def started(engines: list[EngineProcess], model: Path, config: Path | None, name: str, log_path: Path,
+            dtype: str, warm: list[int] | None = None, env: dict[str, str] | None = None) -> EngineProcess:
+    """An engine started and ready, kept in ``engines`` (the caller stops them all however it ends), and
+    warmed on one ``warm`` prompt (a first request pays one-time costs)."""
+    engine = EngineProcess(model, config, name=name, log_path=log_path, dtype=dtype, env=env)
+    engines.append(engine)
+    engine.wait_ready()
+    if warm is not None:
+        engine.ttft([warm])
+    return engine
+
+
+def cold_ttft_ms(engines: list[EngineProcess], model: Path, work: Path, dtype: str, warm: list[int],
+                 prompts: list[list[int]]) -> float:
+    """The baseline: vLLM without a connector, the median TTFT of ``prompts`` after one warm-up (the
+    engine stopped after, so that the next one is measured alone)."""
+    cold = started(engines, model, None, "cold", work / "cold.log", dtype, warm)
+    ttft = median_ms(cold.ttft(prompts))
+    cold.stop()
+    return ttft
 
 
 def bench_prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -99,54 +153,35 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     stream = bench_prompts(1, 40, seed=8000)[0]
     out: dict[str, Any] = {"model": args.model or args.model_size, "prompts": args.prompts,
                            "prompt_tokens": args.tokens, "dtype": args.dtype, "transport": args.transport}
-    with EtcdServer(base_dir=str(work)) as etcd:
-        cfg_a = agent_config(work / "a.yaml", "bench-a", etcd.endpoints, args.transport)
-        cfg_b = agent_config(work / "b.yaml", "bench-b", etcd.endpoints, args.transport)
-        engines: list[EngineProcess] = []
-        try:
-            # Each engine is measured while no other engine has run anything: two vLLM-CPU workers
-            # share core 0 here, and one that has just computed keeps spinning its OpenMP threads.
-            progress("vllm", "cold: vLLM without a connector")
-            cold = EngineProcess(model, None, name="cold", log_path=work / "cold.log", dtype=args.dtype)
-            engines.append(cold)
-            cold.wait_ready()
-            cold.ttft([warm[0]])
-            out["ttft_cold_ms"] = median_ms(cold.ttft(prompts))
-            cold.stop()
-            progress("vllm", "miss: engine A with the connector, nothing cached")
-            a = EngineProcess(model, cfg_a, name="bench-a", log_path=work / "a.log", dtype=args.dtype,
-                              env={failpoints.ENV: str(work / "failpoints")} if args.stop_at == "mid-answer" else None)
-            engines.append(a)
-            a.wait_ready()
-            a.ttft([warm[1]])
-            miss = a.ttft(prompts)
-            out["ttft_miss_ms"] = median_ms(miss)
-            a.ttft(hung_docs)  # A holds these too
-            # two a run (a healthy pull, the stopped owner's), then spares for healthy pulls again
-            stopped_docs = bench_prompts(2 * args.stopped_runs + SPARE_DOCS if args.stopped_runs else 0, args.tokens,
-                                         seed=6000)
-            if stopped_docs:
-                a.ttft(stopped_docs)
-            progress("vllm", "peer hit: engine B pulls what A computed")
-            b = EngineProcess(model, cfg_b, name="bench-b", log_path=work / "b.log", dtype=args.dtype)
-            engines.append(b)
-            b.wait_ready()
-            out["engine_start_s"] = round(b.startup_s or 0.0, 1)
-            b.ttft([warm[2]])
-            hit = b.ttft(prompts)
-            out["ttft_peer_hit_ms"] = median_ms(hit)
-            out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
-            out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
-            progress("vllm", "decode stalls on B: a miss, a peer hit, a hung owner")
-            out.update(_stalls(a, b, fresh[0], hung_docs, stream))
-            if args.stopped_runs:
-                progress("vllm", f"{args.stopped_runs} runs of a stopped owner beside a decode stream")
-                out.update(_stopped_runs(a, b, cfg_b, stopped_docs, args, stream, work / "failpoints"))
-        finally:
-            for engine in engines:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(engine.pid, signal.SIGCONT)
-                engine.stop()
+    with two_agents(work, "bench", args.transport) as (cfg_a, cfg_b, engines):
+        # Each engine is measured while no other engine has run anything: two vLLM-CPU workers
+        # share core 0 here, and one that has just computed keeps spinning its OpenMP threads.
+        progress("vllm", "cold: vLLM without a connector")
+        out["ttft_cold_ms"] = cold_ttft_ms(engines, model, work, args.dtype, warm[0], prompts)
+        progress("vllm", "miss: engine A with the connector, nothing cached")
+        a = started(engines, model, cfg_a, "bench-a", work / "a.log", args.dtype, warm[1],
+                    env={failpoints.ENV: str(work / "failpoints")} if args.stop_at == "mid-answer" else None)
+        miss = a.ttft(prompts)
+        out["ttft_miss_ms"] = median_ms(miss)
+        a.ttft(hung_docs)  # A holds these too
+        # two a run (a healthy pull, the stopped owner's), then spares for healthy pulls again
+        stopped_docs = bench_prompts(2 * args.stopped_runs + SPARE_DOCS if args.stopped_runs else 0, args.tokens,
+                                     seed=6000)
+        if stopped_docs:
+            a.ttft(stopped_docs)
+        progress("vllm", "peer hit: engine B pulls what A computed")
+        b = started(engines, model, cfg_b, "bench-b", work / "b.log", args.dtype)
+        out["engine_start_s"] = round(b.startup_s or 0.0, 1)
+        b.ttft([warm[2]])
+        hit = b.ttft(prompts)
+        out["ttft_peer_hit_ms"] = median_ms(hit)
+        out["peer_hit_cached_tokens"] = [r["num_cached_tokens"] for r in hit]
+        out["peer_hit_outputs_match_miss"] = [r["tokens"] for r in hit] == [r["tokens"] for r in miss]
+        progress("vllm", "decode stalls on B: a miss, a peer hit, a hung owner")
+        out.update(_stalls(a, b, fresh[0], hung_docs, stream))
+        if args.stopped_runs:
+            progress("vllm", f"{args.stopped_runs} runs of a stopped owner beside a decode stream")
+            out.update(_stopped_runs(a, b, cfg_b, stopped_docs, args, stream, work / "failpoints"))
     out["peer_hit_speedup_vs_cold"] = round(out["ttft_cold_ms"] / out["ttft_peer_hit_ms"], 2)
     out["hung_owner_vs_miss"] = round(out["hung_owner_ttft_ms"] / out["ttft_miss_concurrent_ms"], 3)
     out["miss_overhead_pct"] = round(100 * (out["ttft_miss_ms"] / out["ttft_cold_ms"] - 1), 2)
@@ -224,23 +259,17 @@ def _lmcache(model: Path, prompts: list[list[int]], dtype: str, work: Path) -> d
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p bench vllm", description=__doc__,
-                                     formatter_class=HelpFormatter)
+    parser = bench_parser("vllm", __doc__)
     parser.add_argument("--prompts", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "nixl"])
-    parser.add_argument("--model", help="model directory (default: a test model created in the work dir)")
-    parser.add_argument("--model-size", default="tiny", choices=sorted(MODEL_SIZES),
-                        help="size of the random-weight test model to create")
-    parser.add_argument("--workdir", help="keep logs and configs here (default: a temp dir)")
+    add_engine_arguments(parser, dtype="bfloat16", model_size="tiny",
+                         model_size_help="size of the random-weight test model to create")
     parser.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
     parser.add_argument("--stopped-runs", type=int, default=0,
                         help="then this many runs of a stopped owner in a row, each against a miss beside it")
     parser.add_argument("--stop-at", default="ask", choices=["ask", "mid-answer"],
                         help="when the owner of --stopped-runs stops: before B asks it (SIGSTOP), or once its "
                              "answer began (it stops itself after its first chunk frame)")
-    parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     result = run_in_workdir(run, args, "lmcache-p2p-bench-")
     emit(result, args.json, "bench vllm (median TTFT over prompts; one warm-up per engine)")

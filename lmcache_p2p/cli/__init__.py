@@ -33,6 +33,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "objects"): ("lmcache_p2p.bench.objects:main",
                            "the object tier vs the raw S3 client; vLLM TTFT for a hit from the store vs cold"),
     ("bench", "config"): ("lmcache_p2p.bench.config:main", "config set -> applied in running agents vs an etcd watch"),
+    ("bench", "step"): ("lmcache_p2p.bench.step:main",
+                        "the connector's scheduler side per engine step, by batch size: linear or not"),
     ("bench", "params"): ("lmcache_p2p.bench.params:main",
                           "hostile kv_transfer_params beside a decode stream: the stream's token gaps and TTFT"),
     ("config",): ("lmcache_p2p.cli.config:main", "cluster config in etcd: get | set | watch"),

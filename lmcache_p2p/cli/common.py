@@ -1,7 +1,7 @@
 """What the commands share: prompt files (``read_tokens``) and the one way a command reaches etcd,
 with the same config an agent uses and the same errors.
 
-    add_etcd_arguments(parser)              --etcd, --cluster, --config
+    parser = etcd_tool_parser("lmcache-p2p status", __doc__)    # --etcd, --cluster, --config
     config = tool_config(args, "lmcache-p2p status")          # exits 2 naming what is wrong
     with etcd_endpoints(config, prog, private_ok=True) as c:  # the embedded default when none is set
 
@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..config import AgentConfig, load_config
+from ..usage import HelpFormatter
 
 
 def add_etcd_arguments(parser: argparse.ArgumentParser, *, default_help: str = "config/env") -> None:
@@ -32,6 +33,14 @@ def add_etcd_arguments(parser: argparse.ArgumentParser, *, default_help: str = "
     parser.add_argument("--cluster", help="cluster name (default: config/env)")
     parser.add_argument("--config", help="agent config file to take etcd settings (TLS, auth) and chunk size from "
                         "(default: $LMCACHE_P2P_CONFIG)")
+
+
+def etcd_tool_parser(prog: str, description: str | None, *,
+                     default_help: str = "config/env") -> argparse.ArgumentParser:
+    """The parser of a command that reads etcd: the CLI's help format and :func:`add_etcd_arguments`."""
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
+    add_etcd_arguments(parser, default_help=default_help)
+    return parser
 
 
 def tool_config(args: argparse.Namespace, prog: str, *, require_endpoints: bool = True) -> AgentConfig:

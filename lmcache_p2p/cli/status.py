@@ -20,7 +20,6 @@ config's value, and why; the CONFIG column marks such a node with ``*``:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import http.client
@@ -39,8 +38,7 @@ from ..index.records import decode_object_meta
 from ..index.schema import NodeRecord, Schema, covers, decode_node_key, decode_node_record
 from ..metrics import RECENT_S
 from ..metrics_http import SCRAPE_TIMEOUT_S, scrape
-from ..usage import HelpFormatter
-from .common import add_etcd_arguments, tool_config
+from .common import etcd_tool_parser, tool_config
 
 
 @dataclasses.dataclass(slots=True)
@@ -283,9 +281,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p status", description=__doc__,
-                                     formatter_class=HelpFormatter)
-    add_etcd_arguments(parser)
+    parser = etcd_tool_parser("lmcache-p2p status", __doc__)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS")
     args = parser.parse_args(argv)

@@ -30,8 +30,7 @@ from ..index.client import EtcdClient
 from ..index.quarantine import QuarantineRecord, read_all, release
 from ..index.schema import NodeRecord, Schema, decode_node_record
 from ..metrics_http import scrape
-from ..usage import HelpFormatter
-from .common import add_etcd_arguments, read_tokens, tool_config
+from .common import etcd_tool_parser, read_tokens, tool_config
 
 POLL_S = 0.2
 SETTLE_S = 1.0  # counters unchanged this long after moving: the engine's comparisons are done
@@ -116,9 +115,7 @@ def _print(records: list[QuarantineRecord], counts: dict[str, dict[str, int]], c
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lmcache-p2p verify", description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
-    add_etcd_arguments(parser)
+    parser = etcd_tool_parser("lmcache-p2p verify", __doc__.split("\n\n")[0])
     parser.add_argument("--engine", help="an engine's OpenAI URL: check a prompt there now (needs --tokens/--text)")
     parser.add_argument("--tokens", help="prompt token ids (a JSON list or whitespace-separated)")
     parser.add_argument("--text", help="prompt text (with --model, whose tokenizer is used)")
