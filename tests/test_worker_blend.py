@@ -11,6 +11,7 @@ engines.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -141,12 +142,12 @@ def main() -> None:
         # (a client's fraction, or a slow engine): refused, every block back to vLLM, nothing recomputed here
         agent = worker.agent
         assert agent is not None
-        rate = agent.prefill
-        agent.prefill = type(rate)(1.0)  # one token a second: 32 tokens of recompute take 32 s, past 5 s
-        try:
+        parts = loads.parts  # what the worker's loads read of the agent: its prefill rate among them
+        loads.parts = dataclasses.replace(parts, prefill=type(agent.prefill)(1.0))  # one token a second: 32
+        try:                                                                       # tokens take 32 s, past 5 s
             failed, b, counts = blend("too-slow", seg_keys[0] + seg_keys[1])
         finally:
-            agent.prefill = rate
+            loads.parts = parts
         assert failed == set(blocks) and b.recomputed == [] and b.written == [], sorted(failed)
         assert agent.metrics.load_failures.labels("deadline")._value.get() >= 1
 
