@@ -136,6 +136,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if m not in MODES:
             raise SystemExit(f"bench route: unknown mode {m!r} (choose from {', '.join(MODES)})")
     args.systems, args.index = "mesh", "watch"
+    args.bind = "shared"  # as route.md's runs were measured (bench serve's --bind spread is not re-measured here)
     capacity_chunks = args.engines * _capacity_bytes(args.capacity) // _chunk_bytes(model, args.dtype)
     out: dict[str, Any] = {"engines": args.engines, "engine_mode": "eager", "dtype": args.dtype,
                            "model": str(args.model or args.model_size), "slo_ttft_ms": args.slo_ttft_ms,

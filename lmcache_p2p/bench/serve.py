@@ -1,7 +1,7 @@
 """``lmcache-p2p bench serve``: a fleet of vLLM-CPU engines under open-loop load from vLLM's own client.
 
-For each system, N ``vllm serve`` engines (eager, the reserved-CPU setting pinned as everywhere, vLLM's
-prefix cache on in all of them), started together and warmed with an unrelated prompt, then driven by
+For each system, N ``vllm serve`` engines (eager, vLLM's prefix cache on in all of them, each engine's
+OpenMP threads on a core of its own: ``--bind``), started together and warmed with an unrelated prompt, then driven by
 ``vllm bench serve`` (``testing/bench_client``: request i goes to engine i mod N, arrivals Poisson at each
 rate of the sweep, or the trace's timestamps at each speed-up) — one run per rate, each with its own prompts:
 
@@ -179,7 +179,8 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path,
             python, env = str(venv_python(REPO)), lmcache_env(REPO)
         for i in range(args.engines):
             server_i = VllmServer(model, name=f"{system}-{i}", log_path=work / f"{system}-{i}.log",
-                                  kv_transfer_config=kv[i], python=python, env=env, dtype=args.dtype, port=ports[i])
+                                  kv_transfer_config=kv[i], python=python, env={**(env or {}), **binding(args, i)},
+                                  dtype=args.dtype, port=ports[i])
             fleet.servers.append(server_i)
             fleet.stack.callback(server_i.stop)
         progress(bench, f"{system}: starting {args.engines} engines")
@@ -192,6 +193,17 @@ def start_fleet(system: str, args: argparse.Namespace, model: Path, work: Path,
         fleet.stack.close()
         raise
     return fleet
+
+
+def binding(args: argparse.Namespace, engine: int) -> dict[str, str]:
+    """Where engine ``engine``'s OpenMP threads run. ``spread`` (the default): each engine on a core of its
+    own (engine i on core i mod the host's cores), none reserved. ``shared``: vLLM-CPU's own choice with one
+    core reserved (as every single-engine test and bench here): on 2 cores it puts every engine on core 0,
+    and a request arriving while another engine decodes waited 0.5-1.7 s behind that engine's spinning
+    threads instead of ~40 ms (every system alike: measured December 7, docs/benchmarks/serve.md)."""
+    if args.bind == "shared":
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(engine % (os.cpu_count() or 1)), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def run_client(fleet: Fleet, workload: Workload, rate: float, run: int, args: argparse.Namespace, model: Path,
@@ -463,6 +475,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--capacity", default="512MiB", help="mesh: each agent's CPU tier; lmcache: N x this")
     p.add_argument("--load-threads", type=int, default=1, help="mesh: transfer.load_threads of every agent")
     p.add_argument("--index", default="watch", choices=["watch", "lookup"], help="mesh: etcd.index of every agent")
+    p.add_argument("--bind", default="spread", choices=["spread", "shared"],
+                   help="engines' OpenMP threads: spread, a core each (engine i on core i mod cores); shared, "
+                   "vLLM-CPU's own binding with one core reserved (on 2 cores: every engine on core 0)")
     add_engine_arguments(p, dtype="bfloat16", transport=False, model_size="tiny",
                          model="model directory (default: a random-weight test model made in the work dir)")
     p.add_argument("--join", action="store_true", help="engine 0 serves each run's prompts, then engine 1 serves "
