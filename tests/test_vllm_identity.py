@@ -48,6 +48,7 @@ LORA_RANK = 8
 # K and V both change under an adapter: KV loaded across adapters then changes the answers, not only the counts
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj")
 MAX_TOKENS = 16
+EXPIRED = "the load's deadline had passed"  # transfer/pull.py: a pull the agent's loop reached too late to ask
 FILLER = list(range(100, 140))  # a prompt shorter than a chunk: it drives B's steps and loads nothing
 
 
@@ -71,8 +72,8 @@ def mesh(trained_model: Path, etcd: EtcdServer, tmp_path_factory: pytest.TempPat
     elsewhere = shutil.copytree(one, work / "elsewhere" / "adapter-one")
     adapters = {"one": lora("adapter-one", 1, one), "two": lora("adapter-two", 2, two),
                 "one-elsewhere": lora("adapter-one", 1, elsewhere)}
-    # (the third held-out file's answer is one token over and over: no test of what KV changes)
-    salt_doc, lora_doc, _, weights_doc, reset_doc = held_out_prompts(trained_model, 5, DOC_LEN)
+    # (the third held-out file's answer is one token over and over: no test of what KV changes; a spare below)
+    salt_doc, lora_doc, spare_doc, weights_doc, reset_doc = held_out_prompts(trained_model, 5, DOC_LEN)
     cluster = "t-" + uuid.uuid4().hex[:12]
     cfg_a, cfg_b = (write_agent_config(work / f"{n}.yaml", node=f"engine-{n}", cluster=cluster,
                                        endpoints=etcd.endpoints) for n in ("a", "b"))
@@ -92,8 +93,8 @@ def mesh(trained_model: Path, etcd: EtcdServer, tmp_path_factory: pytest.TempPat
         reference = dict(zip(names, tokens, strict=True))
         for engine in engines:
             engine.wait_ready()
-        yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc, "reset": reset_doc, "weights": weights_doc},
-                   adapters, reference, work)
+        yield Mesh(a, b, cfg_a, {"salt": salt_doc, "lora": lora_doc, "reset": reset_doc, "weights": weights_doc,
+                                 "spare": spare_doc}, adapters, reference, work)
     finally:
         for engine in engines:
             engine.stop()
@@ -155,11 +156,20 @@ def test_weights_updated_in_place_share_no_kv(mesh: Mesh) -> None:
     assert _on_a(mesh, mesh.docs["reset"])["tokens"] == ref["reset:base"]
     assert mesh.b.request("update_weights", [], scale=1.0) == [{"reset": True}]
     _until_b_logs(mesh, "the node keeps sharing")
+    b_log = mesh.work / "engine-b.log"
+    expired = b_log.read_text().count(EXPIRED)
     result = mesh.b.generate([mesh.docs["reset"]], MAX_TOKENS)[0]
-    assert (result["num_cached_tokens"], result["tokens"]) == (FULL_HIT, ref["reset:base"])  # still shares
+    if result["num_cached_tokens"] == 0 and b_log.read_text().count(EXPIRED) > expired:
+        # Offered, and its pull not asked: B's agent loop reached it past the pull's deadline (a starved host,
+        # beside a CPU hog) and the engine computed it, as meant. B now holds that document itself: asked again
+        # with another of A's documents, whose answer is A's.
+        spare = _on_a(mesh, mesh.docs["spare"])
+        result = mesh.b.generate([mesh.docs["spare"]], MAX_TOKENS)[0]
+        assert (result["num_cached_tokens"], result["tokens"]) == (FULL_HIT, spare["tokens"])  # still shares
+    else:
+        assert (result["num_cached_tokens"], result["tokens"]) == (FULL_HIT, ref["reset:base"])  # still shares
 
     assert _on_a(mesh, mesh.docs["weights"])["tokens"] == ref["weights:base"]
-    b_log = mesh.work / "engine-b.log"
     assert "stops sharing" not in b_log.read_text()
     assert mesh.b.request("update_weights", [], scale=1.25) == [{"reset": True}]
     result = mesh.b.generate([mesh.docs["weights"]], MAX_TOKENS)[0]
