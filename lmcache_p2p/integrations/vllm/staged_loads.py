@@ -95,7 +95,7 @@ def staged_chunks(parts: LoadParts, t: ChunkTransfer | BlendTransfer, keys: Sequ
         end += n
     deadline = parts.deadline(t)  # the load path is read at each step: a stop meanwhile makes the rest a miss
     if remote and keys and not parts.loader().wait_for_index(keys, t.index_revision,
-                                                            min(deadline, time.monotonic() + INDEX_WAIT_S)):
+                                                             min(deadline, time.monotonic() + INDEX_WAIT_S)):
         log.info("request %s: this rank's mirror did not reach the scheduler's revision %d in time", t.req_id,
                  t.index_revision)
     plan = parts.loader().plan(keys, spans, end)
