@@ -33,7 +33,8 @@ from .common import bench_parser, emit, progress, run_in_workdir
 BLOCK = 16
 
 
-def decode_step(requests: list[Any], block_ids: dict[str, list[int]], next_block: list[int]) -> Any:
+def decode_step(requests: list[Any], block_ids: dict[str, list[int]], next_block: list[int],
+                rng: random.Random) -> Any:
     """vLLM's ``SchedulerOutput`` of a step in which every request of ``requests`` decodes one token (each
     request's token appended to it first, as vLLM's output processing does before the next schedule)."""
     from vllm.v1.core.sched.output import CachedRequestData
@@ -45,7 +46,7 @@ def decode_step(requests: list[Any], block_ids: dict[str, list[int]], next_block
     new_tokens: list[list[int]] = []
     outputs: list[int] = []
     for request in requests:
-        request.all_token_ids.append(random.randrange(3, 4000))
+        request.all_token_ids.append(rng.randrange(3, 4000))
         done = len(request.all_token_ids) - 1  # computed before this step: all but the token just sampled
         request.num_computed_tokens = done
         grows = done % BLOCK == 0
@@ -81,7 +82,7 @@ def batch(scheduler: Any, n: int, prompt_tokens: int, steps: int, tag: str) -> d
     scheduler.build_connector_meta(prefill_step(*((r, block_ids[r.request_id], prompt_tokens) for r in requests)))
     times, saves = [], 0
     for _ in range(steps):
-        out = decode_step(requests, block_ids, next_block)
+        out = decode_step(requests, block_ids, next_block, rng)
         t0 = time.perf_counter()
         meta = scheduler.build_connector_meta(out)
         times.append(time.perf_counter() - t0)
