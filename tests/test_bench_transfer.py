@@ -1,0 +1,43 @@
+"""``lmcache-p2p bench transfer`` runs every transport against its baseline in paired rounds, and
+``bench selection`` takes the modes it is asked for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lmcache_p2p.bench import selection
+from lmcache_p2p.transfer.nixl_engine import nixl_available
+
+
+def test_bench_transfer_pairs_every_path_with_its_baseline() -> None:
+    """A small workload through the real owner process: every pull loads every chunk (the bench raises on a
+    miss) and each ratio is the median of its rounds' ratios."""
+    out = subprocess.run([sys.executable, "-m", "lmcache_p2p", "bench", "transfer", "--json", "--workload", "8x256KiB",
+                          "--repeat", "3", "--latency-samples", "3"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    (w,) = summary["workloads"]
+    assert (w["chunks"], w["chunk_bytes"]) == (8, 256 << 10)
+    for ratio in ("tcp_vs_raw", "tcp_mac_vs_tcp", "tcp_tls_vs_tcp"):
+        assert w[ratio] > 0
+    assert summary["nixl"] is nixl_available()
+    if summary["nixl"]:
+        assert w["nixl_gbps"] > 0 and w["raw_nixl_gbps"] > 0 and w["nixl_mac_gbps"] > 0
+        assert w["nixl_vs_raw"] > 0 and w["nixl_mac_vs_nixl"] > 0
+
+
+def test_bench_selection_modes_name_a_selection_and_a_fraction(capsys) -> None:
+    assert selection._mode("question-heads:0.35") == (0.35, "question-heads")
+    assert selection._mode("deviation:1") == (1.0, "deviation")
+    for bad, why in (("heads:0.3", "the selection is one of"), ("deviation:x", "the fraction is a number"),
+                     ("0.3", "the selection is one of")):
+        with pytest.raises(SystemExit):
+            selection.main(["--modes", bad])
+        assert why in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        selection.main(["--modes", "deviation:1.5"])
+    assert "every fraction (--fractions, --modes) must be in [0, 1]" in capsys.readouterr().err
