@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .keys import LEAD_INS
 from .request_params import SELECTIONS
 
 ENV_PREFIX = "LMCACHE_P2P_"
@@ -237,6 +238,10 @@ class BlendConfig:
     most over the blended cache, ProphetKV's and A³'s; "deviation-gradual", "question-gradual": the same
     in two rounds, the second scored over the cache the first refreshed, CacheBlend's gradual filtering;
     "question-heads": the question's reads per head, a position scored by its largest share of any head's);
+    ``lead_in`` is what a segment's KV is computed after besides the base, once, where no one holds it
+    ("none": the base alone, and a request computed plainly saves its first segment; "self": a copy of the
+    segment, so that its tokens are read as a document after another, as in most prompts that declare it:
+    closer answers, and a document's first sight costs a blend computing it twice; each has its own keys);
     ``max_recompute_tokens`` bounds what one blend runs
     through the model (recompute and fresh segments; also never more than vLLM's token budget per
     step): a blend over it is refused and the request is served prefix-only, whatever it asks."""
@@ -245,11 +250,13 @@ class BlendConfig:
     by_default: bool = False
     recompute_fraction: float = 0.3
     selection: str = "question-heads"
+    lead_in: str = "none"
     max_recompute_tokens: int = 4096
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.recompute_fraction <= 1.0, "blend.recompute_fraction", "must be in [0, 1]")
         _check(self.selection in SELECTIONS, "blend.selection", "must be one of " + ", ".join(SELECTIONS))
+        _check(self.lead_in in LEAD_INS, "blend.lead_in", "must be one of " + ", ".join(LEAD_INS))
         _check(self.max_recompute_tokens >= 0, "blend.max_recompute_tokens", "must be >= 0")
 
 

@@ -280,11 +280,23 @@ def chunk_spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
 
 
-def segment_root(root: FingerprintDigest, base: Sequence[int] | np.ndarray) -> FingerprintDigest:
+# What a segment's canonical KV is computed after, besides the base (``blend.lead_in``): "none", the base
+# alone; "self", a copy of the segment itself (its tokens are then read as a document after another document,
+# as in most prompts that declare it; docs/benchmarks/blend.md measures what it does to answers). Each has its
+# own chain personalization ("none": as before lead-ins existed), so KV of one is never found as the other.
+_SEGMENT_PERSON = {"none": b"lmcp2p-segment", "self": b"lmcp2p-seg-self"}
+LEAD_INS = tuple(_SEGMENT_PERSON)
+
+
+def segment_root(root: FingerprintDigest, base: Sequence[int] | np.ndarray, lead_in: str = "none") -> FingerprintDigest:
     """The chain root of a request's independent segments (documents reused in any order): the
     request's root and the tokens before its first segment (the system prompt, "the base"), never
     what precedes a segment. A segment's chunks chain from here over its own tokens
-    (:func:`chunk_keys`), so the same document after the same base has the same keys at any offset."""
-    h = hashlib.blake2b(bytes(root), digest_size=16, person=b"lmcp2p-segment")
+    (:func:`chunk_keys`), so the same document after the same base has the same keys at any offset.
+    ``lead_in`` (:data:`LEAD_INS`) names what the segment's KV was computed after besides the base: KV
+    computed one way is never found under the other's keys."""
+    if lead_in not in _SEGMENT_PERSON:
+        raise ValueError(f"lead-in {lead_in!r}: one of {', '.join(_SEGMENT_PERSON)}")
+    h = hashlib.blake2b(bytes(root), digest_size=16, person=_SEGMENT_PERSON[lead_in])
     h.update(tokens_to_array(base).tobytes())
     return FingerprintDigest(h.digest())

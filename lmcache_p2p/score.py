@@ -143,7 +143,8 @@ def score(scorer: Scorer, tokens: list[int], segments: list[tuple[int, int]] | N
     arr = tokens_to_array(tokens)
     keys, spans = chunk_keys(scorer.fp, arr, config.chunk_size), chunk_spans(len(arr), config.chunk_size)
     blends = config.blend.by_default if blend is None else blend
-    declared = segment_chunks_of(scorer.fp, tokens, segments, config.chunk_size) if segments and blends else []
+    declared = (segment_chunks_of(scorer.fp, tokens, segments, config.chunk_size, config.blend.lead_in)
+                if segments and blends else [])
     every = keys + [ChunkKey(k) for seg in declared for k in seg.keys]
     index = scorer.index
     nodes = index.nodes() if index is not None else {}

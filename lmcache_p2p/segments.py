@@ -13,8 +13,10 @@ after the last belong to no segment. Segments must be token-identical across req
 tokenizes each document alone and concatenates the ids (tokenizing the joined text can merge tokens
 at the seams, and then the keys differ: a miss, never wrong KV).
 
-A request that computed its prompt saves each segment's KV under the segment keys, its keys turned
-back to position 0 (``blend.py``). A later request with the same base and any of those documents, in
+Under a segment key is the segment's canonical KV: computed after the base and the lead-in (``blend.lead_in``:
+nothing, or a copy of the segment), keys turned back to position 0 (``blend.py``). A request that computed
+its prompt saves the segments it computed that way (:func:`canonical_in_context`); a blend computes the
+others fresh. A later request with the same base and any of those documents, in
 any order, claims the prompt up to the end of its last cached segment as one hit (vLLM counts hits
 as a prefix) and makes that claim true before its forward pass (:func:`plan_blend`):
 
@@ -49,7 +51,7 @@ class SegmentChunks:
     start: int  # where the segment starts in this prompt
     skip: int = 0  # loads: leading tokens not written (an exact prefix already covers them)
     end: int = 0  # loads: positions from here on are not written (vLLM computes the prompt's last token)
-    fresh: bool = False  # loads: held nowhere; computed after the base alone, saved, then placed like a loaded one
+    fresh: bool = False  # loads: held nowhere; computed after the base (and the lead-in), saved, then placed
 
     @property
     def length(self) -> int:
@@ -70,6 +72,7 @@ class BlendPlan:
     num_layers: int = 0  # the model's layers: what share of them the selection's pass runs (0: unknown, all)
     selection: str = "first"
     question: int = 0  # "question": the prompt's tokens after ``end``, run over the blended cache to select
+    lead_in: str = "none"  # what fresh segments are computed after besides the base (``keys.LEAD_INS``)
 
     @property
     def probe_tokens(self) -> int:
@@ -85,8 +88,9 @@ class BlendPlan:
 
     @property
     def fresh_tokens(self) -> int:
-        """Tokens of fresh segments: computed once more, after the base alone (their canonical KV)."""
-        return sum(seg.length for seg in self.segments if seg.fresh)
+        """Tokens of fresh segments: computed once more, after the base and their lead-in (their canonical
+        KV): :func:`fresh_cost`."""
+        return fresh_cost(self.segments, self.lead_in)
 
     @property
     def cost_tokens(self) -> int:
@@ -96,9 +100,10 @@ class BlendPlan:
 
 
 def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[tuple[int, int]],
-                   chunk: int) -> list[SegmentChunks]:
-    """Each declared segment's chunks (keys chained from :func:`~lmcache_p2p.keys.segment_root`)."""
-    base = segment_root(root, prompt[:spans[0][0]])
+                   chunk: int, lead_in: str = "none") -> list[SegmentChunks]:
+    """Each declared segment's chunks (keys chained from :func:`~lmcache_p2p.keys.segment_root`), for KV
+    computed after ``lead_in`` (:data:`~lmcache_p2p.keys.LEAD_INS`)."""
+    base = segment_root(root, prompt[:spans[0][0]], lead_in)
     out = []
     for start, end in spans:
         tokens = prompt[start:end]
@@ -106,6 +111,34 @@ def segment_chunks(root: FingerprintDigest, prompt: Sequence[int], spans: list[t
         out.append(SegmentChunks([bytes(k) for k in keys], [e - s for s, e in chunk_spans(len(tokens), chunk)],
                                  start))
     return out
+
+
+def fresh_cost(segments: Sequence[SegmentChunks], lead_in: str) -> int:
+    """Tokens run through the model to compute the fresh ones of ``segments``: each after the base and, with
+    the "self" lead-in, after a copy of itself (twice its length)."""
+    return sum(seg.length for seg in segments if seg.fresh) * (2 if lead_in == "self" else 1)
+
+
+def canonical_in_context(segments: list[SegmentChunks], prompt: Sequence[int], lead_in: str) -> list[SegmentChunks]:
+    """The declared ``segments`` whose KV, as a plain computation of ``prompt`` makes it, is the canonical KV
+    their keys promise (what a computed request saves of its segments): with the "none" lead-in the first one
+    (right after the base); with "self" each one that the base and one copy of itself precede exactly (a
+    document ingested as base + document + document, both copies declared: the second is saved)."""
+    if not segments:
+        return []
+    if lead_in == "none":
+        return segments[:1]
+    base = segments[0].start
+    return [seg for seg in segments if seg.start - base == seg.length
+            and list(prompt[base:seg.start]) == list(prompt[seg.start:seg.start + seg.length])]
+
+
+def ingest_prompt(base: Sequence[int], segment: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+    """The prompt (and its declared spans) that, computed plainly (not asked to blend), saves ``segment``'s KV
+    after ``base`` under the "self" lead-in: the base, the segment, the segment again; both copies declared,
+    the second one saved (:func:`canonical_in_context`)."""
+    n, b = len(segment), len(base)
+    return [*base, *segment, *segment], [[b, b + n], [b + n, b + 2 * n]]
 
 
 KV_ERROR_ENV = "LMCACHE_P2P_BLEND_KV_ERROR"  # a file: each blend's K/V error per layer against a full prefill
@@ -161,15 +194,18 @@ def probe_cost(span: int, num_layers: int) -> int:
 
 
 def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, held: Callable[[list[bytes]], bool],
-               fraction: float, selection: str = "first", num_layers: int = 0) -> BlendPlan | None:
+               fraction: float, selection: str = "first", num_layers: int = 0,
+               lead_in: str = "none") -> BlendPlan | None:
     """The blend that extends a prompt's exact prefix (``exact_end`` tokens) over its segments; None
-    when none of them is held past it.
+    when none of them is held past it and ``lead_in`` is "none" (such a request is computed plainly and saves
+    its first segment, whose KV is then canonical; with the "self" lead-in no segment of a plain computation
+    is, so every segment is computed fresh, saved and placed: the price of a document's first sight).
 
     Every segment after the exact prefix is placed: a held one is loaded; one held nowhere is
-    **fresh**: the worker computes it after the base alone (the KV its key promises, whatever precedes
-    it in this prompt), saves it and places it like a loaded one (the part of the base the exact prefix
-    does not cover is computed first). Glue before a placed segment (and the base, when not exactly
-    held) is recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
+    **fresh**: the worker computes it after the base and its ``lead_in`` (the KV its key promises,
+    whatever precedes it in this prompt), saves it and places it like a loaded one (the part of the base
+    the exact prefix does not cover is computed first). Glue before a placed segment (and the base, when
+    not exactly held) is recomputed, and of each placed segment ``ceil(fraction * tokens)`` tokens: its first ones
     (``selection`` "first", EPIC's), or (``"deviation"``, CacheBlend's) the ones whose keys move most
     once recomputed in this context, picked by the worker (``select``; its pass over the blend's span is
     part of the plan's cost, :func:`probe_cost` of ``num_layers``), or (``"question"``, ProphetKV's and
@@ -198,11 +234,11 @@ def plan_blend(segments: list[SegmentChunks], exact_end: int, prompt_len: int, h
         elif n:
             select += min(n, min(seg_end, limit) - first)
         end = min(seg_end, limit)
-    if not any_held:
+    if not any_held and lead_in == "none":  # a request computed plainly saves its first segment (canonical)
         return None
     recompute = merge_runs([(s, min(e, end)) for s, e in runs if s < end])
     question = prompt_len - end if reads_question(selection) else 0
-    return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers, selection, question)
+    return BlendPlan(exact_end, end, loads, recompute, base_end, select, num_layers, selection, question, lead_in)
 
 
 def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -88,6 +88,7 @@ class BlendTransfer:
     deadline: float = 0.0
     selection: str = "first"  # how the worker picks ``select`` tokens: "deviation" or "question"
     question: list[int] = dataclasses.field(default_factory=list)  # the prompt after ``end`` ("question")
+    lead_in: str = "none"  # what fresh segments are computed after besides the base (``keys.LEAD_INS``)
 
     def blocks(self, block_size: int) -> set[int]:
         """The blocks the blend fills (recomputed by the engine when it fails)."""

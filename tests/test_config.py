@@ -51,6 +51,7 @@ def test_sizes(text, expected):
     ("transfer.secret", "short"), ("transfer.secret", "REPLACE-ME-with-openssl-rand-hex-32"),
     ("transfer.secret", "a" * 40), ("etcd.start_wait_s", -1), ("log_level", "LOUD"), ("handoff.min_hits", -1),
     ("transfer.recompute_when_faster", 3), ("transfer.recompute_when_faster", "maybe"), ("blend.enabled", [1]),
+    ("blend.lead_in", "sheet"), ("blend.selection", "random"),
 ])
 def test_each_invalid_field_is_named(dotted, value):
     with pytest.raises(ConfigError) as info:

@@ -130,3 +130,52 @@ def test_a_selection_of_every_segment_token_runs_no_pass():
     for selection in SELECTIONS[1:]:
         every = plan_blend(segs, 256, len(prompt), lambda keys: True, 1.0, selection=selection, num_layers=30)
         assert every is not None and every.select == spans[-1][1] - 256 and every.probe_tokens == 0
+
+
+def test_the_self_lead_in_keys_its_own_kv_and_plans_a_first_sight_as_fresh_segments():
+    """A segment's KV after a copy of itself is keyed apart from its KV after the base alone (the "none" keys
+    are those of before lead-ins existed); with "self" no segment of a plain computation is canonical except
+    one the base and a copy of itself precede, so a request that asks to blend with nothing held computes
+    every segment fresh, each twice, and that is its cost."""
+    import hashlib
+
+    from lmcache_p2p.keys import LEAD_INS, segment_root, tokens_to_array
+    from lmcache_p2p.segments import canonical_in_context, ingest_prompt
+
+    old = hashlib.blake2b(bytes(ROOT), digest_size=16, person=b"lmcp2p-segment")
+    old.update(tokens_to_array(BASE).tobytes())
+    assert segment_root(ROOT, BASE) == segment_root(ROOT, BASE, "none") == old.digest()
+    assert segment_root(ROOT, BASE, "self") != old.digest()
+    with pytest.raises(ValueError, match="lead-in 'other'"):
+        segment_root(ROOT, BASE, "other")
+    assert set(LEAD_INS) == {"none", "self"}
+
+    prompt, spans = rag(BASE, DOCS)
+    by_lead = {lead: segment_chunks(ROOT, prompt, spans, C, lead) for lead in LEAD_INS}
+    assert not {k for s in by_lead["none"] for k in s.keys} & {k for s in by_lead["self"] for k in s.keys}
+
+    # nothing held: "none" computes plainly (and saves its first document); "self" blends every segment fresh
+    assert plan_blend(by_lead["none"], 256, len(prompt), lambda keys: False, 0.1, lead_in="none") is None
+    first = plan_blend(by_lead["self"], 256, len(prompt), lambda keys: False, 0.1, lead_in="self")
+    assert first is not None and all(s.fresh for s in first.segments) and first.lead_in == "self"
+    assert first.fresh_tokens == 2 * (512 + 300 + 700)
+    assert first.cost_tokens == first.fresh_tokens + first.recomputed_tokens
+    held = plan_blend(by_lead["self"], 256, len(prompt), lambda keys: True, 0.1, lead_in="self")
+    assert held is not None and held.fresh_tokens == 0
+
+    # what a plain computation saves: "none" its first segment; "self" none of these ...
+    assert canonical_in_context(by_lead["none"], prompt, "none") == by_lead["none"][:1]
+    assert canonical_in_context(by_lead["self"], prompt, "self") == []
+    # ... but the second copy of an ingested document, under the keys a query with that document looks up
+    doc = DOCS[1]
+    ingest, ingest_spans = ingest_prompt(BASE, doc)
+    assert ingest == BASE + doc + doc and ingest_spans == [[256, 556], [556, 856]]
+    copies = segment_chunks(ROOT, ingest, [tuple(s) for s in ingest_spans], C, "self")
+    assert canonical_in_context(copies, ingest, "self") == [copies[1]]
+    assert copies[1].keys == by_lead["self"][1].keys
+    # a copy with anything between it and the base other than one copy of itself is not canonical
+    glued = BASE + doc + [5] + doc
+    apart = segment_chunks(ROOT, glued, [(256, 556), (557, 857)], C, "self")
+    assert canonical_in_context(apart, glued, "self") == []
+    other = BASE + DOCS[0][:300] + doc
+    assert canonical_in_context(segment_chunks(ROOT, other, [(256, 556), (556, 856)], C, "self"), other, "self") == []

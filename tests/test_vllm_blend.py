@@ -17,6 +17,8 @@ segments (``kv_transfer_params``). A third engine without any connector gives th
 * A request that declares no segments is reused as before: only its exact prefix (the base).
 * A client that puts text of its own before a new document gets nothing saved under that document's
   key: its prefix chain and its first segment only.
+* ``blend.lead_in: self``: documents ingested on one engine (base + document + document, the second copy
+  saved) and computed fresh at their first sight on another (its own mesh) blend to the same answers.
 * A dies (SIGKILL) with its segments still listed: B's pulls fail and the engine computes the documents
   (the output of a prefill: nothing blended).
 """
@@ -154,6 +156,63 @@ def test_documents_in_another_order_are_reused_on_another_engine(etcd, cluster_n
         assert dead["tokens"] == ref[(0, 2, 1)]
         metrics = scrape(nodes["engine-b"].metrics_url)
         assert metrics['lmcache_p2p_blend_requests_total{outcome="loaded"}'] == 2
+    finally:
+        for engine in (a, b):
+            engine.stop()
+
+
+def test_the_self_lead_in_ingested_and_computed_fresh_is_the_same_kv(etcd, cluster_name, tmp_path):
+    """``blend.lead_in: self`` (a document's KV after the base and a copy of itself), two ways to the same KV:
+    engine A ingests each document (``segments.ingest_prompt``: base + document + document, computed plainly,
+    the second copy saved); engine B, on a mesh of its own, sees the documents first in a request that asks to
+    blend: nothing held, so every document is computed fresh, twice its length, in its blocks. Then both blend
+    the same documents in another order with nothing recomputed (fraction 0): the answers are the canonical KV
+    alone, and they are the same (greedy tokens, logprobs within fp32 noise)."""
+    from lmcache_p2p.segments import ingest_prompt
+
+    model = trained_model_path()
+    texts = held_out_prompts(model, 5, 513)
+    base = texts[0][:256]
+    docs = [t[1:] for t in texts[1:4]]
+    question = texts[4][1:49]
+    self_lead = {"LMCACHE_P2P_BLEND_LEAD_IN": "self"}
+    cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints,
+                               recompute_when_faster=False)
+    cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name + "-b",
+                               endpoints=etcd.endpoints, recompute_when_faster=False)
+    a = EngineProcess(model, cfg_a, name="engine-a", log_path=tmp_path / "a.log", dtype=DTYPE, env=self_lead)
+    b = EngineProcess(model, cfg_b, name="engine-b", log_path=tmp_path / "b.log", dtype=DTYPE, env=self_lead)
+    claim = 256 + 3 * 512
+    try:
+        a.wait_ready()
+        b.wait_ready()
+
+        def ask(engine: EngineProcess, order: tuple[int, ...]) -> dict:
+            prompt, spans = rag_prompt(base, docs, order, question)
+            return engine.score([prompt], max_tokens=ANSWER, kv_transfer_params={
+                "lmcache_p2p_segments": spans, "lmcache_p2p_blend": True, "lmcache_p2p_recompute_fraction": 0.0})[0]
+
+        for doc in docs:  # ingested: computed plainly, nothing asked to blend
+            prompt, spans = ingest_prompt(base, doc)
+            a.request("generate", [prompt], max_tokens=1, kv_transfer_params={"lmcache_p2p_segments": spans})
+        # each ingestion's prefix chain (the base's chunk shared, 4 more each) and its document's 2 segment chunks
+        assert wait_registered(cfg_a, "engine-a", 1 + 3 * 4 + 3 * 2) >= 1 + 3 * 4 + 3 * 2
+        on_a = ask(a, (1, 2, 0))
+        assert on_a["num_cached_tokens"] == claim  # every document held by A (ingested), nothing computed fresh
+        a_metrics = scrape(node_records(cfg_a)["engine-a"].metrics_url)
+        assert a_metrics.get('lmcache_p2p_blend_tokens_total{kind="fresh"}', 0) == 0
+
+        first_sight = ask(b, (0, 1, 2))  # nothing held anywhere on B's mesh: every document fresh
+        assert first_sight["num_cached_tokens"] == claim
+        b_metrics = scrape(node_records(cfg_b)["engine-b"].metrics_url)
+        assert b_metrics['lmcache_p2p_blend_tokens_total{kind="fresh"}'] == 3 * 512
+        on_b = ask(b, (1, 2, 0))
+        assert on_b["num_cached_tokens"] == claim
+        b_metrics = scrape(node_records(cfg_b)["engine-b"].metrics_url)
+        assert b_metrics['lmcache_p2p_blend_tokens_total{kind="fresh"}'] == 3 * 512  # held now: none fresh
+        assert on_b["tokens"] == on_a["tokens"]
+        drift = max(abs(x - y) for x, y in zip(on_b["logprobs"], on_a["logprobs"], strict=True))
+        assert drift < 0.02, (on_a["logprobs"], on_b["logprobs"])
     finally:
         for engine in (a, b):
             engine.stop()

@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Any
 
 from ..index.etcd_server import EtcdServer
+from ..keys import LEAD_INS
 from ..request_params import SELECTIONS
-from ..segments import KV_ERROR_ENV
+from ..segments import KV_ERROR_ENV, ingest_prompt
 from ..testing.engine_client import EngineProcess
 from ..testing.instruct_model import instruct_model_path
 from ..testing.trained_model import held_out_prompts, trained_model_path
@@ -101,7 +102,8 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
         try:
             for name in ("blend-a", "blend-b"):
                 # room for every prompt's chunks (the real model's are 5.6 MiB): nothing measured is evicted
-                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport, cpu_capacity="2GiB")
+                cfg = agent_config(work / f"{name}.yaml", name, etcd.endpoints, args.transport, cpu_capacity="2GiB",
+                                   blend={"lead_in": args.lead_in, "max_recompute_tokens": args.max_recompute_tokens})
                 env = {KV_ERROR_ENV: str(kv_file)} if name == "blend-b" and args.kv_error else None
                 engines.append(EngineProcess(model, cfg, name=name, log_path=work / f"{name}.log", dtype=args.dtype,
                                              prefix_caching=args.prefix_caching, env=env))
@@ -109,6 +111,12 @@ def measure(args: argparse.Namespace, work: Path, model: Path, warm: list[int],
             a, b = (e.wait_ready() for e in engines)
             for engine in (a, b):
                 ask(engine, warm, None)
+            if args.lead_in == "self":  # each document ingested once: its KV after the base and a copy of itself
+                documents = {tuple(p[s:e]): p[:spans[0][0]] for p, spans in on_a for s, e in spans}
+                progress("blend", f"engine A: {len(documents)} documents ingested (lead-in self)")
+                for doc, base in documents.items():
+                    ingest, ingest_spans = ingest_prompt(base, doc)
+                    ask(a, ingest, {"lmcache_p2p_segments": ingest_spans})
             progress("blend", f"engine A: {len(on_a)} prompts, documents declared")
             for prompt, spans in on_a:
                 ask(a, prompt, {"lmcache_p2p_segments": spans, "lmcache_p2p_blend": True})
@@ -291,6 +299,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--answer", type=int, default=32, help="tokens generated (greedy agreement)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.15, 0.0, 1.0],
                         help="recompute fractions measured (the first is the default under test)")
+    parser.add_argument("--lead-in", choices=LEAD_INS, default="none",
+                        help="blend.lead_in of both engines: what each document's KV is computed after, besides "
+                             "the base (with self, engine A first ingests each document: segments.ingest_prompt)")
+    parser.add_argument("--max-recompute-tokens", type=int, default=4096,
+                        help="blend.max_recompute_tokens of both engines (a blend over it is served prefix-only)")
     parser.add_argument("--selections", nargs="+", default=["first"], choices=list(SELECTIONS),
                         help="how the recompute's tokens are chosen (each fraction but 0 and 1 is run with each)")
     parser.add_argument("--prefix-caching", action="store_true",

@@ -8,8 +8,8 @@ Per prompt (engine B's prompt of ``bench blend --task facts``: the system prompt
     full        a prefill of the prompt (one run), then the question and a greedy answer of ``--answer``
                 tokens, each computed over the cache: the reference
     f=F SEL     the same blocks get the blended cache: the base exactly, each document's canonical KV
-                (computed after the base alone, once per document, as engine A saves it) at its position;
-                of each document ``ceil(F * tokens)`` are recomputed through the model, picked by SEL (the
+                (computed after the base and ``--lead-in``, once per document, as an engine saves it) at its
+                position; of each document ``ceil(F * tokens)`` are recomputed through the model, picked by SEL (the
                 worker's own ``blend.select``; "first": each document's first tokens); then the question
                 and the answer, as for ``full``
 
@@ -30,6 +30,7 @@ import statistics
 import time
 from typing import Any
 
+from ..keys import LEAD_INS
 from ..request_params import SELECTIONS
 from ..testing.instruct_model import instruct_model_path
 from .blend import paired
@@ -65,7 +66,7 @@ class Lab:
             raise RuntimeError(f"the cache holds {total} blocks; the bench needs {2 * per}")
         self.blocks = list(range(total - per, total))  # the prompt's
         self.scratch = list(range(total - 2 * per, total - per))  # the documents' canonical KV, computed
-        self.docs: dict[int, Any] = {}
+        self.docs: dict[tuple[int, str], Any] = {}
 
     def answer(self, tokens: list[int], end: int, steps: int, stop: int) -> tuple[Any, list[int]]:
         """The question (``tokens[end:]``) over the cache, then a greedy answer of up to ``steps`` tokens
@@ -84,16 +85,17 @@ class Lab:
             logp = model.compute_logits(hidden[-1:]).float().log_softmax(-1)[0]
         return first, out
 
-    def canonical(self, task: RagTask, doc: int) -> Any:
-        """Document ``doc``'s KV computed after the base alone (keys at position 0), once per document."""
-        if doc not in self.docs:
-            base = task.base
-            if not self.docs:
-                self.blender.recompute(base, [(0, len(base))], self.scratch)
-            self.docs[doc] = self.blender.isolated(base + task.doc_tokens[doc], len(base), self.scratch)
-        return self.docs[doc]
+    def canonical(self, task: RagTask, doc: int, lead_in: str) -> Any:
+        """Document ``doc``'s KV computed after the base alone ("none") or after the base and a copy of itself
+        ("self"), keys at position 0, once per document (``keys.LEAD_INS``)."""
+        if (doc, lead_in) not in self.docs:
+            context = task.base + (task.doc_tokens[doc] if lead_in == "self" else [])
+            self.blender.recompute(context, [(0, len(context))], self.scratch)
+            self.docs[doc, lead_in] = self.blender.isolated(context + task.doc_tokens[doc], len(context),
+                                                            self.scratch)
+        return self.docs[doc, lead_in]
 
-    def blend(self, task: RagTask, prompt: RagPrompt, fraction: float, selection: str) -> float:
+    def blend(self, task: RagTask, prompt: RagPrompt, fraction: float, selection: str, lead_in: str) -> float:
         """The blended cache of ``prompt``'s documents in the prompt's blocks, ``fraction`` of each recomputed
         as ``selection`` picks; returns the seconds of model work (placement, selection, recompute)."""
         from ..integrations.vllm.blend import select
@@ -101,7 +103,7 @@ class Lab:
 
         spans = [(s, e) for s, e in prompt.spans]
         docs = [task.doc_tokens.index(prompt.tokens[s:e]) for s, e in spans]
-        kvs = [self.canonical(task, d) for d in docs]
+        kvs = [self.canonical(task, d, lead_in) for d in docs]
         end, tokens = spans[-1][1], prompt.tokens
         started = time.perf_counter()
         for kv, (s, _) in zip(kvs, spans, strict=True):
@@ -132,9 +134,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if stop is None:
         raise SystemExit(f"{model}: its tokenizer has no <|im_end|> (the task's prompts are ChatML)")
     lab = Lab(str(model), args.dtype)
-    modes = args.modes or [(f, sel) for f in args.fractions for sel in args.selections
-                           if not (f in (0, 1) and sel != args.selections[0])]
-    names = [f"f={f:g}" if f in (0, 1) else f"f={f:g} {sel}" for f, sel in modes]
+    modes = [(f, sel, lead or args.lead_in) for f, sel, lead in args.modes] if args.modes else [
+        (f, sel, args.lead_in) for f in args.fractions for sel in args.selections
+        if not (f in (0, 1) and sel != args.selections[0])]
+    names = [(f"f={f:g}" if f in (0, 1) else f"f={f:g} {sel}") + ("" if lead == args.lead_in else f" lead-in {lead}")
+             for f, sel, lead in modes]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ["full", *names]}
     for i, prompt in enumerate(prompts):
         tokens, end = prompt.tokens, prompt.spans[-1][1]
@@ -144,8 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         reference, reply = lab.answer(tokens, end, args.answer, stop)
         want = tokenizer.encode(" " + prompt.question.answers[0], add_special_tokens=False).ids[0]
         rows["full"].append(_row(prompt, tokenizer, reply, stop, work, reference, reference, want))
-        for name, (fraction, selection) in zip(names, modes, strict=True):
-            work = lab.blend(task, prompt, fraction, selection)
+        for name, (fraction, selection, lead_in) in zip(names, modes, strict=True):
+            work = lab.blend(task, prompt, fraction, selection, lead_in)
             logp, reply = lab.answer(tokens, end, args.answer, stop)
             rows[name].append(_row(prompt, tokenizer, reply, stop, work, logp, reference, want))
         progress("selection", f"prompt {i + 1}/{len(prompts)}: "
@@ -183,12 +187,15 @@ def report(args: argparse.Namespace, model: str, rows: dict[str, list[dict[str, 
     return out
 
 
-def _mode(text: str) -> tuple[float, str]:
-    selection, _, fraction = text.rpartition(":")
-    if selection not in SELECTIONS:
+def _mode(text: str) -> tuple[float, str, str | None]:
+    selection, *rest = text.split(":")
+    if selection not in SELECTIONS or not rest:
         raise argparse.ArgumentTypeError(f"{text!r}: the selection is one of {', '.join(SELECTIONS)}")
+    fraction, *lead = rest
+    if len(lead) > 1 or (lead and lead[0] not in LEAD_INS):
+        raise argparse.ArgumentTypeError(f"{text!r}: the lead-in is one of {', '.join(LEAD_INS)}")
     try:
-        return float(fraction), selection
+        return float(fraction), selection, lead[0] if lead else None
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: the fraction is a number") from None
 
@@ -203,16 +210,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.3, 0.0, 1.0],
                         help="recompute fractions (0 and 1 run once, with the first selection)")
     parser.add_argument("--selections", nargs="+", default=["question"], choices=list(SELECTIONS))
-    parser.add_argument("--modes", nargs="+", type=_mode, metavar="SELECTION:FRACTION",
+    parser.add_argument("--modes", nargs="+", type=_mode, metavar="SELECTION:FRACTION[:LEAD_IN]",
                         help="the modes to run, instead of every fraction with every selection "
-                             "(e.g. question-heads:0.3 deviation:0.3)")
+                             "(e.g. question-heads:0.3 deviation:0.3 question-heads:0.3:self)")
+    parser.add_argument("--lead-in", choices=LEAD_INS, default="none",
+                        help="what each document's canonical KV is computed after, beside the base (as "
+                             "blend.lead_in): nothing, or a copy of itself")
     parser.add_argument("--seed", type=int, default=0)
     add_engine_arguments(parser, dtype="float32", transport=False,
                          model="model directory (default: SmolLM2-135M-Instruct, built from PyPI once per machine)")
     args = parser.parse_args(argv)
     if not 2 <= args.pick <= args.docs or args.prompts < 1:
         parser.error("need 2 <= --pick <= --docs and --prompts >= 1")
-    if any(not 0 <= f <= 1 for f in args.fractions + [f for f, _ in args.modes or []]):
+    if any(not 0 <= f <= 1 for f in args.fractions + [f for f, _, _ in args.modes or []]):
         parser.error("every fraction (--fractions, --modes) must be in [0, 1]")
     emit(run(args), args.json, "bench selection (blends on one engine, in-process, against a full prefill)")
     return 0

@@ -129,11 +129,13 @@ def bench_prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 
 def agent_config(path: Path, node: str, endpoints: tuple[str, ...], transport: str,
-                 cluster: str = "bench-vllm", cpu_capacity: str = "512MiB") -> Path:
+                 cluster: str = "bench-vllm", cpu_capacity: str = "512MiB",
+                 blend: dict[str, Any] | None = None) -> Path:
     path.write_text(yaml.safe_dump({
         "node_id": node, "cluster": cluster, "metrics_port": 0, "tiers": {"cpu_capacity": cpu_capacity},
         "etcd": {"endpoints": list(endpoints)},
         "transfer": {"transports": [transport], "secret": SECRET},
+        **({"blend": blend} if blend else {}),
     }))
     return path
 

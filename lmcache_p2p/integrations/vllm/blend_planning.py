@@ -78,7 +78,7 @@ class BlendPlanning:
         spans = params.segments  # malformed: refused, prefix reuse only
         if spans is None or identity[1] or getattr(request, "lora_request", None) is not None:
             return None
-        return segment_chunks(identity[0], prompt, list(spans), self._chunk)
+        return segment_chunks(identity[0], prompt, list(spans), self._chunk, self._config.lead_in)
 
     def plan(self, req_id: str, params: RequestParams, segments: list[SegmentChunks] | None, prompt_len: int,
              exact_end: int, held: Callable[[list[bytes]], bool]) -> tuple[BlendPlan | None, bool]:
@@ -96,7 +96,8 @@ class BlendPlanning:
             return None, self._config.enabled
         fraction = params.fraction if params.fraction is not None else self._config.recompute_fraction
         selection = params.selection if params.selection is not None else self._config.selection
-        plan = plan_blend(segments, exact_end, prompt_len, held, fraction, selection, self._num_layers)
+        plan = plan_blend(segments, exact_end, prompt_len, held, fraction, selection, self._num_layers,
+                          self._config.lead_in)
         if plan is not None and plan.cost_tokens > self._limit:
             log.info("request %s: its blend would run %d tokens through the model (recompute %d, fresh segments %d, "
                      "selection pass %d), over blend.max_recompute_tokens or the step's budget (%d): served "

@@ -46,10 +46,10 @@ class SavePlanning:
             save.canary = record.canary
             if save.keys:
                 meta.saves.append(save)
-            if record.save_segments:  # only the first: computed right after the base (the others are
-                # computed after documents this client chose; a blend computes them fresh)
-                meta.segment_saves.append(SegmentSave(req_id, record.save_segments[:1], list(record.block_ids)))
-                admission.remember_saved(ChunkKey(k) for k in record.save_segments[0].keys)
+            if record.save_segments:  # those computed as their keys promise (segments.canonical_in_context):
+                # the others are computed after documents this client chose; a blend computes them fresh
+                meta.segment_saves.append(SegmentSave(req_id, record.save_segments, list(record.block_ids)))
+                admission.remember_saved(ChunkKey(k) for seg in record.save_segments for k in seg.keys)
             record.prompt_saved, record.full_chunks_saved = True, len(record.prompt) // self._chunk
         # With asynchronous scheduling the newest sampled token may still be a placeholder: save
         # only chunks whose every token is known (a later step saves the rest).

@@ -57,7 +57,7 @@ class Saves:
             intake.commit(res, ChunkKey(key), ntok, nbytes)
 
     def save_segments(self, t: SegmentSave) -> None:
-        """The declared segments a request computed right after its base (``scheduler.py``: its first),
+        """The declared segments a request computed as their keys promise (``segments.canonical_in_context``),
         from its blocks, keys turned to the segment's position 0 (``blend.py``)."""
         blender = self.blender
         if blender is None:

@@ -67,7 +67,7 @@ from ...keys import (
 from ...peers import compatible
 from ...plan import miss_reason
 from ...request_params import CANARY_PARAM, REVISION_PARAM, RequestParams
-from ...segments import BlendPlan, SegmentChunks, reads_question
+from ...segments import BlendPlan, SegmentChunks, canonical_in_context, reads_question
 from ...transfers import BlendTransfer, ChunkTransfer, chunk_transfer
 from ..freshness import Freshness
 from .admission import Admission
@@ -363,7 +363,8 @@ class P2PScheduler:
         blend, record.blend = record.blend, None
         record.save_segments = None
         if blend is None and not record.blended and self._blending.refusal is None:
-            record.save_segments = self._declared(request, record, prompt, identity)  # saved once computed
+            declared = self._declared(request, record, prompt, identity)  # those computed canonically: saved
+            record.save_segments = canonical_in_context(declared or [], prompt, self._config.blend.lead_in) or None
         if num_external_tokens > 0:
             start = local_hit
             end = start + num_external_tokens
@@ -382,7 +383,7 @@ class P2PScheduler:
                         [blend.end] + [seg.start + seg.length for seg in blend.segments if seg.fresh])], block_ids,
                     max(blend.exact_end, start), blend.end, blend.base_end, blend.select, sync=sync,
                     index_revision=revision, deadline=deadline, selection=blend.selection,
-                    question=prompt[blend.end:] if reads_question(blend.selection) else []))
+                    question=prompt[blend.end:] if reads_question(blend.selection) else [], lead_in=blend.lead_in))
                 self._admission.remember_saved(ChunkKey(k) for seg in blend.segments if seg.fresh for k in seg.keys)
                 record.blended = True
             else:

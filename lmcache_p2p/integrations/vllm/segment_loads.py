@@ -3,7 +3,7 @@ cached at other positions, blended into its blocks.
 
 A blend runs in two parts: *gather* (the exact prefix into place, held segment chunks pulled or pinned
 and decoded: the load thread for a pulled blend) and *place* (the forward thread, which owns the model):
-fresh segments computed after the base alone and saved, every segment written at its position, the
+fresh segments computed after the base (and their lead-in) and saved, every segment written at its position, the
 recompute. Nothing of the segment region is written before *place*: a fresh segment's computation uses
 the region's blocks as scratch. Whatever fails goes back to vLLM by block id, never less than the blend
 was to fill.
@@ -22,7 +22,7 @@ import torch
 
 from ...aio import remaining
 from ...keys import ChunkKey
-from ...segments import KV_ERROR_ENV, SegmentChunks, merge_runs, selection_pass, subtract_runs
+from ...segments import KV_ERROR_ENV, SegmentChunks, fresh_cost, merge_runs, selection_pass, subtract_runs
 from ...transfers import BlendTransfer, blocks_from
 from .blend import Blender, select
 from .exact_loads import ExactLoads
@@ -89,7 +89,7 @@ class SegmentLoads:
         nested forward outside vLLM's step budget, stalling every other request's decode for that long;
         refused, vLLM computes the prompt itself, chunked into its steps."""
         layers = self.blender.num_layers if t.select and self.blender is not None else 0
-        tokens = (sum(e - s for s, e in t.recompute) + t.select + sum(seg.length for seg in t.segments if seg.fresh)
+        tokens = (sum(e - s for s, e in t.recompute) + t.select + fresh_cost(t.segments, t.lead_in)
                   + selection_pass(t.selection, t.select, t.segments, t.end - t.exact_end, len(t.question),
                                    t.recompute, layers))
         expected = self.parts.prefill.recompute_s(tokens)
@@ -175,10 +175,11 @@ class SegmentLoads:
 
     def _fresh(self, t: BlendTransfer, fresh: list[SegmentChunks]) -> tuple[list[tuple[torch.Tensor, int, int]],
                                                                                list[tuple[int, int]]]:
-        """Compute each fresh segment after the base alone, in the blend region's own blocks (scratch:
-        the base's KV copied to its start), save it under its keys and return it to be placed; a
-        segment the scratch can't hold (or whose last token the request does not give) is recomputed
-        in place instead (returned as a run) and not saved."""
+        """Compute each fresh segment after the base and its lead-in (``t.lead_in``: "self", a copy of the
+        segment; "none", nothing), in the blend region's own blocks (scratch: the base's KV copied to its
+        start), save it under its keys and return it to be placed; a segment the scratch can't hold (or whose
+        last token the request does not give) is recomputed in place instead (returned as a run) and not
+        saved."""
         assert self.blender is not None
         blender, bs, base = self.blender, self.block_size, t.base_end
         # blocks wholly inside the region and past the base (which the fresh computations read)
@@ -188,15 +189,20 @@ class SegmentLoads:
         copied = False
         for seg in fresh:
             lo, hi = seg.start + seg.skip, min(seg.end, t.end)
-            if -(-(base + seg.length) // bs) > len(scratch) or len(t.token_ids) < seg.start + seg.length:
-                log.info("request %s: a fresh segment at %d is computed in this context only (no scratch for it); "
-                         "not saved", t.req_id, seg.start)
+            tokens = t.token_ids[seg.start: seg.start + seg.length]
+            lead = tokens if t.lead_in == "self" else []
+            if -(-(base + len(lead) + seg.length) // bs) > len(scratch) or len(t.token_ids) < seg.start + seg.length:
+                log.info("request %s: a fresh segment at %d is computed in this context only (no scratch for it "
+                         "and its lead-in); not saved", t.req_id, seg.start)
                 unplaced.append((lo, hi))
                 continue
             if not copied:
                 blender.write(blender.read(t.block_ids, 0, base, 0), scratch, 0, 0)
                 copied = True
-            kv = blender.isolated(t.token_ids[:base] + t.token_ids[seg.start: seg.start + seg.length], base, scratch)
+            context = t.token_ids[:base] + lead
+            if lead:  # the lead-in after the base, then the segment after both
+                blender.recompute(context, [(base, len(context))], scratch)
+            kv = blender.isolated(context + tokens, len(context), scratch)
             self.saves.store_segment(t.req_id, seg, _slicer(kv))
             pieces.append((kv[:, :, lo - seg.start: hi - seg.start], lo, seg.start))
         if pieces:
