@@ -1,5 +1,4 @@
-"""``lmcache-p2p bench transfer`` runs every transport against its baseline in paired rounds, and
-``bench selection`` takes the modes (selection, fraction, lead-in) it is asked for."""
+"""``lmcache-p2p bench transfer`` runs every transport against its baseline in paired rounds."""
 
 from __future__ import annotations
 
@@ -7,9 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from lmcache_p2p.bench import selection
 from lmcache_p2p.transfer.nixl_engine import nixl_available
 
 
@@ -28,17 +24,3 @@ def test_bench_transfer_pairs_every_path_with_its_baseline() -> None:
     if summary["nixl"]:
         assert w["nixl_gbps"] > 0 and w["raw_nixl_gbps"] > 0 and w["nixl_mac_gbps"] > 0
         assert w["nixl_vs_raw"] > 0 and w["nixl_mac_vs_nixl"] > 0
-
-
-def test_bench_selection_modes_name_a_selection_and_a_fraction(capsys) -> None:
-    assert selection._mode("question-heads:0.35") == (0.35, "question-heads", None)
-    assert selection._mode("deviation:1:self") == (1.0, "deviation", "self")
-    for bad, why in (("heads:0.3", "the selection is one of"), ("deviation:x", "the fraction is a number"),
-                     ("0.3", "the selection is one of"), ("deviation:0.3:sheet", "the lead-in is one of"),
-                     ("deviation:0.3:self:self", "the lead-in is one of")):
-        with pytest.raises(SystemExit):
-            selection.main(["--modes", bad])
-        assert why in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        selection.main(["--modes", "deviation:1.5"])
-    assert "every fraction (--fractions, --modes) must be in [0, 1]" in capsys.readouterr().err
