@@ -279,10 +279,12 @@ async def silent_for(conn: Connection, requests: Sequence[_Request], deadline: f
     wait = silence_allowed(conn.ack_timeout(), deadline - sent, silence_s)
     if wait is None or wait >= remaining(deadline):
         return 0.0
-    _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()))
-    if unheard:
+    # One request heard from is enough: the owner is serving (what it still owes is the answers' wait)
+    _, unheard = await asyncio.wait([r.heard for r in requests], timeout=max(0.0, sent + wait - time.monotonic()),
+                                    return_when=asyncio.FIRST_COMPLETED)
+    if len(unheard) == len(requests):
         await reads_settled()
-    if conn.last_progress >= sent or all(r.heard.done() for r in requests):
+    if conn.last_progress >= sent or any(r.heard.done() for r in requests):
         return 0.0
     return conn.silenced() - sent
 

@@ -15,8 +15,10 @@ the slot's bytes, the pin request id and index its nonce, as the TCP transport d
 pinned answer; the requester checks it over the bytes its READ brought in, so nothing on the
 fabric's path can change a chunk unnoticed. It costs the owner one GMAC pass per chunk served.
 
-Verification overlaps the READ: each landed group (~16 MiB) is checked on a verifier thread while
-the next one is read; the last group, which nothing overlaps, is split across both verifier threads.
+The READ runs on the engine's agent thread (``nixl_engine.py``), so the loop overlaps it: each landed
+group (~16 MiB) is checked on a verifier thread and its chunks committed while the next one is read, and
+the next pin batch is staged while this one is read; the last group, which nothing overlaps, is split
+across both verifier threads.
 """
 
 from __future__ import annotations
@@ -79,13 +81,14 @@ class NixlTransport(GuardedTransport):
         conn = await self._pool.get(peer, fp, remaining(deadline))
         if conn.nixl is None:
             raise TransferError(f"{peer} does not serve NIXL")
-        remote = self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
+        remote = await self.engine.add_remote(wire.field(conn.nixl, "md", bytes))
         self._remote_of[peer] = remote
         result.setup_s = time.perf_counter() - t0
-        # Every pin request goes out at once: the owner answers batch k+1 while batch k is read.
+        # Every pin request goes out at once: the owner answers batch k+1 while batch k is read, and each
+        # batch is staged while the one before it is read (the READs queue on the agent thread).
         batches = _pin_batches(keys, batch_size(self._pool.max_frame_bytes))
         requests = [conn.start_pin(batch) for batch in batches]
-        finishing: list[asyncio.Task[None]] = []
+        reading: list[asyncio.Task[asyncio.Task[None]]] = []
         try:
             silent_s = await silent_for(conn, requests, deadline, silence_s)
             if silent_s:  # an owner that acknowledges pins sent nothing: not serving (stopped, unreachable)
@@ -95,35 +98,50 @@ class NixlTransport(GuardedTransport):
                     answer = await asyncio.wait_for(request.future, remaining(deadline))
                 except TimeoutError as exc:
                     raise PeerTimeout(f"{conn.peer}: no pin answer before the deadline") from exc
-                finishing.append(await self._read_batch(conn, remote, fp, batch, answer, dst, result, deadline))
+                reading.append(asyncio.create_task(
+                    self._read_batch(conn, remote, fp, batch, answer, dst, result, deadline)))
+                await asyncio.sleep(0)  # let it stage its batch and queue its READ before the next answer
+            for task in reading:
+                await task  # the first failure ends the pull (the other batches' READs are abandoned below)
         finally:
             for request in requests:
                 if not request.future.done():
                     conn.abandon(request)  # its pins, if granted, expire on the owner
+            for task in reading:
+                task.cancel()  # a no-op for those done
+            finishing = [t.result() for t in await _settled(reading)]
             await asyncio.gather(*finishing)
 
     async def _read_batch(self, conn: Connection, remote: str, fp: FingerprintDigest, keys: Sequence[Want],
                           answer: wire.Message, dst: CpuPool, result: PullResult,
                           deadline: float) -> asyncio.Task[None]:
-        """READ one pinned batch; returns the task that verifies and commits it (off the loop)."""
+        """READ one pinned batch, each group checked (off the loop) and committed as it lands; returns the task
+        that waits for the last checks."""
         loop = asyncio.get_running_loop()
         lease, rid = wire.field(answer, "lease", int), wire.field(answer, "id", int)
-        staged: list[tuple[ChunkHeader, Reservation, int]] = []
-        store_as: list[ChunkKey | None] = []
-        macs: list[_Mac | None] = []
+        staged: list[_Staged] = []
         checks: list[asyncio.Future[list[MissReason | None]]] = []
         held: dict[int, asyncio.Future[str]] = {}  # staged index -> the abandoned READ that may still write it
 
         def quarantine(group: range, landed: asyncio.Future[str]) -> None:
             held.update(dict.fromkeys(group, landed))
 
+        def deliver(part: range, verdicts: asyncio.Future[list[MissReason | None]]) -> None:
+            if verdicts.cancelled() or verdicts.exception() is not None:
+                return  # their slots go back unused (below, or in _finish)
+            for i, why in zip(part, verdicts.result(), strict=True):
+                if not staged[i].settled:
+                    staged[i].settled = True
+                    self._deliver(staged[i], why, dst, result)
+
         def check(group: range) -> None:
             # The last group overlaps nothing: both verifier threads share it.
             half = len(group) // 2
             parts = [group] if group.stop < len(staged) or half == 0 else [group[:half], group[half:]]
             for part in parts:
-                items = [(staged[i][0], staged[i][1].view, macs[i]) for i in part]
+                items = [(staged[i].header, staged[i].reservation.view, staged[i].mac) for i in part]
                 checks.append(loop.run_in_executor(self._verifier, _verify_all, items))
+                checks[-1].add_done_callback(functools.partial(deliver, part))
 
         try:
             for i, (want, item) in enumerate(zip(keys, self._items(answer, len(keys)), strict=True)):
@@ -135,45 +153,51 @@ class NixlTransport(GuardedTransport):
                     result.missed[want.key] = MissReason.CAPACITY
                     continue
                 try:
-                    staged.append((header, dst.reserve(), address))
-                    store_as.append(want.store_as)
-                    macs.append(None if conn.mac_key is None else _Mac(conn.mac_key, rid, i, header.pack(), mac))
+                    staged.append(_Staged(header, dst.reserve(), address, want.store_as,
+                                          None if conn.mac_key is None else
+                                          _Mac(conn.mac_key, rid, i, header.pack(), mac)))
                 except TierError:
                     result.missed[want.key] = MissReason.CAPACITY
             await self.engine.read(
                 remote,
-                [dst.slot_address(r.slot) for _, r, _ in staged],
-                [a for _, _, a in staged],
-                [h.length for h, _, _ in staged],
+                [dst.slot_address(s.reservation.slot) for s in staged],
+                [s.address for s in staged],
+                [s.header.length for s in staged],
                 deadline,
                 quarantine=quarantine,
                 on_group=check,
             )
-        except BaseException:  # a deadline, a failure, our cancellation: nothing of this batch is committed
-            for i, (_, reservation, _) in enumerate(staged):
-                landed = held.get(i)
-                if landed is None:
-                    dst.release(reservation)
-                else:  # no late writes: held until NIXL says the READ is over
-                    landed.add_done_callback(functools.partial(_release_after, dst, reservation))
-            await asyncio.gather(*checks, return_exceptions=True)  # their verdicts are not used
+        except BaseException:  # a deadline, a failure, our cancellation: only the groups that landed are committed
+            try:
+                await asyncio.gather(*checks, return_exceptions=True)
+            finally:
+                for i, s in enumerate(staged):
+                    if s.settled:
+                        continue
+                    s.settled = True
+                    landed = held.get(i)
+                    if landed is None:
+                        dst.release(s.reservation)
+                    else:  # no late writes: held until NIXL says the READ is over
+                        landed.add_done_callback(functools.partial(_release_after, dst, s.reservation))
             raise
         finally:
             with contextlib.suppress(TransferError):
                 conn.send({"t": "release", "lease": lease})
-        return loop.create_task(self._finish(staged, store_as, checks, dst, result))
+        return loop.create_task(self._finish(staged, checks, dst))
 
-    async def _finish(self, staged: list[tuple[ChunkHeader, Reservation, int]], store_as: list[ChunkKey | None],
-                      checks: list[asyncio.Future[list[MissReason | None]]], dst: CpuPool,
-                      result: PullResult) -> None:
+    @staticmethod
+    async def _finish(staged: list[_Staged], checks: list[asyncio.Future[list[MissReason | None]]],
+                      dst: CpuPool) -> None:
+        """Wait for the batch's last checks (each commits its part as it ends); a slot whose check failed or
+        was cancelled goes back unused (the READ is over)."""
         try:
-            verdicts = [why for part in await asyncio.gather(*checks) for why in part]  # parts are in order
-        except BaseException:  # cancelled: the READ is over, so the slots go back unused
-            for _, reservation, _ in staged:
-                dst.release(reservation)
-            raise
-        for (header, reservation, _), as_key, why in zip(staged, store_as, verdicts, strict=True):
-            self._deliver(header, reservation, why, dst, result, as_key)
+            await asyncio.gather(*checks)
+        finally:
+            for s in staged:
+                if not s.settled:
+                    s.settled = True
+                    dst.release(s.reservation)
 
     @staticmethod
     def _items(answer: wire.Message, n: int) -> list[object]:
@@ -196,15 +220,16 @@ class NixlTransport(GuardedTransport):
         return header, item[1], item[2] if len(item) == 3 and want_mac else None
 
     @staticmethod
-    def _deliver(header: ChunkHeader, reservation: Reservation, why: MissReason | None, dst: CpuPool,
-                 result: PullResult, store_as: ChunkKey | None = None) -> None:
+    def _deliver(staged: _Staged, why: MissReason | None, dst: CpuPool, result: PullResult) -> None:
+        header, reservation = staged.header, staged.reservation
         if why is not None:
             dst.release(reservation)
             result.missed[header.key] = why
             log.warning("%s: chunk %s failed its %s; not committed", result.peer, header.key.hex(),
                         "session MAC" if why is MissReason.MAC else "checksum")
             return
-        if not dst.commit(reservation, header if store_as is None else dataclasses.replace(header, key=store_as)):
+        as_key = staged.store_as
+        if not dst.commit(reservation, header if as_key is None else dataclasses.replace(header, key=as_key)):
             result.missed[header.key] = MissReason.INVALIDATED
             return
         result.loaded[header.key] = header
@@ -219,6 +244,12 @@ class NixlTransport(GuardedTransport):
     async def close(self) -> None:
         await self._pool.close()
         self._verifier.shutdown(wait=True)
+
+
+async def _settled(tasks: list[asyncio.Task[asyncio.Task[None]]]) -> list[asyncio.Task[asyncio.Task[None]]]:
+    """Wait for every task to end; those that ended with a result."""
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return [t for t in tasks if not t.cancelled() and t.exception() is None]
 
 
 def _pin_batches(keys: Sequence[Want], limit: int) -> list[Sequence[Want]]:
@@ -237,6 +268,19 @@ class _Mac:
     index: int
     header: bytes
     claimed: object
+
+
+@dataclasses.dataclass(slots=True)
+class _Staged:
+    """A chunk of a pinned batch: where it comes from, the slot it lands in, and whether that slot is settled
+    (committed or released: a slot is settled once)."""
+
+    header: ChunkHeader
+    reservation: Reservation
+    address: int  # in the owner's registered pool
+    store_as: ChunkKey | None
+    mac: _Mac | None
+    settled: bool = False
 
 
 def _verify_all(items: list[tuple[ChunkHeader, memoryview, _Mac | None]]) -> list[MissReason | None]:
