@@ -128,3 +128,29 @@ def test_a_read_that_cannot_be_prepared_fails_and_leaves_the_engine_working(side
         result = side.loop.run(side.plain.pull(owner.peer, FP, keys, side.pool, time.monotonic() + 10.0), 20)
         assert result.complete
         assert_exact(side.pool, 72, 4)
+
+
+def test_a_closed_engine_refuses_reads_and_a_pull_through_it_misses() -> None:
+    loop = LoopThread("closed-engine")
+    pool = CpuPool(SIZE * 4, SIZE)
+    try:
+        engine: NixlEngine = loop.run(_make_engine(pool), 30)
+        client = NixlTransport(engine, SECRET.encode(), 5.0)
+        with OwnerProcess(SECRET, FP, 2, SIZE, seed=73, transports="tcp,nixl", node_id="owner-73") as owner:
+            keys = [owner.key(i) for i in range(2)]
+            assert loop.run(client.pull(owner.peer, FP, keys, pool, time.monotonic() + 10.0), 20).complete
+            for key in keys:
+                pool.remove(key)
+            loop.run(engine.close(), 10)
+            with pytest.raises(TransferError, match="closed"):
+                loop.run(engine.read("anyone", [pool.base_address], [0], [SIZE], time.monotonic() + 5.0), 10)
+            result = loop.run(client.pull(owner.peer, FP, keys, pool, time.monotonic() + 5.0), 10)
+            assert not result.loaded and set(result.missed) == set(keys)
+            assert pool.free_slots == pool.num_slots  # nothing reserved was kept
+            loop.run(client.close(), 10)
+    finally:
+        loop.stop()
+
+
+async def _make_engine(pool: CpuPool) -> NixlEngine:
+    return NixlEngine(f"closed-engine-{os.getpid()}", pool)

@@ -27,6 +27,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -139,14 +140,20 @@ class NixlEngine:
         for name, md in self._remotes.items():
             if md == metadata:
                 return name
+        if self._closed:
+            raise TransferError("NIXL engine is closed")
         loading = self._loading.get(metadata)
         if loading is None:
             loading = self._loading[metadata] = self._call(self._load_remote, metadata, set(self._remotes))
-            loading.add_done_callback(lambda _: self._loading.pop(metadata, None))
+            loading.add_done_callback(functools.partial(self._loaded, metadata))
         with _nixl_errors("remote metadata load"):
-            name = await asyncio.shield(loading)
-        self._remotes[name] = metadata
-        return name
+            return await asyncio.shield(loading)
+
+    def _loaded(self, metadata: bytes, loading: asyncio.Future[str]) -> None:
+        """A load ended: its name is recorded even if every pull that waited for it was cancelled."""
+        self._loading.pop(metadata, None)
+        if not loading.cancelled() and loading.exception() is None:
+            self._remotes[loading.result()] = metadata
 
     def _load_remote(self, metadata: bytes, known: set[str]) -> str:
         name = self._agent.add_remote_agent(metadata)
@@ -198,6 +205,8 @@ class NixlEngine:
         """
         if not lengths:
             return
+        if self._closed:
+            raise TransferError("NIXL engine is closed")
         loop = asyncio.get_running_loop()
         groups = list(_groups(lengths, group_bytes))
         reports: list[asyncio.Future[_Post]] = [loop.create_future() for _ in groups]
@@ -217,6 +226,8 @@ class NixlEngine:
                 if resume:
                     dlists = prepared.result()
                     assert dlists is not None  # a group of them was posted
+                    if self._closed:
+                        raise TransferError("NIXL engine closed during a READ")
                     reports[k + 1 :] = [loop.create_future() for _ in groups[k + 1 :]]
                     self._thread.submit(self._post_groups, dlists, groups, k + 1, list(reports), stop, deadline, loop)
                 if on_group is not None:
@@ -271,6 +282,15 @@ class NixlEngine:
         Every report in ``reports`` (this job's own list) is settled: a post that does not complete at once
         ends the job, the groups after it reported not posted (after one in progress the loop posts them in
         a new job once it ended)."""
+        try:
+            self._post_each(dlists, groups, start, reports, stop, deadline, loop)
+        finally:  # whatever ended the job, no report is left unsettled (settling is first come, first kept)
+            for report in reports[start:]:
+                loop.call_soon_threadsafe(_settle, report, _Post())
+
+    def _post_each(self, dlists: tuple[Any, Any], groups: list[range], start: int,
+                   reports: list[asyncio.Future[_Post]], stop: threading.Event, deadline: float,
+                   loop: asyncio.AbstractEventLoop) -> None:
         local, far = dlists
         for k in range(start, len(groups)):
             post = _Post()
@@ -379,12 +399,16 @@ class NixlEngine:
 
     def _read_once(self, remote: str, local: list[tuple[int, int, int]], far: list[tuple[int, int, int]]) -> str:
         dlists = self._prepare(remote, local, far)
-        idx = list(range(len(local)))
-        handle = self._agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx)
-        state, until = self._agent.transfer(handle), time.monotonic() + 30.0
-        while state == "PROC" and time.monotonic() < until:
-            state = self._agent.check_xfer_state(handle)
-        self._release([handle, *dlists])
+        handle, state = None, "ERR"
+        try:
+            idx = list(range(len(local)))
+            handle = self._agent.make_prepped_xfer("READ", dlists[0], idx, dlists[1], idx)
+            state, until = self._agent.transfer(handle), time.monotonic() + 30.0
+            while state == "PROC" and time.monotonic() < until:
+                state = self._agent.check_xfer_state(handle)
+        finally:
+            if state != "PROC":  # one still in flight keeps its handle and lists (a benchmark's owner hung)
+                self._release([*([handle] if handle is not None else []), *dlists])
         return str(state)
 
     # -- target ------------------------------------------------------------------------------------
