@@ -269,8 +269,7 @@ class NixlEngine:
         except Exception as exc:  # reported as the first group's failure
             loop.call_soon_threadsafe(_settle, prepared, None)
             loop.call_soon_threadsafe(_settle, reports[0], _Post(error=exc))
-            for rest in reports[1:]:
-                loop.call_soon_threadsafe(_settle, rest, _Post())
+            _unposted(reports[1:], loop)
             return
         loop.call_soon_threadsafe(_settle, prepared, dlists)
         self._post_groups(dlists, groups, 0, reports, stop, deadline, loop)
@@ -279,37 +278,30 @@ class NixlEngine:
                      reports: list[asyncio.Future[_Post]], stop: threading.Event, deadline: float,
                      loop: asyncio.AbstractEventLoop) -> None:
         """On the agent thread: post ``groups[start:]`` one after another while each post completes at once.
-        Every report in ``reports`` (this job's own list) is settled: a post that does not complete at once
-        ends the job, the groups after it reported not posted (after one in progress the loop posts them in
-        a new job once it ended)."""
-        try:
-            self._post_each(dlists, groups, start, reports, stop, deadline, loop)
-        finally:  # whatever ended the job, no report is left unsettled (settling is first come, first kept)
-            for report in reports[start:]:
-                loop.call_soon_threadsafe(_settle, report, _Post())
-
-    def _post_each(self, dlists: tuple[Any, Any], groups: list[range], start: int,
-                   reports: list[asyncio.Future[_Post]], stop: threading.Event, deadline: float,
-                   loop: asyncio.AbstractEventLoop) -> None:
+        Every report in ``reports`` (this job's own list) is settled, whatever ends the job: a post that does
+        not complete at once ends it, the groups after it reported not posted (after one in progress the loop
+        posts them in a new job once it ended)."""
         local, far = dlists
-        for k in range(start, len(groups)):
-            post = _Post()
-            if not stop.is_set() and time.monotonic() <= deadline:
-                try:
-                    idx = list(groups[k])
-                    post.handle = self._agent.make_prepped_xfer("READ", local, idx, far, idx)
-                    post.state = self._agent.transfer(post.handle)
-                except Exception as exc:  # the bindings' own types: translated on the loop
-                    post.error = exc
-                    if post.handle is not None:
-                        self._quietly(post.handle.release)
-                        post.handle = None
-            if post.state != "DONE":  # in progress (the loop posts the rest after it), failed or not posted
-                for rest in reports[k + 1 :]:
-                    loop.call_soon_threadsafe(_settle, rest, _Post())
-            loop.call_soon_threadsafe(_settle, reports[k], post)
-            if post.state != "DONE":
-                return
+        try:
+            for k in range(start, len(groups)):
+                post = _Post()
+                if not stop.is_set() and time.monotonic() <= deadline:
+                    try:
+                        idx = list(groups[k])
+                        post.handle = self._agent.make_prepped_xfer("READ", local, idx, far, idx)
+                        post.state = self._agent.transfer(post.handle)
+                    except Exception as exc:  # the bindings' own types: translated on the loop
+                        post.error = exc
+                        if post.handle is not None:
+                            self._quietly(post.handle.release)
+                            post.handle = None
+                if post.state != "DONE":  # in progress (the loop posts the rest after it), failed or not posted
+                    _unposted(reports[k + 1 :], loop)
+                loop.call_soon_threadsafe(_settle, reports[k], post)
+                if post.state != "DONE":
+                    return
+        finally:  # an unexpected failure too leaves no report unsettled (settling is first come, first kept)
+            _unposted(reports[start:], loop)
 
     async def _landed(self, report: asyncio.Future[_Post], deadline: float, remote: str) -> _Post:
         """A group's post, once the agent thread made it (a post in progress counts)."""
@@ -444,6 +436,12 @@ class NixlEngine:
         self._thread.submit(self._quietly, self._agent.deregister_memory, self._reg)
         await asyncio.wrap_future(self._thread.submit(lambda: None))  # everything queued has run
         self._thread.shutdown(wait=False)
+
+
+def _unposted(reports: Sequence[asyncio.Future[_Post]], loop: asyncio.AbstractEventLoop) -> None:
+    """From the agent thread: these groups were not posted (a report already settled keeps its value)."""
+    for report in reports:
+        loop.call_soon_threadsafe(_settle, report, _Post())
 
 
 def _settle(future: asyncio.Future[T], value: T) -> None:
