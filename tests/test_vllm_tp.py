@@ -56,13 +56,15 @@ def share(src: EngineProcess, dst: EngineProcess, doc: list[int], ref_src: dict,
 
 def test_tp1_and_tp2_engines_share_chunks_both_ways(tiny_model, etcd, cluster_name, tmp_path):
     """Engine mode: eager (``enforce_eager``)."""
-    # Each engine's first pull from a rank it never measured gets the whole transfer timeout, not 1 s: on a
-    # loaded 2-core host a TP=2 rank's agent was once not scheduled for a second, and the test is about
-    # sharing across layouts, not about how fast a starved rank answers (a loaded run, stop 32).
+    # Each engine's first pull from a rank it never measured gets the whole transfer timeout (15 s), not 1 s,
+    # and so 5 s for the rank to answer its hello (a third of it): on a loaded 2-core host a TP=2 rank's agent
+    # was once not scheduled for a second (stop 32), and once did not read a hello for 1.7 s (CI of stop 62,
+    # beside the parallel lane, with 5 s). The test is about sharing across layouts, not about how fast a
+    # starved rank answers; test_slow_owner and test_vllm_faults test the deadlines.
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints,
-                               first_contact_s=5.0)
+                               first_contact_s=15.0, timeout_s=15)
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
-                               first_contact_s=5.0)
+                               first_contact_s=15.0, timeout_s=15)
     # the first document is computed on A (TP=1), the second on B (TP=2)
     docs = prompts(2, 1100, seed=41)
 
