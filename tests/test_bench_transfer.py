@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
+from lmcache_p2p.bench.transfer import _table
 from lmcache_p2p.transfer.nixl_engine import nixl_available
 
 
@@ -20,6 +22,16 @@ def test_bench_transfer_pairs_every_path_with_its_baseline() -> None:
     assert (w["chunks"], w["chunk_bytes"]) == (8, 256 << 10)
     for ratio in ("tcp_vs_raw", "tcp_mac_vs_tcp", "tcp_tls_vs_tcp"):
         assert w[ratio] > 0
+    # the CPU each end spent: every path moved bytes, so each end did some work; the owner of a NIXL pull
+    # only pins (its CPU is what the requester's READ does not take), and no end can use more than the host's cores
+    paths = ["tcp", "raw_socket", "tcp_mac", "tcp_tls"] + (["nixl", "raw_nixl", "nixl_mac"] if summary["nixl"] else [])
+    cores = os.cpu_count() or 1
+    for path in paths:
+        assert w[f"{path}_requester_cpu_s_per_gb"] > 0 and 0 < w[f"{path}_requester_cores"] <= cores + 0.1, path
+        assert w[f"{path}_owner_cpu_s_per_gb"] >= 0 and 0 <= w[f"{path}_owner_cores"] <= cores + 0.1, path
+    table = _table(summary)  # what the bench prints without --json
+    assert f"CPU, 8 x 256 KiB (s per GB requester/owner, cores busy): tcp {w['tcp_requester_cpu_s_per_gb']:.2f}/" \
+        in table
     assert summary["nixl"] is nixl_available()
     if summary["nixl"]:
         assert w["nixl_gbps"] > 0 and w["raw_nixl_gbps"] > 0 and w["nixl_mac_gbps"] > 0

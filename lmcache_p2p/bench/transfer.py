@@ -19,6 +19,10 @@ server) and this requester. Per workload (default 64 x 2 MiB and 256 x 256 KiB):
   ``nixl_mac_vs_nixl`` is its cost
 - ``nixl_loop_lag_ms``: the longest the agent's loop was kept from anything else during a ``nixl`` pull
   (a ticker's worst lateness; one more pull a round, apart from the timed ones)
+- ``{path}_requester_cpu_s_per_gb``, ``{path}_owner_cpu_s_per_gb``, ``{path}_requester_cores``,
+  ``{path}_owner_cores``: the CPU each end spent on the path's timed pulls (every thread of each process), per
+  GB and as cores kept busy. Both processes share this host: where the two ends together keep every core
+  busy the path is bound by the host's CPU, and its cost is the CPU seconds a GB takes at each end
 - ``tls_pipeline``: where a TLS pull's time goes, in one process (``tls_pipeline.py``): each step of a
   2 MiB chunk through Python's ``ssl`` on each side, beside one AES-256-GCM operation a chunk and one copy
 
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -127,6 +132,39 @@ async def _loop_lag_ms(pull: Coroutine[Any, Any, float]) -> float:
     return 1e3 * worst
 
 
+@dataclasses.dataclass(slots=True)
+class _CpuUse:
+    """The CPU both ends spent on one path's timed pulls: this process (the requester, every thread: its loop,
+    NIXL's agent thread, the verifiers) and the owner process (every thread). Two processes on one host share
+    its cores: a path whose two ends together keep every core busy is bound by the host, and what it costs a
+    byte is its CPU seconds per GB, not its GB/s."""
+
+    wall_s: float = 0.0
+    requester_s: float = 0.0
+    owner_s: float = 0.0
+    nbytes: int = 0
+
+    @staticmethod
+    def begin(owner: OwnerProcess) -> tuple[float, float, float]:
+        theirs = owner.cpu_s()  # asked before the clocks start: the round trip is not the pull's
+        return theirs, time.process_time(), time.perf_counter()
+
+    def end(self, began: tuple[float, float, float], owner: OwnerProcess, nbytes: int) -> None:
+        wall, mine = time.perf_counter(), time.process_time()
+        theirs = owner.cpu_s()
+        self.wall_s += wall - began[2]
+        self.requester_s += mine - began[1]
+        self.owner_s += theirs - began[0]
+        self.nbytes += nbytes
+
+    def report(self, name: str) -> dict[str, float]:
+        gb = self.nbytes / 1e9
+        return {f"{name}_requester_cpu_s_per_gb": self.requester_s / gb,
+                f"{name}_owner_cpu_s_per_gb": self.owner_s / gb,
+                f"{name}_requester_cores": self.requester_s / self.wall_s,
+                f"{name}_owner_cores": self.owner_s / self.wall_s}
+
+
 def _cpu_pct(pid: int, seconds: float) -> float:
     proc = psutil.Process(pid)
     before = proc.cpu_times()
@@ -157,13 +195,24 @@ async def _nixl_paired(engine: NixlEngine, owner: OwnerProcess, mac_owner: Owner
     plain = NixlTransport(engine, SECRET.encode(), 10.0)
     mac = NixlTransport(engine, SECRET.encode(), 10.0, payload_mac=True)
     rounds: dict[str, list[float]] = {"nixl": [], "raw_nixl": [], "nixl_mac": []}
+    cpu = {name: _CpuUse() for name in rounds}
     lags: list[float] = []
     remote = ""
     for r in range(repeat + 1):  # round 0 warms up (handshakes, the owners' NIXL metadata, page faults)
-        got = {"nixl": await _pull_gbps(plain, owner.peer, keys, dst, size)}
+        got: dict[str, float] = {}
+        began = _CpuUse.begin(owner)
+        got["nixl"] = await _pull_gbps(plain, owner.peer, keys, dst, size)
+        if r:
+            cpu["nixl"].end(began, owner, n * size)
         remote = remote or next(iter(engine._remotes))  # loaded by the NIXL handshake above
+        began = _CpuUse.begin(owner)
         got["raw_nixl"] = await _raw_nixl_gbps(engine, remote, owner, n, size, dst)
+        if r:
+            cpu["raw_nixl"].end(began, owner, n * size)
+        began = _CpuUse.begin(mac_owner)
         got["nixl_mac"] = await _pull_gbps(mac, mac_owner.peer, keys, dst, size)
+        if r:
+            cpu["nixl_mac"].end(began, mac_owner, n * size)
         lag = await _loop_lag_ms(_pull_gbps(plain, owner.peer, keys, dst, size))  # apart: the ticker costs CPU
         if r:
             for name, gbps in got.items():
@@ -172,6 +221,8 @@ async def _nixl_paired(engine: NixlEngine, owner: OwnerProcess, mac_owner: Owner
     for transport in (plain, mac):
         await transport.close()
     out = {f"{name}_gbps": statistics.median(values) for name, values in rounds.items()}
+    for name, use in cpu.items():
+        out.update(use.report(name))
     out["nixl_loop_lag_ms"] = statistics.median(lags)
     for ratio, name, base in (("nixl_vs_raw", "nixl", "raw_nixl"), ("nixl_mac_vs_nixl", "nixl_mac", "nixl")):
         out[ratio] = statistics.median(x / y for x, y in zip(rounds[name], rounds[base], strict=True))
@@ -190,18 +241,26 @@ async def _tcp_paired(owner: OwnerProcess, n: int, size: int, repeat: int, keys:
             clients = {"tcp": (TcpTransport(SECRET.encode(), 10.0, payload_mac=False), owner.peer),
                        "tcp_mac": (TcpTransport(SECRET.encode(), 10.0, payload_mac=True), owner.peer),
                        "tcp_tls": (TcpTransport(SECRET.encode(), 10.0, tls=client_context(tc)), secure.peer)}
+            serving = {"tcp": owner, "tcp_mac": owner, "tcp_tls": secure}
             rounds: dict[str, list[float]] = {name: [] for name in (*clients, "raw_socket")}
+            cpu = {name: _CpuUse() for name in rounds}
             for r in range(repeat + 1):  # round 0 warms up (connections, handshakes, page faults)
                 for name, (client, peer) in clients.items():
+                    began = _CpuUse.begin(serving[name])
                     gbps = await _pull_gbps(client, peer, keys, dst, size)
                     if r:
+                        cpu[name].end(began, serving[name], n * size)
                         rounds[name].append(gbps)
+                began = _CpuUse.begin(owner)
                 raw = _raw_socket_gbps(owner, n, size, dst)
                 if r:
+                    cpu["raw_socket"].end(began, owner, n * size)
                     rounds["raw_socket"].append(raw)
             for client, _ in clients.values():
                 await client.close()
     out = {f"{name}_gbps": statistics.median(values) for name, values in rounds.items()}
+    for name, use in cpu.items():
+        out.update(use.report(name))
     for name, base in (("tcp", "raw"), ("tcp_mac", "tcp"), ("tcp_tls", "tcp")):
         baseline = rounds["raw_socket" if base == "raw" else base]
         out[f"{name}_vs_{base}"] = statistics.median(x / y for x, y in zip(rounds[name], baseline, strict=True))
@@ -278,6 +337,12 @@ def _table(summary: dict[str, Any]) -> str:
             lines.append(f"nixl with payload MAC, {w['chunks']} x {w['chunk_bytes'] >> 10} KiB: "
                          f"{w['nixl_mac_gbps']:.2f} GB/s, nixl_mac_vs_nixl {w['nixl_mac_vs_nixl']:.2f}; "
                          f"the loop's longest stall in a nixl pull {w['nixl_loop_lag_ms']:.1f} ms")
+    for w in summary["workloads"]:
+        paths = [p for p in ("tcp", "raw_socket", "tcp_mac", "tcp_tls", "nixl", "raw_nixl", "nixl_mac")
+                 if f"{p}_requester_cores" in w]
+        lines.append(f"CPU, {w['chunks']} x {w['chunk_bytes'] >> 10} KiB (s per GB requester/owner, cores busy): "
+                     + ", ".join(f"{p} {w[f'{p}_requester_cpu_s_per_gb']:.2f}/{w[f'{p}_owner_cpu_s_per_gb']:.2f} "
+                                 f"({w[f'{p}_requester_cores']:.2f}/{w[f'{p}_owner_cores']:.2f})" for p in paths))
     lines.append(f"single 2 MiB pull over tcp: p50 {summary['pull_p50_ms']:.2f} ms, "
                  f"p99 {summary['pull_p99_ms']:.2f} ms")
     if "nixl_pull_p50_ms" in summary:

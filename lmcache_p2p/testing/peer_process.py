@@ -7,6 +7,7 @@ The child fills a CpuPool with deterministic chunks (:func:`demo_chunk`), serves
     {"cmd": "corrupt", "key": hex}    flip one byte in its slot      -> {"ok": bool}
     {"cmd": "pinned"}                 live pins in the pool          -> {"pinned": n}
     {"cmd": "rawsend", "port": p, "n": n}  blocking send of the first n slots' bytes to 127.0.0.1:p
+    {"cmd": "cpu"}                    CPU seconds of the process so far (every thread)  -> {"cpu_s": s}
     {"cmd": "quit"}
 """
 
@@ -98,6 +99,8 @@ def _command(pool: CpuPool, cmd: dict[str, Any]) -> dict[str, Any]:
         return {"ok": True}
     if cmd["cmd"] == "pinned":
         return {"pinned": pool.pinned_count()}
+    if cmd["cmd"] == "cpu":
+        return {"cpu_s": time.process_time()}
     if cmd["cmd"] == "rawsend":
         with socket.create_connection(("127.0.0.1", cmd["port"]), timeout=30) as sock:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -152,6 +155,10 @@ class OwnerProcess:
 
     def key(self, index: int) -> ChunkKey:
         return demo_chunk(self.seed, index, 0, self.fingerprint)[0].key
+
+    def cpu_s(self) -> float:
+        """CPU seconds the owner process has used so far, every thread (``time.process_time``)."""
+        return float(self.command({"cmd": "cpu"})["cpu_s"])
 
     def command(self, cmd: dict[str, Any], timeout_s: float = 30.0) -> dict[str, Any]:
         assert self.proc.stdin is not None
