@@ -126,7 +126,11 @@ def fleet(tiny_model: Path, etcd: Any, tmp_path_factory: pytest.TempPathFactory)
     try:
         for name in ("ra", "rb"):
             port = free_port()
-            cfg = write_agent_config(work / f"{name}.yaml", node=name, cluster=cluster, endpoints=etcd.endpoints)
+            # a first contact gets 5 s (1.7 s for the hello), not 1 s: beside a CPU hog ra once answered rb's
+            # first hello after the 333 ms a 1 s allowance gives it, and the disaggregated decode recomputed
+            # (correctly; these tests are about the router, test_vllm_faults and test_slow_owner about deadlines)
+            cfg = write_agent_config(work / f"{name}.yaml", node=name, cluster=cluster, endpoints=etcd.endpoints,
+                                     first_contact_s=5.0)
             raw = yaml.safe_load(cfg.read_text())
             cfg.write_text(yaml.safe_dump({**raw, "engine_url": f"http://127.0.0.1:{port}"}))
             cfgs[name] = cfg
