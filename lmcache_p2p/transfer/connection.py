@@ -22,19 +22,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import itertools
 import logging
 import socket
 import time
 from collections.abc import Sequence
 
-from ..chunk import ChunkHeader, verify
+from ..chunk import ChunkHeader
 from ..errors import ChunkError, ProtocolError, TierError, TransferError
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
 from .base import MissReason, PullResult, Want
+from .checks import PayloadMac, verdict
 from .seal import TAG, Seal
 
 log = logging.getLogger(__name__)
@@ -109,32 +109,25 @@ class _GetRequest(_Request):
         return reservation.view[:payload_len]
 
     def on_payload(self) -> None:
-        assert self.current is not None
+        assert self.current is not None and self._mac is not None
         header, reservation, store_as = self.current
         self.current = None
-        if self.mac_key is not None and not self._mac_ok(reservation.view[: header.length]):
+        index, raw_header, claimed = self._mac
+        mac = None if self.mac_key is None else PayloadMac(self.mac_key, self.rid, index, raw_header, claimed)
+        why = verdict(header, reservation.view[: header.length], mac)
+        if why is not None:
             self.dst.release(reservation)
-            self.result.missed[header.key] = MissReason.MAC
-            log.error("%s: chunk %s failed its session MAC: changed on the way; dropped", self.result.peer,
-                      header.key.hex()[:16])
-            return
-        try:
-            verify(header, reservation.view[: header.length])
-        except ChunkError as exc:
-            self.dst.release(reservation)
-            self.result.missed[header.key] = MissReason.CHECKSUM
-            log.warning("%s: %s", self.result.peer, exc)
+            self.result.missed[header.key] = why
+            if why is MissReason.MAC:
+                log.error("%s: chunk %s failed its session MAC: changed on the way; dropped", self.result.peer,
+                          header.key.hex()[:16])
+            else:
+                log.warning("%s: chunk %s failed its checksum; dropped", self.result.peer, header.key.hex()[:16])
             return
         if not self.dst.commit(reservation, header if store_as is None else dataclasses.replace(header, key=store_as)):
             self.result.missed[header.key] = MissReason.INVALIDATED
             return
         self.result.loaded[header.key] = header
-
-    def _mac_ok(self, payload: memoryview) -> bool:
-        assert self.mac_key is not None and self._mac is not None
-        index, raw_header, claimed = self._mac
-        expected = wire.chunk_mac(self.mac_key, self.rid, index, raw_header, payload)
-        return isinstance(claimed, bytes) and hmac.compare_digest(expected, claimed)
 
     def on_miss(self, msg: wire.Message) -> None:
         i = wire.field(msg, "i", int)

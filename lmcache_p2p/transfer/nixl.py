@@ -35,13 +35,14 @@ from collections.abc import Collection, Sequence
 
 from .. import cputime
 from ..aio import remaining
-from ..chunk import ChunkHeader, verify
+from ..chunk import ChunkHeader
 from ..errors import ChunkError, PeerTimeout, ProtocolError, TierError, TransferError
 from ..ids import PeerAddress
 from ..keys import ChunkKey, FingerprintDigest
 from ..tiers.cpu_pool import CpuPool, Reservation
 from . import wire
 from .base import MissReason, PullResult, Want
+from .checks import PayloadMac, verdicts
 from .client import ConnectionPool, batch_size, silent_for
 from .connection import Connection, answers
 from .guard import GuardedTransport
@@ -126,10 +127,10 @@ class NixlTransport(GuardedTransport):
         def quarantine(group: range, landed: asyncio.Future[str]) -> None:
             held.update(dict.fromkeys(group, landed))
 
-        def deliver(part: range, verdicts: asyncio.Future[list[MissReason | None]]) -> None:
-            if verdicts.cancelled() or verdicts.exception() is not None:
+        def deliver(part: range, judged: asyncio.Future[list[MissReason | None]]) -> None:
+            if judged.cancelled() or judged.exception() is not None:
                 return  # their slots go back unused (below, or in _finish)
-            for i, why in zip(part, verdicts.result(), strict=True):
+            for i, why in zip(part, judged.result(), strict=True):
                 if not staged[i].settled:
                     staged[i].settled = True
                     self._deliver(staged[i], why, dst, result)
@@ -140,7 +141,7 @@ class NixlTransport(GuardedTransport):
             parts = [group] if group.stop < len(staged) or half == 0 else [group[:half], group[half:]]
             for part in parts:
                 items = [(staged[i].header, staged[i].reservation.view, staged[i].mac) for i in part]
-                checks.append(loop.run_in_executor(self._verifier, _verify_all, items))
+                checks.append(loop.run_in_executor(self._verifier, verdicts, items))
                 checks[-1].add_done_callback(functools.partial(deliver, part))
 
         try:
@@ -155,7 +156,7 @@ class NixlTransport(GuardedTransport):
                 try:
                     staged.append(_Staged(header, dst.reserve(), address, want.store_as,
                                           None if conn.mac_key is None else
-                                          _Mac(conn.mac_key, rid, i, header.pack(), mac)))
+                                          PayloadMac(conn.mac_key, rid, i, header.pack(), mac)))
                 except TierError:
                     result.missed[want.key] = MissReason.CAPACITY
             await self.engine.read(
@@ -259,17 +260,6 @@ def _pin_batches(keys: Sequence[Want], limit: int) -> list[Sequence[Want]]:
     return [keys[:first], *(keys[i : i + step] for i in range(first, len(keys), step))]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Mac:
-    """What a chunk's session MAC covers, and the MAC the owner claimed (None: it sent none)."""
-
-    key: bytes
-    rid: int
-    index: int
-    header: bytes
-    claimed: object
-
-
 @dataclasses.dataclass(slots=True)
 class _Staged:
     """A chunk of a pinned batch: where it comes from, the slot it lands in, and whether that slot is settled
@@ -279,25 +269,8 @@ class _Staged:
     reservation: Reservation
     address: int  # in the owner's registered pool
     store_as: ChunkKey | None
-    mac: _Mac | None
+    mac: PayloadMac | None
     settled: bool = False
-
-
-def _verify_all(items: list[tuple[ChunkHeader, memoryview, _Mac | None]]) -> list[MissReason | None]:
-    """Runs on a verifier thread (xxhash and OpenSSL's GMAC release the GIL); None for a chunk that is intact."""
-    verdicts: list[MissReason | None] = []
-    for header, view, mac in items:
-        payload = view[: header.length]
-        if mac is not None and not wire.proof_ok(wire.chunk_mac(mac.key, mac.rid, mac.index, mac.header, payload),
-                                                 mac.claimed):
-            verdicts.append(MissReason.MAC)
-            continue
-        try:
-            verify(header, payload)
-            verdicts.append(None)
-        except ChunkError:
-            verdicts.append(MissReason.CHECKSUM)
-    return verdicts
 
 
 def _release_after(dst: CpuPool, reservation: Reservation, _landed: asyncio.Future[str]) -> None:
