@@ -260,6 +260,8 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
     tokens of the stream from just before the document arrived to just after it was answered, or to
     ``watch_s`` after it arrived when that is later (what work the document left behind, an abandoned
     pull among it, cost the stream after its answer): what the document cost every other request.
+    Where that gap went: its longest engine step (``gap_step_s``: the engine itself held up) and the longest
+    pause between two steps inside it (``gap_pause_s``: this process not scheduled; no engine work waits there).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -269,6 +271,7 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
                        SamplingParams(temperature=0.0, max_tokens=stream_tokens, ignore_eos=True))
     times: list[float] = []
     steps: list[float] = []  # each step's duration while the document was in flight
+    spans: list[tuple[float, float]] = []  # (start, end) of every step
     doc_out: Any = None
 
     def pump() -> float:
@@ -277,6 +280,7 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
         outs = engine.step()
         now = time.perf_counter()
         steps.append(now - began)
+        spans.append((began, now))
         for o in outs:
             if o.request_id == "stream":
                 times.extend([now] * (len(o.outputs[0].token_ids) - len(times)))
@@ -304,9 +308,13 @@ def _concurrent(llm: Any, doc: list[int], stream: list[int], stream_tokens: int,
     end = max(t_done, t_doc + watch_s)
     after = [t for t in window if t > end][:1]
     window = [t for t in window if t <= end] + after
-    gaps = [b - a for a, b in zip(window, window[1:], strict=False)]
+    gaps = [(b - a, a, b) for a, b in zip(window, window[1:], strict=False)]
+    gap, gap_from, gap_to = max(gaps, default=(0.0, 0.0, 0.0))
+    inside = [(b0, b1) for b0, b1 in spans if gap_from < b1 <= gap_to]  # the steps that ended within the gap
+    pauses = [b[0] - a[1] for a, b in zip(inside, inside[1:], strict=False)]
     return {"ttft_s": t_done - t_doc, "tokens": list(doc_out.outputs[0].token_ids),
-            "num_cached_tokens": int(doc_out.num_cached_tokens or 0), "max_gap_s": max(gaps, default=0.0),
+            "num_cached_tokens": int(doc_out.num_cached_tokens or 0), "max_gap_s": gap,
+            "gap_step_s": max((b1 - b0 for b0, b1 in inside), default=0.0), "gap_pause_s": max(pauses, default=0.0),
             "stream_tokens_during": sum(1 for t in times if t_doc <= t <= t_done), "steps_s": doc_steps}
 
 
