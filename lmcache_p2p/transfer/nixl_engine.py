@@ -282,6 +282,7 @@ class NixlEngine:
         not complete at once ends it, the groups after it reported not posted (after one in progress the loop
         posts them in a new job once it ended)."""
         local, far = dlists
+        reported = start  # reports[start:reported] are settled
         try:
             for k in range(start, len(groups)):
                 post = _Post()
@@ -295,13 +296,15 @@ class NixlEngine:
                         if post.handle is not None:
                             self._quietly(post.handle.release)
                             post.handle = None
-                if post.state != "DONE":  # in progress (the loop posts the rest after it), failed or not posted
-                    _unposted(reports[k + 1 :], loop)
-                loop.call_soon_threadsafe(_settle, reports[k], post)
-                if post.state != "DONE":
+                if post.state != "DONE":  # in progress (the loop posts the rest after it), failed or not posted:
+                    _unposted(reports[k + 1 :], loop)  # the groups after it are reported first, as not posted
+                    loop.call_soon_threadsafe(_settle, reports[k], post)
+                    reported = len(reports)
                     return
-        finally:  # an unexpected failure too leaves no report unsettled (settling is first come, first kept)
-            _unposted(reports[start:], loop)
+                loop.call_soon_threadsafe(_settle, reports[k], post)
+                reported = k + 1
+        finally:  # whatever ended the job, no report is left unsettled (settling is first come, first kept)
+            _unposted(reports[reported:], loop)
 
     async def _landed(self, report: asyncio.Future[_Post], deadline: float, remote: str) -> _Post:
         """A group's post, once the agent thread made it (a post in progress counts)."""
