@@ -8,6 +8,7 @@ there is no engine here, so the test plays the engine's part and tells the agent
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -57,6 +58,12 @@ def pull(agent: CacheAgent, seed: int) -> tuple[int, int]:
     return planned, sum(p is not None for p in pins)
 
 
+def _advertised_port(c: CacheAgent) -> int | None:
+    record = c.index.nodes().get("a")
+    peer = record.peer() if record is not None else None
+    return peer.port if peer is not None else None
+
+
 @contextlib.contextmanager
 def behind_a_slow_link(etcd: Any, cluster_name: str, tmp_path: Path) -> Iterator[tuple[AgentProcess, CacheAgent]]:
     """Owner ``a`` (seeds 1-3 stored) reachable only through the throttling relay, and requester ``c``
@@ -69,10 +76,23 @@ def behind_a_slow_link(etcd: Any, cluster_name: str, tmp_path: Path) -> Iterator
     c = requester(tmp_path, cluster_name, etcd.endpoints)
     relay = None
     try:
-        assert wait_until(lambda: "a" in c.index.nodes(), 10)
-        owner = c.index.nodes()["a"].peer()
-        assert owner is not None and owner.host == "127.0.0.2"
-        relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
+        taken: set[int] = set()  # ports the relay could not bind
+        for attempt in range(3):
+            assert wait_until(lambda: _advertised_port(c) not in taken | {None}, 10)
+            owner = c.index.nodes()["a"].peer()
+            assert owner is not None and owner.host == "127.0.0.2"
+            try:
+                relay = ThrottlingRelay(owner.host, owner.port, RATE_BPS)
+                break
+            except OSError as exc:
+                # The owner's port, free on 127.0.0.1, was taken on 127.0.0.2 (or a wildcard) by another test's
+                # socket (a CI run: EADDRINUSE): the owner starts again on another port.
+                if exc.errno != errno.EADDRINUSE or attempt == 2:
+                    raise
+                taken.add(owner.port)
+                a.stop()
+                a = AgentProcess(path, seeds=(1, 2, 3), tokens=TOKENS, log=tmp_path / f"a-{attempt + 1}.log")
+                a.wait_ready()
         assert wait_until(lambda: c.lookup(synthetic_tokens(3, TOKENS)).hit_tokens == TOKENS, 10)
         # Connected before the tests measure the budget: a first handshake may stay silent ~1 s before the owner
         # is given up on (a third of its allowance), and beside CPU hogs this process and the relay's threads
