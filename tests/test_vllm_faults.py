@@ -16,6 +16,7 @@ again, and the test checks that it did (a pull given up on for A's silence, coun
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import re
 import statistics
 from pathlib import Path
@@ -112,7 +113,14 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
                           env={"LMCACHE_P2P_LOG_LEVEL": "DEBUG"}).wait_ready()
         b.concurrent(prompts(1, 2000, seed=77), stream)  # B's own prefill rate
         b_url = node_records(cfg_b)["engine-b"].metrics_url
-        owner = StoppedOwner(a, b, b_url, spares=spares)
+        seeds = itertools.count(531)
+
+        def fresh_spare() -> list[int]:  # once the spares are spent: a document A computes now
+            doc = prompts(1, 2000, seed=next(seeds))[0]
+            a.generate([doc], max_tokens=1)
+            return doc
+
+        owner = StoppedOwner(a, b, b_url, spares=spares, more_spares=fresh_spare)
         runs = []
         for i in range(RUNS):
             run = owner.run(held[2 * i], held[2 * i + 1], misses[2 * i + 1], stream, watch_s=LIVENESS_S + 1.0,
@@ -159,7 +167,8 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
         # A stopped mid-answer: it acknowledged, sent its first chunk and stopped. B gives up once no byte came
         # for twice the silence it allows a load (``stalled``), not at the pull's deadline, and computes the rest;
         # the same bounds hold (a wait on the pull's deadline, or its liveness, is far past them).
-        mid = StoppedOwner.mid_answer(a, b, b_url, tmp_path / "failpoints", spares=owner.spares)
+        mid = StoppedOwner.mid_answer(a, b, b_url, tmp_path / "failpoints", spares=owner.spares,
+                                      more_spares=fresh_spare)
         mid_runs = []
         docs, refs = held[:2 * runs_in_all] + extra, reference[:2 * runs_in_all] + extra_reference
         for i in range(RUNS, runs_in_all + MID_EXTRA):

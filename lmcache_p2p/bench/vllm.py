@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import signal
 import statistics
@@ -229,8 +230,17 @@ def _stopped_runs(a: EngineProcess, b: EngineProcess, cfg_b: Path, docs: list[li
 
     url = metrics_url(cfg_b, "bench-b")
     spares = docs[2 * args.stopped_runs:]
-    owner = (StoppedOwner.mid_answer(a, b, url, failpoints_dir, a_node="bench-a", spares=spares)
-             if args.stop_at == "mid-answer" else StoppedOwner(a, b, url, a_node="bench-a", spares=spares))
+    seeds = itertools.count(9000)
+
+    def fresh_spare() -> list[int]:  # once the spares are spent: a document A computes now
+        doc = bench_prompts(1, args.tokens, seed=next(seeds))[0]
+        a.generate([doc], max_tokens=1)
+        return doc
+
+    owner = (StoppedOwner.mid_answer(a, b, url, failpoints_dir, a_node="bench-a", spares=spares,
+                                     more_spares=fresh_spare)
+             if args.stop_at == "mid-answer"
+             else StoppedOwner(a, b, url, a_node="bench-a", spares=spares, more_spares=fresh_spare))
     watch_s = load_config(cfg_b).transfer.timeout_s + 1.0
     misses = bench_prompts(2 * args.stopped_runs, args.tokens, seed=6500)  # one before, one after each
     runs = []

@@ -19,7 +19,7 @@ import dataclasses
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from ..keys import FingerprintDigest
 from ..metrics_http import scrape
 from .engine_client import EngineProcess, group_states
 
+MORE_SPARES = 4  # documents A computes for one healthy pull once the spares are spent (``pull_healthy``)
 CLEAR = 0.8  # a healthy pull counts once A's expected pull is this share of recomputing or less
 
 
@@ -119,16 +120,19 @@ class StoppedOwner:
 
     def __init__(self, a: EngineProcess, b: EngineProcess, b_metrics_url: str, a_node: str = "engine-a",
                  halt: Callable[[], None] | None = None, restore: Callable[[], None] | None = None,
-                 spares: list[list[int]] | None = None) -> None:
+                 spares: list[list[int]] | None = None, more_spares: Callable[[], list[int]] | None = None) -> None:
         self.a, self.b, self._url, self._node = a, b, b_metrics_url, a_node
         self._halt, self._restore = halt, restore
         self._spares = list(spares or [])  # documents A holds, for healthy pulls again (``pull_healthy``)
+        # once those are spent: a document A computes now (and holds), for the same
+        self._more_spares = more_spares
         self.unclean: list[dict[str, float]] = []  # the last pull_healthy's pulls not all loaded: their outcomes
         self.stopped = False
 
     @classmethod
     def mid_answer(cls, a: EngineProcess, b: EngineProcess, b_metrics_url: str, failpoints_dir: Path,
-                   a_node: str = "engine-a", spares: list[list[int]] | None = None) -> StoppedOwner:
+                   a_node: str = "engine-a", spares: list[list[int]] | None = None,
+                   more_spares: Callable[[], list[int]] | None = None) -> StoppedOwner:
         """``a`` stops itself once its answer to ``b`` is under way (``failpoints.MID_ANSWER``: its first
         chunk frame sent, then SIGSTOP; ``a`` runs with ``LMCACHE_P2P_FAILPOINTS=failpoints_dir``), and is
         resumed with SIGCONT (the failpoint disarmed first, had nobody asked ``a``)."""
@@ -140,7 +144,7 @@ class StoppedOwner:
 
         return cls(a, b, b_metrics_url, a_node,
                    halt=lambda: failpoints.arm(failpoints_dir, failpoints.MID_ANSWER, "stop"), restore=restore,
-                   spares=spares)
+                   spares=spares, more_spares=more_spares)
 
     @property
     def spares(self) -> list[list[int]]:
@@ -207,21 +211,21 @@ class StoppedOwner:
         healthy yet: B gave up on its handshake (``timeout``) or on a pause (A answered 45-70 ms late), or B
         asked nothing (its scheduler still held A back); a give-up leaves B's silence allowed doubled until
         A's next ack in time, and the stop would measure that backoff rather than a stop of a healthy owner.
-        So until a pull is all loaded, B pulls again, one of the ``spares`` each time, while it has any (the
-        outcomes of the others: ``unclean``). Likewise while A's expected pull is not clearly (``CLEAR``)
-        faster than recomputing: a first pull over a new connection through a bridge took 700 ms idle, and the
-        run's planner then declined A by a hair (pull expected 39.9 ms, recompute 38.6 ms) and asked nothing.
-        The pulls taken."""
+        So until a pull is all loaded, B pulls again, one of the ``spares`` each time, then (up to
+        ``MORE_SPARES`` a call) one ``more_spares`` gives (the outcomes of the others: ``unclean``): a run after
+        the spares were spent once went on over a handshake that had failed, and measured another handshake
+        instead of a stop mid-answer (the hog suite: A, resumed, answered no hello in 20 ms, four times).
+        Likewise while A's expected pull is not clearly (``CLEAR``) faster than recomputing: a first pull over
+        a new connection through a bridge took 700 ms idle, and the run's planner then declined A by a hair
+        (pull expected 39.9 ms, recompute 38.6 ms) and asked nothing. The pulls taken."""
         pulls = 0
         self.unclean = []
-        for next_doc in [doc, *self._spares]:
+        for next_doc in self._healthy_docs(doc):
             if not wait_until(self.would_pull, wait_s):
                 raise RuntimeError(f"B would not ask A within {wait_s:.0f} s: {self.counters()}")
             before = self.outcomes()
             self.b.concurrent([next_doc], stream)
             pulls += 1
-            if next_doc is not doc:
-                self._spares.remove(next_doc)
             grown = {k: v - before.get(k, 0.0) for k, v in self.outcomes().items() if v > before.get(k, 0.0)}
             if set(grown) == {"loaded"} and self.would_pull(CLEAR):
                 break
@@ -229,6 +233,15 @@ class StoppedOwner:
         if not wait_until(self.would_pull, wait_s):
             raise RuntimeError(f"B would not ask A again within {wait_s:.0f} s: {self.counters()}")
         return pulls
+
+    def _healthy_docs(self, doc: list[int]) -> Iterator[list[int]]:
+        """``doc``, then the spares (each taken once), then up to ``MORE_SPARES`` documents A computes now."""
+        yield doc
+        while self._spares:
+            yield self._spares.pop(0)
+        for _ in range(MORE_SPARES if self._more_spares is not None else 0):
+            assert self._more_spares is not None
+            yield self._more_spares()
 
     def run(self, healthy: list[int], held: list[int], miss: list[int], stream: list[int], watch_s: float,
             wait_s: float = 60.0, miss_before: list[int] | None = None) -> StoppedRun:
