@@ -89,14 +89,19 @@ def test_a_stopped_owner_costs_about_a_miss_and_never_stalls_the_engine_in_ten_r
     Then, with A stopped again and held, a document of A's is recomputed without asking it: the workers tell
     the scheduler which peers they hold, and it offers no hit held only there (no failed load)."""
     cfg_a = write_agent_config(tmp_path / "a.yaml", node="engine-a", cluster=cluster_name, endpoints=etcd.endpoints)
+    # A holds every run's documents (33 of 8 chunks of 1 MiB), and computes spares when a healthy pull needs
+    # more: in 256 MiB its first documents were evicted, and each spare computed then evicted the next run's
+    # document (the hog suite: B then asked A nothing in all ten runs)
+    data = yaml.safe_load(cfg_a.read_text())
+    data["tiers"]["cpu_capacity"] = "1GiB"  # room for all that, spares of every run included
+    cfg_a.write_text(yaml.safe_dump(data))
     cfg_b = write_agent_config(tmp_path / "b.yaml", node="engine-b", cluster=cluster_name, endpoints=etcd.endpoints,
                                timeout_s=LIVENESS_S, backoff_s=0.25)
     runs_in_all = RUNS + MID_RUNS
     # even: a healthy pull; odd: the stopped owner's; then the spares; 3: held
     held = prompts(2 * runs_in_all + SPARES + 3, 2000, seed=31)
     spares = held[2 * runs_in_all:2 * runs_in_all + SPARES]
-    # the extra mid-answer runs' documents, computed by A only when it comes to them (all at once they would
-    # overflow its pool, and its first documents would be evicted before their runs)
+    # the extra mid-answer runs' documents, computed by A only when it comes to them
     extra = prompts(2 * MID_EXTRA, 2000, seed=331)
     misses = prompts(2 * (runs_in_all + MID_EXTRA), 2000, seed=131)  # one before and one after each run's document
     stream = prompts(1, 40, seed=5)[0]
