@@ -64,6 +64,19 @@ def _advertised_port(c: CacheAgent) -> int | None:
     return peer.port if peer is not None else None
 
 
+def pull_whole(agent: CacheAgent, seed: int, tries: int = 3) -> tuple[int, int]:
+    """:func:`pull` where the budget must plan every chunk, again (up to ``tries``) while not every chunk came:
+    beside a CPU hog and the suite's engines the relay's threads and this process were starved for seconds
+    (a 3 s lease of the requester expired), and a planned pull missed its patience."""
+    got = (0, 0)
+    for _ in range(tries):
+        got = pull(agent, seed)
+        assert got[0] == 5, got  # planned: the pull beats recomputing
+        if got[1] == 5:
+            break
+    return got
+
+
 @contextlib.contextmanager
 def behind_a_slow_link(etcd: Any, cluster_name: str, tmp_path: Path) -> Iterator[tuple[AgentProcess, CacheAgent]]:
     """Owner ``a`` (seeds 1-3 stored) reachable only through the throttling relay, and requester ``c``
@@ -115,7 +128,7 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
 
         # A slow engine (100 tokens/s: ~11 s to recompute): the slow pull still wins, and is made.
         c.prefill.observe(1000, 10.0)
-        assert pull(c, 1) == (5, 5)
+        assert pull_whole(c, 1) == (5, 5)
         assert c.peer_estimates.expected_s("a", chunk_bytes) > 0.2  # it learned how slow the link is
 
         # A fast engine (1M tokens/s: ~1 ms): pulling would be slower than computing; nothing is asked.
@@ -130,7 +143,7 @@ def test_the_budget_pulls_from_a_slow_owner_only_when_that_beats_recompute(etcd,
         # Back to a slow engine: pulled again.
         for _ in range(20):
             c.prefill.observe(1000, 10.0)
-        assert pull(c, 3) == (5, 5)
+        assert pull_whole(c, 3) == (5, 5)
 
 
 def test_a_pull_slower_than_expected_is_waited_for_while_its_bytes_keep_coming(etcd, cluster_name, tmp_path: Path):
@@ -139,7 +152,7 @@ def test_a_pull_slower_than_expected_is_waited_for_while_its_bytes_keep_coming(e
     and gets every chunk. A stopped owner sends nothing: the same load gives up about at its deadline."""
     with behind_a_slow_link(etcd, cluster_name, tmp_path) as (a, c):
         c.prefill.observe(1000, 10.0)  # a slow engine: ~11 s to recompute the prompt
-        assert pull(c, 1) == (5, 5)  # connected and measured
+        assert pull_whole(c, 1) == (5, 5)  # connected and measured
 
         def believe_fast() -> None:
             for _ in range(30):
