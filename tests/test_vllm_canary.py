@@ -41,6 +41,7 @@ from lmcache_p2p.index.client import EtcdClient  # noqa: E402
 from lmcache_p2p.index.quarantine import QuarantineRecord, read_all  # noqa: E402
 from lmcache_p2p.index.schema import Schema  # noqa: E402
 from lmcache_p2p.testing.engine_client import EngineProcess  # noqa: E402
+from lmcache_p2p.testing.stopped_owner import pull_outcomes  # noqa: E402
 from lmcache_p2p.testing.tiny_model import create_tiny_model  # noqa: E402
 from lmcache_p2p.testing.trained_model import trained_model_path  # noqa: E402
 
@@ -87,13 +88,8 @@ def _pull_report(node: str, cfg: Path, log_path: Path) -> str:
 
 def _late_pulls(cfg: Path) -> tuple[float, float]:
     """B's chunks pulled past their deadline (late or unanswered), and those of them that arrived later."""
-    metrics = scrape(node_records(cfg)["engine-b"].metrics_url)
-
-    def count(outcomes: tuple[str, ...]) -> float:
-        return sum(metrics.get(f'lmcache_p2p_pull_chunks_total{{outcome="{o}",transport="tcp"}}', 0.0)
-                   for o in outcomes)
-
-    return count(("late", "unanswered")), count(("arrived_late",))
+    outcomes = pull_outcomes(scrape(node_records(cfg)["engine-b"].metrics_url))
+    return outcomes.get("late", 0.0) + outcomes.get("unanswered", 0.0), outcomes.get("arrived_late", 0.0)
 
 
 def _wait(what: str, check, timeout: float = 60.0):  # type: ignore[no-untyped-def]

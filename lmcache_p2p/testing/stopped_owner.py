@@ -80,6 +80,16 @@ def _steps(answer: dict[str, Any]) -> str:
     return "/".join(f"{1e3 * s:.0f}" for s in answer.get("steps_s", []))
 
 
+def pull_outcomes(counters: dict[str, float]) -> dict[str, float]:
+    """Pulled chunks by outcome (``pull_chunks_total``, summed over transports) in a scraped agent's counters."""
+    out: dict[str, float] = {}
+    for k, v in counters.items():
+        if k.startswith("lmcache_p2p_pull_chunks_total{") and 'outcome="' in k:
+            name = k.split('outcome="', 1)[1].split('"', 1)[0]
+            out[name] = out.get(name, 0.0) + v
+    return out
+
+
 def metrics_url(cfg_path: Path, node: str) -> str:
     """``node``'s metrics URL from its record in etcd, read with an agent config's etcd settings."""
     from ..aio import LoopThread
@@ -197,12 +207,7 @@ class StoppedOwner:
 
     def outcomes(self) -> dict[str, float]:
         """B's pulled chunks so far by outcome (``pull_chunks_total``, summed over transports)."""
-        out: dict[str, float] = {}
-        for k, v in self.counters().items():
-            if k.startswith("lmcache_p2p_pull_chunks_total{") and 'outcome="' in k:
-                name = k.split('outcome="', 1)[1].split('"', 1)[0]
-                out[name] = out.get(name, 0.0) + v
-        return out
+        return pull_outcomes(self.counters())
 
     def pull_healthy(self, doc: list[int], stream: list[int], wait_s: float = 60.0) -> int:
         """Once B would ask A, B pulls ``doc`` from A (over a connection made anew if the last stop closed it:
